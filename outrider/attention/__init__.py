@@ -1,0 +1,86 @@
+"""Attention over the paged KV cache, behind a small backend interface.
+
+The model's attention layers call `backend.forward(q, k, v, kv_cache, layer, meta)` and know nothing else.
+`meta` is built once per step by the runner and passed explicitly (no module globals), so a GPU backend can
+keep it in static buffers for CUDA-graph capture.
+
+KV layout, one pair per layer: k_cache[layer], v_cache[layer] of shape [num_blocks, block_size, n_kv_heads,
+head_dim]. A token's slot is block_id * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one ragged batch of queries over the paged cache.
+
+    Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1]; its context after this step has
+    seq_lens[i] tokens, the last (q_len_i) of which are the new queries, so query j of sequence i sits at
+    absolute position seq_lens[i] - q_len_i + j.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written (-1 = padding, skip)
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (padding entries are 0 and never read)
+    max_query_len: int  # host ints: kernels size their grids from these
+    max_seq_len: int
+    causal: bool = True  # False: every query sees the whole context (DFlash block drafting)
+    # Host copies for the reference backend (it loops over sequences); None on the GPU path.
+    query_start_loc_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass
+class KVCache:
+    """The paged pool of one model: per-layer K and V tensors sharing block ids."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> "KVCache":
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+
+class AttentionBackend(Protocol):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> out [T, Hq, D].
+
+        Stores k/v into the cache at meta.slot_mapping, then attends each query over its sequence's
+        cached context (causally unless meta.causal is False)."""
+        ...
+
+
+def get_backend(device: torch.device | str) -> AttentionBackend:
+    if torch.device(device).type == "cuda":
+        from outrider.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    from outrider.attention.torch_ref import TorchReferenceBackend
+
+    return TorchReferenceBackend()

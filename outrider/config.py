@@ -1,0 +1,117 @@
+"""Frozen configuration: the model's shape (from config.json) and the engine's limits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The subset of an HF `config.json` that our decoder-only models need."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    # MTP layers shipped in the checkpoint (0 = none); their layout name, if any.
+    mtp_num_hidden_layers: int = 0
+    mtp_layout: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else ""
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        n_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        mtp_layers = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=head_dim,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            mtp_num_hidden_layers=mtp_layers,
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> "ModelConfig":
+        with open(Path(path) / "config.json") as f:
+            return cls.from_dict(json.load(f))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and knobs of one engine instance. Built from the CLI in one place (cli.py)."""
+
+    model: str
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int = 0  # 0 = the model's max_position_embeddings
+    max_num_seqs: int = 16  # concurrent sequences (llama-server: --parallel)
+    max_num_batched_tokens: int = 2048  # token budget of one step (llama-server: --batch-size)
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0 = size from memory (gpu_memory_utilization or kv_cache_memory_gib)
+    kv_cache_memory_gib: float = 1.0  # CPU: memory for the KV pool when num_kv_blocks == 0
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+    seed: int = -1  # default seed for requests that give none (-1 = random per request)
+    enforce_eager: bool = False  # GPU: disable CUDA graphs
+    # Speculative decoding
+    draft_model: str | None = None
+    spec_type: str | None = None  # None = detect: draft | mtp | dflash
+    spec_draft_n_max: int = 4
+    spec_draft_n_min: int = 0
+    draft_p_min: float = 0.0
+    tokenizer: str | None = None  # defaults to the model directory
+    chat_template: str | None = None  # overrides the checkpoint's template (jinja source)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a power of two")
+        if not 0 <= self.spec_draft_n_min <= self.spec_draft_n_max:
+            raise ValueError("need 0 <= spec_draft_n_min <= spec_draft_n_max")

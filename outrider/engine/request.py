@@ -1,0 +1,87 @@
+"""Request: one generation stream. It owns its tokens, block table, stop state and timing record."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from outrider.params import SamplingParams
+from outrider.timing import RequestTiming
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS/EOG token, stop token id or stop string
+    LENGTH = "length"  # max_tokens reached
+    CONTEXT = "context"  # context window full (reported as "length" by the OpenAI routes)
+    ABORT = "abort"  # cancelled (client gone) or failed
+    ERROR = "error"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step tells the owner of a request (delivered in order, one per commit)."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text: str  # new text, safe to show (complete UTF-8, held back while a stop string may still match)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_type: str = "none"  # llama-server: none | eos | word | limit
+    stopping_word: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    timing: RequestTiming | None = None  # the request's live record; render with to_timings()
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # block table, in order
+    num_computed: int = 0  # tokens whose K/V are in the cache (prefix-cache hits included)
+    num_cached: int = 0  # of the prompt, tokens reused from the prefix cache at admission
+    finish_reason: FinishReason | None = None
+    timing: RequestTiming = field(default_factory=RequestTiming)
+    seed: int = 0  # resolved seed (engine fills it when params.seed is None)
+    num_preemptions: int = 0
+    id_slot: int = -1  # llama-server slot id that serves this request (set by the engine)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while tokens that are already known (prompt, or outputs after a preemption) lack K/V."""
+        return self.num_computed < self.num_tokens - 1
