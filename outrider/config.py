@@ -63,7 +63,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_scaling=_rope_scaling(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -78,6 +78,13 @@ class ModelConfig:
     def from_path(cls, path: str | Path) -> "ModelConfig":
         with open(Path(path) / "config.json") as f:
             return cls.from_dict(json.load(f))
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """`rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) with `rope_type` set; None = plain RoPE."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return None if rope_type == "default" else {**scaling, "rope_type": rope_type}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""AsyncEngine: runs the Engine on its own thread and bridges it to asyncio.
+
+Handlers never touch the engine directly: they submit a request and iterate its outputs. Commands (add,
+abort) cross into the engine thread through a queue; outputs cross back with call_soon_threadsafe. Closing
+or cancelling the iterator aborts the request, which frees its KV blocks on the next loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from typing import AsyncIterator
+
+from outrider.config import EngineConfig
+from outrider.engine.engine import Engine
+from outrider.engine.request import Request, RequestOutput
+
+log = logging.getLogger("outrider.engine")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine: Engine | None = None
+        self.load_error: str | None = None
+        self._ready = threading.Event()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="outrider-engine", daemon=True)
+        self._lock = threading.Lock()  # guards the snapshot views read from other threads
+        self._slots: list[dict] = []
+        self._stats: dict = {}
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.engine is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.ready
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._commands.put(("wake", None))
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Submit req and yield its outputs until the finished one; abort it if the consumer goes away."""
+        if not self.ready:
+            raise RuntimeError("engine is not ready")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def deliver(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        self._commands.put(("add", (req, deliver)))
+        finished = False
+        try:
+            while not finished:
+                out = await outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._commands.put(("abort", req.request_id))
+
+    def abort(self, request_id: int) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    def slots(self) -> list[dict]:
+        with self._lock:
+            return [dict(s) for s in self._slots]
+
+    # --- engine thread ---
+    def _run(self) -> None:
+        try:
+            self.engine = Engine(self.config)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("failed to load the model: %s\n%s", exc, traceback.format_exc())
+            self._ready.set()
+            return
+        self._publish()
+        self._ready.set()
+        engine = self.engine
+        while not self._stop:
+            block = not engine.has_work()
+            try:
+                while True:
+                    kind, arg = self._commands.get(block=block, timeout=0.5 if block else None)
+                    block = False
+                    if kind == "add":
+                        engine.add_request(*arg)
+                    elif kind == "abort":
+                        engine.abort(arg)
+            except queue.Empty:
+                pass
+            if engine.has_work():
+                engine.step()
+            self._publish()
+
+    def _publish(self) -> None:
+        engine = self.engine
+        slots = []
+        running = {r.id_slot: r for r in engine.scheduler.running}
+        for i in range(engine.config.max_num_seqs):
+            req = running.get(i)
+            slots.append({
+                "id": i,
+                "n_ctx": engine.max_model_len,
+                "is_processing": req is not None,
+                "id_task": req.request_id if req is not None else -1,
+                "n_prompt_tokens": req.num_prompt if req is not None else 0,
+                "n_decoded": len(req.output_ids) if req is not None else 0,
+            })
+        stats = engine.stats()
+        with self._lock:
+            self._slots, self._stats = slots, stats

@@ -1,0 +1,199 @@
+"""Engine: the step loop. plan = scheduler.schedule(); out = runner.execute(plan); commit(out).
+
+Everything here runs on one thread (the engine thread of AsyncEngine, or the caller's thread offline).
+Commit is where tokens become visible: stop conditions, incremental detokenization, timing stamps and the
+RequestOutput handed to the request's owner all happen in one place, once per committed token batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from outrider.attention import KVCache
+from outrider.config import EngineConfig
+from outrider.engine.kv_cache import BlockPool
+from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
+from outrider.engine.runner import ModelRunner
+from outrider.engine.scheduler import ScheduledRequest, Scheduler
+from outrider.models import load_model, resolve_model_path
+from outrider.timing import now
+from outrider.tokenizer import Detokenizer, Tokenizer
+
+log = logging.getLogger("outrider.engine")
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class _Live:
+    """Engine-side companions of a running request: who to tell, and its detokenizer."""
+
+    request: Request
+    on_output: OutputCallback
+    detok: Detokenizer
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads * model_config.head_dim * elem
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = pick_device(config.device)
+        dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
+        t0 = now()
+        self.model_path = resolve_model_path(config.model)
+        self.model, self.model_config = load_model(self.model_path, dtype=dtype, device=self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
+        if config.chat_template:
+            self.tokenizer.chat_template = config.chat_template
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        num_blocks = self._num_kv_blocks()
+        mc = self.model_config
+        self.kv_cache = KVCache.allocate(mc.num_hidden_layers, num_blocks, config.block_size,
+                                         mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
+        self.live: dict[int, _Live] = {}
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
+        self.counters = {"prompt_tokens": 0, "predicted_tokens": 0, "requests_finished": 0, "steps": 0}
+        log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
+                 num_blocks, config.block_size, (now() - t0) * 1e3)
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        per_block = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
+        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * cfg.gpu_memory_utilization - 1.5 * 2**30  # leave room for activations
+        else:
+            budget = cfg.kv_cache_memory_gib * 2**30
+        return max(2, min(wanted, int(budget // per_block)))
+
+    # --- requests ---
+    def add_request(self, req: Request, on_output: OutputCallback) -> None:
+        if req.params.seed is not None and req.params.seed >= 0:
+            req.seed = req.params.seed
+        elif self.config.seed >= 0:
+            req.seed = self.config.seed
+        else:
+            req.seed = secrets.randbits(63)
+        detok = Detokenizer(self.tokenizer, req.params.stop)
+        live = _Live(req, on_output, detok)
+        if not req.prompt_ids or req.num_prompt >= self.max_model_len:
+            self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")
+            return
+        self.live[req.request_id] = live
+        self.scheduler.add(req)
+
+    def abort(self, request_id: int) -> None:
+        live = self.live.get(request_id)
+        if live is not None:
+            self._finish(live, FinishReason.ABORT, [], "")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ---
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return
+        self.counters["steps"] += 1
+        try:
+            out = self.runner.execute(plan)
+        except Exception as exc:  # a fault fails this step's requests, never the server
+            log.error("step failed: %s\n%s", exc, traceback.format_exc())
+            for s in plan.scheduled:
+                live = self.live.get(s.request.request_id)
+                if live is not None:
+                    self._finish(live, FinishReason.ERROR, [], "", error=f"internal error: {exc}")
+            return
+        t = now()
+        for i, s in enumerate(plan.scheduled):
+            self._commit(s, out.tokens[i], out.logprobs[i], t)
+
+    def _commit(self, s: ScheduledRequest, tokens: list[int], logprobs: list[TokenLogprob], t: float) -> None:
+        req = s.request
+        live = self.live[req.request_id]
+        req.num_computed += s.num_new_tokens
+        if not tokens:
+            return  # a prefill chunk that does not reach the end of the prompt yet
+        params = req.params
+        text_parts: list[str] = []
+        kept: list[int] = []
+        reason, stop_type, word = None, "none", ""
+        for tok in tokens:
+            req.output_ids.append(tok)
+            kept.append(tok)
+            n_out = len(req.output_ids)
+            is_eos = tok in self.eos_ids and not params.ignore_eos
+            if (is_eos or tok in params.stop_token_ids) and n_out > params.min_tokens:
+                reason, stop_type = FinishReason.STOP, "eos"
+                break
+            piece, stop_word = live.detok.push([tok])
+            text_parts.append(piece)
+            if stop_word is not None:
+                reason, stop_type, word = FinishReason.STOP, "word", stop_word
+                break
+            if params.max_tokens >= 0 and n_out >= params.max_tokens:
+                reason, stop_type = FinishReason.LENGTH, "limit"
+                break
+            if req.num_tokens >= self.max_model_len:
+                reason, stop_type = FinishReason.CONTEXT, "limit"
+                break
+        req.timing.mark_tokens(len(kept), t)
+        self.counters["predicted_tokens"] += len(kept)
+        if req.timing.predicted_n == len(kept):
+            self.counters["prompt_tokens"] += req.timing.prompt_n
+        self.pool.commit_full_blocks(req, req.num_computed)
+        if reason is not None and stop_type != "word":
+            text_parts.append(live.detok.flush())
+        lps = logprobs[: len(kept)] or None
+        if reason is None:
+            live.on_output(RequestOutput(req.request_id, kept, "".join(text_parts), logprobs=lps, timing=req.timing))
+        else:
+            self._finish(live, reason, kept, "".join(text_parts), stop_type, word, lps)
+
+    def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], text: str, stop_type: str = "none",
+                word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
+        req = live.request
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.timing.mark_finished()
+        self.scheduler.remove(req)
+        self.live.pop(req.request_id, None)
+        self.counters["requests_finished"] += 1
+        live.on_output(RequestOutput(req.request_id, tokens, text, True, reason, stop_type, word, logprobs,
+                                     req.timing, error))
+
+    # --- introspection ---
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_used": self.pool.num_used,
+            "kv_block_size": self.pool.block_size,
+            "prefix_cache_hit_tokens": self.pool.hits,
+            **self.counters,
+        }

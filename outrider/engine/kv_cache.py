@@ -1,0 +1,157 @@
+"""BlockPool: the paged KV cache's block accounting, with reference counts and prefix caching.
+
+Pure CPU bookkeeping; the tensors live in outrider.attention.KVCache. A full block whose tokens are all known
+gets a chained hash (hash of the previous block's hash and its own tokens), so a later request whose prompt
+starts with the same tokens reuses those blocks instead of recomputing them. Freed cached blocks stay
+findable until their memory is needed (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from outrider.engine.request import Request
+
+
+def chain_hash(prev: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev, tokens))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full of committed tokens
+    tokens: tuple[int, ...] = field(default=())  # kept with the hash so a collision can never alias blocks
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("the KV pool needs at least 2 blocks")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order (oldest first). Block 0 is reserved as the padding target.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.hits = 0  # prompt tokens served from the cache (lifetime)
+
+    # --- capacity ---
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) - 1  # usable (block 0 is reserved)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        """Blocks to add so that req's table covers num_tokens positions."""
+        need = -(-num_tokens // self.block_size)
+        return max(0, need - len(req.block_ids))
+
+    # --- prefix cache ---
+    def match_prefix(self, req: Request) -> list[int]:
+        """Ids of cached blocks that hold a prefix of req's known tokens (always leaving one token to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        ids = req.all_ids
+        bs = self.block_size
+        matched: list[int] = []
+        prev = None
+        for start in range(0, len(ids) - 1 - bs + 1, bs):
+            toks = tuple(ids[start : start + bs])
+            h = chain_hash(prev, toks)
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].tokens != toks:
+                break
+            matched.append(bid)
+            prev = h
+        return matched
+
+    def admit(self, req: Request, num_new_tokens: int) -> bool:
+        """Give a waiting request its cached prefix and room for its first chunk; False if it does not fit."""
+        matched = self.match_prefix(req)
+        num_cached = len(matched) * self.block_size
+        need = -(-(num_cached + num_new_tokens) // self.block_size) - len(matched)
+        reusable_free = sum(1 for b in matched if self.blocks[b].ref_count == 0)
+        if need > self.num_free - reusable_free:
+            return False
+        for bid in matched:
+            self._take(bid)
+        req.block_ids = list(matched)
+        req.num_computed = num_cached
+        self.hits += num_cached
+        self._grow(req, need)
+        return True
+
+    def ensure(self, req: Request, num_tokens: int) -> bool:
+        """Grow req's block table to cover num_tokens positions; False (and nothing taken) if no room."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > self.num_free:
+            return False
+        self._grow(req, need)
+        return True
+
+    def commit_full_blocks(self, req: Request, num_committed: int) -> None:
+        """Publish the hashes of req's blocks that are now full of committed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        ids = req.all_ids
+        bs = self.block_size
+        prev = None
+        for i in range(min(num_committed, len(ids)) // bs):
+            bid = req.block_ids[i]
+            block = self.blocks[bid]
+            if block.block_hash is not None:
+                prev = block.block_hash
+                continue
+            toks = tuple(ids[i * bs : (i + 1) * bs])
+            h = chain_hash(prev, toks)
+            if h not in self.cached:
+                block.block_hash, block.tokens = h, toks
+                self.cached[h] = bid
+            prev = h
+
+    def free_request(self, req: Request) -> None:
+        """Drop req's references; tail blocks go to the eviction queue first."""
+        for bid in reversed(req.block_ids):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {bid} freed twice"
+            if block.ref_count == 0:
+                self.free[bid] = None
+        req.block_ids = []
+        req.num_computed = 0
+
+    def reset_prefix_cache(self) -> None:
+        for h, bid in list(self.cached.items()):
+            if self.blocks[bid].ref_count == 0:
+                self._forget(bid)
+
+    # --- internals ---
+    def _grow(self, req: Request, n: int) -> None:
+        for _ in range(n):
+            bid, _ = self.free.popitem(last=False)
+            self._forget(bid)
+            self.blocks[bid].ref_count = 1
+            req.block_ids.append(bid)
+
+    def _take(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self.free[bid]
+        block.ref_count += 1
+
+    def _forget(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) == bid:
+                del self.cached[block.block_hash]
+            block.block_hash, block.tokens = None, ()

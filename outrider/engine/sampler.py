@@ -1,0 +1,260 @@
+"""Vectorised, seeded sampling for a batch of logits rows.
+
+Each row goes through llama.cpp's default chain, so a llama-server user gets the same distribution:
+logit_bias (+ engine bans) -> penalties (repeat/presence/frequency over the last repeat_last_n tokens of
+`history`) -> top_k -> typical_p -> top_p -> min_p -> temperature -> draw. Note that temperature comes last,
+as in llama.cpp: the filters see the T=1 distribution. temperature <= 0 is greedy: the argmax after bias and
+penalties, and its processed distribution is one-hot.
+
+Randomness is counter-based: the noise for (seed, step, stream, token id) is a murmur-style hash computed
+with integer tensor ops, and tokens are drawn by Gumbel-max over the processed log-probs. A seeded row
+therefore draws the same tokens whatever else shares its batch. Stream 0 is plain sampling; spec/verify.py
+and the drafters use other streams (`uniform`, `gumbel_argmax`).
+
+Usage, once per step (no host sync until the runner copies `token_ids` back):
+    batch = sampler.prepare([RowSpec(params, seed, step, history) for each logits row])
+    out = sampler.sample(logits, batch)  # out.token_ids [N] int64 on the logits' device
+
+Log-probs reported for n_probs (`top_logprobs`, `chosen_logprob`) are log_softmax of the logits after logit
+bias and penalties, before truncation and temperature (llama-server's n_probs uses the raw model logits; we
+include bias and penalties so banned tokens show as -inf).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from outrider.params import SamplingParams
+
+STREAM_SAMPLE = 0  # the noise `sample` uses; other modules pick their own stream ids
+
+_M32 = 0xFFFFFFFF
+_SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
+
+
+def _mulmod32(x, c: int):
+    """x * c mod 2^32 for x < 2^32, staying below 2^49 (int64 overflow is undefined behaviour in torch)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x):
+    """Murmur3's finaliser: every output bit depends on every input bit. Works on ints and int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mulmod32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mulmod32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _absorb(h, word):
+    """Mix one 32-bit word into hash state h."""
+    return _fmix32(h ^ _fmix32((word + 0x9E3779B9) & _M32))
+
+
+def _row_key(seed: int, step: int) -> int:
+    seed &= (1 << 64) - 1
+    return _absorb(_absorb(_absorb(_SALT, seed & _M32), seed >> 32), step & _M32)
+
+
+def _to_unit(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> float32 uniforms in the open interval (0, 1); 23 bits keep 1 - u exact."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What the sampler needs to know about one logits row."""
+
+    params: SamplingParams
+    seed: int
+    step: int  # index of the output token this row samples: the RNG counter
+    history: Sequence[int] = ()  # tokens before this row's position (prompt, outputs, earlier drafts)
+    banned: Sequence[int] = ()  # engine-imposed bans (ignore_eos, min_tokens): bias -inf
+
+
+@dataclass
+class SamplingBatch:
+    """Device tensors for one step, built by `Sampler.prepare`; host flags pick the work to do."""
+
+    num_rows: int
+    greedy: torch.Tensor  # [N] bool
+    temperature: torch.Tensor  # [N] float32 (1 for greedy rows, never used there)
+    top_k: torch.Tensor  # [N] int64, `width` when disabled
+    top_p: torch.Tensor  # [N] float32
+    min_p: torch.Tensor
+    typical_p: torch.Tensor
+    row_keys: torch.Tensor  # [N] int64: hash of (seed, step)
+    width: int  # candidate columns kept after top-k (the vocab when some sampled row disables top-k)
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # ^ rows, token ids (one entry per occurrence), repeat, presence, frequency [N]
+    n_probs: int  # max n_probs over the rows (0 = no log-probs)
+    use_typical: bool
+    all_greedy: bool
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [N] int64
+    top_ids: torch.Tensor | None = None  # [N, n_probs] int64, best first
+    top_logprobs: torch.Tensor | None = None  # [N, n_probs] float32
+    chosen_logprob: torch.Tensor | None = None  # [N] float32
+
+
+class Sampler:
+    """Turns logits into tokens and processed distributions for a batch of independent rows."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    # --- building the step's tensors (host side, once per step) ---
+    def prepare(self, rows: Sequence[RowSpec]) -> SamplingBatch:
+        V = self.vocab_size
+        ps = [r.params for r in rows]
+        greedy = [p.temperature <= 0 for p in ps]
+        sampled = [p for p, g in zip(ps, greedy) if not g]
+        width = min(V, max((p.top_k for p in sampled), default=1)) if all(p.top_k > 0 for p in sampled) else V
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return SamplingBatch(
+            num_rows=len(rows),
+            greedy=col(greedy, torch.bool),
+            temperature=col([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
+            top_k=col([min(p.top_k, width) if p.top_k > 0 else width for p in ps], torch.int64),
+            top_p=col([p.top_p for p in ps], torch.float32),
+            min_p=col([p.min_p for p in ps], torch.float32),
+            typical_p=col([p.typical_p for p in ps], torch.float32),
+            row_keys=col([_row_key(r.seed, r.step) for r in rows], torch.int64),
+            width=width,
+            bias=self._bias(rows),
+            penalties=self._penalties(rows),
+            n_probs=max((p.n_probs for p in ps), default=0),
+            use_typical=any(p.typical_p < 1.0 for p in sampled),
+            all_greedy=all(greedy),
+        )
+
+    def _bias(self, rows: Sequence[RowSpec]):
+        entries = [(i, tok, b) for i, r in enumerate(rows) for tok, b in r.params.logit_bias]
+        entries += [(i, tok, -math.inf) for i, r in enumerate(rows) for tok in r.banned]
+        entries = [e for e in entries if 0 <= e[1] < self.vocab_size]  # llama-server ignores bad ids too
+        if not entries:
+            return None
+        i, tok, b = zip(*entries)
+        return (torch.tensor(i, device=self.device), torch.tensor(tok, device=self.device),
+                torch.tensor(b, dtype=torch.float32, device=self.device))
+
+    def _penalties(self, rows: Sequence[RowSpec]):
+        row_ids: list[int] = []
+        toks: list[int] = []
+        for i, r in enumerate(rows):
+            p = r.params
+            n = p.repeat_last_n if p.repeat_last_n >= 0 else len(r.history)
+            off = p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            if off or n == 0:
+                continue
+            window = [t for t in list(r.history[-n:]) if 0 <= t < self.vocab_size]
+            row_ids += [i] * len(window)
+            toks += window
+        if not toks:
+            return None
+        ps = [r.params for r in rows]
+        f32 = dict(dtype=torch.float32, device=self.device)
+        return (torch.tensor(row_ids, device=self.device), torch.tensor(toks, device=self.device),
+                torch.tensor([p.repeat_penalty for p in ps], **f32),
+                torch.tensor([p.presence_penalty for p in ps], **f32),
+                torch.tensor([p.frequency_penalty for p in ps], **f32))
+
+    # --- device side ---
+    def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Logits after logit bias and penalties (a new tensor; the input is left alone)."""
+        out = logits.float().clone()
+        if batch.bias is not None:
+            rows, toks, vals = batch.bias
+            out.index_put_((rows, toks), vals, accumulate=True)
+        if batch.penalties is not None:
+            rows, toks, repeat, presence, frequency = batch.penalties
+            counts = torch.zeros_like(out)
+            counts.index_put_((rows, toks), torch.ones_like(toks, dtype=out.dtype), accumulate=True)
+            seen = counts > 0
+            # llama.cpp: shrink seen logits towards zero, then subtract the additive penalties.
+            rp = repeat[:, None]
+            scaled = torch.where(out <= 0, out * rp, out / rp)
+            scaled = scaled - counts * frequency[:, None] - seen * presence[:, None]
+            out = torch.where(seen, scaled, out)
+        return out
+
+    def _candidates(self, adjusted: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The truncated, tempered distribution over each row's top-`width` tokens: (log-probs, token ids)."""
+        vals, ids = adjusted.topk(batch.width, dim=-1)  # sorted best first
+        keep = torch.arange(batch.width, device=vals.device)[None, :] < batch.top_k[:, None]
+        if batch.use_typical:
+            keep &= _typical_keep(vals, keep, batch.typical_p)
+        probs = torch.softmax(vals.masked_fill(~keep, -math.inf), dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of better tokens: top-p keeps the one crossing p
+        keep &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
+        keep &= vals >= vals[:, :1] + torch.log(batch.min_p)[:, None]  # min-p relative to the best token
+        tempered = vals.masked_fill(~keep, -math.inf) / batch.temperature[:, None]
+        return torch.log_softmax(tempered, dim=-1), ids
+
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Log-probs [N, V] of the distribution each row samples from (one-hot at the argmax for greedy rows)."""
+        adjusted = self.adjusted_logits(logits, batch)
+        logp, ids = self._candidates(adjusted, batch)
+        out = torch.full_like(adjusted, -math.inf).scatter_(1, ids, logp)
+        onehot = torch.full_like(adjusted, -math.inf).scatter_(1, adjusted.argmax(-1, keepdim=True), 0.0)
+        return torch.where(batch.greedy[:, None], onehot, out)
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """Draw one token per row (stream 0), plus the top-n log-probs when any row asked for them."""
+        adjusted = self.adjusted_logits(logits, batch)
+        tokens = adjusted.argmax(dim=-1)
+        if not batch.all_greedy:
+            logp, ids = self._candidates(adjusted, batch)
+            drawn = self.gumbel_argmax(logp, ids, batch, STREAM_SAMPLE)
+            tokens = torch.where(batch.greedy, tokens, drawn)
+        out = SampleOutput(token_ids=tokens)
+        if batch.n_probs > 0:
+            raw = torch.log_softmax(adjusted, dim=-1)
+            out.top_logprobs, out.top_ids = raw.topk(min(batch.n_probs, raw.shape[-1]), dim=-1)
+            out.chosen_logprob = raw.gather(1, tokens[:, None])[:, 0]
+        return out
+
+    def gumbel_argmax(self, logp: torch.Tensor, ids: torch.Tensor | None, batch: SamplingBatch,
+                      stream: int) -> torch.Tensor:
+        """Draw from each row of `logp` (unnormalised is fine) with counter-based noise -> token ids [N].
+
+        `ids` [N, C] names the vocab id of each column (None: column j is token j). Noise is keyed on the
+        vocab id, so the draw does not depend on which columns a batch happens to carry."""
+        if ids is None:
+            ids = torch.arange(logp.shape[-1], device=logp.device).expand_as(logp)
+        keys = _absorb(batch.row_keys, stream)
+        u = _to_unit(_absorb(keys[:, None], ids))
+        col = (logp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)
+        return ids.gather(1, col)[:, 0]
+
+    def uniform(self, batch: SamplingBatch, stream: int) -> torch.Tensor:
+        """One float32 uniform in (0, 1) per row for (seed, step, stream); stream 0 is sample's own."""
+        if stream == STREAM_SAMPLE:
+            raise ValueError("stream 0 is reserved for sample()")
+        return _to_unit(_fmix32(_absorb(batch.row_keys, stream)))
+
+
+def _typical_keep(vals: torch.Tensor, keep: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """llama.cpp typical sampling: keep the tokens whose surprise is closest to the entropy, up to mass p."""
+    logp = torch.log_softmax(vals.masked_fill(~keep, -math.inf), dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp.masked_fill(~keep, 0.0)).sum(-1, keepdim=True)
+    score = (-logp - entropy).abs().masked_fill(~keep, math.inf)
+    order = score.argsort(dim=-1, stable=True)
+    p_sorted = p.gather(1, order)
+    before = torch.cumsum(p_sorted, dim=-1) - p_sorted
+    kept_sorted = before <= typical_p[:, None]
+    typical = torch.zeros_like(keep).scatter_(1, order, kept_sorted)
+    return typical | (typical_p[:, None] >= 1.0)

@@ -1,0 +1,130 @@
+"""Continuous-batching policy: which requests run this step and how many tokens each feeds.
+
+Pure CPU. Each step has a token budget; running requests go first (decodes, prefill chunks in progress,
+speculative verify rows), then waiting requests are admitted while slots, budget and KV blocks allow. A
+request whose prompt is longer than the remaining budget is prefilled in chunks across steps (chunked
+prefill, mixed with the decodes of others). When KV blocks run out, the most recently admitted request is
+preempted: its blocks are freed and it waits to recompute (prompt and outputs so far) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from outrider.engine.kv_cache import BlockPool
+from outrider.engine.request import Request, Status
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # known tokens fed this step (prompt chunk, or the last sampled token)
+    draft_tokens: list[int] = field(default_factory=list)  # speculative proposals fed after them
+
+    @property
+    def num_query_tokens(self) -> int:
+        return self.num_new_tokens + len(self.draft_tokens)
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so its logits are sampled."""
+        req = self.request
+        return req.num_computed + self.num_new_tokens == req.num_tokens
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_query_tokens for s in self.scheduled)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(s.num_new_tokens > 1 or not s.samples for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots = list(range(max_num_seqs))
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues and give back its blocks and slot (finish or abort)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free_request(req)
+        if req.id_slot >= 0:
+            self.free_slots.append(req.id_slot)
+            self.free_slots.sort()
+            req.id_slot = -1
+
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
+        """Plan one step. drafts maps request_id -> proposed tokens for requests that are decoding."""
+        drafts = drafts or {}
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        queue = list(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed, budget)
+            draft = drafts.get(req.request_id, []) if n == req.num_tokens - req.num_computed == 1 else []
+            draft = draft[: max(0, min(budget - n, self.max_model_len - req.num_tokens))]
+            while not self.pool.ensure(req, req.num_computed + n + len(draft)):
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, n, list(draft)))
+                budget -= n + len(draft)
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            matched_tokens = len(self.pool.match_prefix(req)) * self.pool.block_size
+            n = min(req.num_tokens - matched_tokens, budget)
+            if not self.pool.admit(req, n):
+                break
+            self.waiting.popleft()
+            n = min(req.num_tokens - req.num_computed, budget)
+            req.status = Status.RUNNING
+            req.id_slot = self.free_slots.pop(0)
+            if req.timing.t_prompt_start is None:  # first admission (not a resume after preemption)
+                req.num_cached = req.num_computed
+                req.timing.cache_n = req.num_computed
+                req.timing.prompt_n = req.num_prompt - req.num_computed
+                req.timing.mark_prompt_start()
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+        return StepPlan(scheduled, preempted)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free_request(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        if req.id_slot >= 0:
+            self.free_slots.append(req.id_slot)
+            self.free_slots.sort()
+            req.id_slot = -1
+        self.waiting.appendleft(req)

@@ -1,0 +1,206 @@
+"""Paged attention in Triton: one kernel for decode, verify, prefill and extend, plus a split-KV merge.
+
+Rows of a tile are (query token, query head) pairs of ONE KV head: row r is token r // GROUP, head
+kv_head * GROUP + r % GROUP. Packing the GQA group this way lets a single decode token fill a tensor-core tile
+and makes each K/V tile serve every head that shares it. Long contexts with few programs are split along the
+KV axis (flash-decoding); each split writes a partial output and its log-sum-exp, merged by a second kernel.
+All sizes the grid depends on are host ints from AttentionMetadata (upper bounds), so a CUDA graph captured
+with max_seq_len = the model's limit replays correctly for any shorter context.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from outrider.attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    m_block = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    n_rows = q_len * GROUP
+    if m_block * BLOCK_M >= n_rows:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = seq_len - q_len  # absolute position of this sequence's first query token
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = rows < n_rows
+    q_pos = ctx_start + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this tile can see: the whole context, or (causal) up to its last query token's position.
+    if CAUSAL:
+        last_tok = tl.minimum(m_block * BLOCK_M + BLOCK_M, n_rows) // GROUP  # exclusive, in tokens
+        kv_end = tl.minimum(ctx_start + last_tok, seq_len)
+    else:
+        kv_end = seq_len
+    kv_end = tl.maximum(kv_end, 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_end)
+
+    # Finite start value: a row masked over a whole tile then gives p = 0 and alpha = 1 instead of NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < hi
+        blk = tl.load(bt_row + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        page_off = k_pos % PAGE
+        k_off = blk * stride_kb + page_off * stride_ks + kvh * stride_kh
+        kt = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        qk = tl.dot(q, kt.to(q.dtype), input_precision=PRECISION) * scale_log2
+        mask = k_ok[None, :]
+        if CAUSAL:
+            mask = mask & (k_pos[None, :] <= q_pos[:, None])
+        qk = tl.where(mask, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + page_off * stride_vs + kvh * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+        m_i = m_new
+
+    # Rows that saw no key (padding: seq_len 0) come out as zeros, never NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    row_tok = (q_start + tok).to(tl.int64)
+    st_mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
+        p_off = split * stride_ps + row_tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+        tl.store(part_o_ptr + p_off, out, mask=st_mask)
+        tl.store(part_lse_ptr + split * stride_ls + row_tok * stride_lt + head, lse, mask=row_ok)
+    else:
+        o_off = row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=st_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, part_o_ptr, part_lse_ptr, num_splits,
+    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # empty splits have lse = -inf and weigh 0
+    o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's CPU interpreter (tests): pretend to be an H200
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_SM_CACHE: dict[int, int] = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM_CACHE:
+        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_CACHE[index]
+
+
+def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, max_seq_len: int,
+                num_sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, m_blocks, num_splits) for one call, from host-side upper bounds."""
+    rows = max_query_len * group
+    if rows <= 64:  # decode / verify / short drafts: few rows, the KV stream is the cost
+        block_m, block_n, warps = max(16, triton.next_power_of_2(rows)), 64, 4
+    else:
+        block_m, block_n, warps = 128, 64, 8
+    m_blocks = triton.cdiv(rows, block_m)
+    programs = num_seqs * n_kv_heads * m_blocks
+    splits = 1
+    if rows <= 64 and programs < num_sms:
+        # Aim at ~2 waves, but give each split at least 256 keys so the merge stays cheap.
+        splits = max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, 256), 32))
+    return block_m, block_n, warps, m_blocks, splits
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] over the paged cache [NB, page, Hkv, D] -> out [T, Hq, D] (q's dtype)."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    t, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[2]
+    group = n_heads // n_kv
+    if out is None:
+        out = torch.empty((t, n_heads, head_dim), dtype=q.dtype, device=q.device)
+    if t == 0 or meta.max_query_len == 0:
+        return out
+    block_m, block_n, warps, m_blocks, splits = plan_launch(
+        meta.num_seqs, n_kv, group, meta.max_query_len, meta.max_seq_len, _num_sms(q.device))
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models must match the oracle closely
+    if splits > 1:
+        part_o = torch.empty((splits, t, n_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, t, n_heads), dtype=torch.float32, device=q.device)
+    else:
+        part_o, part_lse = out, out  # unused by the kernel when SPLIT is off
+    grid = (meta.num_seqs, n_kv, m_blocks * splits)
+    _attn_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * _LOG2E, splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
+        PRECISION=precision, num_warps=warps, num_stages=2,
+    )
+    if splits > 1:
+        _merge_kernel[(t, n_heads)](
+            out, part_o, part_lse, splits,
+            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_o.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
+

@@ -1,0 +1,52 @@
+"""Rotary position embedding (rotate-half layout) with the `default`, `linear` and `llama3` frequency rules."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                  max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 on the CPU."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at absolute `positions` [T]."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 max_position_embeddings: int) -> None:
+        super().__init__()
+        # Explicit CPU tensor so the buffer is real even when the model is built under torch.device("meta").
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling, max_position_embeddings),
+                             persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 like HF
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,53 @@
+"""Offline use: `LLM(model).generate(prompts, params)` runs the engine on the caller's thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from outrider.config import EngineConfig
+from outrider.engine.engine import Engine
+from outrider.engine.request import FinishReason, Request, RequestOutput
+from outrider.params import SamplingParams
+from outrider.timing import RequestTiming
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_type: str
+    timing: RequestTiming
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs):
+        self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | list[int] | list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Run prompts (text or token ids) to completion, all in one continuous batch."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        requests, outputs = [], {}
+        for prompt, p in zip(prompts, plist):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            req = Request(ids, p)
+            outputs[req.request_id] = []
+            requests.append(req)
+            self.engine.add_request(req, outputs[req.request_id].append)
+        while self.engine.has_work():
+            self.engine.step()
+        return [self._collect(r, outputs[r.request_id]) for r in requests]
+
+    @staticmethod
+    def _collect(req: Request, outs: list[RequestOutput]) -> Completion:
+        last = outs[-1]
+        if last.error:
+            raise RuntimeError(last.error)
+        return Completion(req.prompt_ids, [t for o in outs for t in o.new_token_ids], "".join(o.text for o in outs),
+                          last.finish_reason, last.stop_type, req.timing)

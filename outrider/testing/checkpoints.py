@@ -1,0 +1,137 @@
+"""Write tiny, genuine Hugging Face checkpoint directories with random weights for tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_ARCHS = {  # short name -> (architecture, model_type)
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DEFAULT_VOCAB_SIZE = 512
+
+
+def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: int | None = None,
+                          hidden_size: int = 64, intermediate_size: int | None = None, layers: int = 2,
+                          heads: int = 4, kv_heads: int = 2, head_dim: int | None = None, tie: bool = False,
+                          dtype: torch.dtype = torch.float32, seed: int = 0, shards: int = 1,
+                          rope_theta: float = 10000.0, rope_scaling: dict[str, Any] | None = None,
+                          max_position_embeddings: int = 2048, tokenizer: bool = True,
+                          extra_config: dict[str, Any] | None = None,
+                          extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write config.json, generation_config.json, safetensors (sharded when shards > 1) and, with `tokenizer`,
+    the tiny tokenizer into `path`. `extra_config`/`extra_tensors` add e.g. MTP fields and weights."""
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; one of {', '.join(_ARCHS)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    bos, eos = None, None
+    if tokenizer:
+        from outrider.testing.tokenizer import write_tiny_tokenizer
+
+        n_tokens = write_tiny_tokenizer(path)
+        if vocab_size is not None and vocab_size < n_tokens:
+            raise ValueError(f"vocab_size {vocab_size} < the tokenizer's {n_tokens} tokens")
+        vocab_size = vocab_size or n_tokens
+        bos, eos = _special_token_ids(path)
+    vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
+    architecture, model_type = _ARCHS[arch]
+    head_dim = head_dim or hidden_size // heads
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 2 * hidden_size,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "tie_word_embeddings": tie,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "transformers_version": "4.51.0",
+    }
+    if arch == "qwen2":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    else:  # Qwen2 hard-codes its biases; Llama and Qwen3 read the flag
+        config["attention_bias"] = False
+    if arch == "qwen3":
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if arch == "llama":
+        config.update(mlp_bias=False, pretraining_tp=1)
+    config.update(extra_config or {})
+    _write_json(path / "config.json", config)
+    _write_json(path / "generation_config.json",
+                {"bos_token_id": bos, "eos_token_id": eos, "transformers_version": "4.51.0"})
+    tensors = {**random_weights(config, seed), **(extra_tensors or {})}
+    _write_safetensors(path, {n: t.to(dtype).contiguous() for n, t in tensors.items()}, shards)
+    return path
+
+
+def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 weights under HF names. Scales keep activations O(1) so tiny models give varied tokens."""
+    from outrider.config import ModelConfig
+    from outrider.models.registry import model_class
+
+    cfg = ModelConfig.from_dict(config)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters():  # a tied lm_head is not listed, so it is not written
+        if name.endswith("norm.weight"):
+            t = 0.2 * torch.randn(p.shape, generator=gen)
+        elif name.endswith("bias"):
+            t = 0.2 * torch.randn(p.shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            t = 0.2 * torch.randn(p.shape, generator=gen)
+        else:
+            t = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+        out[name] = t
+    return out
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    from safetensors.torch import save_file
+
+    if shards <= 1:
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
+        save_file(part, path / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _special_token_ids(path: Path) -> tuple[int | None, int | None]:
+    """(bos, eos) ids named by tokenizer_config.json, looked up in tokenizer.json's added tokens."""
+    tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
+    added = {t["content"]: t["id"] for t in json.loads((path / "tokenizer.json").read_text())["added_tokens"]}
+    return added.get(tok_cfg.get("bos_token")), added.get(tok_cfg.get("eos_token"))
+
+
+def _write_json(file: Path, obj: dict[str, Any]) -> None:
+    file.write_text(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,334 @@
+"""Tokenizer over HF `tokenizers`, sandboxed chat templates, and the incremental per-request Detokenizer."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# End-of-generation specials (llama.cpp treats these as EOG too): present in the vocab as special tokens
+# means "stop here", whatever the configs say, since chat fine-tunes often leave only the base EOS there.
+_EOG_TOKENS = (
+    "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>", "<|return|>",
+    "<|end_of_text|>", "<EOT>", "<|end▁of▁sentence|>",
+)
+_SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, failed to render, or the messages cannot be rendered."""
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet: printable bytes stand for themselves, the rest for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or a serialised AddedToken dict."""
+    return value.get("content") if isinstance(value, Mapping) else value
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _as_ids(value: Any) -> list[int]:
+    """eos_token_id in generation_config/config.json: an int, a list of ints, or absent."""
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: encode/decode with llama-server semantics, EOS ids, chat template."""
+
+    def __init__(self, tok, config: Mapping, gen_config: Mapping, model_config: Mapping, chat_template: str | None):
+        import tokenizers
+
+        self._tok: tokenizers.Tokenizer = tok
+        self._added = {i: t for i, t in tok.get_added_tokens_decoder().items()}
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self._template_tokens = {
+            k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+        self.bos_token_id = self._id(self.bos_token)
+        if self.bos_token_id is None:
+            ids = _as_ids(gen_config.get("bos_token_id")) or _as_ids(model_config.get("bos_token_id"))
+            self.bos_token_id = ids[0] if ids else None
+
+        eos = {self._id(self.eos_token)}
+        text_config = model_config.get("text_config") or {}  # multimodal checkpoints nest the LM's config
+        for cfg in (gen_config, model_config, text_config):
+            eos.update(_as_ids(cfg.get("eos_token_id")))
+        eos.update(i for i, t in self._added.items() if t.special and t.content in _EOG_TOKENS)
+        self.eos_token_ids: frozenset[int] = frozenset(i for i in eos if i is not None)
+
+        self._prefix, self._suffix = self._special_affixes(config)
+        self._byte_level = tok.decoder is not None and b'"type":"ByteLevel"' in tok.decoder.__getstate__()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load tokenizer.json + tokenizer_config.json (+ generation_config/config.json) from a directory or hub id.
+
+        `chat_template` overrides the checkpoint's (chat_template.jinja, else tokenizer_config.json).
+        """
+        import tokenizers
+
+        path = Path(path)
+        if not path.is_dir():
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(str(path), allow_patterns=["*.json", "chat_template.jinja"]))
+        config = _read_json(path / "tokenizer_config.json")
+        if chat_template is None:
+            jinja_file = path / "chat_template.jinja"
+            chat_template = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else None
+        if chat_template is None:
+            chat_template = config.get("chat_template")
+            if isinstance(chat_template, list):  # named templates: [{"name": ..., "template": ...}]
+                named = {t["name"]: t["template"] for t in chat_template}
+                chat_template = named.get("default", next(iter(named.values()), None))
+        tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        return cls(tok, config, _read_json(path / "generation_config.json"), _read_json(path / "config.json"),
+                   chat_template)
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _special_affixes(self, config: Mapping) -> tuple[list[int], list[int]]:
+        """Ids that add_special puts around the text: the post-processor's, unless add_bos/eos_token say otherwise."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        start = next((i for i in range(len(full)) if full[i:i + len(plain)] == plain), len(full))
+        prefix, suffix = full[:start], full[start + len(plain):]
+        eos_id = self._id(self.eos_token)
+        if config.get("add_bos_token") is not None:
+            prefix = [self.bos_token_id] if config["add_bos_token"] and self.bos_token_id is not None else []
+        if config.get("add_eos_token") is not None:
+            suffix = [eos_id] if config["add_eos_token"] and eos_id is not None else []
+        return prefix, suffix
+
+    @functools.cached_property
+    def _literal_tok(self):
+        """A copy that encodes special-token text as plain text (a copy: the flag is shared mutable state)."""
+        import tokenizers
+
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether encode(add_special=True) prepends BOS."""
+        return self.bos_token_id is not None and self.bos_token_id in self._prefix
+
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`; add_special adds BOS/EOS as the checkpoint says, parse_special=False reads
+        special-token text (e.g. "<|im_end|>") as ordinary characters."""
+        tok = self._tok if parse_special else self._literal_tok
+        ids = tok.encode(text, add_special_tokens=False).ids
+        return [*self._prefix, *ids, *self._suffix] if add_special else ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (invalid UTF-8 becomes U+FFFD; ids outside the vocabulary are ignored)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a piece of a multi-byte character for byte tokens)."""
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.content.encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_DECODER[c] for c in piece)
+            except KeyError:  # a vocab entry outside the byte alphabet: take it literally
+                return piece.encode()
+        byte = _SPM_BYTE.fullmatch(piece)  # SentencePiece byte fallback
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode()
+
+    def token_piece(self, token_id: int) -> str:
+        """The token's text (U+FFFD where it holds only part of a multi-byte character)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                            tools: list | None = None, **extra: Any) -> str:
+        """Render `messages` with the chat template in a jinja2 sandbox; `extra` are template variables
+        (chat_template_kwargs such as enable_thinking). Raises ChatTemplateError (a ValueError)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; pass one (e.g. --chat-template-file)")
+        variables = {**self._template_tokens, **extra}
+        variables.update(messages=[_normalize_message(m) for m in messages], tools=tools or None,
+                         add_generation_prompt=add_generation_prompt)
+        try:
+            return _compile(self.chat_template).render(**variables)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e.message or e}") from e
+
+
+def _normalize_message(message: Mapping) -> dict:
+    """An OpenAI message as HF templates expect: text parts joined, tool-call arguments as objects."""
+    msg = dict(message)
+    if isinstance(msg.get("content"), list):
+        msg["content"] = "\n".join(_part_text(p) for p in msg["content"])
+    if msg.get("tool_calls"):
+        msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
+    return msg
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if isinstance(part, Mapping) and part.get("type") == "text":
+        return part.get("text") or ""
+    kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+    raise ChatTemplateError(f"unsupported content part type: {kind!r} (only text is supported)")
+
+
+def _parse_arguments(call: Mapping) -> dict:
+    """OpenAI sends arguments as a JSON string; templates (`arguments | tojson`) expect the object."""
+    fn = call.get("function")
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("arguments"), str):
+        return dict(call)
+    try:
+        args = json.loads(fn["arguments"])
+    except json.JSONDecodeError:
+        return dict(call)
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # Unlike jinja2's own tojson, no HTML escaping: prompts are not HTML.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    """The environment HF templates are written for: trimmed blocks, loop controls, HF's helpers."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    return env
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"invalid chat template: {e}") from e
+
+
+class Detokenizer:
+    """Incremental detokenizer for one request: emits complete UTF-8 only and cuts stop strings exactly.
+
+    Stop semantics: the first stop string to *end* in the text wins (ties: the one starting earlier), as if text
+    were checked one character at a time, so the result does not depend on how tokens are batched into pushes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 context: Sequence[int] = ()):
+        """`context`: the last few prompt ids, so the first output token decodes as it would mid-text
+        (SentencePiece decoders drop the leading space of whatever token starts a decode)."""
+        self._tok = tokenizer
+        self._stop = tuple(s for s in stop if s)
+        self._skip = skip_special_tokens
+        # Decode window: ids from the last emitted boundary; the first _read of them are decoded already.
+        self._window: list[int] = list(context)
+        self._read = len(self._window)
+        self._held = ""  # decoded text that could still be the start of a stop string
+        self._chunks: list[str] = []
+        self.stop_word: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (after a stop or flush(): the final output)."""
+        return "".join(self._chunks)
+
+    def push(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
+        """Add tokens; return (text now safe to emit, stop word if one matched). Input after a stop is ignored."""
+        if self.stop_word is not None:
+            return "", None
+        self._window.extend(token_ids)
+        new = self._decode_new(final=False)
+        return self._emit(new, final=False)
+
+    def flush(self) -> str:
+        """At finish: return what was held back (a stop string found here still cuts it, see stop_word)."""
+        if self.stop_word is not None:
+            return ""
+        return self._emit(self._decode_new(final=True), final=True)[0]
+
+    def _decode_new(self, final: bool) -> str:
+        """Text added by the unread ids; "" while it ends in U+FFFD (a character still split across tokens)."""
+        before = self._tok.decode(self._window[:self._read], self._skip)
+        after = self._tok.decode(self._window, self._skip)
+        if after.endswith("\ufffd") and not final:
+            return ""
+        # Only the ids since the last boundary stay: the window is a token or two, never the whole output.
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        return after[len(before):]
+
+    def _emit(self, new: str, final: bool) -> tuple[str, str | None]:
+        text = self._held + new
+        match = self._find_stop(text)
+        if match is not None:
+            out, self.stop_word, self._held = text[:match[0]], match[1], ""
+        else:
+            keep = 0 if final else self._holdback(text)
+            out, self._held = text[:len(text) - keep], text[len(text) - keep:]
+        self._chunks.append(out)
+        return out, self.stop_word
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """(start, word) of the stop string that ends first in `text`. Earlier text was held back whenever it
+        could begin a stop string, so any match starts inside `text`."""
+        best = None
+        for word in self._stop:
+            start = text.find(word)
+            if start >= 0 and (best is None or (start + len(word), start) < (best[0] + len(best[1]), best[0])):
+                best = (start, word)
+        return best
+
+    def _holdback(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = max((len(s) for s in self._stop), default=1) - 1
+        for k in range(min(longest, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self._stop):
+                return k
+        return 0
