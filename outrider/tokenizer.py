@@ -65,13 +65,13 @@ class Tokenizer:
         import tokenizers
 
         self._tok: tokenizers.Tokenizer = tok
-        self._added = {i: t for i, t in tok.get_added_tokens_decoder().items()}
+        self._added = dict(tok.get_added_tokens_decoder())
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
-        self._template_tokens = {
-            k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        self._template_tokens = {  # as HF: only the special tokens the checkpoint defines
+            k: v for k in ("bos_token", "eos_token", "pad_token", "unk_token") if (v := _token_text(config.get(k)))
         }
         self.bos_token_id = self._id(self.bos_token)
         if self.bos_token_id is None:

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 from outrider.config import EngineConfig
 from outrider.engine.engine import Engine
-from outrider.engine.request import Request, RequestOutput
+from outrider.engine.request import FinishReason, Request, RequestOutput
 
 log = logging.getLogger("outrider.engine")
 
@@ -101,15 +101,25 @@ class AsyncEngine:
                 while True:
                     kind, arg = self._commands.get(block=block, timeout=0.5 if block else None)
                     block = False
-                    if kind == "add":
-                        engine.add_request(*arg)
-                    elif kind == "abort":
-                        engine.abort(arg)
+                    self._apply(kind, arg)
             except queue.Empty:
                 pass
             if engine.has_work():
                 engine.step()
             self._publish()
+
+    def _apply(self, kind: str, arg) -> None:
+        try:
+            if kind == "add":
+                self.engine.add_request(*arg)
+            elif kind == "abort":
+                self.engine.abort(arg)
+        except Exception as exc:  # one bad request must not stop the engine thread
+            log.error("%s failed: %s\n%s", kind, exc, traceback.format_exc())
+            if kind == "add":
+                req, deliver = arg
+                self.engine.abort(req.request_id)
+                deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ERROR, error=str(exc)))
 
     def _publish(self) -> None:
         engine = self.engine

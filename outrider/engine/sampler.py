@@ -51,8 +51,8 @@ def _fmix32(x):
 
 
 def _absorb(h, word):
-    """Mix one 32-bit word into hash state h."""
-    return _fmix32(h ^ _fmix32((word + 0x9E3779B9) & _M32))
+    """Mix one 32-bit word into a well-mixed hash state h (one finaliser: this runs per vocab entry)."""
+    return _fmix32(h ^ _mulmod32(word & _M32, 0x9E3779B9))
 
 
 def _row_key(seed: int, step: int) -> int:
@@ -120,18 +120,20 @@ class Sampler:
         sampled = [p for p, g in zip(ps, greedy) if not g]
         width = min(V, max((p.top_k for p in sampled), default=1)) if all(p.top_k > 0 for p in sampled) else V
 
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
-
+        floats = self._upload([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+                               [p.typical_p for p in ps]], torch.float32)
+        ints = self._upload([[min(p.top_k, width) if p.top_k > 0 else width for p in ps],
+                             [_row_key(r.seed, r.step) for r in rows]], torch.int64)
+        greedy_t = floats[0] <= 0
         return SamplingBatch(
             num_rows=len(rows),
-            greedy=col(greedy, torch.bool),
-            temperature=col([1.0 if g else p.temperature for p, g in zip(ps, greedy)], torch.float32),
-            top_k=col([min(p.top_k, width) if p.top_k > 0 else width for p in ps], torch.int64),
-            top_p=col([p.top_p for p in ps], torch.float32),
-            min_p=col([p.min_p for p in ps], torch.float32),
-            typical_p=col([p.typical_p for p in ps], torch.float32),
-            row_keys=col([_row_key(r.seed, r.step) for r in rows], torch.int64),
+            greedy=greedy_t,
+            temperature=torch.where(greedy_t, 1.0, floats[0]),
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            typical_p=floats[3],
+            row_keys=ints[1],
             width=width,
             bias=self._bias(rows),
             penalties=self._penalties(rows),
@@ -140,6 +142,13 @@ class Sampler:
             all_greedy=all(greedy),
         )
 
+    def _upload(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """Host lists -> device tensor without stalling the stream (pinned, non-blocking on CUDA)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
     def _bias(self, rows: Sequence[RowSpec]):
         entries = [(i, tok, b) for i, r in enumerate(rows) for tok, b in r.params.logit_bias]
         entries += [(i, tok, -math.inf) for i, r in enumerate(rows) for tok in r.banned]
@@ -147,8 +156,7 @@ class Sampler:
         if not entries:
             return None
         i, tok, b = zip(*entries)
-        return (torch.tensor(i, device=self.device), torch.tensor(tok, device=self.device),
-                torch.tensor(b, dtype=torch.float32, device=self.device))
+        return self._upload(i, torch.int64), self._upload(tok, torch.int64), self._upload(b, torch.float32)
 
     def _penalties(self, rows: Sequence[RowSpec]):
         row_ids: list[int] = []
@@ -165,11 +173,10 @@ class Sampler:
         if not toks:
             return None
         ps = [r.params for r in rows]
-        f32 = dict(dtype=torch.float32, device=self.device)
-        return (torch.tensor(row_ids, device=self.device), torch.tensor(toks, device=self.device),
-                torch.tensor([p.repeat_penalty for p in ps], **f32),
-                torch.tensor([p.presence_penalty for p in ps], **f32),
-                torch.tensor([p.frequency_penalty for p in ps], **f32))
+        repeat, presence, frequency = self._upload(
+            [[p.repeat_penalty for p in ps], [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]],
+            torch.float32)
+        return self._upload(row_ids, torch.int64), self._upload(toks, torch.int64), repeat, presence, frequency
 
     # --- device side ---
     def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import os
+GAIN=float(os.environ.get('GAIN','1'))
 
 _ARCHS = {  # short name -> (architecture, model_type)
     "llama": ("LlamaForCausalLM", "llama"),
@@ -97,13 +99,14 @@ def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
     out = {}
     for name, p in model.named_parameters():  # a tied lm_head is not listed, so it is not written
         if name.endswith("norm.weight"):
-            t = 0.2 * torch.randn(p.shape, generator=gen)
+            t = torch.randn(p.shape, generator=gen)
         elif name.endswith("bias"):
-            t = 0.2 * torch.randn(p.shape, generator=gen)
+            t = torch.randn(p.shape, generator=gen)
         elif name == "model.embed_tokens.weight":
-            t = 0.2 * torch.randn(p.shape, generator=gen)
+            t = torch.randn(p.shape, generator=gen)
         else:
-            t = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+            gain = GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            t = gain * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
         out[name] = t
     return out
 

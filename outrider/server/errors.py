@@ -1,0 +1,56 @@
+"""llama-server's JSON error format: `{"error": {"code", "message", "type"}}`, one exception for every route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+class ApiError(Exception):
+    """An error a route answers with; `extra` adds fields (e.g. `n_prompt_tokens`, `n_ctx`)."""
+
+    def __init__(self, status: int, message: str, type: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ERROR_TYPES.get(status, "invalid_request_error")
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid(field: str, reason: str) -> ApiError:
+    """400 naming the offending request field."""
+    return ApiError(400, f"invalid value for '{field}': {reason}")
+
+
+def context_exceeded(n_prompt: int, n_ctx: int) -> ApiError:
+    return ApiError(
+        400,
+        f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it",
+        "exceed_context_size_error",
+        n_prompt_tokens=n_prompt,
+        n_ctx=n_ctx,
+    )
+
+
+LOADING = ApiError(503, "Loading model")
+BUSY = ApiError(503, "All slots are busy, try again later")
+UNAUTHORIZED = ApiError(401, "Invalid API Key")
+BODY_TOO_LARGE = ApiError(413, "Request body too large.")

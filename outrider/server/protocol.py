@@ -1,0 +1,268 @@
+"""Request validation shared by the native and OpenAI routes: JSON body -> prompts + SamplingParams -> Requests.
+
+Nothing reaches the engine unless it passed here; every invalid or out-of-range field is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
+from outrider.server.errors import ApiError, context_exceeded, invalid
+from outrider.tokenizer import ChatTemplateError, Tokenizer
+
+INT_MAX = 2**31 - 1
+_MISSING = object()
+
+# Fields of llama-server we do not implement, accepted only at the value that means "off".
+_INERT = {
+    "grammar": lambda v: not v,
+    "json_schema": lambda v: not v,
+    "grammar_lazy": lambda v: not v,
+    "grammar_triggers": lambda v: not v,
+    "mirostat": lambda v: v == 0,
+    "dynatemp_range": lambda v: v == 0,
+    "xtc_probability": lambda v: v == 0,
+    "dry_multiplier": lambda v: v == 0,
+    "top_n_sigma": lambda v: v is None or v <= 0,
+    "adaptive_target": lambda v: v is None or v < 0,
+    "min_keep": lambda v: v == 0,
+    "n_indent": lambda v: v == 0,
+    "t_max_predict_ms": lambda v: v == 0,
+    "return_progress": lambda v: not v,
+    "lora": lambda v: not v,
+    "multimodal_data": lambda v: not v,
+}
+
+
+# --- typed field readers: the one place types and ranges are checked ---
+def get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise invalid(name, "expected a boolean")
+    return v
+
+
+def get_int(body: dict, name: str, default: int, lo: int = -INT_MAX, hi: int = INT_MAX) -> int:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise invalid(name, "expected an integer")
+    if not lo <= v <= hi:
+        raise invalid(name, f"must be in [{lo}, {hi}]")
+    return v
+
+
+def get_float(body: dict, name: str, default: float, lo: float = -math.inf, hi: float = math.inf) -> float:
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise invalid(name, "expected a finite number")
+    if not lo <= v <= hi:
+        raise invalid(name, f"must be in [{lo:g}, {hi:g}]")
+    return float(v)
+
+
+def get_str_list(body: dict, name: str) -> list[str] | None:
+    """A string or a list of strings (None when absent)."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise invalid(name, "expected a string or a list of strings")
+    return v
+
+
+def _first_present(body: dict, names: tuple[str, ...]) -> str:
+    return next((n for n in names if body.get(n) is not None), names[0])
+
+
+# --- sampling ---
+def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer, *, cache_prompt: bool = True,
+                    n_probs: int | None = None) -> SamplingParams:
+    """The body's sampling and stopping fields over the server defaults. `n_probs` overrides the body's (the
+    OpenAI routes derive it from their own `logprobs` fields)."""
+    for name, inert in _INERT.items():
+        value = body.get(name)
+        if value is not None and not inert(value):
+            raise ApiError(400, f"'{name}' is not supported by this server")
+    spec = body.get("speculative") if isinstance(body.get("speculative"), dict) else {}
+    spec = {**spec, **{k.split(".", 1)[1]: v for k, v in body.items() if k.startswith("speculative.")}}
+    n_name = _first_present(body, ("n_predict", "max_tokens", "max_completion_tokens"))
+    max_tokens = get_int(body, n_name, defaults.max_tokens, lo=-1)
+    if max_tokens == 0:
+        max_tokens = 1  # llama-server samples the first token before it checks the limit
+    if defaults.max_tokens > 0 and not 0 < max_tokens <= defaults.max_tokens:
+        max_tokens = defaults.max_tokens  # the server's -n caps every request
+    seed = get_int(body, "seed", -1, lo=-1, hi=2**64 - 1)
+    stop = get_str_list(body, "stop") or []
+    fields = dict(
+        max_tokens=max_tokens,
+        # llama.cpp treats any temperature <= 0 as greedy
+        temperature=max(0.0, get_float(body, "temperature", defaults.temperature)),
+        top_k=get_int(body, "top_k", defaults.top_k),
+        # top_p = 0 keeps only the most probable token, which a tiny positive nucleus also does
+        top_p=max(get_float(body, "top_p", defaults.top_p, 0.0, 1.0), 1e-9),
+        min_p=get_float(body, "min_p", defaults.min_p, 0.0, 1.0),
+        typical_p=max(get_float(body, "typical_p", defaults.typical_p, 0.0, 1.0), 1e-9),
+        repeat_penalty=get_float(body, "repeat_penalty", defaults.repeat_penalty, 1e-9),
+        repeat_last_n=get_int(body, "repeat_last_n", defaults.repeat_last_n, lo=-1),
+        presence_penalty=get_float(body, "presence_penalty", defaults.presence_penalty),
+        frequency_penalty=get_float(body, "frequency_penalty", defaults.frequency_penalty),
+        logit_bias=_logit_bias(body.get("logit_bias"), tokenizer) or defaults.logit_bias,
+        seed=defaults.seed if seed == -1 else seed,
+        n_probs=min(get_int(body, "n_probs", defaults.n_probs, lo=0) if n_probs is None else n_probs,
+                    tokenizer.vocab_size),
+        stop=tuple(s for s in stop if s) or defaults.stop,
+        ignore_eos=get_bool(body, "ignore_eos", defaults.ignore_eos),
+        min_tokens=get_int(body, "min_tokens", defaults.min_tokens, lo=0),
+        spec_n_max=get_int(spec, "n_max", -1, lo=0) if "n_max" in spec else defaults.spec_n_max,
+        spec_n_min=get_int(spec, "n_min", -1, lo=0) if "n_min" in spec else defaults.spec_n_min,
+        spec_p_min=get_float(spec, "p_min", 0.0, 0.0, 1.0) if "p_min" in spec else defaults.spec_p_min,
+        extra={"cache_prompt": get_bool(body, "cache_prompt", cache_prompt)},
+    )
+    try:
+        return dataclasses.replace(defaults, **fields)
+    except ValueError as e:  # SamplingParams' own cross-field checks
+        raise ApiError(400, str(e)) from e
+
+
+def _logit_bias(value: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...]:
+    """llama-server's `[[token|text, bias|false], ...]` or OpenAI's `{"token": bias}`; text biases all its tokens."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        pairs = [(int(k) if k.lstrip("-").isdigit() else k, v) for k, v in value.items()]
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [tuple(p) for p in value]
+    else:
+        raise invalid("logit_bias", "expected [[token, bias], ...] or {token: bias}")
+    out = []
+    for key, bias in pairs:
+        if bias is False:
+            bias = -math.inf  # llama-server: false bans the token
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise invalid("logit_bias", f"bias of {key!r} must be a number or false")
+        ids = tokenizer.encode(key, add_special=False) if isinstance(key, str) else [key]
+        for tok in ids:
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < tokenizer.vocab_size:
+                raise invalid("logit_bias", f"token id {tok!r} is out of range")
+            out.append((tok, float(bias)))
+    return tuple(out)
+
+
+# --- prompts ---
+def tokenize_prompts(prompt: Any, tokenizer: Tokenizer, field: str = "prompt") -> list[list[int]]:
+    """llama-server prompt forms: string, token array, mixed array, {prompt_string}, or a list of those (a batch)."""
+    if prompt is None:
+        raise ApiError(400, f"'{field}' is required")
+    if isinstance(prompt, list) and prompt and not _is_single(prompt):
+        return [tokenize_one(p, tokenizer, field, add_special=True) for p in prompt]
+    return [tokenize_one(prompt, tokenizer, field, add_special=True)]
+
+
+def _is_single(prompt: list) -> bool:
+    """A flat array of token ids and strings is one prompt unless it holds only strings (then a batch)."""
+    return all(_is_token(x) or isinstance(x, str) for x in prompt) and any(_is_token(x) for x in prompt)
+
+
+def _is_token(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def tokenize_one(prompt: Any, tokenizer: Tokenizer, field: str, add_special: bool,
+                 parse_special: bool = True) -> list[int]:
+    """One prompt; in a mixed array only a leading string gets the special tokens (BOS)."""
+    if isinstance(prompt, dict):
+        if prompt.get("multimodal_data"):
+            raise ApiError(400, f"'{field}': multimodal input is not supported by this server")
+        prompt = prompt.get("prompt_string")
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special=add_special, parse_special=parse_special)
+    if not isinstance(prompt, list):
+        raise invalid(field, "expected a string, a token array or a list of those")
+    ids: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, str):
+            ids += tokenizer.encode(part, add_special=add_special and i == 0, parse_special=parse_special)
+        elif _is_token(part) and 0 <= part < tokenizer.vocab_size:
+            ids.append(part)
+        else:
+            raise invalid(field, f"token {part!r} is not a string or an id in [0, {tokenizer.vocab_size})")
+    return ids
+
+
+# --- chat ---
+def chat_prompt(body: dict, tokenizer: Tokenizer) -> str:
+    """Render an OpenAI chat body (`messages`, `tools`, `chat_template_kwargs`, ...) with the chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "expected a non-empty array of messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise invalid(f"messages[{i}]", "expected an object with a string 'role'")
+    continue_final = get_bool(body, "continue_final_message", False)
+    add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation_prompt:
+        raise ApiError(400, "cannot have both 'add_generation_prompt' and 'continue_final_message'")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise invalid("tools", "expected an array")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", "expected an object")
+    if body.get("reasoning_effort") is not None:
+        kwargs = {"reasoning_effort": body["reasoning_effort"], **kwargs}
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools, **kwargs)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e)) from e
+    if continue_final:
+        text = _cut_after_final_message(text, messages[-1])
+    return text
+
+
+def _cut_after_final_message(text: str, last: dict) -> str:
+    """End the prompt right after the final message's content, so the model continues that message."""
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not content or last.get("role") != "assistant":
+        raise ApiError(400, "'continue_final_message' needs a final assistant message with content")
+    end = text.rfind(content)
+    return text if end < 0 else text[: end + len(content)]
+
+
+def chat_prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of the rendered chat prompt; BOS is added unless the template already wrote it."""
+    ids = tokenizer.encode(chat_prompt(body, tokenizer), add_special=True)
+    bos = tokenizer.bos_token_id
+    if len(ids) > 1 and bos is not None and ids[0] == ids[1] == bos:
+        ids = ids[1:]
+    return ids
+
+
+# --- requests ---
+def make_requests(prompts: list[list[int]], params: SamplingParams, n: int, n_ctx: int) -> list[Request]:
+    """prompts x n choices, in llama-server's index order; a seeded choice i > 0 gets seed + i so they differ."""
+    requests = []
+    for ids in prompts:
+        if not ids:
+            raise ApiError(400, "the prompt is empty")
+        if len(ids) >= n_ctx:
+            raise context_exceeded(len(ids), n_ctx)
+        for i in range(n):
+            p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            requests.append(Request(prompt_ids=list(ids), params=p))
+    return requests

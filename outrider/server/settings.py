@@ -1,0 +1,34 @@
+"""ServerConfig: the HTTP side's frozen settings (the engine's live in EngineConfig). Built by cli.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from outrider import __version__
+from outrider.params import SamplingParams
+
+# Reported as /props.build_info and OpenAI `system_fingerprint`: "b<build>-<id>" like llama-server.
+BUILD_INFO = f"b10621-outrider-{__version__}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str  # what /v1/models reports when no --alias is given
+    aliases: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: tuple[str, ...] = ()
+    endpoint_metrics: bool = False
+    endpoint_slots: bool = True
+    endpoint_props: bool = False
+    timeout: float = 3600.0  # idle keep-alive of a connection, seconds
+    sse_ping_interval: float = 30.0  # seconds of stream silence before a `:` keep-alive comment; <= 0 = off
+    max_body_bytes: int = 32 << 20
+    max_queue: int = 256  # requests that may wait for a slot; more get 503 "All slots are busy"
+    cache_prompt: bool = True  # default of the per-request `cache_prompt`
+    defaults: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=-1))
+
+    @property
+    def model_alias(self) -> str:
+        """llama-server reports the alphabetically first alias as the model id."""
+        return min(self.aliases) if self.aliases else self.model_name

@@ -1,0 +1,110 @@
+"""ServerState: what the routes share (engine, settings, metrics, in-flight requests) and the one way they run
+requests on the engine: admit (or 503 when the queue is full), then iterate the merged outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from outrider.engine.async_engine import AsyncEngine
+from outrider.engine.request import FinishReason, Request, RequestOutput
+from outrider.server.errors import BUSY, LOADING, ApiError
+from outrider.server.metrics import Metrics
+from outrider.server.settings import ServerConfig
+
+_DONE = object()
+
+
+class ServerState:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.metrics = Metrics()
+        self.started = time.time()
+        self.live: dict[int, Request] = {}  # admitted and not yet finished, by request_id (read by /slots)
+
+    @property
+    def core(self):
+        """The loaded Engine (tokenizer, model config, limits); only valid once `engine.ready`."""
+        if not self.engine.ready:
+            raise LOADING
+        return self.engine.engine
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def n_ctx(self) -> int:
+        return self.core.max_model_len
+
+    @property
+    def n_slots(self) -> int:
+        return self.engine.config.max_num_seqs
+
+    def admit(self, requests: list[Request]) -> Generation:
+        """Submit requests now (a full queue is a 503 before any response starts)."""
+        if len(self.live) + len(requests) > self.n_slots + self.config.max_queue:
+            raise BUSY
+        return Generation(self, requests)
+
+
+class Generation:
+    """Requests submitted together (a batch of prompts x n choices); their outputs merged in arrival order.
+
+    Each request is pumped by its own task, so one slow consumer never stalls the engine thread's callbacks;
+    closing the iterator (client gone, cancelled) cancels the pumps, which aborts the requests in the engine.
+    """
+
+    def __init__(self, state: ServerState, requests: list[Request]):
+        self.state = state
+        self.requests = requests
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = []
+        for index, req in enumerate(requests):
+            state.live[req.request_id] = req
+            task = asyncio.create_task(self._pump(index, req))
+            # A done callback also runs for a task cancelled before it started, so nothing stays "live".
+            task.add_done_callback(lambda _, rid=req.request_id: state.live.pop(rid, None))
+            self._tasks.append(task)
+
+    async def _pump(self, index: int, req: Request) -> None:
+        try:
+            async for out in self.state.engine.generate(req):
+                if out.finished and out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                    self.state.metrics.on_finished(out.timing, req.num_prompt)
+                self._queue.put_nowait((index, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # surfaces in the consumer as a 500 (or an error frame)
+            self._queue.put_nowait(ApiError(500, f"generation failed: {e}"))
+
+    async def outputs(self, ping_interval: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput] | None]:
+        """Yield (index, output) until every request finished; None after ping_interval s of silence (> 0)."""
+        remaining = len(self._tasks)
+        try:
+            while remaining:
+                if ping_interval > 0:
+                    try:
+                        item = await asyncio.wait_for(self._queue.get(), ping_interval)
+                    except asyncio.TimeoutError:
+                        yield None
+                        continue
+                else:
+                    item = await self._queue.get()
+                if isinstance(item, ApiError):
+                    raise item
+                remaining -= item[1].finished
+                yield item
+        finally:
+            for task in self._tasks:
+                task.cancel()
+
+    async def collect(self) -> list[list[RequestOutput]]:
+        """Every request's outputs, in request order (non-streamed responses)."""
+        per_request: list[list[RequestOutput]] = [[] for _ in self.requests]
+        async for index, out in self.outputs():
+            per_request[index].append(out)
+        return per_request

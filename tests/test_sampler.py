@@ -1,0 +1,225 @@
+"""Sampler: filters against a slow llama.cpp-style reference, seeding, goodness of fit, penalties, log-probs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from outrider.engine.sampler import RowSpec, Sampler
+from outrider.params import SamplingParams
+
+V = 32
+
+
+def plain(**kw) -> SamplingParams:
+    """Params with every filter off unless asked for."""
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    return SamplingParams(**{**base, **kw})
+
+
+def reference_probs(logits, params: SamplingParams, history=()) -> np.ndarray:
+    """A loop-by-loop transcription of llama.cpp's default chain for one row (float64)."""
+    x = np.asarray(logits, dtype=np.float64).copy()
+    for tok, b in params.logit_bias:
+        x[tok] += b
+    n = params.repeat_last_n if params.repeat_last_n >= 0 else len(history)
+    window = list(history)[-n:] if n > 0 else []
+    for tok in set(window):
+        c = window.count(tok)
+        x[tok] = x[tok] * params.repeat_penalty if x[tok] <= 0 else x[tok] / params.repeat_penalty
+        x[tok] -= c * params.frequency_penalty + params.presence_penalty
+    out = np.zeros_like(x)
+    if params.temperature <= 0:
+        out[int(np.argmax(x))] = 1.0
+        return out
+    cand = sorted(range(len(x)), key=lambda t: -x[t])
+    if params.top_k > 0:
+        cand = cand[: params.top_k]
+
+    def softmax(ids):
+        z = np.exp(x[ids] - x[ids].max())
+        return z / z.sum()
+
+    if params.typical_p < 1.0:
+        p = softmax(cand)
+        ent = -sum(pi * math.log(pi) for pi in p if pi > 0)
+        order = sorted(range(len(cand)), key=lambda i: abs(-math.log(p[i]) - ent))
+        cum, last = 0.0, len(cand)
+        for j, i in enumerate(order):
+            cum += p[i]
+            if cum > params.typical_p:
+                last = j + 1
+                break
+        cand = sorted([cand[i] for i in order[:last]], key=lambda t: -x[t])
+    if params.top_p < 1.0:
+        p = softmax(cand)
+        cum, last = 0.0, len(cand)
+        for i, pi in enumerate(p):
+            cum += pi
+            if cum >= params.top_p:
+                last = i + 1
+                break
+        cand = cand[:last]
+    if params.min_p > 0:
+        floor = x[cand].max() + math.log(params.min_p)
+        cand = [t for t in cand if x[t] >= floor]
+    z = np.exp((x[cand] - x[cand].max()) / params.temperature)
+    out[cand] = z / z.sum()
+    return out
+
+
+def run_process(params_list, logits, histories=None):
+    sampler = Sampler(logits.shape[1], "cpu")
+    histories = histories or [()] * len(params_list)
+    batch = sampler.prepare([RowSpec(p, seed=1, step=0, history=h) for p, h in zip(params_list, histories)])
+    return sampler.process(logits, batch).exp().numpy()
+
+
+FILTER_CASES = [
+    plain(),
+    plain(temperature=0.7),
+    plain(top_k=5),
+    plain(top_p=0.8),
+    plain(min_p=0.1),
+    plain(typical_p=0.6),
+    plain(temperature=1.3, top_k=10, top_p=0.9, min_p=0.02),
+    plain(temperature=0.5, top_k=12, typical_p=0.8, top_p=0.95),
+    SamplingParams(),  # llama-server defaults
+]
+
+
+@pytest.mark.parametrize("params", FILTER_CASES, ids=lambda p: f"T{p.temperature}k{p.top_k}p{p.top_p}m{p.min_p}t{p.typical_p}")
+def test_filters_match_reference(params):
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(0)) * 2
+    got = run_process([params] * 6, logits)
+    for i in range(6):
+        np.testing.assert_allclose(got[i], reference_probs(logits[i], params), atol=1e-5)
+
+
+def test_mixed_batch_matches_reference_per_row():
+    """Rows with different filters (and a full-vocab row forcing full width) share one batch."""
+    logits = torch.randn(len(FILTER_CASES), V, generator=torch.Generator().manual_seed(1)) * 2
+    got = run_process(FILTER_CASES, logits)
+    for i, p in enumerate(FILTER_CASES):
+        np.testing.assert_allclose(got[i], reference_probs(logits[i], p), atol=1e-5)
+
+
+def test_greedy_is_argmax_and_one_hot():
+    logits = torch.randn(16, V, generator=torch.Generator().manual_seed(2))
+    sampler = Sampler(V, "cpu")
+    batch = sampler.prepare([RowSpec(plain(temperature=0.0), seed=i, step=i) for i in range(16)])
+    assert torch.equal(sampler.sample(logits, batch).token_ids, logits.argmax(-1))
+    probs = sampler.process(logits, batch).exp()
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), V).float())
+
+
+def test_penalties_match_reference():
+    history = [3, 3, 7, 1, 3, 9, 9, 30]
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3)) * 3
+    cases = [
+        plain(repeat_penalty=1.3),
+        plain(presence_penalty=0.7, frequency_penalty=0.4),
+        plain(repeat_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.25, repeat_last_n=4),
+        plain(repeat_penalty=1.5, repeat_last_n=-1),
+        plain(repeat_penalty=1.5, repeat_last_n=0),
+    ]
+    for p in cases:
+        got = run_process([p], logits, [history])[0]
+        np.testing.assert_allclose(got, reference_probs(logits[0], p, history), atol=1e-5)
+
+
+def test_repeat_penalty_pushes_greedy_off_a_repeated_token():
+    logits = torch.zeros(1, V)
+    logits[0, 5], logits[0, 6] = 2.0, 1.5
+    sampler = Sampler(V, "cpu")
+    rows = [RowSpec(plain(temperature=0.0, repeat_penalty=1.5), seed=0, step=0, history=[5])]
+    assert sampler.sample(logits, sampler.prepare(rows)).token_ids.item() == 6
+
+
+def test_logit_bias_and_bans():
+    logits = torch.zeros(64, V)
+    logits[:, 4] = 10.0
+    sampler = Sampler(V, "cpu")
+    params = plain(logit_bias=((4, -math.inf), (9, 2.0)))
+    rows = [RowSpec(params, seed=7, step=i, banned=[11]) for i in range(64)]
+    batch = sampler.prepare(rows)
+    toks = sampler.sample(logits, batch).token_ids
+    assert not ((toks == 4) | (toks == 11)).any()
+    probs = sampler.process(logits, batch).exp()[0]
+    assert probs[4] == 0 and probs[11] == 0
+    assert probs[9] == pytest.approx(math.e**2 / (math.e**2 + V - 3), rel=1e-5)
+    greedy = sampler.prepare([RowSpec(plain(temperature=0.0, logit_bias=((4, -math.inf),)), 0, 0)])
+    assert sampler.sample(logits[:1], greedy).token_ids.item() != 4
+
+
+def test_seed_invariant_to_batch_composition():
+    """A seeded row draws the same tokens alone, among other rows, at any index, with any batch width."""
+    gen = torch.Generator().manual_seed(4)
+    target = plain(temperature=0.9, top_k=20, top_p=0.95)
+    sampler = Sampler(V, "cpu")
+    for step in range(20):
+        row_logits = torch.randn(1, V, generator=gen)
+        alone = sampler.sample(row_logits, sampler.prepare([RowSpec(target, 1234, step)])).token_ids.item()
+        others = [RowSpec(plain(top_k=0), 99, step), RowSpec(plain(temperature=0.0), 5, 3),
+                  RowSpec(plain(top_k=3), 1234, step + 1)]
+        for pos in range(len(others) + 1):
+            rows = others[:pos] + [RowSpec(target, 1234, step)] + others[pos:]
+            logits = torch.randn(len(rows), V, generator=gen)
+            logits[pos] = row_logits[0]
+            toks = sampler.sample(logits, sampler.prepare(rows)).token_ids
+            assert toks[pos].item() == alone
+
+
+def test_different_seeds_and_steps_differ():
+    sampler = Sampler(V, "cpu")
+    logits = torch.zeros(200, V)
+    rows = [RowSpec(plain(), seed=s, step=0) for s in range(100)] + [RowSpec(plain(), 0, st) for st in range(100)]
+    toks = sampler.sample(logits, sampler.prepare(rows)).token_ids
+    assert len(set(toks[:100].tolist())) > 20 and len(set(toks[100:].tolist())) > 20
+
+
+@pytest.mark.parametrize("params", [plain(temperature=0.8, top_p=0.9), SamplingParams(),
+                                    plain(temperature=1.5, typical_p=0.7)])
+def test_chi_square_against_processed_distribution(params):
+    n, vocab = 40_000, 10
+    sampler = Sampler(vocab, "cpu")
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 1.5
+    batch = sampler.prepare([RowSpec(params, seed=42, step=i) for i in range(n)])
+    toks = sampler.sample(row.expand(n, vocab), batch).token_ids
+    probs = sampler.process(row, sampler.prepare([RowSpec(params, 42, 0)])).exp()[0].double().numpy()
+    counts = np.bincount(toks.numpy(), minlength=vocab)
+    support = probs > 0
+    assert counts[~support].sum() == 0
+    assert stats.chisquare(counts[support], probs[support] / probs[support].sum() * n).pvalue > 1e-3
+
+
+def test_top_n_logprobs():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(6))
+    sampler = Sampler(V, "cpu")
+    rows = [RowSpec(plain(n_probs=4, repeat_penalty=1.5), 3, 0, history=[0, 1]),
+            RowSpec(plain(temperature=0.0, n_probs=2), 3, 0), RowSpec(plain(), 3, 0)]
+    batch = sampler.prepare(rows)
+    out = sampler.sample(logits, batch)
+    expected = torch.log_softmax(sampler.adjusted_logits(logits, batch), -1)
+    vals, ids = expected.topk(4, dim=-1)
+    assert out.top_ids.shape == (3, 4)
+    assert torch.equal(out.top_ids, ids)
+    torch.testing.assert_close(out.top_logprobs, vals)
+    torch.testing.assert_close(out.chosen_logprob, expected.gather(1, out.token_ids[:, None])[:, 0])
+    assert sampler.sample(logits, sampler.prepare([RowSpec(plain(), 0, 0)] * 3)).top_ids is None
+
+
+def test_uniform_is_uniform_reproducible_and_stream_separated():
+    sampler = Sampler(V, "cpu")
+    batch = sampler.prepare([RowSpec(plain(), seed=9, step=i) for i in range(20_000)])
+    u1, u2 = sampler.uniform(batch, 1), sampler.uniform(batch, 2)
+    assert ((u1 > 0) & (u1 < 1)).all()
+    assert stats.kstest(u1.numpy(), "uniform").pvalue > 1e-3
+    assert abs(np.corrcoef(u1.numpy(), u2.numpy())[0, 1]) < 0.03
+    assert torch.equal(u1, sampler.uniform(batch, 1))
+    with pytest.raises(ValueError):
+        sampler.uniform(batch, 0)
