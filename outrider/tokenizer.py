@@ -12,6 +12,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # End-of-generation specials (llama.cpp treats these as EOG too): present in the vocab as special tokens
@@ -61,10 +62,9 @@ def _as_ids(value: Any) -> list[int]:
 class Tokenizer:
     """A checkpoint's tokenizer: encode/decode with llama-server semantics, EOS ids, chat template."""
 
-    def __init__(self, tok, config: Mapping, gen_config: Mapping, model_config: Mapping, chat_template: str | None):
-        import tokenizers
-
-        self._tok: tokenizers.Tokenizer = tok
+    def __init__(self, tok: tokenizers.Tokenizer, config: Mapping, gen_config: Mapping, model_config: Mapping,
+                 chat_template: str | None):
+        self._tok = tok
         self._added = dict(tok.get_added_tokens_decoder())
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template
@@ -86,7 +86,9 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(i for i in eos if i is not None)
 
         self._prefix, self._suffix = self._special_affixes(config)
-        self._byte_level = tok.decoder is not None and b'"type":"ByteLevel"' in tok.decoder.__getstate__()
+        decoder = tok.decoder.__getstate__() if tok.decoder is not None else b""
+        self._byte_level = b'"type":"ByteLevel"' in decoder
+        self._byte_fallback = b'"type":"ByteFallback"' in decoder
 
     @classmethod
     def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -94,8 +96,6 @@ class Tokenizer:
 
         `chat_template` overrides the checkpoint's (chat_template.jinja, else tokenizer_config.json).
         """
-        import tokenizers
-
         path = Path(path)
         if not path.is_dir():
             from huggingface_hub import snapshot_download
@@ -133,8 +133,6 @@ class Tokenizer:
     @functools.cached_property
     def _literal_tok(self):
         """A copy that encodes special-token text as plain text (a copy: the flag is shared mutable state)."""
-        import tokenizers
-
         tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
         tok.encode_special_tokens = True
         return tok
@@ -157,19 +155,20 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a piece of a multi-byte character for byte tokens)."""
-        added = self._added.get(token_id)
-        if added is not None:
-            return added.content.encode()
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             return b""
+        byte = _SPM_BYTE.fullmatch(piece) if self._byte_fallback else None
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if token_id in self._added:  # added tokens hold their text as is, in any tokenizer
+            return piece.encode()
         if self._byte_level:
             try:
                 return bytes(_BYTE_DECODER[c] for c in piece)
             except KeyError:  # a vocab entry outside the byte alphabet: take it literally
                 return piece.encode()
-        byte = _SPM_BYTE.fullmatch(piece)  # SentencePiece byte fallback
-        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode()
+        return piece.replace("▁", " ").encode()  # SentencePiece marks spaces with U+2581
 
     def token_piece(self, token_id: int) -> str:
         """The token's text (U+FFFD where it holds only part of a multi-byte character)."""
@@ -177,17 +176,21 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                             tools: list | None = None, **extra: Any) -> str:
-        """Render `messages` with the chat template in a jinja2 sandbox; `extra` are template variables
-        (chat_template_kwargs such as enable_thinking). Raises ChatTemplateError (a ValueError)."""
+        """Render `messages` with the chat template in a jinja2 sandbox, ready for encode(add_special=True);
+        `extra` are template variables (chat_template_kwargs, e.g. enable_thinking). Raises ChatTemplateError."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; pass one (e.g. --chat-template-file)")
         variables = {**self._template_tokens, **extra}
         variables.update(messages=[_normalize_message(m) for m in messages], tools=tools or None,
                          add_generation_prompt=add_generation_prompt)
         try:
-            return _compile(self.chat_template).render(**variables)
+            prompt = _compile(self.chat_template).render(**variables)
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e.message or e}") from e
+        # As llama-server: encode(prompt, add_special=True) adds BOS itself, so a template's own is dropped.
+        if self.add_bos and self.bos_token and prompt.startswith(self.bos_token):
+            prompt = prompt[len(self.bos_token):]
+        return prompt
 
 
 def _normalize_message(message: Mapping) -> dict:
@@ -298,10 +301,14 @@ class Detokenizer:
         after = self._tok.decode(self._window, self._skip)
         if after.endswith("\ufffd") and not final:
             return ""
-        # Only the ids since the last boundary stay: the window is a token or two, never the whole output.
-        self._window = self._window[self._read:]
+        new = after[len(before):]
+        # Keep only the ids since the last boundary, so the window is a token or two, never the whole output;
+        # but never start it on ids that decode to nothing (skipped specials): SentencePiece decoders would then
+        # strip the leading space of the next token, which mid-text they keep.
+        if new:
+            self._window = self._window[self._read:]
         self._read = len(self._window)
-        return after[len(before):]
+        return new
 
     def _emit(self, new: str, final: bool) -> tuple[str, str | None]:
         text = self._held + new
@@ -311,7 +318,8 @@ class Detokenizer:
         else:
             keep = 0 if final else self._holdback(text)
             out, self._held = text[:len(text) - keep], text[len(text) - keep:]
-        self._chunks.append(out)
+        if out:
+            self._chunks.append(out)
         return out, self.stop_word
 
     def _find_stop(self, text: str) -> tuple[int, str] | None:

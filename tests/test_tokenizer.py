@@ -26,6 +26,25 @@ def tok(tok_dir):
     return Tokenizer.from_pretrained(tok_dir)
 
 
+@pytest.fixture(scope="module")
+def spm_tok(tmp_path_factory):
+    """A SentencePiece-style (Llama 2) tokenizer: "▁" for spaces, byte fallback, a decoder that strips one space."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+
+    path = tmp_path_factory.mktemp("spm")
+    tok = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(TEXTS * 50, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return Tokenizer.from_pretrained(path)
+
+
 def copy_dir(src, dst, **config_changes):
     """A copy of the tokenizer directory with tokenizer_config.json keys changed."""
     shutil.copytree(src, dst)
@@ -157,7 +176,9 @@ def test_chat_template_sources_and_helpers(tok_dir, tmp_path):
     template = "{{ bos_token }}{% for m in messages %}{{ m.content | tojson }}{% endfor %}{{ flag }}"
     (path / "chat_template.jinja").write_text(template)  # preferred over tokenizer_config.json's
     tok = Tokenizer.from_pretrained(path)
-    assert tok.apply_chat_template([{"role": "user", "content": "é"}], flag="!") == f'{BOS_TOKEN}"é"!'
+    assert tok.apply_chat_template([{"role": "user", "content": "é"}], flag="!") == '"é"!'  # BOS: encode's job
+    tok.chat_template = "<{{ bos_token }}>"
+    assert tok.apply_chat_template([]) == f"<{BOS_TOKEN}>"
     tok.chat_template = "{{ strftime_now('%Y') }}"
     assert tok.apply_chat_template([]).isdigit()
     tok.chat_template = "{{ raise_exception('roles must alternate') }}"
@@ -243,6 +264,16 @@ def test_context_keeps_output_as_it_reads_mid_text(tok):
     detok = Detokenizer(tok, context=prompt[-4:])
     text = "".join(detok.push([i])[0] for i in out) + detok.flush()
     assert text == " hello there"
+
+
+def test_sentencepiece_style_spaces_survive_streaming(spm_tok):
+    prompt = spm_tok.encode("hello", add_special=False)
+    out = spm_tok.encode("world  </s> café 中", add_special=False) + spm_tok.encode(" x", add_special=False)
+    assert "\ufffd" not in spm_tok.decode(out) and spm_tok.eos_token_ids == {spm_tok.encode("</s>")[-1]}
+    expected = spm_tok.decode(prompt + out, skip_special_tokens=True)[len(spm_tok.decode(prompt)):]
+    detok = Detokenizer(spm_tok, context=prompt[-4:])
+    assert "".join(detok.push([i])[0] for i in out) + detok.flush() == expected  # " world  café 中 x"
+    assert spm_tok.token_bytes(spm_tok.encode("\x01", add_special=False)[-1]) == b"\x01"  # a byte-fallback token
 
 
 @st.composite

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from outrider.attention import KVCache
-from outrider.config import EngineConfig
+from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import ModelRunner
@@ -51,13 +51,14 @@ def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelConfig] | None = None):
+        """`preloaded`: a (model, config) already on the device (benchmarks with random weights)."""
         self.config = config
         self.device = pick_device(config.device)
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
         t0 = now()
         self.model_path = resolve_model_path(config.model)
-        self.model, self.model_config = load_model(self.model_path, dtype=dtype, device=self.device)
+        self.model, self.model_config = preloaded or load_model(self.model_path, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         if config.chat_template:
@@ -70,6 +71,10 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from outrider.engine.cuda_graphs import capture_decode_graphs
+
+            self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
         self.live: dict[int, _Live] = {}
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.counters = {"prompt_tokens": 0, "predicted_tokens": 0, "requests_finished": 0, "steps": 0}
@@ -97,7 +102,7 @@ class Engine:
             req.seed = self.config.seed
         else:
             req.seed = secrets.randbits(63)
-        detok = Detokenizer(self.tokenizer, req.params.stop)
+        detok = Detokenizer(self.tokenizer, req.params.stop, context=req.prompt_ids[-4:])
         live = _Live(req, on_output, detok)
         if not req.prompt_ids or req.num_prompt >= self.max_model_len:
             self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")

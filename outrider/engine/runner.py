@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
+from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.sampler import RowSpec, Sampler
 from outrider.engine.request import TokenLogprob
 from outrider.params import SamplingParams
@@ -76,6 +77,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.backend = get_backend(device)
         self.sampler = Sampler(vocab_size, device)
+        self.graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine on CUDA
         # Test hook: called with the plan inside each step, before results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
 
@@ -101,7 +103,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepOutput:
         """Run one step: forward, sample the rows that need it, and bring the tokens to the host."""
         batch = self.prepare(plan)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
+        if self.graphs is not None and self.graphs.can_run(batch.meta):
+            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
         rows = [r for rows in batch.logits_rows for r in rows]
         tokens: list[list[int]] = [[] for _ in plan.scheduled]
         logprobs: list[list[TokenLogprob]] = [[] for _ in plan.scheduled]

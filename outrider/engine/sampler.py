@@ -36,13 +36,13 @@ _M32 = 0xFFFFFFFF
 _SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
 
 
-def _mulmod32(x, c: int):
+def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
     """x * c mod 2^32 for x < 2^32, staying below 2^49 (int64 overflow is undefined behaviour in torch)."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
-def _fmix32(x):
-    """Murmur3's finaliser: every output bit depends on every input bit. Works on ints and int64 tensors."""
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """Murmur3's finaliser on int64 tensors holding 32-bit values: every output bit depends on every input bit."""
     x = x ^ (x >> 16)
     x = _mulmod32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -50,14 +50,9 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-def _absorb(h, word):
+def _absorb(h: torch.Tensor | int, word: torch.Tensor | int) -> torch.Tensor:
     """Mix one 32-bit word into a well-mixed hash state h (one finaliser: this runs per vocab entry)."""
     return _fmix32(h ^ _mulmod32(word & _M32, 0x9E3779B9))
-
-
-def _row_key(seed: int, step: int) -> int:
-    seed &= (1 << 64) - 1
-    return _absorb(_absorb(_absorb(_SALT, seed & _M32), seed >> 32), step & _M32)
 
 
 def _to_unit(bits: torch.Tensor) -> torch.Tensor:
@@ -105,6 +100,20 @@ class SampleOutput:
     chosen_logprob: torch.Tensor | None = None  # [N] float32
 
 
+@dataclass
+class Processed:
+    """A batch's processed distributions: row i puts exp(logp[i, j]) on token ids[i, j] (zero elsewhere)."""
+
+    adjusted: torch.Tensor  # [N, V] logits after bias and penalties (what n_probs reports on)
+    logp: torch.Tensor  # [N, W] log-probs, -inf for filtered candidates
+    ids: torch.Tensor  # [N, W] int64 vocab ids (greedy rows repeat their argmax; only column 0 counts)
+
+    def dense(self) -> torch.Tensor:
+        """[N, V] log-probs; amax keeps the one finite entry where a greedy row repeats an id."""
+        out = torch.full_like(self.adjusted, -math.inf)
+        return out.scatter_reduce_(1, self.ids, self.logp, reduce="amax")
+
+
 class Sampler:
     """Turns logits into tokens and processed distributions for a batch of independent rows."""
 
@@ -122,8 +131,10 @@ class Sampler:
 
         floats = self._upload([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
                                [p.typical_p for p in ps]], torch.float32)
+        seeds = [r.seed & ((1 << 64) - 1) for r in rows]
         ints = self._upload([[min(p.top_k, width) if p.top_k > 0 else width for p in ps],
-                             [_row_key(r.seed, r.step) for r in rows]], torch.int64)
+                             [s & _M32 for s in seeds], [s >> 32 for s in seeds],
+                             [r.step & _M32 for r in rows]], torch.int64)
         greedy_t = floats[0] <= 0
         return SamplingBatch(
             num_rows=len(rows),
@@ -133,7 +144,7 @@ class Sampler:
             top_p=floats[1],
             min_p=floats[2],
             typical_p=floats[3],
-            row_keys=ints[1],
+            row_keys=_absorb(_absorb(_absorb(_SALT, ints[1]), ints[2]), ints[3]),  # hash of (seed, step)
             width=width,
             bias=self._bias(rows),
             penalties=self._penalties(rows),
@@ -197,8 +208,9 @@ class Sampler:
             out = torch.where(seen, scaled, out)
         return out
 
-    def _candidates(self, adjusted: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The truncated, tempered distribution over each row's top-`width` tokens: (log-probs, token ids)."""
+    def processed(self, logits: torch.Tensor, batch: SamplingBatch) -> Processed:
+        """The distribution each row samples from, in sparse form over its top-`width` candidates."""
+        adjusted = self.adjusted_logits(logits, batch)
         vals, ids = adjusted.topk(batch.width, dim=-1)  # sorted best first
         keep = torch.arange(batch.width, device=vals.device)[None, :] < batch.top_k[:, None]
         if batch.use_typical:
@@ -207,30 +219,34 @@ class Sampler:
         before = torch.cumsum(probs, dim=-1) - probs  # mass of better tokens: top-p keeps the one crossing p
         keep &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
         keep &= vals >= vals[:, :1] + torch.log(batch.min_p)[:, None]  # min-p relative to the best token
-        tempered = vals.masked_fill(~keep, -math.inf) / batch.temperature[:, None]
-        return torch.log_softmax(tempered, dim=-1), ids
+        logp = torch.log_softmax(vals.masked_fill(~keep, -math.inf) / batch.temperature[:, None], dim=-1)
+        # Greedy rows: all mass on argmax (whose tie-break is defined, unlike topk's), in column 0.
+        one_hot = torch.full_like(logp[:1], -math.inf)
+        one_hot[0, 0] = 0.0
+        greedy = batch.greedy[:, None]
+        return Processed(adjusted, torch.where(greedy, one_hot, logp),
+                         torch.where(greedy, adjusted.argmax(-1, keepdim=True), ids))
 
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Log-probs [N, V] of the distribution each row samples from (one-hot at the argmax for greedy rows)."""
-        adjusted = self.adjusted_logits(logits, batch)
-        logp, ids = self._candidates(adjusted, batch)
-        out = torch.full_like(adjusted, -math.inf).scatter_(1, ids, logp)
-        onehot = torch.full_like(adjusted, -math.inf).scatter_(1, adjusted.argmax(-1, keepdim=True), 0.0)
-        return torch.where(batch.greedy[:, None], onehot, out)
+        return self.processed(logits, batch).dense()
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Draw one token per row (stream 0), plus the top-n log-probs when any row asked for them."""
-        adjusted = self.adjusted_logits(logits, batch)
-        tokens = adjusted.argmax(dim=-1)
-        if not batch.all_greedy:
-            logp, ids = self._candidates(adjusted, batch)
-            drawn = self.gumbel_argmax(logp, ids, batch, STREAM_SAMPLE)
-            tokens = torch.where(batch.greedy, tokens, drawn)
-        out = SampleOutput(token_ids=tokens)
+        if batch.all_greedy:  # fast path, same result: skips the candidate filters
+            adjusted = self.adjusted_logits(logits, batch)
+            tokens = adjusted.argmax(dim=-1)
+        else:
+            proc = self.processed(logits, batch)
+            adjusted, tokens = proc.adjusted, self.gumbel_argmax(proc.logp, proc.ids, batch, STREAM_SAMPLE)
+        return self.with_logprobs(SampleOutput(tokens), adjusted, batch)
+
+    def with_logprobs(self, out: SampleOutput, adjusted: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """Fill the n_probs fields of `out` for its token_ids (no-op when no row asked for log-probs)."""
         if batch.n_probs > 0:
             raw = torch.log_softmax(adjusted, dim=-1)
             out.top_logprobs, out.top_ids = raw.topk(min(batch.n_probs, raw.shape[-1]), dim=-1)
-            out.chosen_logprob = raw.gather(1, tokens[:, None])[:, 0]
+            out.chosen_logprob = raw.gather(1, out.token_ids[:, None])[:, 0]
         return out
 
     def gumbel_argmax(self, logp: torch.Tensor, ids: torch.Tensor | None, batch: SamplingBatch,
@@ -247,7 +263,7 @@ class Sampler:
         return ids.gather(1, col)[:, 0]
 
     def uniform(self, batch: SamplingBatch, stream: int) -> torch.Tensor:
-        """One float32 uniform in (0, 1) per row for (seed, step, stream); stream 0 is sample's own."""
+        """One float32 uniform in (0, 1) per row for (seed, step, stream); use a stream no draw uses."""
         if stream == STREAM_SAMPLE:
             raise ValueError("stream 0 is reserved for sample()")
         return _to_unit(_fmix32(_absorb(batch.row_keys, stream)))

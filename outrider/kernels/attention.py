@@ -56,8 +56,8 @@ def _attn_kernel(
 
     # Keys this tile can see: the whole context, or (causal) up to its last query token's position.
     if CAUSAL:
-        last_tok = tl.minimum(m_block * BLOCK_M + BLOCK_M, n_rows) // GROUP  # exclusive, in tokens
-        kv_end = tl.minimum(ctx_start + last_tok, seq_len)
+        last_tok = (tl.minimum(m_block * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP  # tile's last query token
+        kv_end = tl.minimum(ctx_start + last_tok + 1, seq_len)
     else:
         kv_end = seq_len
     kv_end = tl.maximum(kv_end, 0)

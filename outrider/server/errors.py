@@ -50,7 +50,18 @@ def context_exceeded(n_prompt: int, n_ctx: int) -> ApiError:
     )
 
 
-LOADING = ApiError(503, "Loading model")
-BUSY = ApiError(503, "All slots are busy, try again later")
-UNAUTHORIZED = ApiError(401, "Invalid API Key")
-BODY_TOO_LARGE = ApiError(413, "Request body too large.")
+# Fresh instances: a raised exception keeps its traceback, so one shared instance would pin other requests' frames.
+def loading() -> ApiError:
+    return ApiError(503, "Loading model")
+
+
+def busy() -> ApiError:
+    return ApiError(503, "All slots are busy, try again later")
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Invalid API Key")
+
+
+def body_too_large() -> ApiError:
+    return ApiError(413, "Request body too large.")

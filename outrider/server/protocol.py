@@ -84,7 +84,7 @@ def get_str_list(body: dict, name: str) -> list[str] | None:
     return v
 
 
-def _first_present(body: dict, names: tuple[str, ...]) -> str:
+def first_present(body: dict, names: tuple[str, ...]) -> str:
     return next((n for n in names if body.get(n) is not None), names[0])
 
 
@@ -99,7 +99,7 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer, 
             raise ApiError(400, f"'{name}' is not supported by this server")
     spec = body.get("speculative") if isinstance(body.get("speculative"), dict) else {}
     spec = {**spec, **{k.split(".", 1)[1]: v for k, v in body.items() if k.startswith("speculative.")}}
-    n_name = _first_present(body, ("n_predict", "max_tokens", "max_completion_tokens"))
+    n_name = first_present(body, ("n_predict", "max_tokens", "max_completion_tokens"))
     max_tokens = get_int(body, n_name, defaults.max_tokens, lo=-1)
     if max_tokens == 0:
         max_tokens = 1  # llama-server samples the first token before it checks the limit
@@ -174,10 +174,10 @@ def tokenize_prompts(prompt: Any, tokenizer: Tokenizer, field: str = "prompt") -
 
 def _is_single(prompt: list) -> bool:
     """A flat array of token ids and strings is one prompt unless it holds only strings (then a batch)."""
-    return all(_is_token(x) or isinstance(x, str) for x in prompt) and any(_is_token(x) for x in prompt)
+    return all(is_token(x) or isinstance(x, str) for x in prompt) and any(is_token(x) for x in prompt)
 
 
-def _is_token(x: Any) -> bool:
+def is_token(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -196,7 +196,7 @@ def tokenize_one(prompt: Any, tokenizer: Tokenizer, field: str, add_special: boo
     for i, part in enumerate(prompt):
         if isinstance(part, str):
             ids += tokenizer.encode(part, add_special=add_special and i == 0, parse_special=parse_special)
-        elif _is_token(part) and 0 <= part < tokenizer.vocab_size:
+        elif is_token(part) and 0 <= part < tokenizer.vocab_size:
             ids.append(part)
         else:
             raise invalid(field, f"token {part!r} is not a string or an id in [0, {tokenizer.vocab_size})")

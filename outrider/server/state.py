@@ -10,11 +10,9 @@ from typing import AsyncIterator
 
 from outrider.engine.async_engine import AsyncEngine
 from outrider.engine.request import FinishReason, Request, RequestOutput
-from outrider.server.errors import BUSY, LOADING, ApiError
+from outrider.server.errors import ApiError, busy, loading
 from outrider.server.metrics import Metrics
 from outrider.server.settings import ServerConfig
-
-_DONE = object()
 
 
 class ServerState:
@@ -29,7 +27,7 @@ class ServerState:
     def core(self):
         """The loaded Engine (tokenizer, model config, limits); only valid once `engine.ready`."""
         if not self.engine.ready:
-            raise LOADING
+            raise loading()
         return self.engine.engine
 
     @property
@@ -47,7 +45,7 @@ class ServerState:
     def admit(self, requests: list[Request]) -> Generation:
         """Submit requests now (a full queue is a 503 before any response starts)."""
         if len(self.live) + len(requests) > self.n_slots + self.config.max_queue:
-            raise BUSY
+            raise busy()
         return Generation(self, requests)
 
 
@@ -74,7 +72,7 @@ class Generation:
         try:
             async for out in self.state.engine.generate(req):
                 if out.finished and out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
-                    self.state.metrics.on_finished(out.timing, req.num_prompt)
+                    self.state.metrics.on_finished(out.timing)
                 self._queue.put_nowait((index, out))
         except asyncio.CancelledError:
             raise
@@ -96,7 +94,8 @@ class Generation:
                     item = await self._queue.get()
                 if isinstance(item, ApiError):
                     raise item
-                remaining -= item[1].finished
+                if item[1].finished:
+                    remaining -= 1
                 yield item
         finally:
             for task in self._tasks:

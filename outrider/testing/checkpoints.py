@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import os
-GAIN=float(os.environ.get('GAIN','1'))
 
 _ARCHS = {  # short name -> (architecture, model_type)
     "llama": ("LlamaForCausalLM", "llama"),
@@ -88,7 +86,7 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
 
 
 def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random float32 weights under HF names. Scales keep activations O(1) so tiny models give varied tokens."""
+    """Random float32 weights under HF names, scaled so tiny models give varied, well-separated greedy tokens."""
     from outrider.config import ModelConfig
     from outrider.models.registry import model_class
 
@@ -98,14 +96,16 @@ def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, p in model.named_parameters():  # a tied lm_head is not listed, so it is not written
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight"):  # random signs decorrelate a tied head from the input embedding
             t = torch.randn(p.shape, generator=gen)
         elif name.endswith("bias"):
-            t = torch.randn(p.shape, generator=gen)
+            t = 0.1 * torch.randn(p.shape, generator=gen)
         elif name == "model.embed_tokens.weight":
             t = torch.randn(p.shape, generator=gen)
+            t = t / t.norm(dim=1, keepdim=True) * math.sqrt(p.shape[1])  # equal norms: no "hub" tokens
         else:
-            gain = GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            # Strong residual branches, so the token's own embedding does not dominate (tied heads repeat it).
+            gain = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
             t = gain * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
         out[name] = t
     return out

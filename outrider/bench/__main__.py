@@ -1,0 +1,7 @@
+"""`python -m outrider.bench ...`."""
+
+import sys
+
+from outrider.bench import main
+
+sys.exit(main())

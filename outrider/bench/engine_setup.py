@@ -1,0 +1,27 @@
+"""Build the engine a benchmark runs on: a checkpoint path, or a named shape with random weights."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from outrider.bench.shapes import random_model, write_stub_checkpoint
+from outrider.config import EngineConfig
+from outrider.engine.engine import Engine
+
+
+def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 preloaded: tuple[torch.nn.Module, object] | None = None) -> Engine:
+    """`preloaded` (model, ModelConfig) wins over args.random_weights; args.model is used otherwise."""
+    device = torch.device(args.device)
+    kwargs = dict(device=str(device), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  max_num_batched_tokens=max_num_batched_tokens, enforce_eager=args.eager,
+                  enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.random_weights:
+        if preloaded is None:
+            preloaded = random_model(args.random_weights, device)
+        stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")))
+        return Engine(EngineConfig(model=str(stub), **kwargs), preloaded=preloaded)
+    return Engine(EngineConfig(model=args.model, dtype=args.dtype, **kwargs), preloaded=preloaded)

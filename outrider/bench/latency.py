@@ -1,0 +1,84 @@
+"""`bench latency`: batch-B decode speed and TTFT at given prompt/output lengths, engine level."""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import torch
+
+from outrider.bench.engine_setup import build_engine
+from outrider.bench.report import Reporter
+from outrider.bench.shapes import config_weight_bytes, kv_bytes_per_token
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
+
+
+def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float]:
+    """Run the prompts together to `gen` tokens each -> (TTFT s of the batch, decode tok/s per sequence)."""
+    stamps: dict[int, list[float]] = {}
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    for ids in prompts:
+        req = Request(list(ids), params)
+        stamps[req.request_id] = []
+        engine.add_request(req, lambda out, s=stamps[req.request_id]: s.append(time.perf_counter()))
+    while engine.has_work():
+        engine.step()
+    firsts = [s[0] for s in stamps.values()]
+    lasts = [s[-1] for s in stamps.values()]
+    ttft = max(firsts) - t0
+    decode_rate = (gen - 1) / (max(lasts) - max(firsts)) if gen > 1 else 0.0
+    return ttft, decode_rate
+
+
+def run(args, reporter: Reporter) -> None:
+    from outrider.bench.hf import hf_decode_rate, hf_random_model, ours_sharing_weights
+    from outrider.bench.shapes import RANDOM_MODELS
+
+    device = torch.device(args.device)
+    hf_model = preloaded = None
+    if args.compare == "hf":
+        if not args.random_weights:
+            raise SystemExit("--compare hf needs --random-weights (both engines then share the same weights)")
+        from outrider.config import ModelConfig
+
+        hf_model = hf_random_model(args.random_weights, device)
+        cfg = ModelConfig.from_dict(RANDOM_MODELS[args.random_weights])
+        preloaded = (ours_sharing_weights(hf_model, cfg, device), cfg)
+    max_len = max(args.prompt_len + args.gen, args.ttft_prompt_len + 1) + 16
+    engine = build_engine(args, max_num_seqs=args.batch, max_model_len=max_len,
+                          max_num_batched_tokens=max(2048, args.batch * args.prompt_len, args.ttft_prompt_len),
+                          preloaded=preloaded)
+    cfg = engine.model_config
+    name = args.random_weights or args.model
+    rng = random.Random(args.seed)
+    prompt = lambda n: [rng.randrange(cfg.vocab_size) for _ in range(n)]  # noqa: E731
+    w_bytes = config_weight_bytes(cfg, engine.dtype.itemsize)
+    kv_tok = kv_bytes_per_token(cfg, engine.dtype)
+
+    run_batch(engine, [prompt(16)], 8)  # warm-up: compiles every kernel variant the runs below use
+    ttft, rate = run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], args.gen)
+    step_bytes = w_bytes + args.batch * (args.prompt_len + args.gen / 2) * kv_tok
+    reporter.line(f"latency {name} bs={args.batch} in={args.prompt_len} out={args.gen}",
+                  f"{rate:.1f} tok/s/seq ({1e3 / rate:.2f} ms/step, {rate * args.batch:.0f} tok/s total), "
+                  f"TTFT {ttft * 1e3:.1f} ms", step_bytes * rate, 1.0, tok_s=rate, ttft_s=ttft)
+    if args.ttft_prompt_len:
+        ttfts = [run_batch(engine, [prompt(args.ttft_prompt_len)], 1)[0] for _ in range(3)]
+        best = min(ttfts)
+        layer_params = (w_bytes - engine.dtype.itemsize * cfg.vocab_size * cfg.hidden_size) / engine.dtype.itemsize
+        flops = 2 * layer_params * args.ttft_prompt_len
+        reporter.line(f"ttft {name} in={args.ttft_prompt_len}",
+                      f"{best * 1e3:.1f} ms (best of 3; {flops / best / 1e12:.0f} TFLOP/s over the weights)",
+                      w_bytes, best, ttft_s=best)
+    if hf_model is not None:
+        del engine  # frees the KV pool and graph pool (after gc: the graphs' closures form cycles)
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf_rate, hf_ttft = hf_decode_rate(hf_model, args.prompt_len, args.gen, cfg.vocab_size, device)
+        hf_bytes = w_bytes + (args.prompt_len + args.gen / 2) * kv_tok
+        reporter.line(f"hf-transformers {name} bs=1 in={args.prompt_len} out={args.gen}",
+                      f"{hf_rate:.1f} tok/s ({1e3 / hf_rate:.2f} ms/token), TTFT {hf_ttft * 1e3:.1f} ms; "
+                      f"outrider/hf = {rate / hf_rate:.2f}x", hf_bytes * hf_rate, 1.0, tok_s=hf_rate,
+                      ratio=rate / hf_rate)

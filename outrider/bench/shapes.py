@@ -1,0 +1,75 @@
+"""Real model shapes with random weights, and the byte counts that define the decode roofline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from outrider.config import ModelConfig
+
+_QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, num_key_value_heads=8,
+              head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+              hidden_act="silu", attention_bias=False, torch_dtype="bfloat16")
+RANDOM_MODELS: dict[str, dict] = {  # HF config.json fields of the public checkpoints
+    "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "tie_word_embeddings": True},
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "tie_word_embeddings": False},
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      hidden_act="silu", attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16"),
+}
+
+# Spec HBM bandwidth by device name (anchors: % of roofline is against the spec of the GPU measured on).
+_SPEC_BW = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.04e12}
+
+
+def spec_bandwidth(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in _SPEC_BW.items() if key in name), None)
+
+
+def config_weight_bytes(cfg: ModelConfig, elem: int) -> int:
+    """Bytes one decode step must stream: every weight once, except the embedding (one row is read) unless
+    it doubles as the LM head. Biases are ignored (under 0.01%)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (2 * cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    per_layer = attn + 3 * h * cfg.intermediate_size + 2 * h + (2 * d if cfg.qk_norm else 0)
+    return elem * (cfg.num_hidden_layers * per_layer + h + cfg.vocab_size * h)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def random_model(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
+    """Our model with the named shape and random weights, built directly on the device."""
+    from outrider.models.registry import model_class
+
+    cfg = ModelConfig.from_dict(RANDOM_MODELS[name])
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(cfg)(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(device).eval().requires_grad_(False), cfg
+
+
+def write_stub_checkpoint(name: str, path: Path) -> Path:
+    """config.json + the tiny test tokenizer: enough for Engine to start when the model is handed in."""
+    from outrider.testing.tokenizer import write_tiny_tokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_tiny_tokenizer(path)
+    (path / "config.json").write_text(json.dumps(RANDOM_MODELS[name]))
+    return path

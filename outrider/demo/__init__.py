@@ -1,0 +1,46 @@
+"""The bundled demo model family, trained by scripts/train_demo.py on the Python standard library.
+
+Layout of this package directory (see README.md here, the model card):
+  target/  Qwen3ForCausalLM checkpoint; its model.safetensors also holds a Qwen3.5-style MTP layer (`mtp.*`,
+           config `mtp_num_hidden_layers: 1`)
+  draft/   a smaller Qwen3ForCausalLM draft model sharing the target's tokenizer
+  dflash/  a DFlashDraftModel drafter for the target (block_size and dflash_config in its config.json)
+  metrics.json, eval_prompts.json  training metrics and the held-out prompts used to measure acceptance
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEMO_DIR = Path(__file__).resolve().parent
+
+# drafter kind -> directory holding it ("mtp" lives inside the target checkpoint)
+KINDS = {"target": "target", "draft": "draft", "mtp": "target", "dflash": "dflash"}
+DRAFTER_KINDS = ("draft", "mtp", "dflash")
+
+
+def demo_path(kind: str = "target") -> Path:
+    """Directory of a shipped demo checkpoint: "target", "draft", "dflash", or "mtp" (= the target directory,
+    whose checkpoint carries the MTP layer). Raises FileNotFoundError if the artifact is not installed."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown demo kind {kind!r}; one of {', '.join(KINDS)}")
+    path = DEMO_DIR / KINDS[kind]
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"demo {kind} checkpoint not found at {path}; run scripts/train_demo.py")
+    return path
+
+
+def is_available() -> bool:
+    """True when the target and all three drafters are installed."""
+    return all((DEMO_DIR / d / "config.json").is_file() for d in set(KINDS.values()))
+
+
+def eval_prompts() -> list[dict]:
+    """The held-out prompts (dicts with kind "def" | "window", file, prompt) used for acceptance measurements."""
+    return json.loads((DEMO_DIR / "eval_prompts.json").read_text())
+
+
+def metrics() -> dict:
+    """The training run's metrics.json (losses, acceptance proxies, sizes, corpus fingerprint)."""
+    return json.loads((DEMO_DIR / "metrics.json").read_text())

@@ -1,0 +1,55 @@
+"""FastAPI assembly: routes, llama-server's error format for every failure, and the middleware stack."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from outrider.engine.async_engine import AsyncEngine
+from outrider.server import native, openai
+from outrider.server.errors import ApiError
+from outrider.server.middleware import CORS, BodyLimit, Gate
+from outrider.server.settings import ServerConfig
+from outrider.server.state import ServerState
+from outrider.server.transport import ClientGone
+
+log = logging.getLogger("outrider.server")
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The ASGI app over an engine that is started (or loading); it never starts or stops the engine."""
+    app = FastAPI(title="outrider", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.server = ServerState(engine, config)
+    app.include_router(native.router)
+    app.include_router(openai.router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError):
+        return ApiError(400, str(exc.errors())).response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, __: ClientGone):
+        return Response(status_code=499)  # nobody reads it; the requests are already aborted
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        log.exception("unhandled error")
+        return ApiError(500, f"{type(exc).__name__}: {exc}").response()
+
+    # add_middleware wraps: the last added runs first.
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(Gate, engine=engine, api_keys=config.api_keys)
+    app.add_middleware(CORS)
+    return app

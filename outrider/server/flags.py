@@ -1,0 +1,168 @@
+"""The command line in llama-server's spellings: one table of options with their LLAMA_ARG_* variables,
+GGML-only flags (accepted with a warning), and flags llama-server itself removed (an error).
+
+A flag on the command line wins over its environment variable, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Opt:
+    flags: tuple[str, ...]
+    dest: str
+    env: str | None = None
+    type: Callable[[str], Any] | None = str  # None: a switch (True when given)
+    default: Any = None
+    help: str = ""
+    negative: tuple[str, ...] = ()  # spellings that set a switch to False
+
+
+def _env_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("true", "1", "on", "enabled"):
+        return True
+    if v in ("false", "0", "off", "disabled"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+MODEL = [
+    Opt(("-m", "--model"), "model", "LLAMA_ARG_MODEL", help="checkpoint directory (HF safetensors) or hub repo id"),
+    Opt(("-hf", "-hfr", "--hf-repo"), "hf_repo", "LLAMA_ARG_HF_REPO", help="Hugging Face repo id to load"),
+    Opt(("-hff", "--hf-file"), "hf_file", "LLAMA_ARG_HF_FILE", help="ignored: outrider loads the repo's safetensors"),
+    Opt(("--offline",), "offline", "LLAMA_OFFLINE", None, False, "use the local hub cache only"),
+    Opt(("-c", "--ctx-size"), "ctx_size", "LLAMA_ARG_CTX_SIZE", int, 0,
+        "context length of each sequence (0 = the model's)"),
+    Opt(("-np", "--parallel"), "parallel", "LLAMA_ARG_N_PARALLEL", int, -1, "sequences decoded together (-1 = auto)"),
+    Opt(("-b", "--batch-size"), "batch_size", "LLAMA_ARG_BATCH", int, None, "token budget of one step"),
+    Opt(("-s", "--seed"), "seed", None, int, -1, "default seed (-1 = random per request)"),
+    Opt(("--cache-prompt",), "cache_prompt", "LLAMA_ARG_CACHE_PROMPT", None, True, "reuse cached prompt prefixes",
+        negative=("--no-cache-prompt",)),
+    Opt(("-md", "--model-draft", "--spec-draft-model"), "model_draft", "LLAMA_ARG_SPEC_DRAFT_MODEL",
+        help="draft model for speculative decoding"),
+    Opt(("--spec-type",), "spec_type", "LLAMA_ARG_SPEC_TYPE",
+        help="none | draft-simple | draft-mtp | draft-dflash (default: detect)"),
+    Opt(("--spec-draft-n-max",), "spec_draft_n_max", "LLAMA_ARG_SPEC_DRAFT_N_MAX", int, None, "max drafted tokens"),
+    Opt(("--spec-draft-n-min",), "spec_draft_n_min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, None, "min drafted tokens"),
+    Opt(("--spec-draft-p-min", "--draft-p-min"), "draft_p_min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, None,
+        "min draft probability to keep drafting"),
+    Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE", help="Jinja template source, or chatml"),
+    Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", help="Jinja template file"),
+    Opt(("--jinja",), "jinja", "LLAMA_ARG_JINJA", None, True, "templates are always Jinja (--no-jinja is ignored)",
+        negative=("--no-jinja",)),
+    # outrider's own
+    Opt(("--dtype",), "dtype", "OUTRIDER_DTYPE", str, "auto", "auto | float32 | float16 | bfloat16"),
+    Opt(("--device",), "device", "OUTRIDER_DEVICE", str, "auto", "auto | cpu | cuda"),
+    Opt(("--tokenizer",), "tokenizer", None, help="tokenizer directory (default: the model's)"),
+    Opt(("--block-size",), "block_size", None, int, None, "KV block size in tokens"),
+    Opt(("--num-kv-blocks",), "num_kv_blocks", None, int, None, "KV blocks (default: sized from memory)"),
+    Opt(("--kv-cache-gib",), "kv_cache_gib", None, float, None, "CPU: memory for the KV cache"),
+    Opt(("--gpu-memory-utilization",), "gpu_memory_utilization", None, float, None, "GPU memory fraction"),
+    Opt(("--enforce-eager",), "enforce_eager", None, None, False, "GPU: no CUDA graphs"),
+]
+
+SAMPLING = [
+    Opt(("-n", "--predict", "--n-predict"), "n_predict", "LLAMA_ARG_N_PREDICT", int, -1,
+        "tokens to predict (-1 = until a stop); caps every request"),
+    Opt(("--temp",), "temp", None, float, 0.8, "temperature"),
+    Opt(("--top-k",), "top_k", "LLAMA_ARG_TOP_K", int, 40, "top-k"),
+    Opt(("--top-p",), "top_p", None, float, 0.95, "top-p"),
+    Opt(("--min-p",), "min_p", None, float, 0.05, "min-p"),
+    Opt(("--typical",), "typical_p", None, float, 1.0, "locally typical sampling p"),
+    Opt(("--repeat-penalty",), "repeat_penalty", None, float, 1.0, "repeat penalty"),
+    Opt(("--repeat-last-n",), "repeat_last_n", None, int, 64, "penalty window"),
+    Opt(("--presence-penalty",), "presence_penalty", None, float, 0.0, "presence penalty"),
+    Opt(("--frequency-penalty",), "frequency_penalty", None, float, 0.0, "frequency penalty"),
+    Opt(("--ignore-eos",), "ignore_eos", None, None, False, "keep generating after end-of-generation tokens"),
+]
+
+SERVER = [
+    Opt(("--host",), "host", "LLAMA_ARG_HOST", str, "127.0.0.1", "address to listen on (*.sock = UNIX socket)"),
+    Opt(("--port",), "port", "LLAMA_ARG_PORT", int, 8080, "port (0 = any free port)"),
+    Opt(("-a", "--alias"), "alias", "LLAMA_ARG_ALIAS", help="model name(s) to report, comma-separated"),
+    Opt(("--api-key",), "api_key", "LLAMA_API_KEY", help="API key(s), comma-separated"),
+    Opt(("--api-key-file",), "api_key_file", "LLAMA_ARG_API_KEY_FILE", help="file with one API key per line"),
+    Opt(("--metrics",), "metrics", "LLAMA_ARG_ENDPOINT_METRICS", None, False, "enable /metrics"),
+    Opt(("--slots",), "slots", "LLAMA_ARG_ENDPOINT_SLOTS", None, True, "enable /slots", negative=("--no-slots",)),
+    Opt(("--props",), "props", "LLAMA_ARG_ENDPOINT_PROPS", None, False, "allow POST /props"),
+    Opt(("-to", "--timeout"), "timeout", "LLAMA_ARG_TIMEOUT", int, 3600, "idle connection timeout, seconds"),
+    Opt(("--sse-ping-interval",), "sse_ping_interval", "LLAMA_ARG_SSE_PING_INTERVAL", float, 30.0,
+        "seconds of stream silence before a keep-alive comment (-1 = off)"),
+    Opt(("--max-queue",), "max_queue", "OUTRIDER_MAX_QUEUE", int, 256,
+        "requests that may wait for a slot; more get 503"),
+    Opt(("--max-body-size",), "max_body_size", "OUTRIDER_MAX_BODY_SIZE", int, 32 << 20, "request body limit, bytes"),
+]
+
+# GGML/llama.cpp-only knobs: accepted so existing command lines run, with a one-line warning. True = takes a value.
+GGML_ONLY = {
+    ("-ngl", "--gpu-layers", "--n-gpu-layers"): True, ("-fa", "--flash-attn"): True,
+    ("-ctk", "--cache-type-k"): True, ("-ctv", "--cache-type-v"): True, ("-t", "--threads"): True,
+    ("-tb", "--threads-batch"): True, ("-ub", "--ubatch-size"): True, ("-sm", "--split-mode"): True,
+    ("-ts", "--tensor-split"): True, ("-mg", "--main-gpu"): True,
+    ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"): True, ("-devd", "--device-draft"): True,
+    ("-ctkd", "--cache-type-k-draft"): True, ("-ctvd", "--cache-type-v-draft"): True, ("--numa",): True,
+    ("-cram", "--cache-ram"): True, ("--threads-http",): True, ("-C", "--cpu-mask"): True,
+    ("-Cr", "--cpu-range"): True, ("--prio",): True, ("--poll",): True, ("-ot", "--override-tensor"): True,
+    ("--cache-reuse",): True, ("-cd", "--ctx-size-draft"): True,
+    ("--mlock",): False, ("--no-mmap",): False, ("--mmap",): False, ("-cb", "--cont-batching"): False,
+    ("-nocb", "--no-cont-batching"): False, ("-kvu", "--kv-unified"): False, ("--no-kv-unified",): False,
+    ("-nkvo", "--no-kv-offload"): False, ("--no-warmup",): False, ("--warmup",): False, ("--swa-full",): False,
+    ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False,
+    ("--no-context-shift",): False,
+}
+REMOVED = ("--draft", "--draft-n", "--draft-max", "--draft-min")
+REMOVED_ENV = ("LLAMA_ARG_DRAFT_MAX", "LLAMA_ARG_DRAFT_MIN")
+
+
+class _GgmlOnly(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"warning: {option_string} only applies to GGML backends; ignored", file=sys.stderr)
+
+
+class _Removed(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: the argument has been removed. use --spec-draft-n-max or --spec-draft-n-min")
+
+
+def add_options(parser: argparse.ArgumentParser, opts: list[Opt]) -> None:
+    for o in opts:
+        if o.type is None:
+            parser.add_argument(*o.flags, dest=o.dest, action="store_const", const=True, default=None,
+                                help=f"{o.help} (env {o.env})" if o.env else o.help)
+            if o.negative:
+                parser.add_argument(*o.negative, dest=o.dest, action="store_const", const=False,
+                                    help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(*o.flags, dest=o.dest, type=o.type, default=None, metavar=o.dest.upper(),
+                                help=f"{o.help} (env {o.env})" if o.env else o.help)
+
+
+def add_llama_compat(parser: argparse.ArgumentParser) -> None:
+    for flags, takes_value in GGML_ONLY.items():
+        parser.add_argument(*flags, action=_GgmlOnly, nargs=1 if takes_value else 0, help=argparse.SUPPRESS)
+    parser.add_argument(*REMOVED, action=_Removed, nargs="?", help=argparse.SUPPRESS)
+
+
+def apply_env_and_defaults(parser: argparse.ArgumentParser, ns: argparse.Namespace, opts: list[Opt]) -> None:
+    """Fill what the command line left unset: from the option's environment variable, else its default."""
+    for name in REMOVED_ENV:
+        if name in os.environ:
+            parser.error(f"{name}: the argument has been removed. use LLAMA_ARG_SPEC_DRAFT_N_MAX/_N_MIN")
+    for o in opts:
+        if getattr(ns, o.dest) is not None:
+            continue
+        raw = os.environ.get(o.env) if o.env else None
+        if raw is None:
+            setattr(ns, o.dest, o.default)
+            continue
+        try:
+            setattr(ns, o.dest, _env_bool(raw) if o.type is None else o.type(raw))
+        except ValueError as e:
+            parser.error(f"{o.env}: {e}")

@@ -1,0 +1,298 @@
+"""llama-server's native routes: /completion(s), /tokenize, /detokenize, /apply-template, /health, /props,
+/slots, /metrics, /models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from outrider.engine.request import Request as EngineRequest
+from outrider.engine.request import RequestOutput
+from outrider.server import protocol as proto
+from outrider.server.errors import ApiError
+from outrider.server.render import JSON, SSE_PING, generation_settings, sse, token_probs
+from outrider.server.settings import BUILD_INFO
+from outrider.server.state import Generation, ServerState
+from outrider.server.transport import read_json, sse_response, until_disconnected
+
+router = APIRouter()
+
+
+def state_of(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@dataclass(frozen=True)
+class NativeOptions:
+    """Per-request switches of /completion that shape the response, not the sampling."""
+
+    stream: bool
+    timings_per_token: bool
+    return_tokens: bool
+    post_sampling_probs: bool
+    response_fields: tuple[str, ...]
+    ping_interval: float
+
+    @classmethod
+    def parse(cls, body: dict, state: ServerState) -> NativeOptions:
+        fields = proto.get_str_list(body, "response_fields") or []
+        proto.get_int(body, "id_slot", -1, lo=-1, hi=state.n_slots - 1)  # validated; the scheduler picks slots
+        return cls(
+            stream=proto.get_bool(body, "stream", False),
+            timings_per_token=proto.get_bool(body, "timings_per_token", False),
+            return_tokens=proto.get_bool(body, "return_tokens", False),
+            post_sampling_probs=proto.get_bool(body, "post_sampling_probs", False),
+            response_fields=tuple(fields),
+            ping_interval=proto.get_float(body, "sse_ping_interval", state.config.sse_ping_interval, lo=-1),
+        )
+
+
+@router.post("/completion")
+@router.post("/completions")
+async def completion(request: Request):
+    state = state_of(request)
+    body = await read_json(request)
+    tok = state.tokenizer
+    prompts = proto.tokenize_prompts(body.get("prompt"), tok)
+    params = proto.sampling_params(body, state.config.defaults, tok, cache_prompt=state.config.cache_prompt)
+    n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)
+    opts = NativeOptions.parse(body, state)
+    gen = state.admit(proto.make_requests(prompts, params, n, state.n_ctx))
+    if opts.stream:
+        return sse_response(_stream(state, gen, opts))
+    results = await until_disconnected(request, gen.collect())
+    bodies = [_final(state, req, outs, opts, i, streamed=False) for i, (req, outs) in
+              enumerate(zip(gen.requests, results))]
+    return JSON(bodies[0] if len(bodies) == 1 else bodies)
+
+
+def _check_error(out: RequestOutput) -> None:
+    if out.error:
+        raise ApiError(500, out.error)
+
+
+def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], opts: NativeOptions, index: int,
+           streamed: bool) -> dict[str, Any]:
+    """The complete result object (non-streamed body, or the last SSE frame with the text already sent)."""
+    last = outs[-1]
+    _check_error(last)
+    text = "".join(o.text for o in outs)
+    ids = [t for o in outs for t in o.new_token_ids]
+    params = req.params
+    result = {
+        "index": index,
+        "content": "" if streamed else text,
+        "tokens": ids if opts.return_tokens and not streamed else [],
+        "id_slot": req.id_slot,
+        "stop": True,
+        "model": state.config.model_alias,
+        "tokens_predicted": len(ids),
+        "tokens_evaluated": req.num_prompt,
+        "generation_settings": generation_settings(params, state.engine.config, req.seed, stream=opts.stream,
+                                                   timings_per_token=opts.timings_per_token,
+                                                   post_sampling_probs=opts.post_sampling_probs),
+        "prompt": state.tokenizer.decode(req.prompt_ids),
+        "has_new_line": "\n" in text,
+        "truncated": False,
+        "stop_type": last.stop_type,
+        "stopping_word": last.stopping_word,
+        "tokens_cached": req.num_prompt + max(len(ids) - 1, 0),  # the last sampled token has no K/V yet
+        "timings": last.timing.to_timings(),
+    }
+    if params.n_probs > 0 and not streamed:
+        lps = [lp for o in outs for lp in o.logprobs or ()]
+        result["completion_probabilities"] = token_probs(state.tokenizer, lps, params.n_probs,
+                                                         opts.post_sampling_probs)
+    return _project(result, opts.response_fields) if opts.response_fields else result
+
+
+def _project(result: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
+    """`response_fields`: keep only these paths; "a/b" picks a nested value under the key "a/b"."""
+    out = {}
+    for path in paths:
+        value: Any = result
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
+
+
+async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> AsyncIterator[bytes]:
+    """One frame per engine commit, then the final object per request; no [DONE] on the native route."""
+    history: list[list[RequestOutput]] = [[] for _ in gen.requests]
+    predicted = [0] * len(gen.requests)
+    try:
+        async for item in gen.outputs(opts.ping_interval):
+            if item is None:
+                yield SSE_PING
+                continue
+            index, out = item
+            _check_error(out)
+            req = gen.requests[index]
+            history[index].append(out)
+            predicted[index] += len(out.new_token_ids)
+            if out.new_token_ids:
+                frame = {"index": index, "content": out.text, "tokens": out.new_token_ids, "stop": False,
+                         "id_slot": -1, "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
+                if opts.timings_per_token:
+                    frame["timings"] = out.timing.to_timings()
+                if req.params.n_probs > 0:
+                    frame["completion_probabilities"] = token_probs(state.tokenizer, out.logprobs,
+                                                                    req.params.n_probs, opts.post_sampling_probs)
+                yield sse(frame)
+            if out.finished:
+                yield sse(_final(state, req, history[index], opts, index, streamed=True))
+    except ApiError as e:  # after the headers went out, an error can only be a frame
+        yield sse(e.body())
+
+
+# --- tokenizer routes ---
+@router.post("/tokenize")
+async def tokenize(request: Request):
+    body = await read_json(request)
+    tok = state_of(request).tokenizer
+    ids = proto.tokenize_one(body.get("content", ""), tok, "content",
+                             add_special=proto.get_bool(body, "add_special", False),
+                             parse_special=proto.get_bool(body, "parse_special", True))
+    if not proto.get_bool(body, "with_pieces", False):
+        return JSON({"tokens": ids})
+    return JSON({"tokens": [{"id": i, "piece": _piece(tok.token_bytes(i))} for i in ids]})
+
+
+def _piece(raw: bytes) -> str | list[int]:
+    """A piece as text, or as its byte values when it is not valid UTF-8 on its own."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(raw)
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request):
+    body = await read_json(request)
+    tok = state_of(request).tokenizer
+    tokens = body.get("tokens") or []
+    if not isinstance(tokens, list) or not all(proto.is_token(t) and 0 <= t < tok.vocab_size for t in tokens):
+        raise proto.invalid("tokens", f"expected an array of token ids in [0, {tok.vocab_size})")
+    return JSON({"content": tok.decode(tokens)})
+
+
+@router.post("/apply-template")
+async def apply_template(request: Request):
+    body = await read_json(request)
+    return JSON({"prompt": proto.chat_prompt(body, state_of(request).tokenizer)})
+
+
+# --- server information ---
+@router.get("/health")
+@router.get("/v1/health")
+async def health():
+    return JSON({"status": "ok"})  # the state middleware answers 503 while loading
+
+
+@router.get("/props")
+async def get_props(request: Request):
+    state = state_of(request)
+    core, cfg = state.core, state.config
+    tok = core.tokenizer
+    return JSON({
+        "default_generation_settings": {
+            "params": generation_settings(cfg.defaults, state.engine.config),
+            "n_ctx": state.n_ctx,
+        },
+        "total_slots": state.n_slots,
+        "model_alias": cfg.model_alias,
+        "model_path": str(core.model_path),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": cfg.endpoint_slots,
+        "endpoint_props": cfg.endpoint_props,
+        "endpoint_metrics": cfg.endpoint_metrics,
+        "chat_template": tok.chat_template or "",
+        "bos_token": tok.bos_token or "",
+        "eos_token": tok.eos_token or "",
+        "build_info": BUILD_INFO,
+        "is_sleeping": False,
+    })
+
+
+@router.post("/props")
+async def set_props(request: Request):
+    if not state_of(request).config.endpoint_props:
+        raise ApiError(501, "This server does not support changing global properties. Start it with `--props`")
+    await read_json(request)
+    return JSON({"success": True})
+
+
+@router.get("/slots")
+async def slots(request: Request, fail_on_no_slot: str | None = None):
+    state = state_of(request)
+    if not state.config.endpoint_slots:
+        raise ApiError(501, "This server does not support slots endpoint. Start it with `--slots`")
+    views = [_slot(state, s) for s in state.engine.slots()]
+    if fail_on_no_slot not in (None, "", "0", "false") and all(v["is_processing"] for v in views):
+        raise ApiError(503, "no slot available")
+    return JSON(views)
+
+
+def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
+    """One slot as llama-server shows it, from the engine's snapshot joined with the request it serves."""
+    view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.config.draft_model is not None,
+            "is_processing": snap["is_processing"]}
+    req = state.live.get(snap["id_task"]) if snap["is_processing"] else None
+    if req is None:
+        return view
+    n_decoded = snap["n_decoded"]
+    tok = state.tokenizer
+    return {**view, "id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
+            "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
+            "params": generation_settings(req.params, state.engine.config, req.seed),
+            "next_token": [{"has_next_token": True, "has_new_line": False,
+                            "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
+                            "n_decoded": n_decoded}],
+            "prompt": tok.decode(req.prompt_ids), "generated": tok.decode(req.output_ids[:n_decoded])}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    state = state_of(request)
+    if not state.config.endpoint_metrics:
+        raise ApiError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
+    return PlainTextResponse(state.metrics.render(state.engine.stats()),
+                             media_type="text/plain; version=0.0.4",
+                             headers={"Process-Start-Time-Unix": str(int(state.started))})
+
+
+@router.get("/models")
+@router.get("/v1/models")
+async def models(request: Request):
+    state = state_of(request)
+    core, cfg = state.core, state.config
+    mc = core.model_config
+    n_params = sum(p.numel() for p in core.model.parameters())
+    size = sum(p.numel() * p.element_size() for p in core.model.parameters())
+    return JSON({
+        "object": "list",
+        "data": [{
+            "id": cfg.model_alias,
+            "aliases": sorted(cfg.aliases),
+            "tags": [],
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "llamacpp",
+            "meta": {"vocab_type": 2, "n_vocab": mc.vocab_size, "n_ctx": state.n_ctx,
+                     "n_ctx_train": mc.max_position_embeddings, "n_embd": mc.hidden_size, "n_params": n_params,
+                     "size": size, "ftype": str(core.dtype).removeprefix("torch.")},
+        }],
+        "models": [{"name": cfg.model_alias, "model": cfg.model_alias, "modified_at": "", "size": str(size),
+                    "digest": "", "type": "model", "description": "", "tags": [""],
+                    "capabilities": ["completion"], "parameters": "",
+                    "details": {"parent_model": "", "format": "safetensors", "family": mc.architecture,
+                                "families": [mc.architecture], "parameter_size": str(n_params),
+                                "quantization_level": ""}}],
+    })

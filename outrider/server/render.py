@@ -1,0 +1,125 @@
+"""Response pieces several routes share: generation_settings, token probabilities, SSE framing, JSON bodies."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from fastapi.responses import Response
+
+from outrider.config import EngineConfig
+from outrider.engine.request import TokenLogprob
+from outrider.params import SamplingParams
+from outrider.tokenizer import Tokenizer
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # what llama-server shows for "random seed"
+# Our fixed chain (outrider/engine/sampler.py), in llama-server's sampler names.
+SAMPLERS = ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class JSON(Response):
+    """Compact UTF-8 JSON, as llama-server writes it."""
+
+    media_type = "application/json; charset=utf-8"
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {dumps(obj)}\n\n".encode()
+
+
+SSE_PING = b":\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int | None = None, *,
+                        stream: bool = False, timings_per_token: bool = False,
+                        post_sampling_probs: bool = False) -> dict[str, Any]:
+    """llama-server's task params object; features we lack are shown at their "off" values."""
+    if seed is None:
+        seed = params.seed if params.seed is not None else (engine.seed if engine.seed >= 0 else LLAMA_DEFAULT_SEED)
+    bias = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in params.logit_bias]
+    return {
+        "seed": seed,
+        "temperature": params.temperature,
+        "dynatemp_range": 0.0,
+        "dynatemp_exponent": 1.0,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "top_n_sigma": -1.0,
+        "xtc_probability": 0.0,
+        "xtc_threshold": 0.1,
+        "typical_p": params.typical_p,
+        "repeat_last_n": params.repeat_last_n,
+        "repeat_penalty": params.repeat_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "dry_multiplier": 0.0,
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_penalty_last_n": -1,
+        "dry_sequence_breakers": ["\n", ":", '"', "*"],
+        "mirostat": 0,
+        "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1,
+        "stop": list(params.stop),
+        "max_tokens": params.max_tokens,
+        "n_predict": params.max_tokens,
+        "n_keep": 0,
+        "n_discard": 0,
+        "ignore_eos": params.ignore_eos,
+        "stream": stream,
+        "logit_bias": bias,
+        "n_probs": params.n_probs,
+        "min_keep": 0,
+        "grammar": "",
+        "grammar_lazy": False,
+        "grammar_triggers": [],
+        "preserved_tokens": [],
+        "chat_format": "Content-only",
+        "reasoning_format": "none",
+        "reasoning_in_content": False,
+        "samplers": SAMPLERS,
+        "speculative.n_max": engine.spec_draft_n_max if params.spec_n_max is None else params.spec_n_max,
+        "speculative.n_min": engine.spec_draft_n_min if params.spec_n_min is None else params.spec_n_min,
+        "speculative.p_min": engine.draft_p_min if params.spec_p_min is None else params.spec_p_min,
+        "speculative.types": [engine.spec_type] if engine.spec_type else [],
+        "timings_per_token": timings_per_token,
+        "post_sampling_probs": post_sampling_probs,
+        "backend_sampling": False,
+        "lora": [],
+    }
+
+
+def _lp(x: float) -> float | None:
+    """-inf (a banned token) is not valid JSON; llama-server writes null there too."""
+    return x if math.isfinite(x) else None
+
+
+def _entry(tok: Tokenizer, token_id: int, logprob: float, post_sampling: bool) -> dict[str, Any]:
+    raw = tok.token_bytes(token_id)
+    entry = {"id": token_id, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
+    if post_sampling:
+        entry["prob"] = math.exp(logprob)
+    else:
+        entry["logprob"] = _lp(logprob)
+    return entry
+
+
+def token_probs(tok: Tokenizer, logprobs: list[TokenLogprob] | None, n_top: int,
+                post_sampling: bool = False) -> list[dict[str, Any]]:
+    """llama-server's `completion_probabilities` (also OpenAI chat's `logprobs.content`)."""
+    top_key = "top_probs" if post_sampling else "top_logprobs"
+    return [
+        {**_entry(tok, lp.token_id, lp.logprob, post_sampling),
+         top_key: [_entry(tok, t, v, post_sampling) for t, v in lp.top[:n_top]]}
+        for lp in logprobs or ()
+    ]

@@ -1,0 +1,74 @@
+"""Run the server: start the engine thread (it loads the model while /health says 503), bind, serve, and stop
+cleanly on SIGINT/SIGTERM. A model that fails to load ends the process with status 1, as llama-server does."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from outrider.config import EngineConfig
+from outrider.engine.async_engine import AsyncEngine
+from outrider.server.app import create_app
+from outrider.server.settings import ServerConfig
+
+log = logging.getLogger("outrider.server")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket (a UNIX socket when host ends in .sock); port 0 picks a free port."""
+    if host.endswith(".sock"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(host)
+    else:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    sock.listen(2048)
+    return sock
+
+
+async def _watch_load(engine: AsyncEngine, server: uvicorn.Server) -> int:
+    """Wait for the model; on a load failure stop serving and report status 1."""
+    while not engine.ready and engine.load_error is None:
+        await asyncio.sleep(0.05)
+    if engine.load_error is not None:
+        log.error("failed to load the model: %s", engine.load_error)
+        server.should_exit = True
+        return 1
+    log.info("model loaded; server ready")
+    return 0
+
+
+async def _serve(engine: AsyncEngine, server: uvicorn.Server, sock: socket.socket) -> int:
+    watcher = asyncio.create_task(_watch_load(engine, server))
+    await server.serve(sockets=[sock])
+    if not watcher.done():
+        watcher.cancel()
+        return 0
+    return watcher.result()
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(engine_config)
+    engine.start()
+    sock = bind(config.host, config.port)
+    if config.host.endswith(".sock"):
+        where = config.host
+    else:
+        host, port = sock.getsockname()[:2]
+        where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    # Tests and scripts wait for this line (with --port 0 it is the only way to learn the port).
+    print(f"outrider: listening on {where}", file=sys.stderr, flush=True)
+    app = create_app(engine, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                          timeout_keep_alive=config.timeout, timeout_graceful_shutdown=5))
+    try:
+        return asyncio.run(_serve(engine, server, sock))
+    finally:
+        engine.shutdown()

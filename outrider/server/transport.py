@@ -1,0 +1,56 @@
+"""HTTP plumbing the routes share: reading a JSON body, SSE responses, and noticing a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from outrider.server.errors import ApiError
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streamed answer was ready."""
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"invalid JSON body: {e}") from e
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is already read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (which aborts its engine requests) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientGone
+    return task.result()
+
+
+def sse_response(frames: AsyncIterator[bytes]) -> StreamingResponse:
+    """An SSE stream; Starlette cancels `frames` when the client disconnects, which aborts the requests."""
+    return StreamingResponse(frames, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,1107 @@
+#!/usr/bin/env python3
+"""Train outrider's bundled demo model family from the Python standard library, reproducibly.
+
+What it builds, all sharing one byte-level BPE tokenizer:
+  target/  a Qwen3ForCausalLM checkpoint (HF layout) with a Qwen3.5-style MTP layer stored in it (`mtp.*`)
+  draft/   a smaller Qwen3ForCausalLM draft model (distilled from the target)
+  dflash/  a DFlashDraftModel drafter (block diffusion on the target's frozen hidden states)
+plus metrics.json (losses, offline acceptance proxies, timings, corpus fingerprint) and eval_prompts.json.
+
+Data: every `.py` file of the running interpreter's standard library (site-packages excluded). A fixed 5 % of the
+files, chosen by a hash of their relative path, is held out for evaluation and never trained on.
+
+Usage (the shipped artifacts; one H200, about 4 minutes):
+    PYTHONUNBUFFERED=1 python scripts/train_demo.py --out outrider/demo --seed 0
+CPU smoke run of the whole pipeline with tiny sizes (< 1 minute):
+    python scripts/train_demo.py --smoke --out /tmp/demo-smoke
+
+Formats follow shared/reference/speculative-decoding.md: MTP = `mtp.fc [H, 2H]` over
+concat[pre_fc_norm_embedding(emb(t_{i+1})), pre_fc_norm_hidden(h_i)] with h_i the target's post-final-norm hidden
+state, one decoder layer `mtp.layers.0`, `mtp.norm`; recursion feeds the post-`mtp.norm` output back. DFlash =
+`fc [H, n_taps*H]` over the outputs of target blocks `target_layer_ids`, `hidden_norm`, non-causal Qwen3 layers
+whose context K/V are `k_norm(k_proj(ctx))`/`v_proj(ctx)`, final `norm`, the target's embedding and lm_head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+import sysconfig
+import textwrap
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+EOT_ID, IM_START_ID, IM_END_ID, MASK_ID = 0, 1, 2, 3
+EOS_IDS = [EOT_ID, IM_END_ID]
+ROPE_THETA = 10000.0
+RMS_EPS = 1e-6
+MAX_POSITIONS = 2048
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- set content = message['content'] if message['content'] is string else '' -%}\n"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\\n' ~ content ~ '<|im_end|>\\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}\n"
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sizes
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+@dataclass
+class Profile:
+    vocab: int
+    seq: int
+    target: Shape
+    draft: Shape
+    dflash: Shape  # hidden must equal the target's
+    dflash_taps: tuple[int, ...]
+    block_size: int
+    dflash_gamma: float
+    dflash_anchors: int  # blocks per training sequence
+    mtp_steps: int  # K recursive steps in training
+    mtp_beta: float
+    dropout: float
+    # (steps, batch, lr, warmup) per stage
+    target_train: tuple[int, int, float, int]
+    draft_train: tuple[int, int, float, int]
+    mtp_train: tuple[int, int, float, int]
+    dflash_train: tuple[int, int, float, int]
+    target_epochs: float  # target steps = clamp(epochs * train_tokens / tokens_per_step, 300, max steps)
+    eval_every: int
+    val_windows: int  # held-out windows for the final loss
+    gen_prompts: int
+    gen_prompt_len: int
+    gen_new: int
+    gen_batch: int
+    eval_prompts: int  # per kind (def-line prompts, context-window prompts)
+    eval_new: int
+    max_files: int | None = None  # smoke: a subset of files
+    max_file_bytes: int = 1_000_000
+    max_chat: int = 4000
+    stage_seconds: dict = field(default_factory=dict)  # safety caps; normal runs finish well inside them
+
+
+FULL = Profile(
+    vocab=4096, seq=512,
+    target=Shape(256, 6, 4, 2, 64, 640),
+    draft=Shape(192, 2, 3, 1, 64, 512),
+    dflash=Shape(256, 2, 4, 2, 64, 640),
+    dflash_taps=(1, 3, 4), block_size=8, dflash_gamma=4.0, dflash_anchors=64,
+    mtp_steps=3, mtp_beta=0.6, dropout=0.1,
+    target_train=(1500, 128, 2e-3, 100),
+    draft_train=(1500, 64, 3e-3, 100),
+    mtp_train=(1500, 64, 1.5e-3, 100),
+    dflash_train=(2000, 64, 1e-3, 80),
+    target_epochs=10.0, eval_every=100, val_windows=256,
+    gen_prompts=8192, gen_prompt_len=64, gen_new=256, gen_batch=2048,
+    eval_prompts=32, eval_new=128,
+    stage_seconds={"target": 170, "draft": 90, "mtp": 90, "dflash": 120},
+)
+
+SMOKE = Profile(
+    vocab=512, seq=64,
+    target=Shape(64, 2, 2, 1, 32, 128),
+    draft=Shape(32, 1, 1, 1, 32, 64),
+    dflash=Shape(64, 1, 2, 1, 32, 128),
+    dflash_taps=(0, 1), block_size=4, dflash_gamma=2.0, dflash_anchors=8,
+    mtp_steps=2, mtp_beta=0.6, dropout=0.0,
+    target_train=(30, 8, 3e-3, 5),
+    draft_train=(15, 8, 3e-3, 3),
+    mtp_train=(15, 8, 3e-3, 3),
+    dflash_train=(15, 8, 3e-3, 3),
+    target_epochs=1000.0, eval_every=10, val_windows=8,
+    gen_prompts=16, gen_prompt_len=16, gen_new=24, gen_batch=16,
+    eval_prompts=3, eval_new=24,
+    max_files=40, max_file_bytes=20_000, max_chat=50,
+    stage_seconds={"target": 60, "draft": 60, "mtp": 60, "dflash": 60},
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model code: plain PyTorch with Hugging Face Qwen3 parameter names and semantics
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = RMS_EPS):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [..., T, head_dim] for integer positions [..., T] (rotate-half layout, as HF)."""
+    inv = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, h, T, d]; cos/sin [T, d] or [B, T, d]
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+        self.q_norm = RMSNorm(s.head_dim)
+        self.k_norm = RMSNorm(s.head_dim)
+
+    def project_q(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.s.heads, self.s.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def project_kv(self, x, cos, sin):
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.s.kv_heads, self.s.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.s.kv_heads, self.s.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def attend(self, q, k, v, mask=None, causal=False):
+        rep = self.s.heads // self.s.kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        dt = q.dtype
+        o = F.scaled_dot_product_attention(q, k.to(dt), v.to(dt), attn_mask=mask, is_causal=causal and mask is None)
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: Shape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.ffn, bias=False)
+        self.down_proj = nn.Linear(s.ffn, s.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: Shape, dropout: float = 0.0):
+        super().__init__()
+        self.self_attn = Attention(s)
+        self.mlp = MLP(s)
+        self.input_layernorm = RMSNorm(s.hidden)
+        self.post_attention_layernorm = RMSNorm(s.hidden)
+        self.dropout = dropout
+
+    def forward(self, x, cos, sin, *, causal=True, mask=None, prefix_kv=None, cache=None, start=0):
+        """prefix_kv: (k, v) keys prepended to this layer's own (MTP chain, DFlash context).
+        cache: (k_buf, v_buf) [B, kv, maxlen, d] written at [start, start+T) and attended over [0, start+T).
+        Returns (output, (k, v)) where (k, v) are this call's own keys/values."""
+        xn = self.input_layernorm(x)
+        q = self.self_attn.project_q(xn, cos, sin)
+        k, v = self.self_attn.project_kv(xn, cos, sin)
+        own = (k, v)
+        if cache is not None:
+            T = x.shape[1]
+            cache[0][:, :, start:start + T] = k.to(cache[0].dtype)
+            cache[1][:, :, start:start + T] = v.to(cache[1].dtype)
+            k, v = cache[0][:, :, :start + T], cache[1][:, :, :start + T]
+            causal = T > 1  # prefill from 0 is causal; a single decode token sees everything before it
+        if prefix_kv is not None:
+            k = torch.cat([prefix_kv[0].to(k.dtype), k], dim=2)
+            v = torch.cat([prefix_kv[1].to(v.dtype), v], dim=2)
+        a = self.self_attn.attend(q.to(k.dtype), k, v, mask=mask, causal=causal)
+        h = x + F.dropout(a, self.dropout, self.training)
+        h = h + F.dropout(self.mlp(self.post_attention_layernorm(h)), self.dropout, self.training)
+        return h, own
+
+
+class Qwen3LM(nn.Module):
+    """Qwen3ForCausalLM with tied embeddings; parameter names are HF's."""
+
+    def __init__(self, s: Shape, vocab: int, dropout: float = 0.0):
+        super().__init__()
+        self.s = s
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, s.hidden)
+        self.model.layers = nn.ModuleList([DecoderLayer(s, dropout) for _ in range(s.layers)])
+        self.model.norm = RMSNorm(s.hidden)
+        self.lm_head = nn.Linear(s.hidden, vocab, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight
+        init_weights(self)
+
+    def forward(self, ids, taps=(), cache=None, start=0):
+        """Returns (post-final-norm hidden [B, T, H], [outputs of decoder blocks in `taps`])."""
+        T = ids.shape[1]
+        pos = torch.arange(start, start + T, device=ids.device)
+        cos, sin = rope(pos, self.s.head_dim)
+        h = self.model.embed_tokens(ids)
+        tapped = []
+        for i, layer in enumerate(self.model.layers):
+            h, _ = layer(h, cos, sin, cache=None if cache is None else cache[i], start=start)
+            if i in taps:
+                tapped.append(h)
+        return self.model.norm(h), tapped
+
+    def logits(self, hidden):
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, batch, maxlen, dtype, device):
+        shape = (batch, self.s.kv_heads, maxlen, self.s.head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(self.s.layers)]
+
+
+class MTPHead(nn.Module):
+    """Qwen3.5-style MTP module; saved under the `mtp.` prefix inside the target checkpoint."""
+
+    def __init__(self, s: Shape, dropout: float = 0.0):
+        super().__init__()
+        self.s = s
+        self.fc = nn.Linear(2 * s.hidden, s.hidden, bias=False)
+        self.pre_fc_norm_embedding = RMSNorm(s.hidden)
+        self.pre_fc_norm_hidden = RMSNorm(s.hidden)
+        self.layers = nn.ModuleList([DecoderLayer(s, dropout)])
+        self.norm = RMSNorm(s.hidden)
+        init_weights(self)
+
+    def unroll(self, target: Qwen3LM, hidden, ids, steps):
+        """Teacher-forced recursive MTP over a whole sequence, with the attention pattern of serving.
+
+        hidden: the target's post-norm hidden [B, T, H]; ids [B, T]. Index i (0 <= i < N = T-1-steps) at step k
+        (1-based) reads token t_{i+k} and, for k = 1, h_i (for k > 1, its own step k-1 output), sits at position
+        i+k-1 and predicts t_{i+k+1}. A step-k query sees the step-1 keys of indices <= i (what the MTP KV cache
+        holds for committed tokens) plus its own chain's step 2..k keys. Returns the post-`mtp.norm` outputs
+        [B, N, H] for each step."""
+        B, T, H = hidden.shape
+        N = T - 1 - steps
+        layer = self.layers[0]
+        prev = hidden[:, :N]
+        chain_k, chain_v, outs = [], [], []
+        causal = torch.ones(N, N, dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(N, dtype=torch.bool, device=ids.device)
+        for k in range(1, steps + 1):
+            emb = target.model.embed_tokens(ids[:, k:k + N])
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(prev)], dim=-1))
+            cos, sin = rope(torch.arange(N, device=ids.device) + (k - 1), self.s.head_dim)
+            if k == 1:
+                out, kv = layer(x, cos, sin, causal=True)
+            else:
+                mask = torch.cat([causal] + [eye] * (k - 1), dim=1)
+                out, kv = layer(x, cos, sin, causal=False, mask=mask,
+                                prefix_kv=(torch.cat(chain_k, 2), torch.cat(chain_v, 2)))
+            chain_k.append(kv[0])
+            chain_v.append(kv[1])
+            prev = self.norm(out)
+            outs.append(prev)
+        return outs
+
+
+class DFlashDrafter(nn.Module):
+    """DFlashDraftModel: fc + hidden_norm over target taps, non-causal Qwen3 layers, norm (no embed/lm_head)."""
+
+    def __init__(self, s: Shape, n_taps: int, dropout: float = 0.0):
+        super().__init__()
+        self.s = s
+        self.fc = nn.Linear(n_taps * s.hidden, s.hidden, bias=False)
+        self.hidden_norm = RMSNorm(s.hidden)
+        self.layers = nn.ModuleList([DecoderLayer(s, dropout) for _ in range(s.layers)])
+        self.norm = RMSNorm(s.hidden)
+        init_weights(self)
+
+    def forward(self, taps_cat, block_emb, block_pos, mask):
+        """taps_cat [B, T, n_taps*H] (context at positions 0..T-1); block_emb [B, Q, H] at block_pos [B, Q];
+        mask [B, 1, Q, T+Q] (True = attend). Returns the post-`norm` block hidden states [B, Q, H]."""
+        ctx = self.hidden_norm(self.fc(taps_cat))
+        cos_c, sin_c = rope(torch.arange(ctx.shape[1], device=ctx.device), self.s.head_dim)
+        cos_b, sin_b = rope(block_pos, self.s.head_dim)
+        h = block_emb
+        for layer in self.layers:
+            ctx_kv = layer.self_attn.project_kv(ctx, cos_c, sin_c)
+            h, _ = layer(h, cos_b, sin_b, causal=False, mask=mask, prefix_kv=ctx_kv)
+        return self.norm(h)
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, std)
+
+
+def dflash_block(ids, anchors, block_size, mask_id=MASK_ID):
+    """Block token ids [B, N*Bk] = per anchor [x_a, MASK * (Bk-1)], positions a..a+Bk-1, and the attention mask
+    [B, 1, N*Bk, T + N*Bk]: context keys strictly before the anchor, plus the block's own Bk keys."""
+    B, T = ids.shape
+    N = anchors.shape[1]
+    slot = torch.arange(block_size, device=ids.device)
+    block_ids = torch.full((B, N, block_size), mask_id, dtype=ids.dtype, device=ids.device)
+    block_ids[:, :, 0] = ids.gather(1, anchors)
+    pos = (anchors[:, :, None] + slot).reshape(B, N * block_size)
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    ctx_mask = torch.arange(T, device=ids.device)[None, None, :] < q_anchor[:, :, None]  # [B, Q, T]
+    blk = torch.arange(N, device=ids.device).repeat_interleave(block_size)
+    own_mask = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, Q, Q]
+    mask = torch.cat([ctx_mask, own_mask], dim=2)[:, None]
+    return block_ids.reshape(B, N * block_size), pos, mask
+
+
+def dflash_weights(block_size, gamma, device):
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def stdlib_files(root: Path, max_files: int | None, max_bytes: int) -> list[tuple[str, str]]:
+    """(relative path, text) of every UTF-8 .py file under the stdlib, site-packages excluded, sorted."""
+    paths = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if not ("site-packages" in rel or "dist-packages" in rel or "__pycache__" in rel):
+            try:
+                if path.stat().st_size <= max_bytes:
+                    paths.append((rel, path))
+            except OSError:
+                continue
+    if max_files is not None:  # smoke: a deterministic spread of the files, a few of them held out
+        held = [f for f in paths if is_held_out(f[0])]
+        kept = [f for f in paths if not is_held_out(f[0])]
+        paths = sorted(kept[:: max(1, len(kept) // max_files)][:max_files] +
+                       held[:: max(1, len(held) // 4)][: max(2, max_files // 10)])
+    out = []
+    for rel, path in paths:
+        try:
+            data = path.read_bytes()
+            if not data.strip():
+                continue
+            out.append((rel, data.decode("utf-8")))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return out
+
+
+def is_held_out(rel: str) -> bool:
+    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
+
+
+def chat_examples(files: list[tuple[str, str]], limit: int, seed: int) -> list[str]:
+    """ChatML documents from documented top-level functions of training files: ask for it, answer with code."""
+    out = []
+    for rel, text in files:
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            src = ast.get_source_segment(text, node)
+            if not doc or not src or len(src) > 1500:
+                continue
+            summary = doc.strip().splitlines()[0].strip()
+            if len(summary) < 8:
+                continue
+            args = ast.unparse(node.args)
+            ask = f"Write a Python function `{node.name}({args})`: {summary}"
+            out.append(f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+                       f"```python\n{textwrap.dedent(src)}\n```<|im_end|>\n")
+    rng = random.Random(seed)
+    rng.shuffle(out)
+    return out[:limit]
+
+
+def train_tokenizer(texts: list[str], vocab: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    # Encoding with special tokens prepends <|endoftext|>, the document separator seen before every training file.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIAL_TOKENS[0]} $A", pair=f"{SPECIAL_TOKENS[0]} $A {SPECIAL_TOKENS[0]} $B",
+        special_tokens=[(SPECIAL_TOKENS[0], EOT_ID)])
+    return tok
+
+
+def write_tokenizer(tok, path: Path) -> None:
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[0],
+        "pad_token": SPECIAL_TOKENS[0],
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+        "model_max_length": MAX_POSITIONS,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def encode_stream(tok, docs: list[str]) -> torch.Tensor:
+    """Documents joined into one token stream, each preceded by <|endoftext|>."""
+    ids = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids.append(EOT_ID)
+        ids.extend(enc.ids)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def sample_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """`batch` random windows of `length` tokens (offsets drawn on the CPU generator, so runs are seeded)."""
+    starts = torch.randint(0, len(stream) - length, (batch,), generator=gen)
+    idx = starts[:, None] + torch.arange(length)[None]
+    return stream[idx.to(stream.device)].long()
+
+
+def fixed_windows(stream: torch.Tensor, count: int, length: int) -> torch.Tensor:
+    n = min(count, len(stream) // length)
+    return stream[: n * length].view(n, length).long()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training helpers
+
+
+class Ctx:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
+
+
+def lr_at(step, steps, lr, warmup):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def train_loop(name, module, params, steps, lr, warmup, loss_fn, eval_fn, eval_every, ctx, max_seconds):
+    """AdamW (0.9, 0.95), wd 0.1 on matrices, warmup + cosine to 10 %, clip 1.0; keeps the best-eval weights."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), fused=ctx.cuda)
+    best, best_state, best_step, history = float("inf"), None, -1, []
+    t0 = time.time()
+    stopped_by_time = False
+    step = 0
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps, lr, warmup)
+        module.train()
+        with ctx.autocast():
+            loss = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        last = step == steps - 1 or time.time() - t0 > max_seconds
+        if (step + 1) % eval_every == 0 or last:
+            module.eval()
+            with torch.no_grad(), ctx.autocast():
+                metrics = eval_fn()
+            history.append({"step": step + 1, "train_loss": round(loss.item(), 4), **metrics})
+            log(f"{name} step {step + 1}/{steps} train {loss.item():.4f} " +
+                " ".join(f"{k} {v:.4f}" for k, v in metrics.items()) + f" ({time.time() - t0:.0f}s)")
+            if metrics["val"] < best:
+                best, best_step = metrics["val"], step + 1
+                best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        if last and step != steps - 1:
+            stopped_by_time = True
+            log(f"{name}: stopped by the {max_seconds}s safety cap at step {step + 1}")
+            break
+    module.load_state_dict(best_state)
+    module.eval()
+    return {"steps_run": step + 1, "best_step": best_step, "best_val": round(best, 4), "history": history,
+            "seconds": round(time.time() - t0, 1), "stopped_by_time": stopped_by_time}
+
+
+def soft_ce(student_logits, teacher_logits):
+    """Cross-entropy against the teacher's softmax (= KL up to the teacher's entropy), per position."""
+    return -(teacher_logits.float().softmax(-1) * student_logits.float().log_softmax(-1)).sum(-1)
+
+
+@torch.no_grad()
+def generate(model: Qwen3LM, prompts: torch.Tensor, n_new: int, ctx: Ctx, temperature=None, gen=None):
+    """prompts [B, P] -> generated ids [B, n_new]. temperature: None = greedy, or a per-row tensor [B] (0 = greedy)."""
+    model.eval()
+    B, P = prompts.shape
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    cache = model.new_cache(B, P + n_new, dtype, prompts.device)
+    out = []
+    with ctx.autocast():
+        h, _ = model(prompts, cache=cache, start=0)
+        for t in range(n_new):
+            logits = model.logits(h[:, -1])
+            nxt = logits.argmax(-1)
+            if temperature is not None:
+                probs = (logits / temperature.clamp(min=1e-4)[:, None]).softmax(-1)
+                sampled = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                nxt = torch.where(temperature > 0, sampled, nxt)
+            out.append(nxt)
+            if t + 1 < n_new:
+                h, _ = model(nxt[:, None], cache=cache, start=P + t)
+    return torch.stack(out, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing checkpoints
+
+
+def qwen3_config(s: Shape, vocab: int, **extra) -> dict:
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": vocab,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.ffn,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "initializer_range": 0.02,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": s.layers,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": EOT_ID,
+        "eos_token_id": EOS_IDS,
+        "pad_token_id": EOT_ID,
+        "torch_dtype": "bfloat16",
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    out = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in sorted(tensors.items())}
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def write_lm(path: Path, model: Qwen3LM, vocab: int, tok, extra_config=None, extra_tensors=None) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    tensors.update(extra_tensors or {})
+    save_safetensors(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(qwen3_config(model.s, vocab, **(extra_config or {})), indent=2) + "\n")
+    gen_cfg = {"bos_token_id": EOT_ID, "eos_token_id": EOS_IDS, "pad_token_id": EOT_ID}
+    (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
+    write_tokenizer(tok, path)
+
+
+def write_dflash(path: Path, drafter: DFlashDrafter, p: Profile) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    save_safetensors(drafter.state_dict(), path / "model.safetensors")
+    s = p.dflash
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": p.block_size,
+        "num_target_layers": p.target.layers,
+        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": list(p.dflash_taps)},
+        "vocab_size": p.vocab,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.ffn,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "is_causal": False,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Offline acceptance simulation (greedy; exact for teacher-forced drafters on the target's own greedy output)
+
+
+def walk(matches: list[list[bool]], start: int, end: int, k: int) -> list[int]:
+    """Speculative greedy decode over positions: at committed last index n the drafts for n+1..n+k are accepted
+    while they match. matches[n][j] says whether draft j+1 proposed at n equals token n+j+1. Returns the
+    acceptance length of every full step (n + k <= end)."""
+    taus, n = [], start
+    while n + k <= end:
+        m = 0
+        while m < k and matches[n][m]:
+            m += 1
+        taus.append(m + 1)
+        n += m + 1
+    return taus
+
+
+def summarize(taus: list[int]) -> dict:
+    if not taus:
+        return {"mean_tau": None, "steps": 0}
+    return {"mean_tau": round(sum(taus) / len(taus), 3), "steps": len(taus)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "outrider" / "demo")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps, CPU-friendly (< 1 minute)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--stdlib", type=Path, default=None, help="override the corpus root (default: this interpreter's)")
+    args = ap.parse_args(argv)
+
+    t_start = time.time()
+    p = SMOKE if args.smoke else FULL
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    ctx = Ctx(device)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if ctx.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    metrics: dict = {"seed": args.seed, "profile": "smoke" if args.smoke else "full", "device": str(device),
+                     "torch": torch.__version__, "python": platform.python_version(),
+                     "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}
+    if ctx.cuda:
+        metrics["gpu"] = torch.cuda.get_device_name(0)
+    stage_t = {}
+
+    def save_metrics():
+        metrics["seconds"] = {**stage_t, "total": round(time.time() - t_start, 1)}
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+    # ---- data + tokenizer
+    t0 = time.time()
+    root = args.stdlib or Path(sysconfig.get_paths()["stdlib"])
+    files = stdlib_files(root, p.max_files, p.max_file_bytes)
+    train_files = [f for f in files if not is_held_out(f[0])]
+    held_files = [f for f in files if is_held_out(f[0])]
+    fp = hashlib.sha256()
+    for rel, text in files:
+        fp.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    chats = chat_examples(train_files, p.max_chat, args.seed)
+    rng = random.Random(args.seed)
+    train_docs = [t for _, t in train_files] + chats
+    rng.shuffle(train_docs)
+    tok = train_tokenizer([t for _, t in train_files] + chats, p.vocab)
+    vocab = tok.get_vocab_size()
+    train_stream = encode_stream(tok, train_docs)
+    val_stream = encode_stream(tok, [t for _, t in held_files])
+    metrics["corpus"] = {
+        "root": str(root), "python": platform.python_version(), "files": len(files),
+        "train_files": len(train_files), "held_out_files": len(held_files),
+        "bytes": sum(len(t.encode()) for _, t in files), "sha256": fp.hexdigest(),
+        "chat_examples": len(chats), "train_tokens": len(train_stream), "held_out_tokens": len(val_stream),
+        "bytes_per_token": round(sum(len(t.encode()) for _, t in train_files) /
+                                 max(1, len(train_stream) - len(train_docs)), 3),
+    }
+    metrics["vocab_size"] = vocab
+    stage_t["data"] = round(time.time() - t0, 1)
+    log(f"corpus {metrics['corpus']} vocab {vocab} ({stage_t['data']}s)")
+
+    train_stream_d = train_stream.to(device)
+    val = fixed_windows(val_stream, p.val_windows, p.seq + 1).to(device)
+    val_small = val[: max(8, min(64, len(val)))]
+
+    # unigram baseline on the same held-out targets
+    counts = torch.bincount(train_stream.long(), minlength=vocab).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    unigram = -logp[val[:, 1:].reshape(-1).cpu()].mean().item()
+
+    # ---- target
+    t0 = time.time()
+    torch.manual_seed(args.seed + 1)
+    target = Qwen3LM(p.target, vocab, p.dropout).to(device)
+    steps, batch, lr, warmup = p.target_train
+    steps = int(min(steps, max(300 if not args.smoke else 1, round(p.target_epochs * len(train_stream) /
+                                                                    (batch * p.seq)))))
+    g = torch.Generator().manual_seed(args.seed + 11)
+
+    def target_loss(step):
+        x = sample_windows(train_stream_d, batch, p.seq + 1, g)
+        h, _ = target(x[:, :-1])
+        return F.cross_entropy(target.logits(h).view(-1, vocab), x[:, 1:].reshape(-1))
+
+    def lm_eval(model, windows):
+        tot, correct, n = 0.0, 0, 0
+        for i in range(0, len(windows), 32):
+            x = windows[i:i + 32]
+            h, _ = model(x[:, :-1])
+            lg = model.logits(h)
+            tot += F.cross_entropy(lg.view(-1, vocab), x[:, 1:].reshape(-1), reduction="sum").item()
+            correct += (lg.argmax(-1) == x[:, 1:]).sum().item()
+            n += x[:, 1:].numel()
+        return {"val": tot / n, "top1": correct / n}
+
+    res = train_loop("target", target, list(target.parameters()), steps, lr, warmup, target_loss,
+                     lambda: lm_eval(target, val_small), p.eval_every, ctx, p.stage_seconds["target"])
+    target.requires_grad_(False)
+    with torch.no_grad(), ctx.autocast():
+        final = lm_eval(target, val)
+    metrics["target"] = {"params": n_params(target), "shape": asdict(p.target), "steps_planned": steps,
+                         "batch": batch, "seq": p.seq, "lr": lr, **{k: v for k, v in res.items() if k != "history"},
+                         "held_out_loss": round(final["val"], 4), "held_out_top1": round(final["top1"], 4),
+                         "held_out_tokens_scored": int(val[:, 1:].numel()),
+                         "unigram_loss": round(unigram, 4), "history": res["history"]}
+    stage_t["target"] = round(time.time() - t0, 1)
+    log(f"target held-out loss {final['val']:.4f} (top-1 {final['top1']:.3f}) vs unigram {unigram:.4f}")
+    write_lm(out / "target", target, vocab, tok)  # rewritten with the MTP tensors below
+    sample_prompt = torch.tensor([tok.encode("def fibonacci(n):").ids], device=device)
+    sample = generate(target, sample_prompt, 64 if not args.smoke else 16, ctx)
+    metrics["target"]["sample"] = "def fibonacci(n):" + tok.decode(sample[0].tolist(), skip_special_tokens=False)
+    log("sample:\n" + metrics["target"]["sample"])
+    save_metrics()
+
+    # ---- target-generated data (greedy, plus 25 % sampled at T = 0.8) for all drafters
+    t0 = time.time()
+    gg = torch.Generator().manual_seed(args.seed + 21)
+    g_sample = torch.Generator(device=device).manual_seed(args.seed + 22)
+    gen_seqs = []
+    for i in range(0, p.gen_prompts, p.gen_batch):
+        b = min(p.gen_batch, p.gen_prompts - i)
+        prompts = sample_windows(train_stream_d, b, p.gen_prompt_len, gg)
+        temp = torch.where(torch.rand(b, generator=gg) < 0.25, 0.8, 0.0).to(device)
+        new = generate(target, prompts, p.gen_new, ctx, temperature=temp, gen=g_sample)
+        gen_seqs.append(torch.cat([prompts, new], 1).cpu())
+    gen_seqs = torch.cat(gen_seqs)
+    gen_stream = torch.cat([torch.zeros(len(gen_seqs), 1, dtype=torch.long), gen_seqs], 1).reshape(-1)
+    gen_stream = gen_stream.to(torch.int32).to(device)  # each sequence preceded by <|endoftext|>
+    # held-out generations for drafter validation: greedy continuations of held-out prefixes
+    vprompts = fixed_windows(val_stream, max(8, p.val_windows // 4), p.gen_prompt_len).to(device)
+    vgen = torch.cat([vprompts, generate(target, vprompts, p.gen_new, ctx)], 1)
+    vgen_windows = vgen  # [n, P + new]
+    metrics["generated"] = {"sequences": len(gen_seqs), "tokens": int(gen_seqs.numel()),
+                            "prompt_len": p.gen_prompt_len, "new_tokens": p.gen_new, "sampled_fraction": 0.25,
+                            "temperature": 0.8}
+    stage_t["generate"] = round(time.time() - t0, 1)
+    log(f"generated {gen_seqs.numel()} tokens ({stage_t['generate']}s)")
+
+    def drafter_batch(batch_size, gen):
+        half = batch_size // 2
+        return torch.cat([sample_windows(train_stream_d, half, p.seq, gen),
+                          sample_windows(gen_stream, batch_size - half, p.seq, gen)])
+
+    def target_view(x, taps=()):
+        with torch.no_grad():
+            h, tapped = target(x, taps=taps)
+        return h, tapped
+
+    # ---- draft model: forward KL to the target + 0.2 CE
+    t0 = time.time()
+    torch.manual_seed(args.seed + 2)
+    draft = Qwen3LM(p.draft, vocab, 0.0).to(device)
+    steps, batch, lr, warmup = p.draft_train
+    gd = torch.Generator().manual_seed(args.seed + 12)
+
+    def draft_loss(step):
+        x = drafter_batch(batch, gd)
+        th, _ = target_view(x)
+        dh, _ = draft(x[:, :-1])
+        dl = draft.logits(dh)
+        kd = soft_ce(dl, target.logits(th[:, :-1])).mean()
+        ce = F.cross_entropy(dl.reshape(-1, vocab), x[:, 1:].reshape(-1))
+        return kd + 0.2 * ce
+
+    def draft_eval():
+        x = vgen_windows
+        th, _ = target(x)
+        tl = target.logits(th[:, :-1])
+        dh, _ = draft(x[:, :-1])
+        dl = draft.logits(dh)
+        lm = lm_eval(draft, val_small)
+        return {"val": soft_ce(dl, tl).mean().item(),
+                "agree": (dl.argmax(-1) == tl.argmax(-1)).float().mean().item(),
+                "code_loss": lm["val"]}
+
+    res = train_loop("draft", draft, list(draft.parameters()), steps, lr, warmup, draft_loss, draft_eval,
+                     p.eval_every, ctx, p.stage_seconds["draft"])
+    draft.requires_grad_(False)
+    with torch.no_grad(), ctx.autocast():
+        dfinal = lm_eval(draft, val)
+    metrics["draft"] = {"params": n_params(draft), "shape": asdict(p.draft), "batch": batch, "lr": lr,
+                        "loss": "forward KL to target + 0.2 CE", **{k: v for k, v in res.items() if k != "history"},
+                        "held_out_loss": round(dfinal["val"], 4), "history": res["history"]}
+    write_lm(out / "draft", draft, vocab, tok)
+    stage_t["draft"] = round(time.time() - t0, 1)
+    save_metrics()
+
+    # ---- MTP: recursive K steps, weights beta^(k-1) normalised, soft CE to the target's next-token distribution
+    t0 = time.time()
+    torch.manual_seed(args.seed + 3)
+    mtp = MTPHead(p.target, 0.0).to(device)
+    K = p.mtp_steps
+    wk = torch.tensor([p.mtp_beta ** i for i in range(K)])
+    wk = (wk / wk.sum()).tolist()
+    steps, batch, lr, warmup = p.mtp_train
+    gm = torch.Generator().manual_seed(args.seed + 13)
+
+    def mtp_step_losses(x):
+        th, _ = target_view(x)
+        outs = mtp.unroll(target, th, x, K)
+        N = x.shape[1] - 1 - K
+        losses, accs = [], []
+        for k, y in enumerate(outs, start=1):
+            ml = target.logits(y)
+            tl = target.logits(th[:, k:k + N])  # target at index i+k predicts t_{i+k+1}
+            losses.append(soft_ce(ml, tl).mean())
+            accs.append((ml.argmax(-1) == tl.argmax(-1)).float().mean())
+        return losses, accs
+
+    def mtp_loss(step):
+        losses, _ = mtp_step_losses(drafter_batch(batch, gm))
+        return sum(w * l for w, l in zip(wk, losses))
+
+    def mtp_eval():
+        losses, accs = mtp_step_losses(vgen_windows)
+        r = {"val": sum(w * l.item() for w, l in zip(wk, losses))}
+        r.update({f"agree{k + 1}": a.item() for k, a in enumerate(accs)})
+        return r
+
+    res = train_loop("mtp", mtp, list(mtp.parameters()), steps, lr, warmup, mtp_loss, mtp_eval,
+                     p.eval_every, ctx, p.stage_seconds["mtp"])
+    mtp.requires_grad_(False)
+    metrics["mtp"] = {"params": n_params(mtp), "layout": "qwen3_5 (mtp.fc / pre_fc_norm_* / layers.0 / norm)",
+                      "hidden_input": "target post-final-norm hidden; recursion feeds post-mtp.norm output",
+                      "train_steps_K": K, "step_weights": [round(w, 3) for w in wk], "batch": batch, "lr": lr,
+                      **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
+    mtp_tensors = {f"mtp.{k}": v for k, v in mtp.state_dict().items()}
+    write_lm(out / "target", target, vocab, tok,
+             extra_config={"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False},
+             extra_tensors=mtp_tensors)
+    stage_t["mtp"] = round(time.time() - t0, 1)
+    save_metrics()
+
+    # ---- DFlash: block diffusion on the frozen target's tapped hidden states
+    t0 = time.time()
+    torch.manual_seed(args.seed + 4)
+    dflash = DFlashDrafter(p.dflash, len(p.dflash_taps), 0.0).to(device)
+    Bk = p.block_size
+    dw = dflash_weights(Bk, p.dflash_gamma, device)
+    steps, batch, lr, warmup = p.dflash_train
+    gf = torch.Generator().manual_seed(args.seed + 14)
+
+    def dflash_outputs(x, anchors):
+        th, taps = target_view(x, p.dflash_taps)
+        block_ids, pos, mask = dflash_block(x, anchors, Bk)
+        with torch.no_grad():
+            bemb = target.model.embed_tokens(block_ids)
+        hid = dflash(torch.cat(taps, -1), bemb, pos, mask)
+        B, N = anchors.shape
+        hid = hid.view(B, N, Bk, -1)[:, :, 1:]
+        # slot k predicts x_{a+k}; the teacher is the target at a+k-1 (given the true prefix)
+        tpos = anchors[:, :, None] + torch.arange(0, Bk - 1, device=device)  # [B, N, Bk-1]
+        th_sel = th.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, th.shape[-1])).view(B, N, Bk - 1, -1)
+        return target.logits(hid), target.logits(th_sel)
+
+    def random_anchors(bsz, T, n, gen):
+        # distinct anchors in [1, T - Bk], sorted
+        r = torch.rand(bsz, T - Bk, generator=gen)
+        return (r.topk(n, dim=1).indices + 1).sort(dim=1).values.to(device)
+
+    def dflash_loss(step):
+        x = drafter_batch(batch, gf)
+        dl, tl = dflash_outputs(x, random_anchors(batch, p.seq, p.dflash_anchors, gf))
+        ce = soft_ce(dl, tl)  # [B, N, Bk-1]
+        return (ce * dw).sum(-1).mean() / dw.sum()
+
+    def dflash_eval():
+        x = vgen_windows
+        ge = torch.Generator().manual_seed(1234)
+        anchors = random_anchors(len(x), x.shape[1], min(p.dflash_anchors, (x.shape[1] - Bk) // 2), ge)
+        dl, tl = dflash_outputs(x, anchors)
+        acc = (dl.argmax(-1) == tl.argmax(-1)).float().mean(dim=(0, 1))
+        eal = torch.cumprod(acc, 0).sum().item() + 1
+        return {"val": ((soft_ce(dl, tl) * dw).sum(-1).mean() / dw.sum()).item(),
+                "agree1": acc[0].item(), "eal": eal}
+
+    res = train_loop("dflash", dflash, list(dflash.parameters()), steps, lr, warmup, dflash_loss, dflash_eval,
+                     p.eval_every, ctx, p.stage_seconds["dflash"])
+    dflash.requires_grad_(False)
+    metrics["dflash"] = {"params": n_params(dflash), "shape": asdict(p.dflash), "block_size": Bk,
+                         "target_layer_ids": list(p.dflash_taps), "mask_token_id": MASK_ID,
+                         "gamma": p.dflash_gamma, "anchors_per_seq": p.dflash_anchors, "batch": batch, "lr": lr,
+                         **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
+    write_dflash(out / "dflash", dflash, p)
+    stage_t["dflash"] = round(time.time() - t0, 1)
+    save_metrics()
+
+    # ---- offline acceptance proxy on held-out prompts (greedy; exact under teacher forcing)
+    t0 = time.time()
+    prompts = make_eval_prompts(held_files, p.eval_prompts, args.seed)
+    (out / "eval_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
+    taus = {**{f"draft_k{k}": [] for k in (3, 4, 5)}, **{f"mtp_k{k}": [] for k in range(1, K + 1)},
+            "dflash": []}
+    per_kind = {kind: {n: [] for n in taus} for kind in ("def", "window")}
+    with torch.no_grad(), ctx.autocast():
+        for pr in prompts:
+            ids = torch.tensor([tok.encode(pr["prompt"]).ids], device=device)
+            P = ids.shape[1]
+            gen_ids = generate(target, ids, p.eval_new, ctx)[0].tolist()
+            for j, t in enumerate(gen_ids):  # the engine stops at EOS
+                if t in EOS_IDS:
+                    gen_ids = gen_ids[: j + 1]
+                    break
+            seq = torch.cat([ids[0], torch.tensor(gen_ids, device=device)])[None]
+            L = seq.shape[1]
+            end = L - 1  # last index
+            if L - P < 4:
+                continue
+            toks = seq[0].tolist()
+            kind = per_kind[pr["kind"]]
+
+            def record(name, pred, k):
+                # pred(n, j): the token drafter proposes for index n+j+1 when the last committed index is n
+                m = [[n + j + 1 <= end and pred(n, j) == toks[n + j + 1] for j in range(k)] for n in range(L)]
+                tk = walk(m, P, end, k)
+                taus[name] += tk
+                kind[name] += tk
+
+            # draft model: teacher-forced argmax at index i predicts i+1 (exact: accepted drafts = target tokens)
+            dh, _ = draft(seq)
+            da = draft.logits(dh).argmax(-1)[0].tolist()
+            for k in (3, 4, 5):
+                record(f"draft_k{k}", lambda n, j: da[n + j], k)
+            # MTP: chain index i = n-1; step j+1 predicts index n+j+1
+            th, taps = target(seq, taps=p.dflash_taps)
+            mp = [target.logits(y).argmax(-1)[0].tolist() for y in mtp.unroll(target, th, seq, K)]
+            for k in range(1, K + 1):
+                record(f"mtp_k{k}", lambda n, j: mp[j][n - 1] if n - 1 < len(mp[j]) else -1, k)
+            # DFlash: one block per anchor a in [1, L - Bk]; slot j+1 predicts index a+j+1
+            if L - Bk >= 1:
+                anchors = torch.arange(1, L - Bk + 1, device=device)[None]
+                block_ids, pos, mask = dflash_block(seq, anchors, Bk)
+                hid = dflash(torch.cat(taps, -1), target.model.embed_tokens(block_ids), pos, mask)
+                fa = target.logits(hid).argmax(-1)[0].view(-1, Bk).tolist()  # [anchor - 1][slot]
+                record("dflash", lambda n, j: fa[n - 1][j + 1] if 1 <= n <= L - Bk else -1, Bk - 1)
+    metrics["acceptance_proxy"] = {
+        "what": "offline greedy acceptance length tau (accepted drafts + 1) simulated with this script's own "
+                "model code on the target's greedy continuations of held-out prompts (eval_prompts.json, "
+                f"{p.eval_new} new tokens, stop at EOS); full-length steps only. Exact for greedy verification "
+                "up to numerics; NOT the engine's measurement.",
+        "all": {n: summarize(v) for n, v in taus.items()},
+        **{kind: {n: summarize(v) for n, v in d.items()} for kind, d in per_kind.items()},
+        "dflash_block_size": Bk,
+    }
+    stage_t["acceptance_proxy"] = round(time.time() - t0, 1)
+    log("acceptance proxy: " + json.dumps(metrics["acceptance_proxy"]["all"]))
+
+    sizes = {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*"))
+             if f.is_file() and f.parent.name in ("target", "draft", "dflash")}
+    metrics["files"] = sizes
+    metrics["total_bytes"] = sum(sizes.values())
+    save_metrics()
+    log(f"wrote {out} ({metrics['total_bytes'] / 1e6:.2f} MB of model files) in {time.time() - t_start:.0f}s")
+    return 0
+
+
+def make_eval_prompts(held_files, per_kind: int, seed: int) -> list[dict]:
+    """Held-out prompts: `def` lines (dedented, no newline, like the README's `def fibonacci(n):`) and ~400-char
+    windows of held-out files ending at a line break."""
+    import re
+
+    rng = random.Random(seed + 99)
+    defs, windows = [], []
+    for rel, text in held_files:
+        lines = text.splitlines(keepends=True)
+        for line in lines:
+            s = line.strip()
+            if re.match(r"def [A-Za-z_]\w*\(.*\)( -> .+)?:$", s) and len(s) < 80:
+                defs.append({"kind": "def", "file": rel, "prompt": s})
+        if len(lines) > 20:
+            for _ in range(2):
+                i = rng.randrange(0, len(lines) - 10)
+                chunk = ""
+                while i < len(lines) and len(chunk) < 400:
+                    chunk += lines[i]
+                    i += 1
+                if chunk.strip():
+                    windows.append({"kind": "window", "file": rel, "prompt": chunk})
+    rng.shuffle(defs)
+    rng.shuffle(windows)
+    return defs[:per_kind] + windows[:per_kind]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""scripts/train_demo.py end to end on the CPU with tiny sizes (--smoke), and its formats against HF transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "train_demo.py"
+
+MTP_MODULE_TENSORS = {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                      "mtp.norm.weight"}
+LAYER_TENSORS = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight"}
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_demo", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_demo", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_smoke(out: Path, seed: int = 0) -> dict:
+    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--seed", str(seed),
+                    "--out", str(out)], check=True, cwd=ROOT, timeout=300, capture_output=True)
+    return json.loads((out / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-smoke")
+    return out, run_smoke(out)
+
+
+def tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_smoke_writes_every_artifact(smoke):
+    out, metrics = smoke
+    for d in ("target", "draft"):
+        for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                  "tokenizer_config.json"):
+            assert (out / d / f).is_file(), f"{d}/{f}"
+    assert (out / "dflash" / "config.json").is_file() and (out / "dflash" / "model.safetensors").is_file()
+    prompts = json.loads((out / "eval_prompts.json").read_text())
+    assert prompts and {p["kind"] for p in prompts} <= {"def", "window"}
+    t = metrics["target"]
+    assert t["held_out_loss"] > 0 and t["unigram_loss"] > 0
+    assert metrics["corpus"]["held_out_files"] > 0 and metrics["corpus"]["train_files"] > 0
+    for name, r in metrics["acceptance_proxy"]["all"].items():
+        assert r["steps"] == 0 or 1 <= r["mean_tau"], name
+
+
+def test_smoke_checkpoints_load_in_transformers_and_match_script_model(smoke):
+    transformers = pytest.importorskip("transformers")
+    td = load_script()
+    out, _ = smoke
+    for kind, shape in (("target", td.SMOKE.target), ("draft", td.SMOKE.draft)):
+        cfg = json.loads((out / kind / "config.json").read_text())
+        assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["model_type"] == "qwen3"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out / kind, dtype=torch.float32).eval()
+        ours = td.Qwen3LM(shape, cfg["vocab_size"])
+        state = {k: v.float() for k, v in tensors(out / kind).items() if not k.startswith("mtp.")}
+        missing, unexpected = ours.load_state_dict(state, strict=False)
+        assert missing == ["lm_head.weight"] and not unexpected  # tied to embed_tokens
+        ours.eval()
+        x = torch.randint(0, cfg["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ref = hf(x).logits
+            h, _ = ours(x)
+            got = ours.logits(h)
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_smoke_mtp_and_dflash_formats(smoke):
+    td = load_script()
+    out, _ = smoke
+    cfg = json.loads((out / "target" / "config.json").read_text())
+    assert cfg["mtp_num_hidden_layers"] == 1
+    t = tensors(out / "target")
+    mtp = {k for k in t if k.startswith("mtp.")}
+    assert mtp == MTP_MODULE_TENSORS | {f"mtp.layers.0.{n}" for n in LAYER_TENSORS}
+    H = cfg["hidden_size"]
+    assert t["mtp.fc.weight"].shape == (H, 2 * H)
+    for n in LAYER_TENSORS:  # the MTP layer has the shape of a target layer
+        assert t[f"mtp.layers.0.{n}"].shape == t[f"model.layers.0.{n}"].shape, n
+    assert all(v.dtype == torch.bfloat16 for v in t.values())
+
+    d = json.loads((out / "dflash" / "config.json").read_text())
+    assert d["architectures"] == ["DFlashDraftModel"]
+    assert d["hidden_size"] == H and d["num_target_layers"] == cfg["num_hidden_layers"]
+    taps = d["dflash_config"]["target_layer_ids"]
+    assert all(0 <= i < cfg["num_hidden_layers"] for i in taps)
+    tok = json.loads((out / "target" / "tokenizer.json").read_text())
+    mask_ids = [a["id"] for a in tok["added_tokens"] if a["content"] == "<|mask|>"]
+    assert mask_ids == [d["dflash_config"]["mask_token_id"]] and d["block_size"] >= 2
+    ft = tensors(out / "dflash")
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}" for i in range(d["num_hidden_layers"]) for n in LAYER_TENSORS}
+    assert set(ft) == expected
+    assert ft["fc.weight"].shape == (H, len(taps) * H)
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in ft)
+    assert td.MASK_ID == d["dflash_config"]["mask_token_id"]
+
+
+def test_smoke_tokenizer_specials_and_chat_template(smoke):
+    transformers = pytest.importorskip("transformers")
+    out, _ = smoke
+    tok = transformers.AutoTokenizer.from_pretrained(out / "target")
+    ids = tok("def f(x):").input_ids
+    assert ids[0] == tok.convert_tokens_to_ids("<|endoftext|>")  # BOS = the document separator
+    assert tok.decode(ids[1:]) == "def f(x):"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    gen = json.loads((out / "target" / "generation_config.json").read_text())
+    assert set(gen["eos_token_id"]) == {tok.convert_tokens_to_ids("<|endoftext|>"),
+                                        tok.convert_tokens_to_ids("<|im_end|>")}
+
+
+def test_dflash_block_mask_semantics():
+    td = load_script()
+    ids = torch.arange(20)[None] + 10
+    anchors = torch.tensor([[3, 9]])
+    block_ids, pos, mask = td.dflash_block(ids, anchors, 4)
+    assert block_ids.tolist() == [[13, td.MASK_ID, td.MASK_ID, td.MASK_ID, 19, td.MASK_ID, td.MASK_ID, td.MASK_ID]]
+    assert pos.tolist() == [[3, 4, 5, 6, 9, 10, 11, 12]]
+    m = mask[0, 0]
+    assert m.shape == (8, 20 + 8)
+    assert m[0, :20].tolist() == [True] * 3 + [False] * 17  # context strictly before the anchor
+    assert m[5, :20].tolist() == [True] * 9 + [False] * 11
+    assert m[1, 20:].tolist() == [True] * 4 + [False] * 4  # its own block, bidirectionally
+    assert m[7, 20:].tolist() == [False] * 4 + [True] * 4
+
+
+def test_mtp_unroll_step_one_is_causal_and_chain_is_exact():
+    """Step k at index i must equal a from-scratch recursion with the serving attention pattern."""
+    td = load_script()
+    torch.manual_seed(0)
+    s = td.Shape(32, 1, 2, 1, 16, 64)
+    target = td.Qwen3LM(s, 64).eval()
+    mtp = td.MTPHead(s).eval()
+    ids = torch.randint(0, 64, (1, 12))
+    with torch.no_grad():
+        h, _ = target(ids)
+        outs = mtp.unroll(target, h, ids, 3)
+        # reference: an explicit KV cache, as a server would run it for the chain at index i = 4
+        i = 4
+        layer = mtp.layers[0]
+
+        def fuse(tok, hid):
+            e = target.model.embed_tokens(tok)
+            return mtp.fc(torch.cat([mtp.pre_fc_norm_embedding(e), mtp.pre_fc_norm_hidden(hid)], -1))
+
+        x1 = fuse(ids[:, 1:i + 2], h[:, :i + 1])  # pairs j = 0..i at positions 0..i
+        cos, sin = td.rope(torch.arange(i + 1), s.head_dim)
+        y, (k1, v1) = layer(x1, cos, sin, causal=True)
+        prev = mtp.norm(y[:, -1:])
+        torch.testing.assert_close(prev[:, 0], outs[0][:, i], atol=1e-5, rtol=1e-5)
+        ks, vs = k1, v1
+        for step in (2, 3):
+            x = fuse(ids[:, i + step:i + step + 1], prev)
+            cos, sin = td.rope(torch.tensor([i + step - 1]), s.head_dim)
+            y, (kk, vv) = layer(x, cos, sin, causal=False, prefix_kv=(ks, vs))
+            prev = mtp.norm(y)
+            torch.testing.assert_close(prev[:, 0], outs[step - 1][:, i], atol=1e-5, rtol=1e-5)
+            ks, vs = torch.cat([ks, kk], 2), torch.cat([vs, vv], 2)
+
+
+def test_walk_counts_acceptance_lengths():
+    td = load_script()
+    # positions 0..9, start at 2, k = 2: step at 2 accepts 2 (tau 3) -> n = 5; at 5 accepts 0 (tau 1) -> n = 6;
+    # at 6 accepts 1 (tau 2) -> n = 8 = end - k + 1 ... 8 + 2 > 9 stops
+    m = [[False, False] for _ in range(10)]
+    m[2] = [True, True]
+    m[6] = [True, False]
+    assert td.walk(m, 2, 9, 2) == [3, 1, 2]
+
+
+@pytest.mark.slow
+def test_smoke_is_reproducible(smoke, tmp_path):
+    _, first = smoke
+    again = run_smoke(tmp_path)
+    assert again["target"]["held_out_loss"] == first["target"]["held_out_loss"]
+    assert again["corpus"]["sha256"] == first["corpus"]["sha256"]
+    assert again["acceptance_proxy"]["all"] == first["acceptance_proxy"]["all"]
