@@ -342,7 +342,8 @@ def test_slots_idle_and_busy(client):
     assert client.get("/slots", params={"fail_on_no_slot": 1}).status_code == 200
     body = {"prompt": "a long one", "n_predict": 400, "stream": True, **GREEDY}
     with client.stream("POST", "/completion", json=body) as r:
-        next(line for line in r.iter_lines() if line.startswith("data: "))
+        lines = r.iter_lines()  # held: a dropped iterator closes the connection (and aborts the request)
+        next(line for line in lines if line.startswith("data: "))
         busy = poll(lambda: [s for s in client.get("/slots").json() if s["is_processing"]])
         assert len(busy) == 1
         (slot,) = busy
@@ -408,3 +409,229 @@ def assert_reconciled(before: dict, after: dict, timings: list[dict]) -> None:
         sum(t["predicted_ms"] for t in timings) / 1e3, rel=1e-6)
     assert delta("spec_decode_num_draft_tokens_total") == sum(t.get("draft_n", 0) for t in timings)
     assert delta("n_decode_total") > 0
+
+
+# --- OpenAI routes ---
+def test_openai_completions(oai, client):
+    r = oai.completions.create(model="anything", prompt="Hello there", max_tokens=6, temperature=0, seed=3)
+    assert r.object == "text_completion" and r.model == "tiny-a" and r.system_fingerprint.startswith("b")
+    assert r.id.startswith("cmpl-") and len(r.choices) == 1
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    assert r.usage.prompt_tokens == len(tokenize(client, "Hello there"))
+    native = complete(client, prompt="Hello there", n_predict=6, temperature=0)
+    assert r.choices[0].text == native["content"]
+    assert list(r.model_extra["timings"]) == TIMING_KEYS
+    chunks = list(oai.completions.create(model="x", prompt="Hello there", max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == native["content"]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 6 and list(chunks[-1].model_extra["timings"]) == TIMING_KEYS
+
+
+def test_openai_completions_logprobs_n_and_stop(oai):
+    r = oai.completions.create(model="x", prompt="logprobs", max_tokens=4, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == r.choices[0].text
+    two = oai.completions.create(model="x", prompt=["one", "two"], max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert two.choices[0].text == two.choices[1].text and two.usage.completion_tokens == 12
+    text = oai.completions.create(model="x", prompt="stop here", max_tokens=20, temperature=0).choices[0].text
+    stopped = oai.completions.create(model="x", prompt="stop here", max_tokens=20, temperature=0, stop=[text[4:6]])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.find(text[4:6])]
+    echo = oai.completions.create(model="x", prompt="echo me", max_tokens=2, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("<|startoftext|>echo me")
+
+
+def test_openai_chat(oai, client):
+    messages = [{"role": "user", "content": "Say something"}]
+    r = oai.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0)
+    assert r.object == "chat.completion" and re.fullmatch(r"chatcmpl-[0-9a-f]{32}", r.id)
+    assert r.model == "tiny-a" and r.system_fingerprint.startswith("b")
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and r.choices[0].finish_reason == "length" and r.choices[0].logprobs is None
+    prompt = client.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    assert r.usage.prompt_tokens == len(tokenize(client, prompt)) and r.usage.completion_tokens == 5
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert msg.content == complete(client, prompt=prompt, n_predict=5, temperature=0)["content"]
+    assert list(r.model_extra["timings"]) == TIMING_KEYS
+    chunks = list(oai.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == msg.content
+    assert chunks[-1].choices[0].finish_reason == "length" and "timings" in chunks[-1].model_extra
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_openai_chat_stream_usage_and_done(client):
+    body = {"messages": [{"role": "user", "content": "usage"}], "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = stream(client, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    *chunks, usage_chunk, _ = events
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 4
+    assert list(usage_chunk["timings"]) == TIMING_KEYS
+    assert chunks[-1]["choices"][0] == {"finish_reason": "length", "index": 0, "delta": {}}
+    assert all("timings" not in c for c in chunks)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+
+
+def test_openai_chat_logprobs_seed_n(oai):
+    messages = [{"role": "user", "content": "numbers"}]
+    r = oai.chat.completions.create(model="x", messages=messages, max_tokens=3, temperature=0, logprobs=True,
+                                    top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    kw = dict(model="x", messages=messages, max_tokens=12, temperature=1.0, top_p=1.0,
+              extra_body={"ignore_eos": True})
+    a = oai.chat.completions.create(seed=99, **kw).choices[0].message.content
+    b = oai.chat.completions.create(seed=99, **kw).choices[0].message.content
+    assert a == b
+    n = oai.chat.completions.create(n=3, seed=5, **kw)
+    assert [c.index for c in n.choices] == [0, 1, 2] and n.usage.completion_tokens == 36
+    assert len({c.message.content for c in n.choices}) > 1  # seeded choices use seed, seed + 1, ...
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"content": "no role"}]}, "messages[0]"),
+    ({"add_generation_prompt": True, "continue_final_message": True}, "add_generation_prompt"),
+])
+def test_openai_chat_errors(oai, extra, field):
+    body = {"model": "x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(**{"model": "x", "messages": [], "max_tokens": 2}, extra_body=body)
+    assert f"'{field}'" in e.value.body["message"] and e.value.status_code == 400
+
+
+def test_chat_continue_final_message(client):
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Well,"}],
+            "continue_final_message": True}
+    prompt = client.post("/apply-template", json=body).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nWell,")
+
+
+# --- timings ---
+def test_timings_formulas(client):
+    t = complete(client, prompt=random_prompt(64, seed=2), n_predict=16, **GREEDY)["timings"]
+    assert all(math.isfinite(v) and v >= 0 for v in t.values())
+    n = t["predicted_n"]
+    assert n == 16
+    assert t["predicted_per_second"] == pytest.approx((n - 1) / t["predicted_ms"] * 1e3, rel=1e-9)
+    assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / (n - 1), rel=1e-9)
+    assert t["prompt_per_second"] == pytest.approx(1e3 * t["prompt_n"] / t["prompt_ms"], rel=1e-9)
+    assert t["prompt_per_token_ms"] == pytest.approx(t["prompt_ms"] / t["prompt_n"], rel=1e-9)
+
+
+def test_timings_match_client_measurements(client):
+    """prompt_ms ~ client time to first token, predicted_ms ~ client first-to-last token time (within 10 %)."""
+    body = {"prompt": random_prompt(1200, seed=3), "n_predict": 48, "stream": True, **GREEDY}
+    arrivals = []
+    start = time.perf_counter()
+    with client.stream("POST", "/completion", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append((time.perf_counter(), line))
+    *token_frames, (_, final_line) = arrivals
+    final = sse_events([final_line])[0]["timings"]
+    ttft = (token_frames[0][0] - start) * 1e3
+    first_to_last = (token_frames[-1][0] - token_frames[0][0]) * 1e3
+    assert final["predicted_n"] == 48 and len(token_frames) == 48
+    assert final["prompt_ms"] == pytest.approx(ttft, rel=0.10), (final, ttft)
+    assert final["predicted_ms"] == pytest.approx(first_to_last, rel=0.10), (final, first_to_last)
+
+
+def test_prefix_cache_on_repeated_prompt(client):
+    prompt = random_prompt(100, seed=4)
+    first = complete(client, prompt=prompt, n_predict=2, **GREEDY)["timings"]
+    again = stream(client, "/completion", {"prompt": prompt, "n_predict": 2, "stream": True,
+                                           "timings_per_token": True, **GREEDY})
+    assert first["cache_n"] == 0 and first["prompt_n"] == 100
+    second = again[-1]["timings"]
+    assert second["cache_n"] > 0 and second["prompt_n"] == 100 - second["cache_n"]
+    assert again[0]["timings"]["cache_n"] == second["cache_n"]
+
+
+# --- concurrency, back-pressure and disconnects ---
+async def _stream_async(ac: httpx.AsyncClient, body: dict, leave_after: int | None = None) -> dict | None:
+    """Read a native stream; with leave_after, disconnect after that many frames (returns None)."""
+    frames = 0
+    async with ac.stream("POST", "/completion", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                frames += 1
+                if frames == leave_after:
+                    return None  # leaving the block closes the connection mid-stream
+                last = line
+    return sse_events([last])[0]
+
+
+def test_32_concurrent_streams_with_a_quarter_disconnecting(server, client):
+    before = metrics(client)
+
+    async def run():
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as ac:
+            jobs = []
+            for i in range(32):
+                leaves = i % 4 == 0
+                body = {"prompt": random_prompt(24, seed=100 + i), "n_predict": 400 if leaves else 12, "stream": True,
+                        **GREEDY}
+                jobs.append(_stream_async(ac, body, leave_after=3 if leaves else None))
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run())
+    finals = [r for r in results if r is not None]
+    assert len(finals) == 24
+    assert all(f["stop"] and f["stop_type"] == "limit" and f["tokens_predicted"] == 12 for f in finals)
+    wait_idle(client)
+    assert_reconciled(before, metrics(client), [f["timings"] for f in finals])
+
+
+def test_full_queue_is_503_and_disconnects_free_everything(server, client):
+    async def run():
+        limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as ac:
+            body = {"prompt": "busy busy", "n_predict": 1000, "stream": True, **GREEDY}
+            streams = [ac.stream("POST", "/completion", json=body) for _ in range(N_SLOTS + MAX_QUEUE)]
+            responses = await asyncio.gather(*(s.__aenter__() for s in streams))  # headers = admitted
+            assert all(r.status_code == 200 for r in responses)
+            extra = await ac.post("/completion", json=body)
+            no_slot = await ac.get("/slots", params={"fail_on_no_slot": 1})
+            for s in streams:
+                await s.__aexit__(None, None, None)  # disconnect every stream
+            return extra, no_slot
+
+    extra, no_slot = asyncio.run(run())
+    assert extra.status_code == 503
+    assert extra.json()["error"] == {"code": 503, "message": "All slots are busy, try again later",
+                                     "type": "unavailable_error"}
+    assert no_slot.status_code == 503
+    wait_idle(client, timeout=5)
+
+
+def test_non_streamed_request_is_cancelled_when_the_client_leaves(server, client):
+    body = httpx.Request("POST", server.url + "/completion",
+                         json={"prompt": "leaving early", "n_predict": 1000, **GREEDY})
+    host, port = body.url.host, body.url.port
+    payload = body.read()
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(b"POST /completion HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        assert poll(lambda: any(s["is_processing"] for s in client.get("/slots").json()))
+    wait_idle(client, timeout=3)  # 1000 tokens would take far longer: the request was aborted
+
+
+# --- offline parity ---
+def test_greedy_http_equals_outrider_generate(ckpt, client):
+    prompt = "The meaning of life is"
+    proc = subprocess.run([sys.executable, "-m", "outrider.cli", "generate", "-m", str(ckpt), "-p", prompt,
+                           "-n", "32", "--temp", "0", "--ignore-eos"], cwd=REPO, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    offline = proc.stdout.decode("utf-8")
+    assert offline.endswith("\n")
+    assert complete(client, prompt=prompt, n_predict=32, **GREEDY)["content"] == offline[:-1]
+    assert "predicted: 32 tokens" in proc.stderr.decode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -37,9 +39,8 @@ class Runner:
                                    cfg.head_dim, torch.float32, "cpu")
         self.lens = [0] * n_seqs
 
-    @torch.no_grad()
-    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
-        """Append chunks[i] to sequence i (may be empty); return each chunk's logits [len, V]."""
+    def prepare(self, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Append chunks[i] to sequence i (may be empty): (input_ids, positions, meta) of one ragged batch."""
         ids, pos, slots, qsl = [], [], [], [0]
         for i, chunk in enumerate(chunks):
             for p in range(self.lens[i], self.lens[i] + len(chunk)):
@@ -53,9 +54,18 @@ class Runner:
             seq_lens=torch.tensor(self.lens, dtype=torch.int32), block_tables=self.tables.int(),
             max_query_len=max(map(len, chunks)), max_seq_len=max(self.lens),
             query_start_loc_host=qsl, seq_lens_host=list(self.lens))
-        hidden = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.backend)
-        logits = self.model.compute_logits(hidden)
-        return [logits[a:b] for a, b in zip(qsl, qsl[1:])]
+        return torch.tensor(ids), torch.tensor(pos), meta
+
+    @torch.no_grad()
+    def hidden(self, chunks: list[list[int]]) -> torch.Tensor:
+        ids, pos, meta = self.prepare(chunks)
+        return self.model(ids, pos, self.kv, meta, self.backend)
+
+    def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
+        """Run one ragged batch; return each chunk's logits [len, V]."""
+        logits = self.model.compute_logits(self.hidden(chunks))
+        bounds = [0, *itertools.accumulate(map(len, chunks))]
+        return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -112,20 +122,12 @@ def test_aux_hidden_is_the_cat_of_layer_outputs(pair):
     ids = PROMPTS[1]
     ours.aux_layer_ids = (0, cfg.num_hidden_layers - 1)
     try:
-        runner = Runner(ours, cfg, 1)
-        hidden = ours(torch.tensor(ids), torch.arange(len(ids)), runner.kv, _single_meta(runner, len(ids)),
-                      runner.backend)
+        hidden = Runner(ours, cfg, 1).hidden([ids])
         aux = ours.aux_hidden
     finally:
         ours.aux_layer_ids, ours.aux_hidden = (), None
-    ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i + 1] = output of layer i
     assert aux.shape == (len(ids), 2 * cfg.hidden_size)
     torch.testing.assert_close(aux[:, :cfg.hidden_size], ref[1][0], atol=1e-4, rtol=0)
     torch.testing.assert_close(aux[:, cfg.hidden_size:], hidden)
-
-
-def _single_meta(runner: Runner, n: int) -> AttentionMetadata:
-    slots = [int(runner.tables[0, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
-    return AttentionMetadata(slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-                             seq_lens=torch.tensor([n], dtype=torch.int32), block_tables=runner.tables[:1].int(),
-                             max_query_len=n, max_seq_len=n)

@@ -28,6 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     lat.add_argument("--batch", type=int, default=1)
     lat.add_argument("--ttft-prompt-len", type=int, default=1024, help="extra TTFT line at this length (0 = off)")
     lat.add_argument("--compare", choices=["hf"], help="also run HF transformers on the same weights")
+    lat.add_argument("--profile", action="store_true", help="also print where a step's time goes")
 
     thr = sub.add_parser("throughput", parents=[common], help="nano-vllm workload: output tok/s")
     thr.add_argument("--num-requests", type=int, default=256)

@@ -14,6 +14,7 @@ from outrider.models.registry import model_class
 # Tensors that the target model does not own but that may ship in its checkpoint.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # stale buffers saved by old transformers versions
+_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # config, weights, tokenizer
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -25,9 +26,7 @@ def resolve_model_path(path_or_repo: str | os.PathLike, offline: bool = False) -
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt",
-                                                                         "*.model"],
-                                      local_files_only=offline))
+        return Path(snapshot_download(str(path_or_repo), allow_patterns=_HUB_FILES, local_files_only=offline))
     except Exception as e:  # hub errors are many types; the caller wants one clear message
         raise ValueError(f"cannot find model {str(path_or_repo)!r} locally or on the Hugging Face hub: {e}") from e
 
@@ -60,7 +59,7 @@ def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.T
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    """"auto" = the checkpoint's torch_dtype on accelerators, float32 on the CPU."""
+    """A torch dtype, a name, or "auto": the checkpoint's torch_dtype on accelerators, float32 on the CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":

@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+from outrider.config import ModelConfig
+from outrider.models.registry import model_class
+
 _ARCHS = {  # short name -> (architecture, model_type)
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
@@ -66,16 +69,14 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
         "bos_token_id": bos,
         "eos_token_id": eos,
         "torch_dtype": _DTYPE_NAMES[dtype],
-        "transformers_version": "4.51.0",
+        "transformers_version": "4.51.0",  # the transformers-4 layout most hub checkpoints still have
     }
-    if arch == "qwen2":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
-    else:  # Qwen2 hard-codes its biases; Llama and Qwen3 read the flag
-        config["attention_bias"] = False
-    if arch == "qwen3":
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
     if arch == "llama":
         config.update(mlp_bias=False, pretraining_tp=1)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
+    if arch != "qwen2":  # Qwen2 hard-codes its q/k/v biases; Llama and Qwen3 read the flag
+        config["attention_bias"] = False
     config.update(extra_config or {})
     _write_json(path / "config.json", config)
     _write_json(path / "generation_config.json",
@@ -87,9 +88,6 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
 
 def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float32 weights under HF names, scaled so tiny models give varied, well-separated greedy tokens."""
-    from outrider.config import ModelConfig
-    from outrider.models.registry import model_class
-
     cfg = ModelConfig.from_dict(config)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)

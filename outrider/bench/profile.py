@@ -1,0 +1,55 @@
+"""Where a step's time goes: wraps the engine's phases with synchronising timers (bench-only instrumentation).
+
+Synchronising around each phase serialises host and GPU, so the phases add up to more than an unprofiled
+step; what it shows is each phase's own cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            torch.cuda.synchronize()
+            self.total[label] += time.perf_counter() - t0
+            return out
+
+        setattr(obj, attr, timed)
+
+
+@contextmanager
+def profiled(engine):
+    """Instrument one engine's phases for the duration of the block; yields the PhaseTimer."""
+    timer = PhaseTimer()
+    runner = engine.runner
+    targets = [(engine, "step", "step (all)"), (engine.scheduler, "schedule", "schedule"),
+               (runner, "prepare", "prepare inputs"), (runner.model, "compute_logits", "logits"),
+               (runner.sampler, "prepare", "sampler prepare"), (runner.sampler, "sample", "sample")]
+    forward = (runner.graphs, "run", "forward (graph)") if runner.graphs is not None else None
+    if forward:
+        targets.append(forward)
+    saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in targets]
+    for obj, attr, label in targets:
+        timer.wrap(obj, attr, label)
+    try:
+        yield timer
+    finally:
+        for obj, attr, old in saved:
+            if old is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)

@@ -1,0 +1,129 @@
+"""DFlash (z-lab) block-diffusion drafter: one forward drafts a whole block.
+
+Checkpoint: config.json with architectures ["DFlashDraftModel"], block_size, dflash_config {mask_token_id,
+target_layer_ids}; tensors fc, hidden_norm, layers.N.* (Qwen3 decoder layers), norm. It has no embedding or
+LM head: both are borrowed from the target. Context: the outputs of target layers `target_layer_ids` at every
+committed position, fused as ctx = hidden_norm(fc(cat(taps))), enter each draft layer only as keys/values
+(k_norm(k_proj(ctx)) with RoPE, v_proj(ctx)), written into the drafter's paged KV on commit. Drafting: the
+block [x_last, MASK * (B-1)] at positions p..p+B-1 attends non-causally over that context and itself; the
+target's LM head on the normed outputs at block slots 1..B-1 gives the drafts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from outrider.attention import KVCache, get_backend
+from outrider.config import ModelConfig
+from outrider.engine.request import Request
+from outrider.engine.runner import build_metadata
+from outrider.layers.norm import RMSNorm
+from outrider.layers.rotary import RotaryEmbedding
+from outrider.models import read_tensors
+from outrider.models.llama import DecoderLayer
+from outrider.spec.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps when the config names none: the middle layer, or points spread over 1..L-3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    taps = [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return [min(max(t, 0), num_target_layers - 1) for t in taps]  # only tiny test targets need the clamp
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights, under the checkpoint's tensor names."""
+
+    def __init__(self, cfg: ModelConfig, context_size: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(context_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DFlashDrafter:
+    kind = "dflash"
+    step_cost = 0.02  # [est] one small forward per block, whatever k is
+
+    def __init__(self, target: nn.Module, target_cfg: ModelConfig, path: str, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        raw = json.loads((Path(path) / "config.json").read_text())
+        # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
+        cfg = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})
+        dflash = raw.get("dflash_config") or {}
+        self.mask_token_id = int(dflash["mask_token_id"])
+        taps = dflash.get("target_layer_ids") or default_target_layers(
+            raw.get("num_target_layers", target_cfg.num_hidden_layers), cfg.num_hidden_layers)
+        self.aux_layer_ids = tuple(taps)
+        self.block = int(raw.get("block_size", 16))
+        self.max_draft = self.block - 1
+        self.device = torch.device(device)
+        self.target = target
+        with torch.device("meta"):
+            model = DFlashModel(cfg, len(taps) * target_cfg.hidden_size)
+        model.load_state_dict(read_tensors(path), strict=True, assign=True)
+        self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                      cfg.max_position_embeddings).to(self.device)
+        self.kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                   cfg.head_dim, dtype, self.device)
+        self.block_size = block_size
+        self.vocab_size = target_cfg.vocab_size
+        self.backend = get_backend(self.device)
+
+    def lookahead(self, k: int) -> int:
+        return self.block if k > 0 else 0  # the whole block's K/V is written, whatever k is
+
+    @torch.inference_mode()
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+        if aux_hidden is None:
+            raise ValueError("DFlash needs the target's aux_hidden: set model.aux_layer_ids = drafter.aux_layer_ids")
+        meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in commits],
+                                         self.block_size, self.device)
+        ctx = self.model.hidden_norm(self.model.fc(aux_hidden))
+        n = ctx.shape[0]
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(n, attn.n_kv_heads, attn.head_dim))
+            _, k = self.rotary(positions, k, k)  # RoPE on the keys only; the query slot is a throwaway
+            v = attn.v_proj(ctx).view(n, attn.n_kv_heads, attn.head_dim)
+            # Every slot here is real, so plain index_copy (no padding mask, no host sync).
+            for cache, x in ((self.kv.k[i], k), (self.kv.v[i], v)):
+                cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, x.to(cache.dtype))
+
+    def block_hidden(self, tokens: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Normed drafter outputs [sum L, H] for blocks `tokens` at (block table, first position, L) each."""
+        meta, positions = build_metadata(seqs, self.block_size, self.device, causal=False)
+        h = self.target.embed(tokens)
+        for layer in self.model.layers:
+            h = layer(h, positions, self.rotary, self.kv, meta, self.backend)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        # A block shrinks (as the reference does near max length) rather than write past the block table.
+        lens = [min(self.block, block_capacity(r, self.block_size) - r.num_tokens + 1) for r in requests]
+        ks = [min(k, n - 1) for k, n in zip(ks, lens)]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if not rows:
+            return collect_drafts([], [], [], len(requests))
+        ids = [t for i in rows for t in [requests[i].all_ids[-1]] + [self.mask_token_id] * (lens[i] - 1)]
+        tokens = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.block_hidden(tokens, [(requests[i].block_ids, requests[i].num_tokens - 1, lens[i]) for i in rows])
+        starts = itertools.accumulate((lens[i] for i in rows), initial=0)
+        picks = [s + j for s, i in zip(starts, rows) for j in range(1, ks[i] + 1)]  # block slots 1..k
+        index = torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)
+        drafts, conf = greedy_drafts(self.target.lm_head(hidden.index_select(0, index)).float(), self.vocab_size)
+        return collect_drafts([i for i in rows for _ in range(ks[i])], [drafts], [conf], len(requests))
+
+    def release(self, request_id: int) -> None:
+        """Nothing per request: the context lives in the request's own blocks."""

@@ -1,0 +1,95 @@
+"""Classic speculative decoding with a separate small checkpoint (llama-server --model-draft).
+
+The draft model keeps its own paged KV pool indexed by the target's block ids, so a request's block table
+serves both. Its KV lags the target lazily: each propose first feeds the committed tokens it has not seen
+(the whole prompt the first time), then drafts argmax tokens one position at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from outrider.attention import KVCache, get_backend
+from outrider.engine.request import Request
+from outrider.engine.runner import build_metadata
+from outrider.models import load_model
+from outrider.spec.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+
+
+class DraftModelDrafter:
+    kind = "draft"
+    aux_layer_ids: tuple[int, ...] = ()
+    step_cost = 0.1  # [est] a draft model ~10x smaller than the target
+
+    def __init__(self, path: str, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, max_draft: int = 16) -> None:
+        self.device = torch.device(device)
+        self.model, self.config = load_model(path, dtype, self.device)
+        cfg = self.config
+        self.kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
+                                   cfg.head_dim, dtype, self.device)
+        self.block_size = block_size
+        self.vocab_size = vocab_size  # the target's: drafts outside it are never proposed
+        self.max_draft = max_draft
+        self.backend = get_backend(self.device)
+        self._computed: dict[int, int] = {}  # request id -> leading positions whose draft KV is valid
+        self._pending: dict[int, tuple[int, list[int]]] = {}  # request id -> (position, drafts fed there on)
+
+    def lookahead(self, k: int) -> int:
+        return k  # writes x_last and d_1..d_{k-1}
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - (r.num_tokens - 1))
+              for r, k in zip(requests, ks)]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        steps = []  # (request indices, draft tokens, confidences) per drafting position
+        for j in range(max((ks[i] for i in active), default=0)):
+            rows = [i for i in active if ks[i] > j]
+            if j == 0:  # catch up on unseen committed tokens, ending with the last one
+                for i in rows:
+                    self._settle(requests[i])
+                # At least the last committed token is fed: its logits give d_1.
+                starts = [min(self._computed.get(requests[i].request_id, 0), requests[i].num_tokens - 1)
+                          for i in rows]
+                ids = [t for i, c in zip(rows, starts) for t in requests[i].all_ids[c:]]
+                input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+                seqs = [(requests[i].block_ids, c, requests[i].num_tokens - c) for i, c in zip(rows, starts)]
+            else:  # feed each request its previous draft
+                keep = torch.tensor([prev_rows.index(i) for i in rows]).to(self.device, non_blocking=True)
+                input_ids = tokens.index_select(0, keep)
+                seqs = [(requests[i].block_ids, requests[i].num_tokens - 1 + j, 1) for i in rows]
+            meta, positions = build_metadata(seqs, self.block_size, self.device)
+            hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+            last = torch.tensor(meta.query_start_loc_host[1:]).to(self.device, non_blocking=True) - 1
+            tokens, conf = greedy_drafts(self.model.compute_logits(hidden.index_select(0, last)), self.vocab_size)
+            steps.append((rows, tokens, conf))
+            prev_rows = rows
+        out = collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
+                             [c for _, _, c in steps], len(requests))
+        for i in active:
+            req = requests[i]
+            self._computed[req.request_id] = req.num_tokens
+            self._pending[req.request_id] = (req.num_tokens, out.tokens[i][:-1])
+        return out
+
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+        for c in commits:
+            self._settle(c.request)
+
+    def _settle(self, req: Request) -> None:
+        """Keep the speculative KV of drafts that the target accepted (they match committed tokens)."""
+        pending = self._pending.pop(req.request_id, None)
+        if pending is None:
+            return
+        pos, fed = pending
+        committed = req.all_ids[pos : pos + len(fed)]
+        n = next((j for j, (a, b) in enumerate(zip(fed, committed)) if a != b), min(len(fed), len(committed)))
+        self._computed[req.request_id] = pos + n
+
+    def release(self, request_id: int) -> None:
+        self._computed.pop(request_id, None)
+        self._pending.pop(request_id, None)
+

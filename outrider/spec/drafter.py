@@ -1,0 +1,170 @@
+"""The Drafter protocol every speculative kind implements, and the policy that picks draft lengths.
+
+One engine step with a drafter (docs/speculative.md walks it through):
+  1. ks = policy.draft_lengths(decoding, drafter)            per-request k (0 = plain decode this step)
+  2. ensure each request's blocks cover num_tokens - 1 + drafter.lookahead(k) positions (else k = 0)
+  3. proposals = policy.trim(decoding, drafter.propose(decoding, ks))
+  4. one ragged target forward over [last, d1..dk] per request; verify() per row; commit m+1 tokens
+  5. drafter.on_commit(commits, hidden, aux_hidden) for EVERY request the target computed rows for
+  6. policy.record(request_id, k, m) beside timing.mark_draft_round(k, m)
+  7. drafter.release(request_id) / policy.release(request_id) whenever a request's blocks are freed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from outrider.engine.request import Request
+
+
+@dataclass
+class Proposals:
+    """Drafts per request, in the order asked. probs[i] is q as [k_i, V] when drafts were sampled;
+    None means argmax drafts (q one-hot). confidence[i][j] is the drafter's probability of token j."""
+
+    tokens: list[list[int]]
+    confidence: list[list[float]]
+    probs: list[torch.Tensor | None] | None = None
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Target rows that are now committed: positions start..start+count-1 of one request, whose tokens
+    (and the one after them) are already in request.all_ids. Hidden rows come in commit order."""
+
+    request: Request
+    start: int
+    count: int
+
+
+class Drafter(Protocol):
+    kind: str  # "draft" | "mtp" | "dflash": RequestTiming.draft_kind
+    aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads: set model.aux_layer_ids
+    max_draft: int  # most tokens one propose returns per request
+    step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
+
+    def lookahead(self, k: int) -> int:
+        """KV positions from the last committed token on that proposing k tokens writes (blocks must exist)."""
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        """Up to ks[i] drafts for each decoding request (fewer near the end of its block table)."""
+
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+        """Learn committed target rows: hidden [sum count, H] pre-norm, aux_hidden [sum count, A] or None."""
+
+    def release(self, request_id: int) -> None:
+        """Forget a request whose blocks were freed (finish, abort, preemption)."""
+
+
+def block_capacity(request: Request, block_size: int) -> int:
+    """Positions the request's block table can hold: drafters never write past it."""
+    return len(request.block_ids) * block_size
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens per round] for per-position acceptance alpha and k drafts: (1 - a^(k+1)) / (1 - a)."""
+    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0  # decayed counts of accepted and rejected draft positions
+    rejected: float = 0.0
+    idle: int = 0  # rounds since k was last > 0
+
+
+@dataclass
+class DraftPolicy:
+    """Draft length per request: request caps, a batch-size cap, and an acceptance-aware online rule."""
+
+    n_max: int = 4  # server default for SamplingParams.spec_n_max (--draft-max)
+    n_min: int = 0  # shorter drafts are dropped (--draft-min)
+    p_min: float = 0.0  # drafting stops at the first token the drafter gives less than this (--draft-p-min)
+    max_model_len: int = 1 << 30
+    max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
+    max_batch: int = 64  # no drafting above this many decoding requests
+    prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 observations)
+    decay: float = 0.9  # weight of the past per round
+    probe_every: int = 16  # while the rule holds k at 0, draft one token this often to re-measure
+    _stats: dict[int, _Acceptance] = field(default_factory=dict, repr=False)
+
+    def draft_lengths(self, requests: Sequence[Request], drafter: Drafter) -> list[int]:
+        """k for each decoding request this step."""
+        if len(requests) > self.max_batch:
+            return [0] * len(requests)
+        batch_cap = self.max_verify_tokens // max(len(requests), 1) - 1
+        return [self._length(r, min(batch_cap, drafter.max_draft), drafter.step_cost) for r in requests]
+
+    def _length(self, req: Request, cap: int, step_cost: float) -> int:
+        p = req.params
+        left = self.max_model_len - req.num_tokens
+        if p.max_tokens >= 0:
+            left = min(left, p.max_tokens - len(req.output_ids))
+        cap = min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1)  # +1 bonus token
+        if cap <= 0:
+            return 0
+        st = self._stats.setdefault(req.request_id, _Acceptance())
+        alpha = (st.accepted + 2 * self.prior_alpha) / (st.accepted + st.rejected + 2)
+        # Tokens per unit of work: k = 0 costs 1 step for 1 token; each draft adds step_cost.
+        k = max(range(cap + 1), key=lambda n: expected_tokens(alpha, n) / (1.0 + step_cost * n))
+        if k == 0:
+            st.idle += 1
+            if st.idle >= self.probe_every:
+                st.idle, k = 0, 1
+        else:
+            st.idle = 0
+        return k
+
+    def trim(self, requests: Sequence[Request], proposals: Proposals) -> Proposals:
+        """Apply each request's confidence stop (p_min) and minimum length (n_min) to fresh proposals."""
+        out = Proposals([], [], [] if proposals.probs is not None else None)
+        for i, req in enumerate(requests):
+            p = req.params
+            p_min = p.spec_p_min if p.spec_p_min is not None else self.p_min
+            n_min = p.spec_n_min if p.spec_n_min is not None else self.n_min
+            conf = proposals.confidence[i]
+            n = next((j for j, c in enumerate(conf) if c < p_min), len(conf))
+            if n < max(n_min, 1):
+                n = 0
+            out.tokens.append(proposals.tokens[i][:n])
+            out.confidence.append(conf[:n])
+            if out.probs is not None:
+                q = proposals.probs[i]
+                out.probs.append(None if q is None or n == 0 else q[:n])
+        return out
+
+    def record(self, request_id: int, proposed: int, accepted: int) -> None:
+        """One verify round's outcome for a request."""
+        if proposed <= 0:
+            return
+        st = self._stats.setdefault(request_id, _Acceptance())
+        st.accepted = self.decay * st.accepted + accepted
+        st.rejected = self.decay * st.rejected + (1 if accepted < proposed else 0)
+
+    def release(self, request_id: int) -> None:
+        self._stats.pop(request_id, None)
+
+
+def greedy_drafts(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax drafts and their probabilities from drafter logits [N, V'] (columns past the target's vocab,
+    e.g. padding rows of a draft model, are never proposed)."""
+    probs = torch.softmax(logits[:, :vocab_size].float(), dim=-1)
+    conf, tokens = probs.max(dim=-1)
+    return tokens, conf
+
+
+def collect_drafts(owners: list[int], tokens: list[torch.Tensor], conf: list[torch.Tensor], n: int) -> Proposals:
+    """Drafts still on the device -> Proposals for n requests, in one host sync. The concatenated `tokens` and
+    `conf` list drafts in order; owners[j] is the index of the request draft j belongs to."""
+    out = Proposals([[] for _ in range(n)], [[] for _ in range(n)])
+    if not owners:
+        return out
+    host = torch.cat([torch.cat(tokens).double(), torch.cat(conf).double()]).tolist()
+    for i, tok, c in zip(owners, host[: len(owners)], host[len(owners) :]):
+        out.tokens[i].append(int(tok))
+        out.confidence[i].append(c)
+    return out

@@ -1,0 +1,91 @@
+"""Write tiny random drafter checkpoints in their real on-disk formats.
+
+- draft model: any tiny causal LM, `write_tiny_checkpoint` (same vocabulary as the target);
+- MTP: a target checkpoint that also carries `mtp.*` (Qwen3-Next / Qwen3.5) or `model.mtp_layers.0.*` (MiMo)
+  tensors and the matching config key;
+- DFlash: a `DFlashDraftModel` directory sized for a given target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from outrider.config import ModelConfig
+from outrider.testing.checkpoints import write_tiny_checkpoint
+
+_MTP = {  # layout -> (default target arch, config key announcing the head)
+    "qwen": ("qwen3", "mtp_num_hidden_layers"),
+    "mimo": ("qwen2", "num_nextn_predict_layers"),
+}
+
+
+def random_params(module: nn.Module, prefix: str = "", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 tensors for every parameter of `module` (may live on "meta"), keeping activations O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in module.named_parameters():
+        if p.dim() == 1:  # norm weights (and biases): near one / near zero
+            t = (1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=gen)
+        else:
+            t = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+        out[prefix + name] = t
+    return out
+
+
+def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 0, **kwargs: Any) -> Path:
+    """A target checkpoint (write_tiny_checkpoint kwargs) with a random MTP head in `layout` ("qwen" | "mimo")."""
+    from outrider.spec.mtp import LAYOUTS
+
+    arch, key = _MTP[layout]
+    kwargs = {"arch": arch, **kwargs, "extra_config": {**kwargs.get("extra_config", {}), key: 1}}
+    path = write_tiny_checkpoint(path, seed=seed, **kwargs)  # first pass: the config the head is shaped by
+    cls = LAYOUTS[layout]
+    with torch.device("meta"):
+        head = cls(ModelConfig.from_path(path))
+    extra = random_params(head, cls.prefix, seed + 1)
+    return write_tiny_checkpoint(path, seed=seed, **kwargs, extra_tensors=extra)
+
+
+def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int = 2, block_size: int = 4,
+                            mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
+                            seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """A DFlash drafter for the target checkpoint at `target`: its hidden size, heads and vocabulary."""
+    from safetensors.torch import save_file
+
+    from outrider.spec.dflash import DFlashModel, default_target_layers
+
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    n_target = tcfg["num_hidden_layers"]
+    taps = target_layer_ids if target_layer_ids is not None else default_target_layers(n_target, layers)
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": block_size,
+        "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": tcfg["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+                          "target_layer_ids": taps},
+        **{k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")},
+        "num_hidden_layers": layers,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "is_causal": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    cfg = ModelConfig.from_dict({**config, "architectures": ["Qwen3ForCausalLM"]})
+    with torch.device("meta"):
+        model = DFlashModel(cfg, len(taps) * tcfg["hidden_size"])
+    tensors = {n: t.to(dtype).contiguous() for n, t in random_params(model, seed=seed).items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -1,0 +1,198 @@
+"""Drafters on tiny random checkpoints: lossless greedy output, oracle acceptance, cache consistency."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from outrider.attention import KVCache, get_backend
+from outrider.engine.request import Request
+from outrider.engine.runner import build_metadata
+from outrider.engine.sampler import RowSpec, Sampler
+from outrider.models import load_model
+from outrider.params import SamplingParams
+from outrider.spec import Commit, detect_kind, load_drafter, verify
+from outrider.testing.checkpoints import write_tiny_checkpoint
+from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
+
+BLOCK, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 256, 24
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+PROMPTS = [[5, 9, 14, 3, 7, 21], [40, 41, 2], [17, 17, 30, 60, 11, 8, 9, 1, 33]]
+
+
+class Loop:
+    """What the runner does around a drafter, for one batch of requests: prefill, then speculative rounds."""
+
+    def __init__(self, target_path, kind=None, draft_path=None, k=3):
+        self.model, self.cfg = load_model(target_path)
+        c = self.cfg
+        self.kv = KVCache.allocate(c.num_hidden_layers, NUM_BLOCKS, BLOCK, c.num_key_value_heads, c.head_dim,
+                                   torch.float32, "cpu")
+        self.backend = get_backend("cpu")
+        self.sampler = Sampler(c.vocab_size, "cpu")
+        self.k, self.path, self.kind, self.draft_path = k, target_path, kind, draft_path
+        self.drafter = None
+        if kind is not None:
+            self.drafter = load_drafter(kind, target=self.model, target_cfg=c, target_path=str(target_path),
+                                        draft_path=str(draft_path) if draft_path else None, num_blocks=NUM_BLOCKS,
+                                        block_size=BLOCK, dtype=torch.float32, device="cpu")
+            self.model.aux_layer_ids = self.drafter.aux_layer_ids
+        self.rounds: list[tuple[int, int]] = []  # (proposed, accepted)
+        self.force = None  # test hook: f(k) -> m overrides the verdict, committing d[:m] + the target argmax
+
+    def generate(self, prompts, params=GREEDY, seeds=None):
+        reqs = self.reqs = [Request(list(p), params, seed=s) for p, s in zip(prompts, seeds or itertools.count())]
+        for i, r in enumerate(reqs):
+            r.block_ids = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
+        self.step(reqs, {})  # prefill
+        while any(len(r.output_ids) < params.max_tokens for r in reqs):
+            live = [r for r in reqs if len(r.output_ids) < params.max_tokens]
+            drafts = {}
+            if self.drafter is not None:
+                k = next(self.k) if isinstance(self.k, Iterator) else self.k  # a schedule may skip rounds
+                ks = [min(k, params.max_tokens - len(r.output_ids) - 1) for r in live]
+                props = self.drafter.propose(live, ks)
+                drafts = {r.request_id: t for r, t in zip(live, props.tokens)}
+            self.step(live, drafts)
+        return [r.output_ids[: params.max_tokens] for r in reqs]
+
+    @torch.inference_mode()
+    def step(self, reqs, drafts):
+        feeds = [r.all_ids[r.num_computed :] + drafts.get(r.request_id, []) for r in reqs]
+        meta, positions = build_metadata([(r.block_ids, r.num_computed, len(f)) for r, f in zip(reqs, feeds)],
+                                         BLOCK, "cpu")
+        ids = torch.tensor([t for f in feeds for t in f])
+        hidden = self.model(ids, positions, self.kv, meta, self.backend)
+        aux = self.model.aux_hidden
+        ends = list(itertools.accumulate(len(f) for f in feeds))
+        ds = [drafts.get(r.request_id, []) for r in reqs]
+        rows = [e - len(d) - 1 + j for e, d in zip(ends, ds) for j in range(len(d) + 1)]
+        specs = [RowSpec(r.params, r.seed, len(r.output_ids) + j, r.all_ids + d[:j])
+                 for r, d in zip(reqs, ds) for j in range(len(d) + 1)]
+        logits = self.model.compute_logits(hidden[rows])
+        verdict = verify(self.sampler, logits, self.sampler.prepare(specs), ds)
+        commits, keep = [], []
+        for r, f, e, d, m, toks in zip(reqs, feeds, ends, ds, verdict.num_accepted, verdict.tokens):
+            if self.force is not None and d:
+                m = self.force(len(d))
+                toks = d[:m] + [int(logits[rows.index(e - len(d) - 1 + m)].argmax())]
+            count = len(f) - len(d) + m  # fed rows that are now committed
+            commits.append(Commit(r, r.num_computed, count))
+            keep.extend(range(e - len(f), e - len(f) + count))
+            r.num_computed += count
+            r.output_ids.extend(toks)
+            if d:
+                self.rounds.append((len(d), m))
+        if self.drafter is not None:
+            self.drafter.on_commit(commits, hidden[keep], aux[keep] if aux is not None else None)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    target = write_tiny_checkpoint(root / "target", layers=4, vocab_size=96, tokenizer=False, seed=1)
+    return {
+        "target": target,
+        "draft": write_tiny_checkpoint(root / "draft", layers=1, hidden_size=32, vocab_size=96, tokenizer=False,
+                                       seed=2),
+        "mtp_qwen": write_mtp_checkpoint(root / "mtp_qwen", "qwen", layers=4, vocab_size=96, tokenizer=False,
+                                         seed=1),
+        "mtp_mimo": write_mtp_checkpoint(root / "mtp_mimo", "mimo", layers=4, vocab_size=96, tokenizer=False,
+                                         seed=3),
+        "dflash": write_dflash_checkpoint(root / "dflash", target, layers=2, block_size=5,
+                                          target_layer_ids=[0, 2]),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(ckpts):
+    cache = {}
+
+    def run(name):
+        if name not in cache:
+            cache[name] = Loop(ckpts[name]).generate(PROMPTS)
+        return cache[name]
+
+    return run
+
+
+def test_detect_kind(ckpts):
+    assert detect_kind(str(ckpts["dflash"]), str(ckpts["target"])) == "dflash"
+    assert detect_kind(str(ckpts["draft"]), str(ckpts["target"])) == "draft"
+    assert detect_kind(str(ckpts["mtp_qwen"]), str(ckpts["mtp_qwen"])) == "mtp"
+
+
+def test_draft_model_equal_to_target_is_an_oracle(ckpts, plain):
+    loop = Loop(ckpts["target"], "draft", ckpts["target"], k=3)
+    assert loop.generate(PROMPTS) == plain("target")
+    assert loop.rounds and all(m == k for k, m in loop.rounds)
+
+
+@pytest.mark.parametrize("kind,target,draft", [
+    ("draft", "target", "draft"),
+    ("mtp", "mtp_qwen", None),
+    ("mtp", "mtp_mimo", None),
+    ("dflash", "target", "dflash"),
+])
+def test_greedy_output_is_the_targets(ckpts, plain, kind, target, draft):
+    loop = Loop(ckpts[target], kind, ckpts[draft] if draft else None, k=4)
+    assert loop.generate(PROMPTS) == plain(target)
+    assert sum(k for k, _ in loop.rounds) > 0
+
+
+def test_seeded_sampling_is_reproducible(ckpts):
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16)
+    runs = [Loop(ckpts["target"], "draft", ckpts["draft"]).generate(PROMPTS, params, seeds=[7, 8, 9])
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def replay(loop, req):
+    """A fresh copy of `loop`'s drafter fed the whole committed sequence of `req` in one target forward."""
+    fresh = Loop(loop.path, loop.kind, loop.draft_path)
+    copy = Request(list(req.all_ids), req.params)
+    copy.block_ids = list(range(NUM_BLOCKS - BLOCKS_PER_SEQ, NUM_BLOCKS))  # blocks no one else used
+    n = len(copy.all_ids) - 1  # every position but the last token has target rows
+    with torch.inference_mode():
+        meta, pos = build_metadata([(copy.block_ids, 0, n)], BLOCK, "cpu")
+        hidden = fresh.model(torch.tensor(copy.all_ids[:n]), pos, fresh.kv, meta, fresh.backend)
+        fresh.drafter.on_commit([Commit(copy, 0, n)], hidden, fresh.model.aux_hidden)
+    copy.num_computed = n
+    return fresh, copy
+
+
+@pytest.mark.parametrize("kind,target,draft", [
+    ("draft", "target", "draft"),
+    ("mtp", "mtp_qwen", None),
+    ("mtp", "mtp_mimo", None),
+    ("dflash", "target", "dflash"),
+])
+def test_state_after_rollbacks_matches_recomputation(ckpts, kind, target, draft):
+    """After rounds accepting 0..k drafts (and plain rounds between), the drafter proposes exactly what a fresh
+    one fed the committed sequence at once proposes: its KV / context rollback and catch-up are right."""
+    loop = Loop(ckpts[target], kind, ckpts[draft] if draft else None, k=itertools.cycle([3, 3, 0, 3, 2]))
+    accepted = itertools.cycle([0, 2, 3, 1])
+    loop.force = lambda k: min(next(accepted), k)
+    loop.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=14))
+    assert {m for _, m in loop.rounds} >= {0, 1, 2, 3}
+    req = loop.reqs[0]
+    fresh, copy = replay(loop, req)
+    a, b = loop.drafter.propose([req], [3]), fresh.drafter.propose([copy], [3])
+    assert a.tokens == b.tokens
+    assert a.confidence[0] == pytest.approx(b.confidence[0], abs=1e-4)
+
+
+def test_dflash_block_attention_is_not_causal(ckpts):
+    """Changing a later block slot changes the output at an earlier one (the block sees itself both ways)."""
+    loop = Loop(ckpts["target"], "dflash", ckpts["dflash"])
+    loop.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))
+    req = loop.reqs[0]
+    mask = loop.drafter.mask_token_id
+    seqs = [(req.block_ids, req.num_tokens - 1, 5)]
+    with torch.inference_mode():
+        h1 = loop.drafter.block_hidden(torch.tensor([req.all_ids[-1], mask, mask, mask, mask]), seqs)
+        h2 = loop.drafter.block_hidden(torch.tensor([req.all_ids[-1], mask, mask, 3, mask]), seqs)
+    assert not torch.allclose(h1[1], h2[1])
