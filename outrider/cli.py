@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
-import os
 import sys
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from outrider import __version__
 from outrider.config import EngineConfig
 from outrider.params import SamplingParams
 from outrider.server import flags
-from outrider.server.settings import ServerConfig
+from outrider.server.settings import ServerConfig, default_params
 
 CHATML = (
     "{%- for message in messages -%}"
@@ -27,15 +26,13 @@ SPEC_TYPES = {"draft-simple": "draft", "draft-mtp": "mtp", "draft-dflash": "dfla
               "draft": "draft", "mtp": "mtp", "dflash": "dflash"}
 
 
-def _parser(prog: str, groups: list[list[flags.Opt]], description: str) -> argparse.ArgumentParser:
+def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider serve",
+          description: str = "") -> argparse.Namespace:
+    """Flags (llama-server spellings), then LLAMA_ARG_* variables, then defaults; a model is required."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     for opts in groups:
         flags.add_options(parser, opts)
     flags.add_llama_compat(parser)
-    return parser
-
-
-def _parse(parser: argparse.ArgumentParser, groups: list[list[flags.Opt]], argv: list[str]) -> argparse.Namespace:
     ns = parser.parse_args(argv)
     flags.apply_env_and_defaults(parser, ns, [o for g in groups for o in g])
     if not ns.model and not ns.hf_repo:
@@ -51,7 +48,7 @@ def model_path(ns: argparse.Namespace) -> str:
 
     if ns.hf_file:
         print("warning: --hf-file picks a GGUF file; outrider loads the repository's safetensors", file=sys.stderr)
-    return str(resolve_model_path(ns.hf_repo, offline=ns.offline or os.environ.get("HF_HUB_OFFLINE") == "1"))
+    return str(resolve_model_path(ns.hf_repo, offline=ns.offline))
 
 
 def _chat_template(ns: argparse.Namespace) -> str | None:
@@ -95,10 +92,11 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def sampling_defaults(ns: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=ns.n_predict, temperature=ns.temp, top_k=ns.top_k, top_p=ns.top_p,
+    return default_params(max_tokens=ns.n_predict, temperature=ns.temp, top_k=ns.top_k, top_p=ns.top_p,
                           min_p=ns.min_p, typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
                           repeat_last_n=ns.repeat_last_n, presence_penalty=ns.presence_penalty,
-                          frequency_penalty=ns.frequency_penalty, ignore_eos=ns.ignore_eos)
+                          frequency_penalty=ns.frequency_penalty, ignore_eos=ns.ignore_eos,
+                          extra={"cache_prompt": ns.cache_prompt})
 
 
 def api_keys(ns: argparse.Namespace) -> tuple[str, ...]:
@@ -120,19 +118,17 @@ def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
         model_name=ns.hf_repo if not ns.model and ns.hf_repo else Path(model).name or model, aliases=aliases,
         host=ns.host, port=ns.port, api_keys=api_keys(ns), endpoint_metrics=ns.metrics, endpoint_slots=ns.slots,
         endpoint_props=ns.props, timeout=ns.timeout, sse_ping_interval=ns.sse_ping_interval,
-        max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, cache_prompt=ns.cache_prompt,
-        defaults=sampling_defaults(ns),
+        max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns),
     )
 
 
 # --- subcommands ---
 SERVE_GROUPS = [flags.MODEL, flags.SAMPLING, flags.SERVER]
-GENERATE = [flags.Opt(("-p", "--prompt"), "prompt", help="the prompt text")]
+GENERATE_GROUPS = [flags.MODEL, flags.SAMPLING, [flags.Opt(("-p", "--prompt"), "prompt", help="the prompt text")]]
 
 
 def serve(argv: list[str], prog: str = "outrider serve") -> int:
-    parser = _parser(prog, SERVE_GROUPS, "Serve a model over llama-server's and OpenAI's HTTP APIs.")
-    ns = _parse(parser, SERVE_GROUPS, argv)
+    ns = parse(SERVE_GROUPS, argv, prog, "Serve a model over llama-server's and OpenAI's HTTP APIs.")
     engine_config = EngineConfig(**engine_kwargs(ns))
     from outrider.server.run import run_server  # uvicorn and the engine load only when serving
 
@@ -140,11 +136,9 @@ def serve(argv: list[str], prog: str = "outrider serve") -> int:
 
 
 def generate(argv: list[str]) -> int:
-    groups = [flags.MODEL, flags.SAMPLING, GENERATE]
-    parser = _parser("outrider generate", groups, "Generate from one prompt offline and print the text.")
-    ns = _parse(parser, groups, argv)
+    ns = parse(GENERATE_GROUPS, argv, "outrider generate", "Generate from one prompt offline and print the text.")
     if ns.prompt is None:
-        parser.error("-p/--prompt is required")
+        raise SystemExit("error: -p/--prompt is required")
     from outrider.llm import LLM
 
     kwargs = engine_kwargs(ns)

@@ -118,11 +118,11 @@ FULL = Profile(
     target_train=(1500, 128, 2e-3, 100),
     draft_train=(1500, 64, 3e-3, 100),
     mtp_train=(1500, 64, 1.5e-3, 100),
-    dflash_train=(2000, 64, 1e-3, 80),
+    dflash_train=(3000, 64, 1.5e-3, 100),
     target_epochs=10.0, eval_every=100, val_windows=256,
     gen_prompts=8192, gen_prompt_len=64, gen_new=256, gen_batch=2048,
     eval_prompts=32, eval_new=128,
-    stage_seconds={"target": 170, "draft": 90, "mtp": 90, "dflash": 120},
+    stage_seconds={"target": 130, "draft": 70, "mtp": 80, "dflash": 100},
 )
 
 SMOKE = Profile(
@@ -725,6 +725,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps, CPU-friendly (< 1 minute)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--stdlib", type=Path, default=None, help="override the corpus root (default: this interpreter's)")
+    ap.add_argument("--reuse-target", type=Path, default=None,
+                    help="load the target from a previous run's target/ directory instead of training it")
     args = ap.parse_args(argv)
 
     t_start = time.time()
@@ -815,8 +817,17 @@ def main(argv=None) -> int:
             n += x[:, 1:].numel()
         return {"val": tot / n, "top1": correct / n}
 
-    res = train_loop("target", target, list(target.parameters()), steps, lr, warmup, target_loss,
-                     lambda: lm_eval(target, val_small), p.eval_every, ctx, p.stage_seconds["target"])
+    if args.reuse_target:
+        from safetensors.torch import load_file
+
+        state = {k: v.float() for k, v in load_file(str(args.reuse_target / "model.safetensors")).items()
+                 if not k.startswith("mtp.")}
+        target.load_state_dict(state, strict=False)
+        target.eval()
+        res = {"reused": str(args.reuse_target), "history": []}
+    else:
+        res = train_loop("target", target, list(target.parameters()), steps, lr, warmup, target_loss,
+                         lambda: lm_eval(target, val_small), p.eval_every, ctx, p.stage_seconds["target"])
     target.requires_grad_(False)
     with torch.no_grad(), ctx.autocast():
         final = lm_eval(target, val)

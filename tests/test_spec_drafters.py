@@ -14,7 +14,8 @@ from outrider.engine.runner import build_metadata
 from outrider.engine.sampler import RowSpec, Sampler
 from outrider.models import load_model
 from outrider.params import SamplingParams
-from outrider.spec import Commit, detect_kind, load_drafter, verify
+from outrider.spec import Commit, detect_kind, load_drafter
+from outrider.spec.verify import verify
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
 
@@ -41,7 +42,7 @@ class Loop:
                                         block_size=BLOCK, dtype=torch.float32, device="cpu")
             self.model.aux_layer_ids = self.drafter.aux_layer_ids
         self.rounds: list[tuple[int, int]] = []  # (proposed, accepted)
-        self.force = None  # test hook: f(k) -> m overrides the verdict, committing d[:m] + the target argmax
+        self.force = None  # test hook: f(k) -> m overrides the verdict, committing d[:m] + a target token
 
     def generate(self, prompts, params=GREEDY, seeds=None):
         reqs = self.reqs = [Request(list(p), params, seed=s) for p, s in zip(prompts, seeds or itertools.count())]
@@ -78,7 +79,8 @@ class Loop:
         for r, f, e, d, m, toks in zip(reqs, feeds, ends, ds, verdict.num_accepted, verdict.tokens):
             if self.force is not None and d:
                 m = self.force(len(d))
-                toks = d[:m] + [int(logits[rows.index(e - len(d) - 1 + m)].argmax())]
+                best = logits[rows.index(e - len(d) - 1 + m)].topk(2).indices.tolist()
+                toks = d[:m] + [best[1] if m < len(d) and best[0] == d[m] else best[0]]  # a rejection differs
             count = len(f) - len(d) + m  # fed rows that are now committed
             commits.append(Commit(r, r.num_computed, count))
             keep.extend(range(e - len(f), e - len(f) + count))
@@ -174,7 +176,7 @@ def test_state_after_rollbacks_matches_recomputation(ckpts, kind, target, draft)
     """After rounds accepting 0..k drafts (and plain rounds between), the drafter proposes exactly what a fresh
     one fed the committed sequence at once proposes: its KV / context rollback and catch-up are right."""
     loop = Loop(ckpts[target], kind, ckpts[draft] if draft else None, k=itertools.cycle([3, 3, 0, 3, 2]))
-    accepted = itertools.cycle([0, 2, 3, 1])
+    accepted = itertools.cycle([2, 0, 3, 1])  # the round before each plain one rejects everything
     loop.force = lambda k: min(next(accepted), k)
     loop.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=14))
     assert {m for _, m in loop.rounds} >= {0, 1, 2, 3}
@@ -196,3 +198,19 @@ def test_dflash_block_attention_is_not_causal(ckpts):
         h1 = loop.drafter.block_hidden(torch.tensor([req.all_ids[-1], mask, mask, mask, mask]), seqs)
         h2 = loop.drafter.block_hidden(torch.tensor([req.all_ids[-1], mask, mask, 3, mask]), seqs)
     assert not torch.allclose(h1[1], h2[1])
+
+
+@pytest.mark.parametrize("layout,hidden_half", [("qwen", 1), ("mimo", 0)])
+def test_mtp_fusion_order_follows_the_checkpoint_layout(ckpts, layout, hidden_half):
+    """Qwen's fc reads [embedding, hidden]; MiMo's input_proj reads [hidden, embedding]."""
+    from outrider.spec.mtp import load_mtp_head
+
+    path = ckpts[f"mtp_{layout}"]
+    _, head = load_mtp_head(str(path), load_model(path)[1], torch.float32, torch.device("cpu"))
+    proj = head.fc if layout == "qwen" else head.input_proj
+    h = proj.weight.shape[0]
+    with torch.no_grad():
+        proj.weight[:, hidden_half * h : (hidden_half + 1) * h] = 0.0
+    emb, hid = torch.randn(3, h), torch.randn(3, h)
+    torch.testing.assert_close(head.fuse(emb, hid), head.fuse(emb, torch.randn(3, h)))
+    assert not torch.allclose(head.fuse(emb, hid), head.fuse(torch.randn(3, h), hid))

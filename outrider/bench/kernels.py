@@ -49,6 +49,7 @@ def attention(reporter: Reporter, device: torch.device, n_heads=32, n_kv=8, head
         q = torch.randn(batch, n_heads, head_dim, device=device, dtype=torch.bfloat16)
         meta = _decode_meta(batch, ctx, page, device)
         fn = lambda: paged_attention(q, kc, vc, meta, head_dim ** -0.5)  # noqa: E731
+        torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream: the inputs must be ready
         ms, eager = _time_ms(fn), _eager_us(fn)
         moved = 2 * batch * ctx * n_kv * head_dim * 2
         reporter.line(f"kernel decode-attention bs={batch} ctx={ctx}",
@@ -80,6 +81,7 @@ def fused(reporter: Reporter, device: torch.device, hidden=4096, inter=12288, n_
                             lambda: ops.torch_qk_norm_rope(q, k, pos, inv, qw, kw, 1e-6),
                             2 * t * (n_heads + n_kv) * head_dim * 2),
         }
+        torch.cuda.synchronize()
         for name, (fast, ref, moved) in cases.items():
             ms, ms_ref = _time_ms(fast), _time_ms(ref)
             reporter.line(f"kernel {name} T={t}", f"{ms * 1e3:.1f} us GPU (torch {ms_ref * 1e3:.1f} us, "

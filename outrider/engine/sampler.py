@@ -9,11 +9,13 @@ penalties, and its processed distribution is one-hot.
 Randomness is counter-based: the noise for (seed, step, stream, token id) is a murmur-style hash computed
 with integer tensor ops, and tokens are drawn by Gumbel-max over the processed log-probs. A seeded row
 therefore draws the same tokens whatever else shares its batch. Stream 0 is plain sampling; spec/verify.py
-and the drafters use other streams (`uniform`, `gumbel_argmax`).
+draws on streams 1 and 2.
 
 Usage, once per step (no host sync until the runner copies `token_ids` back):
     batch = sampler.prepare([RowSpec(params, seed, step, history) for each logits row])
     out = sampler.sample(logits, batch)  # out.token_ids [N] int64 on the logits' device
+Speculative verification (spec/verify.py) uses `processed` (the sparse processed distribution), `uniform`
+and `gumbel_argmax` on its own streams, and `with_logprobs` for the tokens it commits.
 
 Log-probs reported for n_probs (`top_logprobs`, `chosen_logprob`) are log_softmax of the logits after logit
 bias and penalties, before truncation and temperature (llama-server's n_probs uses the raw model logits; we
@@ -30,7 +32,9 @@ import torch
 
 from outrider.params import SamplingParams
 
-STREAM_SAMPLE = 0  # the noise `sample` uses; other modules pick their own stream ids
+# Independent noise streams per (seed, step): plain draws, and speculative verification's two (spec/verify.py).
+STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
+NUM_STREAMS = 3
 
 _M32 = 0xFFFFFFFF
 _SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
@@ -82,7 +86,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # [N] float32
     min_p: torch.Tensor
     typical_p: torch.Tensor
-    row_keys: torch.Tensor  # [N] int64: hash of (seed, step)
+    stream_keys: torch.Tensor  # [NUM_STREAMS, N] int64: hash of (seed, step, stream)
     width: int  # candidate columns kept after top-k (the vocab when some sampled row disables top-k)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -120,6 +124,8 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        # On CUDA the ~30 integer ops of the noise hash fuse into one kernel; eager elsewhere.
+        self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
 
     # --- building the step's tensors (host side, once per step) ---
     def prepare(self, rows: Sequence[RowSpec]) -> SamplingBatch:
@@ -131,10 +137,8 @@ class Sampler:
 
         floats = self._upload([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
                                [p.typical_p for p in ps]], torch.float32)
-        seeds = [r.seed & ((1 << 64) - 1) for r in rows]
-        ints = self._upload([[min(p.top_k, width) if p.top_k > 0 else width for p in ps],
-                             [s & _M32 for s in seeds], [s >> 32 for s in seeds],
-                             [r.step & _M32 for r in rows]], torch.int64)
+        top_k = torch.tensor([min(p.top_k, width) if p.top_k > 0 else width for p in ps], dtype=torch.int64)
+        ints = torch.cat([top_k[None], _stream_keys(rows)]).to(self.device, non_blocking=True)
         greedy_t = floats[0] <= 0
         return SamplingBatch(
             num_rows=len(rows),
@@ -144,7 +148,7 @@ class Sampler:
             top_p=floats[1],
             min_p=floats[2],
             typical_p=floats[3],
-            row_keys=_absorb(_absorb(_absorb(_SALT, ints[1]), ints[2]), ints[3]),  # hash of (seed, step)
+            stream_keys=ints[1:],
             width=width,
             bias=self._bias(rows),
             penalties=self._penalties(rows),
@@ -154,11 +158,8 @@ class Sampler:
         )
 
     def _upload(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """Host lists -> device tensor without stalling the stream (pinned, non-blocking on CUDA)."""
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        """Host lists -> device tensor (small: a pageable non-blocking copy does not wait for the stream)."""
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _bias(self, rows: Sequence[RowSpec]):
         entries = [(i, tok, b) for i, r in enumerate(rows) for tok, b in r.params.logit_bias]
@@ -257,16 +258,26 @@ class Sampler:
         vocab id, so the draw does not depend on which columns a batch happens to carry."""
         if ids is None:
             ids = torch.arange(logp.shape[-1], device=logp.device).expand_as(logp)
-        keys = _absorb(batch.row_keys, stream)
-        u = _to_unit(_absorb(keys[:, None], ids))
-        col = (logp - torch.log(-torch.log(u))).argmax(dim=-1, keepdim=True)
+        col = (logp + self._noise(batch.stream_keys[stream][:, None], ids)).argmax(dim=-1, keepdim=True)
         return ids.gather(1, col)[:, 0]
 
     def uniform(self, batch: SamplingBatch, stream: int) -> torch.Tensor:
-        """One float32 uniform in (0, 1) per row for (seed, step, stream); use a stream no draw uses."""
-        if stream == STREAM_SAMPLE:
-            raise ValueError("stream 0 is reserved for sample()")
-        return _to_unit(_fmix32(_absorb(batch.row_keys, stream)))
+        """One float32 uniform in (0, 1) per row for (seed, step, stream); the word 2^32-1 is no token id,
+        so it is independent of every token's noise on any stream."""
+        return _to_unit(_absorb(batch.stream_keys[stream], _M32))
+
+
+def _stream_keys(rows: Sequence[RowSpec]) -> torch.Tensor:
+    """[NUM_STREAMS, N] hashes of (seed, step, stream), on the host: a few vector ops, not per-row Python."""
+    seeds = torch.tensor([r.seed & _M32 for r in rows] + [(r.seed >> 32) & _M32 for r in rows], dtype=torch.int64)
+    steps = torch.tensor([r.step & _M32 for r in rows], dtype=torch.int64)
+    row = _absorb(_absorb(_absorb(_SALT, seeds[: len(rows)]), seeds[len(rows) :]), steps)
+    return _absorb(row[None, :], torch.arange(NUM_STREAMS)[:, None])
+
+
+def _gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise for vocab `ids` [N, C] under per-row stream keys [N, 1]."""
+    return -torch.log(-torch.log(_to_unit(_absorb(keys, ids))))
 
 
 def _typical_keep(vals: torch.Tensor, keep: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:

@@ -19,18 +19,21 @@ from outrider.attention import AttentionMetadata
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Per-step ints are not specialised on: a new batch width or token count must never trigger a recompile.
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_bt"])
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_splits,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    scale_log2, num_splits, num_tokens, stride_bt,
+    GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    # Every tensor is contiguous (the wrapper guarantees it), so strides follow from the shapes: fewer
+    # launch arguments, which is most of Triton's per-launch host cost.
+    stride_qt = N_KV * GROUP * HEAD_DIM  # q, out: [T, Hq, D]; part_o: [S, T, Hq, D]; part_lse: [S, T, Hq]
+    stride_ks = N_KV * HEAD_DIM  # k/v cache: [NB, PAGE, Hkv, D]
+    stride_kb = PAGE * stride_ks
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     m_block = tl.program_id(2) // num_splits
@@ -51,7 +54,7 @@ def _attn_kernel(
     q_pos = ctx_start + tok
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Keys this tile can see: the whole context, or (causal) up to its last query token's position.
@@ -75,8 +78,8 @@ def _attn_kernel(
         k_ok = k_pos < hi
         blk = tl.load(bt_row + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
         page_off = k_pos % PAGE
-        k_off = blk * stride_kb + page_off * stride_ks + kvh * stride_kh
-        kt = tl.load(k_ptr + k_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        kv_off = blk * stride_kb + page_off * stride_ks + kvh * HEAD_DIM
+        kt = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
         qk = tl.dot(q, kt.to(q.dtype), input_precision=PRECISION) * scale_log2
         mask = k_ok[None, :]
         if CAUSAL:
@@ -86,8 +89,7 @@ def _attn_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = blk * stride_vb + page_off * stride_vs + kvh * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 
@@ -97,35 +99,34 @@ def _attn_kernel(
     st_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
-        p_off = split * stride_ps + row_tok[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+        row = split.to(tl.int64) * num_tokens + row_tok  # flat (split, token) index
+        p_off = row[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
         tl.store(part_o_ptr + p_off, out, mask=st_mask)
-        tl.store(part_lse_ptr + split * stride_ls + row_tok * stride_lt + head, lse, mask=row_ok)
+        tl.store(part_lse_ptr + row * (N_KV * GROUP) + head, lse, mask=row_ok)
     else:
-        o_off = row_tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        o_off = row_tok[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=st_mask)
 
 
-@triton.jit
-def _merge_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, num_splits,
-    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
+def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, num_splits, num_tokens,
+                  N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     s_ok = s < num_splits
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    row = s.to(tl.int64) * num_tokens + t  # (split, token) rows of the partial buffers
+    lse = tl.load(part_lse_ptr + row * N_HEADS + h, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m)  # empty splits have lse = -inf and weigh 0
-    o = tl.load(part_o_ptr + s[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+    o = tl.load(part_o_ptr + (row[:, None] * N_HEADS + h) * HEAD_DIM + d[None, :],
                 mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     total = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(out_ptr + (t * N_HEADS + h) * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -154,17 +155,19 @@ def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, 
     m_blocks = triton.cdiv(rows, block_m)
     programs = num_seqs * n_kv_heads * m_blocks
     splits = 1
-    if rows <= 64 and programs < num_sms:
-        # Aim at ~2 waves, but give each split at least 256 keys so the merge stays cheap.
-        splits = max(1, min(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_seq_len, 256), 32))
+    if rows <= 64 and programs < 4 * num_sms:
+        # Resident programs run their KV loops side by side, so time ~ keys per program: split until ~4
+        # programs per SM, but keep >= 256 keys per split so the partials and merge stay cheap.
+        splits = max(1, min(triton.cdiv(4 * num_sms, programs), triton.cdiv(max_seq_len, 256), 32))
     return block_m, block_n, warps, m_blocks, splits
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] over the paged cache [NB, page, Hkv, D] -> out [T, Hq, D] (q's dtype)."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    q = q.contiguous()  # no-op for the usual [T, Hq, D] projection output
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the paged KV cache must be contiguous [num_blocks, page, n_kv_heads, head_dim]")
     t, n_heads, head_dim = q.shape
     n_kv = k_cache.shape[2]
     group = n_heads // n_kv
@@ -185,22 +188,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_kernel[grid](
         q, k_cache, v_cache, out, part_o, part_lse,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, splits,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
+        scale * _LOG2E, splits, t, meta.block_tables.stride(0),
+        GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
         PRECISION=precision, num_warps=warps, num_stages=2,
     )
     if splits > 1:
         _merge_kernel[(t, n_heads)](
-            out, part_o, part_lse, splits,
-            out.stride(0), out.stride(1), part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            out, part_o, part_lse, splits, t,
+            N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
+            num_warps=4,
         )
     return out
-

@@ -19,6 +19,19 @@ from outrider.server.transport import ClientGone
 
 log = logging.getLogger("outrider.server")
 
+# llama-server routes we do not implement: a 501 naming the feature says more than a 404.
+UNSUPPORTED = {
+    ("/embedding", "/embeddings", "/v1/embeddings"): "embeddings",
+    ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"): "reranking",
+    ("/infill",): "infill",
+    ("/responses", "/v1/responses", "/responses/input_tokens", "/v1/responses/input_tokens"): "the Responses API",
+    ("/v1/messages", "/v1/messages/count_tokens"): "the Anthropic Messages API",
+    ("/v1/chat/completions/control",): "reasoning control",
+    ("/audio/transcriptions", "/v1/audio/transcriptions"): "audio",
+    ("/lora-adapters",): "LoRA adapters",
+    ("/slots/{id_slot}",): "slot save/restore",
+}
+
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The ASGI app over an engine that is started (or loading); it never starts or stops the engine."""
@@ -26,6 +39,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.server = ServerState(engine, config)
     app.include_router(native.router)
     app.include_router(openai.router)
+    for paths, feature in UNSUPPORTED.items():
+        for path in paths:
+            app.add_api_route(path, _unsupported(feature), methods=["GET", "POST"], include_in_schema=False)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError):
@@ -53,3 +69,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.add_middleware(Gate, engine=engine, api_keys=config.api_keys)
     app.add_middleware(CORS)
     return app
+
+
+def _unsupported(feature: str):
+    async def route():
+        raise ApiError(501, f"This server does not support {feature}")
+
+    return route

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from outrider.server.render import JSON
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -31,8 +31,8 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> JSON:
+        return JSON(self.body(), status_code=self.status)
 
 
 def invalid(field: str, reason: str) -> ApiError:

@@ -4,9 +4,9 @@ loading), API keys (401), request body limit (413)."""
 from __future__ import annotations
 
 import hmac
-import json
 
 from outrider.server.errors import ApiError, body_too_large, loading, unauthorized
+from outrider.server.render import dumps
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
 
@@ -16,7 +16,7 @@ def _header(scope, name: bytes) -> bytes | None:
 
 
 async def _send_error(send, error: ApiError, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(error.body()).encode()
+    body = dumps(error.body()).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json; charset=utf-8"),
                             (b"content-length", str(len(body)).encode()), *headers]})

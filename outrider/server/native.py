@@ -13,7 +13,7 @@ from outrider.engine.request import Request as EngineRequest
 from outrider.engine.request import RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
-from outrider.server.render import JSON, SSE_PING, generation_settings, sse, token_probs
+from outrider.server.render import JSON, generation_settings, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
 from outrider.server.transport import read_json, sse_response, until_disconnected
@@ -46,7 +46,7 @@ class NativeOptions:
             return_tokens=proto.get_bool(body, "return_tokens", False),
             post_sampling_probs=proto.get_bool(body, "post_sampling_probs", False),
             response_fields=tuple(fields),
-            ping_interval=proto.get_float(body, "sse_ping_interval", state.config.sse_ping_interval, lo=-1),
+            ping_interval=state.ping_interval(body),
         )
 
 
@@ -57,28 +57,22 @@ async def completion(request: Request):
     body = await read_json(request)
     tok = state.tokenizer
     prompts = proto.tokenize_prompts(body.get("prompt"), tok)
-    params = proto.sampling_params(body, state.config.defaults, tok, cache_prompt=state.config.cache_prompt)
+    params = proto.sampling_params(body, state.config.defaults, tok)
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)
     opts = NativeOptions.parse(body, state)
     gen = state.admit(proto.make_requests(prompts, params, n, state.n_ctx))
     if opts.stream:
-        return sse_response(_stream(state, gen, opts))
+        return sse_response(_stream(state, gen, opts), done=False)  # the native stream has no [DONE]
     results = await until_disconnected(request, gen.collect())
     bodies = [_final(state, req, outs, opts, i, streamed=False) for i, (req, outs) in
               enumerate(zip(gen.requests, results))]
     return JSON(bodies[0] if len(bodies) == 1 else bodies)
 
 
-def _check_error(out: RequestOutput) -> None:
-    if out.error:
-        raise ApiError(500, out.error)
-
-
 def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], opts: NativeOptions, index: int,
            streamed: bool) -> dict[str, Any]:
     """The complete result object (non-streamed body, or the last SSE frame with the text already sent)."""
     last = outs[-1]
-    _check_error(last)
     text = "".join(o.text for o in outs)
     ids = [t for o in outs for t in o.new_token_ids]
     params = req.params
@@ -123,33 +117,29 @@ def _project(result: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> AsyncIterator[bytes]:
-    """One frame per engine commit, then the final object per request; no [DONE] on the native route."""
+async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> AsyncIterator[dict | None]:
+    """One frame per engine commit, then the final object per request."""
     history: list[list[RequestOutput]] = [[] for _ in gen.requests]
     predicted = [0] * len(gen.requests)
-    try:
-        async for item in gen.outputs(opts.ping_interval):
-            if item is None:
-                yield SSE_PING
-                continue
-            index, out = item
-            _check_error(out)
-            req = gen.requests[index]
-            history[index].append(out)
-            predicted[index] += len(out.new_token_ids)
-            if out.new_token_ids:
-                frame = {"index": index, "content": out.text, "tokens": out.new_token_ids, "stop": False,
-                         "id_slot": -1, "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
-                if opts.timings_per_token:
-                    frame["timings"] = out.timing.to_timings()
-                if req.params.n_probs > 0:
-                    frame["completion_probabilities"] = token_probs(state.tokenizer, out.logprobs,
-                                                                    req.params.n_probs, opts.post_sampling_probs)
-                yield sse(frame)
-            if out.finished:
-                yield sse(_final(state, req, history[index], opts, index, streamed=True))
-    except ApiError as e:  # after the headers went out, an error can only be a frame
-        yield sse(e.body())
+    async for item in gen.outputs(opts.ping_interval):
+        if item is None:
+            yield None
+            continue
+        index, out = item
+        req = gen.requests[index]
+        history[index].append(out)
+        predicted[index] += len(out.new_token_ids)
+        if out.new_token_ids:
+            frame = {"index": index, "content": out.text, "tokens": out.new_token_ids, "stop": False,
+                     "id_slot": -1, "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
+            if opts.timings_per_token:
+                frame["timings"] = out.timing.to_timings()
+            if req.params.n_probs > 0:
+                frame["completion_probabilities"] = token_probs(state.tokenizer, out.logprobs, req.params.n_probs,
+                                                                opts.post_sampling_probs)
+            yield frame
+        if out.finished:
+            yield _final(state, req, history[index], opts, index, streamed=True)
 
 
 # --- tokenizer routes ---
@@ -249,13 +239,14 @@ def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
         return view
     n_decoded = snap["n_decoded"]
     tok = state.tokenizer
+    generated = tok.decode(req.output_ids[:n_decoded])
     return {**view, "id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
             "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
             "params": generation_settings(req.params, state.engine.config, req.seed),
-            "next_token": [{"has_next_token": True, "has_new_line": False,
+            "next_token": [{"has_next_token": True, "has_new_line": "\n" in generated,
                             "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
                             "n_decoded": n_decoded}],
-            "prompt": tok.decode(req.prompt_ids), "generated": tok.decode(req.output_ids[:n_decoded])}
+            "prompt": tok.decode(req.prompt_ids), "generated": generated}
 
 
 @router.get("/metrics")

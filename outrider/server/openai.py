@@ -13,7 +13,7 @@ from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
 from outrider.server.native import state_of
-from outrider.server.render import JSON, SSE_DONE, SSE_PING, sse, token_probs
+from outrider.server.render import JSON, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
 from outrider.server.transport import read_json, sse_response, until_disconnected
@@ -33,6 +33,7 @@ class Call:
     stream: bool
     include_usage: bool
     n_top: int | None  # top log-probs per token; None = log-probs not requested
+    timings_per_token: bool  # llama-server extension: `timings` on every streamed content chunk
     ping_interval: float
 
     @classmethod
@@ -44,7 +45,8 @@ class Call:
         return cls(id=prefix + secrets.token_hex(16), object=obj, model=state.config.model_alias,
                    created=int(time.time()), n=proto.get_int(body, "n", 1, lo=1, hi=state.n_slots), stream=stream,
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
-                   ping_interval=proto.get_float(body, "sse_ping_interval", state.config.sse_ping_interval, lo=-1))
+                   timings_per_token=proto.get_bool(body, "timings_per_token", False),
+                   ping_interval=state.ping_interval(body))
 
     def body(self, choices: list[dict], obj: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"choices": choices, "created": self.created, "model": self.model, "system_fingerprint": BUILD_INFO,
@@ -52,8 +54,7 @@ class Call:
 
     def submit(self, body: dict, state: ServerState, prompts: list[list[int]]) -> Generation:
         n_probs = 0 if self.n_top is None else max(self.n_top, 1)  # the chosen token's log-prob needs one
-        params = proto.sampling_params(body, state.config.defaults, state.tokenizer,
-                                       cache_prompt=state.config.cache_prompt, n_probs=n_probs)
+        params = proto.sampling_params(body, state.config.defaults, state.tokenizer, n_probs=n_probs)
         return state.admit(proto.make_requests(prompts, params, self.n, state.n_ctx))
 
     def usage(self, gen: Generation) -> dict[str, Any]:
@@ -68,27 +69,16 @@ class Call:
 def _finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
-    if out.error:
-        raise ApiError(500, out.error)
     return "stop" if out.finish_reason is FinishReason.STOP else "length"
 
 
 async def _respond(request: Request, call: Call, gen: Generation, choice, chunks) -> Any:
     """Non-streamed: one body with every choice; streamed: the route's chunks, then [DONE]."""
     if call.stream:
-        return sse_response(_sse(chunks(gen)))
+        return sse_response(chunks(gen), done=True)
     results = await until_disconnected(request, gen.collect())
     choices = [choice(i, outs) for i, outs in enumerate(results)]
     return JSON(call.body(choices, usage=call.usage(gen), timings=results[0][-1].timing.to_timings()))
-
-
-async def _sse(chunks: AsyncIterator[dict | None]) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in chunks:
-            yield SSE_PING if chunk is None else sse(chunk)
-        yield SSE_DONE
-    except ApiError as e:  # after the headers went out, an error can only be a frame
-        yield sse(e.body())
 
 
 # --- /v1/completions ---
@@ -143,6 +133,8 @@ async def completions(request: Request):
                 remaining -= 1
             if not remaining:  # the last chunk carries usage and timings
                 chunk.update(usage=call.usage(gen), timings=out.timing.to_timings())
+            elif call.timings_per_token:
+                chunk["timings"] = out.timing.to_timings()
             yield chunk
 
     return await _respond(request, call, gen, choice, chunks)
@@ -155,8 +147,7 @@ async def chat_completions(request: Request):
     state = state_of(request)
     body = await read_json(request)
     tok = state.tokenizer
-    _check_chat_options(body)
-    prompt = proto.chat_prompt_ids(body, tok)
+    prompt = _chat_prompt_ids(body, tok)
     want_logprobs = proto.get_bool(body, "logprobs", False)
     top = proto.get_int(body, "top_logprobs", 0, lo=0, hi=20)
     if top and not want_logprobs:
@@ -188,8 +179,11 @@ async def chat_completions(request: Request):
                 yield call.body([{"finish_reason": None, "index": i,
                                   "delta": {"role": "assistant", "content": None}}], obj)
             if out.text or (call.n_top is not None and out.logprobs):
-                yield call.body([{"finish_reason": None, "index": i, "delta": {"content": out.text},
-                                  "logprobs": logprobs_of([out])}], obj)
+                chunk = call.body([{"finish_reason": None, "index": i, "delta": {"content": out.text},
+                                    "logprobs": logprobs_of([out])}], obj)
+                if call.timings_per_token:
+                    chunk["timings"] = out.timing.to_timings()
+                yield chunk
             if not out.finished:
                 continue
             remaining -= 1
@@ -205,8 +199,16 @@ async def chat_completions(request: Request):
     return await _respond(request, call, gen, choice, chunks)
 
 
-def _check_chat_options(body: dict) -> None:
-    """Chat-only fields that need machinery we lack (constrained decoding) are refused, not ignored."""
+@router.post("/v1/chat/completions/input_tokens")
+@router.post("/chat/completions/input_tokens")
+async def chat_input_tokens(request: Request):
+    """The prompt length a chat request would have, rendered and tokenized exactly as the chat route does."""
+    body = await read_json(request)
+    return JSON({"input_tokens": len(_chat_prompt_ids(body, state_of(request).tokenizer))})
+
+
+def _chat_prompt_ids(body: dict, tok) -> list[int]:
+    """The chat prompt's ids. Chat-only fields that need machinery we lack (constrained decoding) are refused."""
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
@@ -216,5 +218,6 @@ def _check_chat_options(body: dict) -> None:
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise ApiError(400, "'tool_choice' other than \"auto\" or \"none\" is not supported by this server")
-    if choice == "none":
+    if choice == "none":  # the model may not call tools, so the template should not offer them
         body.pop("tools", None)
+    return proto.chat_prompt_ids(body, tok)

@@ -89,7 +89,7 @@ def first_present(body: dict, names: tuple[str, ...]) -> str:
 
 
 # --- sampling ---
-def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer, *, cache_prompt: bool = True,
+def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
                     n_probs: int | None = None) -> SamplingParams:
     """The body's sampling and stopping fields over the server defaults. `n_probs` overrides the body's (the
     OpenAI routes derive it from their own `logprobs` fields)."""
@@ -97,8 +97,9 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer, 
         value = body.get(name)
         if value is not None and not inert(value):
             raise ApiError(400, f"'{name}' is not supported by this server")
-    spec = body.get("speculative") if isinstance(body.get("speculative"), dict) else {}
-    spec = {**spec, **{k.split(".", 1)[1]: v for k, v in body.items() if k.startswith("speculative.")}}
+    # llama-server reads flat "speculative.n_max" keys; a nested {"speculative": {...}} object works too
+    nested = body.get("speculative") if isinstance(body.get("speculative"), dict) else {}
+    spec = {**{f"speculative.{k}": v for k, v in nested.items()}, **body}
     n_name = first_present(body, ("n_predict", "max_tokens", "max_completion_tokens"))
     max_tokens = get_int(body, n_name, defaults.max_tokens, lo=-1)
     if max_tokens == 0:
@@ -127,10 +128,10 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer, 
         stop=tuple(s for s in stop if s) or defaults.stop,
         ignore_eos=get_bool(body, "ignore_eos", defaults.ignore_eos),
         min_tokens=get_int(body, "min_tokens", defaults.min_tokens, lo=0),
-        spec_n_max=get_int(spec, "n_max", -1, lo=0) if "n_max" in spec else defaults.spec_n_max,
-        spec_n_min=get_int(spec, "n_min", -1, lo=0) if "n_min" in spec else defaults.spec_n_min,
-        spec_p_min=get_float(spec, "p_min", 0.0, 0.0, 1.0) if "p_min" in spec else defaults.spec_p_min,
-        extra={"cache_prompt": get_bool(body, "cache_prompt", cache_prompt)},
+        spec_n_max=get_int(spec, "speculative.n_max", defaults.spec_n_max, lo=0),
+        spec_n_min=get_int(spec, "speculative.n_min", defaults.spec_n_min, lo=0),
+        spec_p_min=get_float(spec, "speculative.p_min", defaults.spec_p_min, 0.0, 1.0),
+        extra={**defaults.extra, "cache_prompt": get_bool(body, "cache_prompt", defaults.extra["cache_prompt"])},
     )
     try:
         return dataclasses.replace(defaults, **fields)

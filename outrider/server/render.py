@@ -1,4 +1,4 @@
-"""Response pieces several routes share: generation_settings, token probabilities, SSE framing, JSON bodies."""
+"""Response pieces several routes share: JSON bodies, generation_settings, token probabilities."""
 
 from __future__ import annotations
 
@@ -29,14 +29,6 @@ class JSON(Response):
 
     def render(self, content: Any) -> bytes:
         return dumps(content).encode()
-
-
-def sse(obj: Any) -> bytes:
-    return f"data: {dumps(obj)}\n\n".encode()
-
-
-SSE_PING = b":\n\n"
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int | None = None, *,

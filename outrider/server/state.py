@@ -12,6 +12,7 @@ from outrider.engine.async_engine import AsyncEngine
 from outrider.engine.request import FinishReason, Request, RequestOutput
 from outrider.server.errors import ApiError, busy, loading
 from outrider.server.metrics import Metrics
+from outrider.server.protocol import get_float
 from outrider.server.settings import ServerConfig
 
 
@@ -41,6 +42,10 @@ class ServerState:
     @property
     def n_slots(self) -> int:
         return self.engine.config.max_num_seqs
+
+    def ping_interval(self, body: dict) -> float:
+        """A request's `sse_ping_interval` (<= 0: no keep-alive comments)."""
+        return get_float(body, "sse_ping_interval", self.config.sse_ping_interval, lo=-1)
 
     def admit(self, requests: list[Request]) -> Generation:
         """Submit requests now (a full queue is a 503 before any response starts)."""
@@ -74,8 +79,6 @@ class Generation:
                 if out.finished and out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
                     self.state.metrics.on_finished(out.timing)
                 self._queue.put_nowait((index, out))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # surfaces in the consumer as a 500 (or an error frame)
             self._queue.put_nowait(ApiError(500, f"generation failed: {e}"))
 
@@ -94,6 +97,8 @@ class Generation:
                     item = await self._queue.get()
                 if isinstance(item, ApiError):
                     raise item
+                if item[1].error:  # the engine failed this request
+                    raise ApiError(500, item[1].error)
                 if item[1].finished:
                     remaining -= 1
                 yield item

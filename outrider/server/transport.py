@@ -10,8 +10,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from outrider.server.errors import ApiError
+from outrider.server.render import dumps
 
 T = TypeVar("T")
+SSE_PING = b":\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ClientGone(Exception):
@@ -50,7 +53,24 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def sse_response(frames: AsyncIterator[bytes]) -> StreamingResponse:
-    """An SSE stream; Starlette cancels `frames` when the client disconnects, which aborts the requests."""
-    return StreamingResponse(frames, media_type="text/event-stream",
+def sse(obj: Any) -> bytes:
+    return f"data: {dumps(obj)}\n\n".encode()
+
+
+async def _sse(events: AsyncIterator[dict | None], done: bool) -> AsyncIterator[bytes]:
+    try:
+        async for event in events:
+            yield SSE_PING if event is None else sse(event)
+        if done:
+            yield SSE_DONE
+    except ApiError as e:  # after the headers went out, an error can only be a frame
+        yield sse(e.body())
+
+
+def sse_response(events: AsyncIterator[dict | None], done: bool) -> StreamingResponse:
+    """An SSE stream of `events` (None: a keep-alive comment), closed by `data: [DONE]` when `done` (OpenAI).
+
+    Starlette cancels the iteration when the client disconnects, which aborts the requests behind it.
+    """
+    return StreamingResponse(_sse(events, done), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -14,7 +14,6 @@ from torch import nn
 from outrider.config import ModelConfig
 from outrider.models import resolve_model_path
 from outrider.spec.drafter import Commit, DraftPolicy, Drafter, Proposals
-from outrider.spec.verify import Verdict, verify
 
 KINDS = ("draft", "mtp", "dflash")
 
@@ -56,5 +55,5 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
     raise ValueError(f"unknown speculative kind {kind!r}; one of {', '.join(KINDS)}")
 
 
-__all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "Proposals", "Verdict", "detect_kind", "load_drafter",
-           "verify"]
+# `verify` is not re-exported: the name would shadow the outrider.spec.verify module.
+__all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "Proposals", "detect_kind", "load_drafter"]

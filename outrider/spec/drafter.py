@@ -72,8 +72,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclass
 class _Acceptance:
-    accepted: float = 0.0  # decayed counts of accepted and rejected draft positions
-    rejected: float = 0.0
+    accepted: float  # decayed counts of accepted drafts and of rounds ending in a rejection:
+    rejected: float  # accepted / (accepted + rejected) estimates the per-position acceptance
     idle: int = 0  # rounds since k was last > 0
 
 
@@ -87,7 +87,7 @@ class DraftPolicy:
     max_model_len: int = 1 << 30
     max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
     max_batch: int = 64  # no drafting above this many decoding requests
-    prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 observations)
+    prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
     decay: float = 0.9  # weight of the past per round
     probe_every: int = 16  # while the rule holds k at 0, draft one token this often to re-measure
     _stats: dict[int, _Acceptance] = field(default_factory=dict, repr=False)
@@ -107,8 +107,8 @@ class DraftPolicy:
         cap = min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1)  # +1 bonus token
         if cap <= 0:
             return 0
-        st = self._stats.setdefault(req.request_id, _Acceptance())
-        alpha = (st.accepted + 2 * self.prior_alpha) / (st.accepted + st.rejected + 2)
+        st = self._acceptance(req.request_id)
+        alpha = st.accepted / (st.accepted + st.rejected)
         # Tokens per unit of work: k = 0 costs 1 step for 1 token; each draft adds step_cost.
         k = max(range(cap + 1), key=lambda n: expected_tokens(alpha, n) / (1.0 + step_cost * n))
         if k == 0:
@@ -141,12 +141,18 @@ class DraftPolicy:
         """One verify round's outcome for a request."""
         if proposed <= 0:
             return
-        st = self._stats.setdefault(request_id, _Acceptance())
+        st = self._acceptance(request_id)
         st.accepted = self.decay * st.accepted + accepted
         st.rejected = self.decay * st.rejected + (1 if accepted < proposed else 0)
 
     def release(self, request_id: int) -> None:
         self._stats.pop(request_id, None)
+
+    def _acceptance(self, request_id: int) -> _Acceptance:
+        """The request's decayed counts; a new one starts from the prior as two pseudo-rounds."""
+        if request_id not in self._stats:
+            self._stats[request_id] = _Acceptance(2 * self.prior_alpha, 2 * (1 - self.prior_alpha))
+        return self._stats[request_id]
 
 
 def greedy_drafts(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,10 +41,12 @@ class QwenMTP(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
+    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
+
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: KVCache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.norm(self.layers[0](x, positions, rotary, kv, meta, backend))
+        return self.norm(self.layers[0](self.fuse(emb, hidden), positions, rotary, kv, meta, backend))
 
 
 class MiMoMTP(DecoderLayer):
@@ -61,10 +63,12 @@ class MiMoMTP(DecoderLayer):
         self.input_proj = nn.Linear(2 * h, h, bias=False)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
+    def fuse(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(emb)], dim=-1))
+
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: KVCache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = self.input_proj(torch.cat([self.hidden_layernorm(hidden), self.token_layernorm(emb)], dim=-1))
-        return self.final_layernorm(super().forward(x, positions, rotary, kv, meta, backend))
+        return self.final_layernorm(super().forward(self.fuse(emb, hidden), positions, rotary, kv, meta, backend))
 
 
 LAYOUTS = {"qwen": QwenMTP, "mimo": MiMoMTP}

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.engine.sampler import STREAM_SAMPLE, Sampler, SampleOutput, SamplingBatch
-
-STREAM_ACCEPT = 1  # the uniform of each acceptance test
-STREAM_RESIDUAL = 2  # the draw from the residual after a rejection
+from outrider.engine.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, Sampler, SampleOutput,
+                                     SamplingBatch)
 
 
 @dataclass

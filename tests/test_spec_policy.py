@@ -1,0 +1,67 @@
+"""Draft-length policy: request and batch caps, the acceptance-aware rule, confidence and minimum-length trims."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
+from outrider.spec.drafter import DraftPolicy, Proposals, expected_tokens
+
+DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
+
+
+def req(**params) -> Request:
+    return Request([1, 2, 3], SamplingParams(**{"max_tokens": 100, **params}))
+
+
+def test_expected_tokens():
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_caps():
+    policy = DraftPolicy(n_max=4, max_model_len=50, prior_alpha=0.99)
+    assert policy.draft_lengths([req()], DRAFTER) == [4]
+    assert policy.draft_lengths([req(spec_n_max=6)], DRAFTER) == [6]
+    assert policy.draft_lengths([req(spec_n_max=20)], DRAFTER) == [8]  # the drafter's own limit
+    assert policy.draft_lengths([req(max_tokens=3)], DRAFTER) == [2]  # the bonus token is free
+    long = Request(list(range(47)), SamplingParams(max_tokens=-1))
+    assert policy.draft_lengths([long], DRAFTER) == [2]  # context: 3 tokens left
+    assert DraftPolicy(n_max=4, max_verify_tokens=12).draft_lengths([req()] * 4, DRAFTER) == [2] * 4
+    assert DraftPolicy(max_batch=2).draft_lengths([req()] * 3, DRAFTER) == [0] * 3
+
+
+def test_low_acceptance_turns_drafting_off_then_probes():
+    policy = DraftPolicy(n_max=4, probe_every=5)
+    r = req()
+    assert policy.draft_lengths([r], DRAFTER) == [4]
+    for _ in range(20):
+        policy.record(r.request_id, proposed=4, accepted=0)
+    ks = [policy.draft_lengths([r], DRAFTER)[0] for _ in range(10)]
+    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    for _ in range(20):
+        policy.record(r.request_id, proposed=1, accepted=1)
+    assert policy.draft_lengths([r], DRAFTER) == [4]
+
+
+def test_expensive_drafts_need_high_acceptance():
+    policy = DraftPolicy(n_max=8, prior_alpha=0.5)
+    costly = SimpleNamespace(max_draft=8, step_cost=1.0)  # e.g. verify on a CPU: every token costs a step
+    assert policy.draft_lengths([req()], costly) == [0]
+    assert 0 < policy.draft_lengths([req()], DRAFTER)[0] < 8
+
+
+def test_trim_applies_p_min_and_n_min():
+    policy = DraftPolicy(p_min=0.5, n_min=2)
+    q = torch.full((4, 10), 0.1)
+    props = Proposals([[1, 2, 3, 4], [5, 6, 7], [8, 9]],
+                      [[0.9, 0.8, 0.4, 0.9], [0.9, 0.3, 0.9], [0.9, 0.9]], [q, None, q[:2]])
+    out = policy.trim([req(), req(), req(spec_p_min=0.95, spec_n_min=0)], props)
+    assert out.tokens == [[1, 2], [], []]
+    assert out.probs[0].shape == (2, 10) and out.probs[1] is None and out.probs[2] is None
+    assert DraftPolicy(p_min=0.0).trim([req()], Proposals([[1]], [[0.01]])).tokens == [[1]]
