@@ -212,8 +212,11 @@ class Sampler:
     def processed(self, logits: torch.Tensor, batch: SamplingBatch) -> Processed:
         """The distribution each row samples from, in sparse form over its top-`width` candidates."""
         adjusted = self.adjusted_logits(logits, batch)
-        vals, ids = adjusted.topk(batch.width, dim=-1)  # sorted best first
-        keep = torch.arange(batch.width, device=vals.device)[None, :] < batch.top_k[:, None]
+        # Best first. A full sort beats topk when every column is kept (some row has no top-k).
+        full = batch.width == adjusted.shape[-1]
+        vals, ids = adjusted.sort(dim=-1, descending=True) if full else adjusted.topk(batch.width, dim=-1)
+        rank = torch.arange(batch.width, device=vals.device)
+        keep = rank[None, :] < batch.top_k[:, None]
         if batch.use_typical:
             keep &= _typical_keep(vals, keep, batch.typical_p)
         probs = torch.softmax(vals.masked_fill(~keep, -math.inf), dim=-1)
@@ -222,10 +225,9 @@ class Sampler:
         keep &= vals >= vals[:, :1] + torch.log(batch.min_p)[:, None]  # min-p relative to the best token
         logp = torch.log_softmax(vals.masked_fill(~keep, -math.inf) / batch.temperature[:, None], dim=-1)
         # Greedy rows: all mass on argmax (whose tie-break is defined, unlike topk's), in column 0.
-        one_hot = torch.full_like(logp[:1], -math.inf)
-        one_hot[0, 0] = 0.0
+        # (Built with where: writing one element of a device tensor from Python syncs the host.)
         greedy = batch.greedy[:, None]
-        return Processed(adjusted, torch.where(greedy, one_hot, logp),
+        return Processed(adjusted, torch.where(greedy, torch.where(rank == 0, 0.0, -math.inf), logp),
                          torch.where(greedy, adjusted.argmax(-1, keepdim=True), ids))
 
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -62,7 +62,7 @@ async def completion(request: Request):
     opts = NativeOptions.parse(body, state)
     gen = state.admit(proto.make_requests(prompts, params, n, state.n_ctx))
     if opts.stream:
-        return sse_response(_stream(state, gen, opts), done=False)  # the native stream has no [DONE]
+        return sse_response(_stream(state, gen, opts), done=False, ping_interval=opts.ping_interval)
     results = await until_disconnected(request, gen.collect())
     bodies = [_final(state, req, outs, opts, i, streamed=False) for i, (req, outs) in
               enumerate(zip(gen.requests, results))]
@@ -117,15 +117,11 @@ def _project(result: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> AsyncIterator[dict | None]:
-    """One frame per engine commit, then the final object per request."""
+async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> AsyncIterator[dict]:
+    """One frame per engine commit, then the final object per request (the native stream has no [DONE])."""
     history: list[list[RequestOutput]] = [[] for _ in gen.requests]
     predicted = [0] * len(gen.requests)
-    async for item in gen.outputs(opts.ping_interval):
-        if item is None:
-            yield None
-            continue
-        index, out = item
+    async for index, out in gen.outputs():
         req = gen.requests[index]
         history[index].append(out)
         predicted[index] += len(out.new_token_ids)

@@ -75,7 +75,7 @@ def _finish_reason(out: RequestOutput) -> str | None:
 async def _respond(request: Request, call: Call, gen: Generation, choice, chunks) -> Any:
     """Non-streamed: one body with every choice; streamed: the route's chunks, then [DONE]."""
     if call.stream:
-        return sse_response(chunks(gen), done=True)
+        return sse_response(chunks(gen), done=True, ping_interval=call.ping_interval)
     results = await until_disconnected(request, gen.collect())
     choices = [choice(i, outs) for i, outs in enumerate(results)]
     return JSON(call.body(choices, usage=call.usage(gen), timings=results[0][-1].timing.to_timings()))
@@ -99,6 +99,7 @@ async def completions(request: Request):
     prefixes = [tok.decode(r.prompt_ids) if echo else "" for r in gen.requests]
 
     def logprobs_of(outs: list[RequestOutput], offset: int) -> dict | None:
+        """`offset`: characters of completion before these tokens (never the prompt: echo excludes log-probs)."""
         if call.n_top is None:
             return None
         content = token_probs(tok, [lp for o in outs for lp in o.logprobs or ()], call.n_top)
@@ -114,21 +115,17 @@ async def completions(request: Request):
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
         return {"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
-                "logprobs": logprobs_of(outs, len(prefixes[i])), "finish_reason": _finish_reason(outs[-1])}
+                "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])}
 
-    async def chunks(gen: Generation) -> AsyncIterator[dict | None]:
-        sent = list(map(len, prefixes))  # characters sent per choice (text offsets of the log-probs)
+    async def chunks(gen: Generation) -> AsyncIterator[dict]:
+        sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
         remaining = len(gen.requests)
-        async for item in gen.outputs(call.ping_interval):
-            if item is None:
-                yield None
-                continue
-            i, out = item
+        async for i, out in gen.outputs():
             text = prefixes[i] + out.text
             prefixes[i] = ""
             chunk = call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
                                 "finish_reason": _finish_reason(out)}])
-            sent[i] += len(text)
+            sent[i] += len(out.text)
             if out.finished:
                 remaining -= 1
             if not remaining:  # the last chunk carries usage and timings
@@ -165,15 +162,11 @@ async def chat_completions(request: Request):
                 "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
                 "logprobs": logprobs_of(outs)}
 
-    async def chunks(gen: Generation) -> AsyncIterator[dict | None]:
+    async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
         started: set[int] = set()
         remaining = len(gen.requests)
-        async for item in gen.outputs(call.ping_interval):
-            if item is None:
-                yield None
-                continue
-            i, out = item
+        async for i, out in gen.outputs():
             if i not in started:
                 started.add(i)
                 yield call.body([{"finish_reason": None, "index": i,

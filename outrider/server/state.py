@@ -82,19 +82,12 @@ class Generation:
         except Exception as e:  # surfaces in the consumer as a 500 (or an error frame)
             self._queue.put_nowait(ApiError(500, f"generation failed: {e}"))
 
-    async def outputs(self, ping_interval: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput] | None]:
-        """Yield (index, output) until every request finished; None after ping_interval s of silence (> 0)."""
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (index, output) until every request finished."""
         remaining = len(self._tasks)
         try:
             while remaining:
-                if ping_interval > 0:
-                    try:
-                        item = await asyncio.wait_for(self._queue.get(), ping_interval)
-                    except asyncio.TimeoutError:
-                        yield None
-                        continue
-                else:
-                    item = await self._queue.get()
+                item = await self._queue.get()
                 if isinstance(item, ApiError):
                     raise item
                 if item[1].error:  # the engine failed this request

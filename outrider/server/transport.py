@@ -57,9 +57,9 @@ def sse(obj: Any) -> bytes:
     return f"data: {dumps(obj)}\n\n".encode()
 
 
-async def _sse(events: AsyncIterator[dict | None], done: bool) -> AsyncIterator[bytes]:
+async def _sse(events: AsyncIterator[dict], done: bool, ping_interval: float) -> AsyncIterator[bytes]:
     try:
-        async for event in events:
+        async for event in _with_pings(events, ping_interval):
             yield SSE_PING if event is None else sse(event)
         if done:
             yield SSE_DONE
@@ -67,10 +67,30 @@ async def _sse(events: AsyncIterator[dict | None], done: bool) -> AsyncIterator[
         yield sse(e.body())
 
 
-def sse_response(events: AsyncIterator[dict | None], done: bool) -> StreamingResponse:
-    """An SSE stream of `events` (None: a keep-alive comment), closed by `data: [DONE]` when `done` (OpenAI).
+async def _with_pings(events: AsyncIterator[dict], interval: float) -> AsyncIterator[dict | None]:
+    """`events`, with None after every `interval` seconds of silence (never, when interval <= 0)."""
+    if interval <= 0:
+        async for event in events:
+            yield event
+        return
+    it = aiter(events)
+    while True:
+        # One pending step, waited on repeatedly: a timeout must not cancel the step itself.
+        step = asyncio.ensure_future(anext(it))
+        try:
+            while not (await asyncio.wait({step}, timeout=interval))[0]:
+                yield None
+        finally:
+            step.cancel()  # a no-op once it is done; on disconnect it aborts the requests
+        try:
+            event = step.result()
+        except StopAsyncIteration:
+            return
+        yield event
 
-    Starlette cancels the iteration when the client disconnects, which aborts the requests behind it.
-    """
-    return StreamingResponse(_sse(events, done), media_type="text/event-stream",
+
+def sse_response(events: AsyncIterator[dict], done: bool, ping_interval: float) -> StreamingResponse:
+    """An SSE stream of `events`, closed by `data: [DONE]` when `done` (OpenAI routes), with a `:` comment after
+    `ping_interval` seconds of silence. Starlette cancels it when the client disconnects, aborting the requests."""
+    return StreamingResponse(_sse(events, done, ping_interval), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
