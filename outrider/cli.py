@@ -96,7 +96,7 @@ def sampling_defaults(ns: argparse.Namespace) -> SamplingParams:
                           min_p=ns.min_p, typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
                           repeat_last_n=ns.repeat_last_n, presence_penalty=ns.presence_penalty,
                           frequency_penalty=ns.frequency_penalty, ignore_eos=ns.ignore_eos,
-                          extra={"cache_prompt": ns.cache_prompt})
+                          cache_prompt=ns.cache_prompt)
 
 
 def api_keys(ns: argparse.Namespace) -> tuple[str, ...]:

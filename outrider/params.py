@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class SamplingParams:
     spec_n_max: int | None = None
     spec_n_min: int | None = None
     spec_p_min: float | None = None
-    extra: dict = field(default_factory=dict, compare=False)
+    cache_prompt: bool = True  # reuse cached prompt prefixes (llama-server `cache_prompt`)
 
     def __post_init__(self) -> None:
         checks = [

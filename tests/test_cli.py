@@ -150,4 +150,4 @@ def test_outrider_server_builds_both_configs_and_runs(monkeypatch):
     assert cli.server_main(["-m", "/models/x", "-np", "2", "--port", "0", "--no-cache-prompt", "-n", "9"]) == 0
     engine, server = seen["engine"], seen["server"]
     assert isinstance(engine, EngineConfig) and engine.max_num_seqs == 2 and engine.enable_prefix_caching is False
-    assert server.port == 0 and server.defaults.max_tokens == 9 and server.defaults.extra["cache_prompt"] is False
+    assert server.port == 0 and server.defaults.max_tokens == 9 and server.defaults.cache_prompt is False

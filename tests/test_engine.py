@@ -125,3 +125,13 @@ def test_max_tokens_and_context_limits(ckpt):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == FinishReason.LENGTH and len(out.token_ids) == 5
     assert llm.engine.pool.num_used == 0
+
+
+def test_cache_prompt_false_bypasses_the_prefix_cache(ckpt, reference):
+    llm = LLM(ckpt, block_size=4)
+    llm.generate([PROMPTS[0]], GREEDY)
+    warm = llm.generate([PROMPTS[0]], GREEDY)[0]
+    cold = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                     cache_prompt=False))[0]
+    assert warm.timing.cache_n > 0 and cold.timing.cache_n == 0
+    assert warm.token_ids == cold.token_ids == reference[0]

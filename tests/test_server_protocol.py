@@ -55,7 +55,7 @@ def test_sampling_fields_map_onto_sampling_params():
     assert 0 < p.top_p < 1e-6 and p.spec_n_max == 2 and p.spec_p_min == 0.25 and p.spec_n_min is None
     assert params(max_tokens=7).max_tokens == 7 and params(max_completion_tokens=9).max_tokens == 9
     assert params(n_predict=0).max_tokens == 1  # llama-server always samples the first token
-    assert params().extra["cache_prompt"] is True and params(cache_prompt=False).extra["cache_prompt"] is False
+    assert params().cache_prompt is True and params(cache_prompt=False).cache_prompt is False
     assert params(n_probs=10**6).n_probs == TOK.vocab_size
 
 

@@ -77,7 +77,8 @@ class Engine:
             self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
         self.live: dict[int, _Live] = {}
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
-        self.counters = {"prompt_tokens": 0, "predicted_tokens": 0, "requests_finished": 0, "steps": 0}
+        self.counters = {"prompt_tokens": 0, "predicted_tokens": 0, "requests_finished": 0, "steps": 0,
+                         "busy_slots_total": 0}
         log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
                  num_blocks, config.block_size, (now() - t0) * 1e3)
 
@@ -124,6 +125,7 @@ class Engine:
         if not plan.scheduled:
             return
         self.counters["steps"] += 1
+        self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
             out = self.runner.execute(plan)
         except Exception as exc:  # a fault fails this step's requests, never the server

@@ -59,7 +59,7 @@ class BlockPool:
     # --- prefix cache ---
     def match_prefix(self, req: Request) -> list[int]:
         """Ids of cached blocks that hold a prefix of req's known tokens (always leaving one token to compute)."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and req.params.cache_prompt):
             return []
         ids = req.all_ids
         bs = self.block_size

@@ -70,10 +70,10 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.free_request(req)
-        if req.id_slot >= 0:
+        if req.id_slot >= 0 and req.id_slot not in self.free_slots:
             self.free_slots.append(req.id_slot)
             self.free_slots.sort()
-            req.id_slot = -1
+        # req.id_slot is kept: the final response reports the slot that served the request.
 
     def schedule(self, drafts: dict[int, list[int]] | None = None) -> StepPlan:
         """Plan one step. drafts maps request_id -> proposed tokens for requests that are decoding."""

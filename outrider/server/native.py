@@ -127,7 +127,7 @@ async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> A
         predicted[index] += len(out.new_token_ids)
         if out.new_token_ids:
             frame = {"index": index, "content": out.text, "tokens": out.new_token_ids, "stop": False,
-                     "id_slot": -1, "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
+                     "id_slot": req.id_slot, "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
             if opts.timings_per_token:
                 frame["timings"] = out.timing.to_timings()
             if req.params.n_probs > 0:

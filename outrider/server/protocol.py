@@ -131,7 +131,7 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         spec_n_max=get_int(spec, "speculative.n_max", defaults.spec_n_max, lo=0),
         spec_n_min=get_int(spec, "speculative.n_min", defaults.spec_n_min, lo=0),
         spec_p_min=get_float(spec, "speculative.p_min", defaults.spec_p_min, 0.0, 1.0),
-        extra={**defaults.extra, "cache_prompt": get_bool(body, "cache_prompt", defaults.extra["cache_prompt"])},
+        cache_prompt=get_bool(body, "cache_prompt", defaults.cache_prompt),
     )
     try:
         return dataclasses.replace(defaults, **fields)

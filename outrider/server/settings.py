@@ -13,7 +13,7 @@ BUILD_INFO = f"b10621-outrider-{__version__}"
 
 def default_params(**fields) -> SamplingParams:
     """llama-server's request defaults: no token limit, prompt caching on."""
-    return SamplingParams(**{"max_tokens": -1, "extra": {"cache_prompt": True}, **fields})
+    return SamplingParams(**{"max_tokens": -1, **fields})
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ServerConfig:
     sse_ping_interval: float = 30.0  # seconds of stream silence before a `:` keep-alive comment; <= 0 = off
     max_body_bytes: int = 32 << 20
     max_queue: int = 256  # requests that may wait for a slot; more get 503 "All slots are busy"
-    # Request defaults; extra["cache_prompt"] is the default of the per-request `cache_prompt`.
+    # Request defaults (cache_prompt included).
     defaults: SamplingParams = field(default_factory=lambda: default_params())
 
     @property

@@ -1,0 +1,122 @@
+"""The shipped demo family in outrider/demo: formats, sizes, loadability on the CPU and the published metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from outrider import demo
+
+pytestmark = pytest.mark.skipif(not demo.is_available(), reason="demo artifacts not installed")
+
+MAX_BYTES = 20_000_000
+LAYER_TENSORS = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight"}
+
+
+def config(kind: str) -> dict:
+    return json.loads((demo.demo_path(kind) / "config.json").read_text())
+
+
+def tensors(kind: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(demo.demo_path(kind) / "model.safetensors"))
+
+
+def test_demo_paths():
+    assert demo.demo_path() == demo.DEMO_DIR / "target"
+    assert demo.demo_path("mtp") == demo.demo_path("target")
+    assert demo.demo_path("draft").name == "draft" and demo.demo_path("dflash").name == "dflash"
+    with pytest.raises(ValueError):
+        demo.demo_path("eagle")
+
+
+def test_everything_shipped_fits_in_20_mb():
+    total = sum(f.stat().st_size for f in demo.DEMO_DIR.rglob("*") if f.is_file() and "__pycache__" not in f.parts)
+    assert total <= MAX_BYTES, total
+
+
+def test_target_is_a_qwen3_checkpoint_with_a_qwen35_mtp_layer():
+    cfg = config("target")
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["mtp_num_hidden_layers"] == 1
+    t = tensors("target")
+    assert all(v.dtype == torch.bfloat16 for v in t.values())
+    H = cfg["hidden_size"]
+    assert t["model.embed_tokens.weight"].shape == (cfg["vocab_size"], H)
+    assert "lm_head.weight" not in t and cfg["tie_word_embeddings"]
+    mtp = {k for k in t if k.startswith("mtp.")}
+    assert mtp == {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                   "mtp.norm.weight"} | {f"mtp.layers.0.{n}" for n in LAYER_TENSORS}
+    assert t["mtp.fc.weight"].shape == (H, 2 * H)
+    for n in LAYER_TENSORS:
+        assert t[f"mtp.layers.0.{n}"].shape == t[f"model.layers.0.{n}"].shape
+
+
+def test_dflash_drafter_format_matches_the_target():
+    cfg, d = config("target"), config("dflash")
+    assert d["architectures"] == ["DFlashDraftModel"] and d["block_size"] >= 2
+    assert d["hidden_size"] == cfg["hidden_size"] and d["num_target_layers"] == cfg["num_hidden_layers"]
+    taps = d["dflash_config"]["target_layer_ids"]
+    assert all(0 <= i < cfg["num_hidden_layers"] - 1 for i in taps)  # block outputs, never the final-norm one
+    tok = json.loads((demo.demo_path("target") / "tokenizer.json").read_text())
+    assert [a["id"] for a in tok["added_tokens"] if a["content"] == "<|mask|>"] == [
+        d["dflash_config"]["mask_token_id"]]
+    t = tensors("dflash")
+    assert set(t) == {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{n}" for i in range(d["num_hidden_layers"]) for n in LAYER_TENSORS}
+    assert t["fc.weight"].shape == (d["hidden_size"], len(taps) * cfg["hidden_size"])
+
+
+def test_draft_shares_the_target_tokenizer():
+    a = (demo.demo_path("target") / "tokenizer.json").read_bytes()
+    assert (demo.demo_path("draft") / "tokenizer.json").read_bytes() == a
+    assert config("draft")["vocab_size"] == config("target")["vocab_size"]
+    assert config("draft")["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_transformers_loads_target_and_draft_and_completes_python():
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(demo.demo_path("target"))
+    ids = tok("def fibonacci(n):", return_tensors="pt").input_ids
+    for kind in ("target", "draft"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(demo.demo_path(kind), dtype=torch.float32).eval()
+        out = model.generate(ids, max_new_tokens=24, do_sample=False)
+        text = tok.decode(out[0, ids.shape[1]:])
+        assert text.startswith("\n    "), (kind, text)  # an indented function body follows the signature
+
+
+def test_outrider_loader_reads_the_target():
+    models = pytest.importorskip("outrider.models")
+    model, cfg = models.load_model(str(demo.demo_path("target")), dtype="float32", device="cpu")
+    assert cfg.mtp_num_hidden_layers == 1 and cfg.tie_word_embeddings
+    assert set(cfg.eos_token_id) == {0, 2}
+
+
+def test_published_metrics():
+    m = demo.metrics()
+    t = m["target"]
+    assert t["held_out_loss"] < t["unigram_loss"] - 2.0
+    assert m["total_bytes"] <= MAX_BYTES
+    proxy = m["acceptance_proxy"]["all"]  # offline greedy simulation (see README): not the engine's measurement
+    assert proxy["draft_k4"]["mean_tau"] >= 2.0
+    assert proxy["mtp_k1"]["mean_tau"] >= 1.6
+    assert proxy["dflash"]["mean_tau"] >= 2.5
+
+
+def test_eval_prompts_come_from_held_out_files():
+    spec = importlib.util.spec_from_file_location("train_demo", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "train_demo.py")
+    td = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("train_demo", td)
+    spec.loader.exec_module(td)
+    prompts = demo.eval_prompts()
+    assert len(prompts) >= 32 and {p["kind"] for p in prompts} == {"def", "window"}
+    assert all(td.is_held_out(p["file"]) for p in prompts)
