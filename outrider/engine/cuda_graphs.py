@@ -119,10 +119,9 @@ class CudaGraphRunner:
 
 def capture_decode_graphs(runner, max_batch: int, max_model_len: int, progress: bool = True) -> CudaGraphRunner:
     """Decode graphs (one token per sequence) over a ModelRunner's model, KV cache and attention backend."""
-    model, kv_cache, backend = runner.model, runner.kv_cache, runner.backend
     graphs = CudaGraphRunner(
-        lambda ids, pos, meta: model(ids, pos, kv_cache, meta, backend),
-        max_batch=max_batch, max_blocks_per_seq=-(-max_model_len // kv_cache.block_size),
+        runner.forward_eager,
+        max_batch=max_batch, max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size),
         max_seq_len=max_model_len, device=runner.device)
     graphs.capture(progress)
     return graphs

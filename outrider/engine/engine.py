@@ -19,9 +19,10 @@ from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
-from outrider.engine.runner import ModelRunner
+from outrider.engine.runner import ModelRunner, StepOutput
 from outrider.engine.scheduler import ScheduledRequest, Scheduler
 from outrider.models import load_model, resolve_model_path
+from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
 
@@ -71,16 +72,51 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
+        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
+        self.runner.eog_ids = tuple(sorted(self.eos_ids))
+        log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
+                 num_blocks, config.block_size, (now() - t0) * 1e3)
+        # The drafter loads now, beside the target, never lazily inside a request (no request pays for it).
+        self.drafter, self.policy = self._load_drafter(num_blocks)
         if self.device.type == "cuda" and not config.enforce_eager:
             from outrider.engine.cuda_graphs import capture_decode_graphs
 
             self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
         self.live: dict[int, _Live] = {}
-        self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.counters = {"prompt_tokens": 0, "predicted_tokens": 0, "requests_finished": 0, "steps": 0,
                          "busy_slots_total": 0}
-        log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
-                 num_blocks, config.block_size, (now() - t0) * 1e3)
+
+    def _load_drafter(self, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
+        """The configured (or detected) drafter; on failure, log why and serve without speculation."""
+        cfg = self.config
+        kind = cfg.spec_type
+        if kind == "none":
+            return None, None
+        if kind is None:
+            if cfg.draft_model:
+                kind = detect_kind(cfg.draft_model, str(self.model_path))
+            elif self.model_config.mtp_num_hidden_layers > 0:
+                kind = "mtp"
+            else:
+                return None, None
+        t0 = now()
+        try:
+            drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
+                                   target_path=str(self.model_path), draft_path=cfg.draft_model,
+                                   num_blocks=num_blocks, block_size=cfg.block_size, dtype=self.dtype,
+                                   device=self.device, max_draft=max(cfg.spec_draft_n_max, 1))
+        except Exception as exc:
+            log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
+            return None, None
+        self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
+        policy = DraftPolicy(n_max=cfg.spec_draft_n_max, n_min=cfg.spec_draft_n_min, p_min=cfg.draft_p_min,
+                             max_model_len=self.max_model_len)
+        log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
+        return drafter, policy
+
+    @property
+    def drafter_kind(self) -> str | None:
+        return self.drafter.kind if self.drafter is not None else None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -121,13 +157,20 @@ class Engine:
 
     # --- the step ---
     def step(self) -> None:
-        plan = self.scheduler.schedule()
+        try:
+            drafts, draft_probs = self._propose()
+        except Exception as exc:  # drafts are only proposals: without them the step is still exact
+            log.error("drafter failed to propose: %s\n%s", exc, traceback.format_exc())
+            drafts, draft_probs = {}, {}
+        plan = self.scheduler.schedule(drafts)
+        for req in plan.preempted:
+            self._release_drafter_state(req.request_id)
         if not plan.scheduled:
             return
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
-            out = self.runner.execute(plan)
+            out = self.runner.execute(plan, draft_probs)
         except Exception as exc:  # a fault fails this step's requests, never the server
             log.error("step failed: %s\n%s", exc, traceback.format_exc())
             for s in plan.scheduled:
@@ -136,15 +179,68 @@ class Engine:
                     self._finish(live, FinishReason.ERROR, [], "", error=f"internal error: {exc}")
             return
         t = now()
+        commits: list[Commit] = []
+        rows: list[int] = []
+        base = 0
+        emits = []
         for i, s in enumerate(plan.scheduled):
-            self._commit(s, out.tokens[i], out.logprobs[i], t)
+            start = s.request.num_computed
+            emits.append(self._commit(s, out, i, t))
+            if self.drafter is not None:
+                count = s.num_new_tokens + out.accepted[i]  # target rows whose K/V stays valid
+                commits.append(Commit(s.request, start, count))
+                rows.extend(range(base, base + count))
+            base += s.num_query_tokens
+        if commits:
+            # Drafters learn every committed row (finishing requests too: their blocks may serve prefix hits).
+            index = torch.tensor(rows, dtype=torch.int64, device=out.hidden.device)
+            aux = out.aux_hidden.index_select(0, index) if out.aux_hidden is not None else None
+            try:
+                self.drafter.on_commit(commits, out.hidden.index_select(0, index), aux)
+            except Exception as exc:  # a drafter fault costs acceptance, never correctness
+                log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
+        for emit in emits:
+            if emit is not None:
+                emit()
 
-    def _commit(self, s: ScheduledRequest, tokens: list[int], logprobs: list[TokenLogprob], t: float) -> None:
+    def _propose(self) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+        """Draft for every decoding request the policy gives k > 0, with blocks reserved for what it writes."""
+        if self.drafter is None:
+            return {}, {}
+        decoding = [r for r in self.scheduler.running if r.num_computed == r.num_tokens - 1]
+        if not decoding:
+            return {}, {}
+        ks = self.policy.draft_lengths(decoding, self.drafter)
+        for i, req in enumerate(decoding):
+            if ks[i] and not self.pool.ensure(req, req.num_tokens - 1 + self.drafter.lookahead(ks[i])):
+                ks[i] = 0  # no room to draft: a plain decode step, never a preemption
+        if not any(ks):
+            return {}, {}
+        props = self.policy.trim(decoding, self.drafter.propose(decoding, ks))
+        drafts = {r.request_id: d for r, d in zip(decoding, props.tokens) if d}
+        probs = {}
+        if props.probs is not None:
+            probs = {r.request_id: q for r, q in zip(decoding, props.probs) if q is not None}
+        return drafts, probs
+
+    def _release_drafter_state(self, request_id: int) -> None:
+        if self.drafter is not None:
+            self.drafter.release(request_id)
+            self.policy.release(request_id)
+
+    def _commit(self, s: ScheduledRequest, out: StepOutput, i: int, t: float) -> Callable[[], None] | None:
+        """Apply one request's step result; returns the delivery of its output (run after drafters learn)."""
         req = s.request
         live = self.live[req.request_id]
-        req.num_computed += s.num_new_tokens
+        tokens, logprobs = out.tokens[i], out.logprobs[i]
+        proposed, accepted = len(s.draft_tokens), out.accepted[i]
+        req.num_computed += s.num_new_tokens + accepted
         if not tokens:
-            return  # a prefill chunk that does not reach the end of the prompt yet
+            return None  # a prefill chunk that does not reach the end of the prompt yet
+        if proposed:
+            req.timing.draft_kind = self.drafter.kind
+            req.timing.mark_draft_round(proposed, accepted)
+            self.policy.record(req.request_id, proposed, accepted)
         params = req.params
         text_parts: list[str] = []
         kept: list[int] = []
@@ -176,10 +272,10 @@ class Engine:
         if reason is not None and stop_type != "word":
             text_parts.append(live.detok.flush())
         lps = logprobs[: len(kept)] or None
+        text = "".join(text_parts)
         if reason is None:
-            live.on_output(RequestOutput(req.request_id, kept, "".join(text_parts), logprobs=lps, timing=req.timing))
-        else:
-            self._finish(live, reason, kept, "".join(text_parts), stop_type, word, lps)
+            return lambda: live.on_output(RequestOutput(req.request_id, kept, text, logprobs=lps, timing=req.timing))
+        return lambda: self._finish(live, reason, kept, text, stop_type, word, lps)
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], text: str, stop_type: str = "none",
                 word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
@@ -188,6 +284,7 @@ class Engine:
         req.finish_reason = reason
         req.timing.mark_finished()
         self.scheduler.remove(req)
+        self._release_drafter_state(req.request_id)
         self.live.pop(req.request_id, None)
         self.counters["requests_finished"] += 1
         live.on_output(RequestOutput(req.request_id, tokens, text, True, reason, stop_type, word, logprobs,

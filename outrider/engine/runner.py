@@ -17,14 +17,20 @@ from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.sampler import RowSpec, Sampler
 from outrider.engine.request import TokenLogprob
 from outrider.params import SamplingParams
+from outrider.spec.verify import verify
 from outrider.engine.scheduler import StepPlan
 
 
 @dataclass
 class StepOutput:
-    tokens: list[list[int]]  # per scheduled request: the tokens this step commits (empty mid-prefill)
-    logprobs: list[list[TokenLogprob]]  # per scheduled request, when it asked for n_probs
-    hidden: torch.Tensor  # [T, H] pre-norm hidden states of every fed token (drafters read these)
+    """Per scheduled request (in plan order) unless noted."""
+
+    tokens: list[list[int]]  # the tokens this step commits (empty mid-prefill; m+1 after a verify)
+    logprobs: list[list[TokenLogprob]]  # one per committed token, when the request asked for n_probs
+    accepted: list[int]  # m: drafts accepted this step
+    hidden: torch.Tensor  # [T, H] pre-norm hidden states of every fed row (drafters read these)
+    aux_hidden: torch.Tensor | None  # [T, A] outputs of model.aux_layer_ids, when a drafter reads them
+    proposed: list[int]  # k: drafts fed this step
 
 
 @dataclass
@@ -78,6 +84,7 @@ class ModelRunner:
         self.backend = get_backend(device)
         self.sampler = Sampler(vocab_size, device)
         self.graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine on CUDA
+        self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
         # Test hook: called with the plan inside each step, before results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
 
@@ -99,53 +106,79 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         return StepBatch(input_ids, positions, meta, logits_rows)
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """Run one step: forward, sample the rows that need it, and bring the tokens to the host."""
-        batch = self.prepare(plan)
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden [T, H] pre-norm, aux_hidden [T, A] or None) from a captured graph or eagerly."""
         if self.graphs is not None and self.graphs.can_run(batch.meta):
-            hidden = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
+            out = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.meta, self.backend)
+            out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
+        return (out, None) if isinstance(out, torch.Tensor) else out
+
+    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+        """The model call CUDA graphs capture: the hidden states, plus aux_hidden when a drafter reads them."""
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        return (hidden, self.model.aux_hidden) if self.model.aux_layer_ids else hidden
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None) -> StepOutput:
+        """Run one step: forward, sample (or verify drafts on) the rows that need it, bring tokens to the host.
+
+        draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts)."""
+        batch = self.prepare(plan)
+        hidden, aux = self.forward(batch)
+        n = len(plan.scheduled)
+        out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux,
+                         [len(s.draft_tokens) for s in plan.scheduled])
         rows = [r for rows in batch.logits_rows for r in rows]
-        tokens: list[list[int]] = [[] for _ in plan.scheduled]
-        logprobs: list[list[TokenLogprob]] = [[] for _ in plan.scheduled]
         if rows:
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, index))
+            sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
             sbatch = self.sampler.prepare(self.row_specs(plan))
-            out = self.sampler.sample(logits, sbatch)
-            token_ids = out.token_ids.tolist()  # the step's one host synchronisation
+            drafts = [plan.scheduled[i].draft_tokens for i in sampling]
+            if any(drafts):
+                probs = draft_probs or {}
+                q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
+                verdict = verify(self.sampler, logits, sbatch, drafts, q)
+                tokens, accepted, starts, sampled = verdict.tokens, verdict.num_accepted, verdict.starts, verdict.output
+            else:
+                sampled = self.sampler.sample(logits, sbatch)
+                tokens = [[t] for t in sampled.token_ids.tolist()]  # the step's one host synchronisation
+                accepted, starts = [0] * len(sampling), list(range(len(sampling)))
             top = None
-            if out.top_ids is not None:
-                top = (out.top_ids.tolist(), out.top_logprobs.tolist(), out.chosen_logprob.tolist())
-            r = 0
-            for i, s in enumerate(plan.scheduled):
-                if not s.samples:
-                    continue
-                tokens[i] = [token_ids[r]]
-                n_probs = s.request.params.n_probs
+            if sampled.top_ids is not None:
+                top = (sampled.top_ids.tolist(), sampled.top_logprobs.tolist(), sampled.chosen_logprob.tolist())
+            for r, i in enumerate(sampling):
+                out.tokens[i], out.accepted[i] = tokens[r], accepted[r]
+                n_probs = plan.scheduled[i].request.params.n_probs
                 if top is not None and n_probs > 0:
                     ids, lps, chosen = top
-                    logprobs[i] = [TokenLogprob(token_ids[r], chosen[r], list(zip(ids[r][:n_probs], lps[r][:n_probs])))]
-                r += 1
+                    out.logprobs[i] = [TokenLogprob(tok, chosen[p], list(zip(ids[p][:n_probs], lps[p][:n_probs])))
+                                       for p, tok in enumerate(tokens[r], start=starts[r])]
         if self.step_hook is not None:
             self.step_hook(plan)
-        return StepOutput(tokens, logprobs, hidden)
+        return out
 
-    @staticmethod
-    def row_specs(plan: StepPlan) -> list[RowSpec]:
-        """One sampling row per logits row: its params, seed, output index (RNG counter) and history."""
+    def row_specs(self, plan: StepPlan) -> list[RowSpec]:
+        """One sampling row per logits row: its params, seed, output index (RNG counter), history and bans."""
         specs: list[RowSpec] = []
         for s in plan.scheduled:
             if not s.samples:
                 continue
             req = s.request
-            history = _penalty_window(req.all_ids, req.params)
+            p = req.params
+            history = _penalty_window(req.all_ids, p)
             for j in range(len(s.draft_tokens) + 1):
-                specs.append(RowSpec(req.params, req.seed, len(req.output_ids) + j,
-                                     history + s.draft_tokens[:j]))
+                step = len(req.output_ids) + j
+                # EOS/EOG may not be sampled with ignore_eos, nor before min_tokens (llama-server bans them).
+                banned = self.eog_ids if p.ignore_eos or step < p.min_tokens else ()
+                specs.append(RowSpec(p, req.seed, step, history + s.draft_tokens[:j], banned))
         return specs
+
+
+def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
+    """A drafter's q for the drafts the scheduler kept (it may cut a proposal short)."""
+    return None if q is None or k == 0 else q[:k]
 
 
 def _penalty_window(ids: list[int], params: SamplingParams) -> list[int]:

@@ -1,18 +1,21 @@
-"""The SwiGLU feed-forward block of Llama-family models."""
+"""The SwiGLU feed-forward block of Llama-family models, gate and up packed into one projection."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from outrider.kernels import ops
+from outrider.layers.linear import MergedLinear, stack_merged_parts
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.register_load_state_dict_pre_hook(stack_merged_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(ops.silu_mul(gate, up))

@@ -1,9 +1,11 @@
-"""RMSNorm, computed in float32 like the HF reference so low-precision runs round the same way."""
+"""RMSNorm through outrider.kernels.ops: one Triton kernel on CUDA, the HF float32 rounding elsewhere."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from outrider.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +15,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)[0]
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm's kernel."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)

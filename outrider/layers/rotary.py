@@ -31,7 +31,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at absolute `positions` [T]."""
+    """Holds RoPE's inverse frequencies; ops.qk_norm_rope applies them (the buffer follows the model's device)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_position_embeddings: int) -> None:
@@ -39,14 +39,3 @@ class RotaryEmbedding(nn.Module):
         # Explicit CPU tensor so the buffer is real even when the model is built under torch.device("meta").
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling, max_position_embeddings),
                              persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], float32 like HF
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)

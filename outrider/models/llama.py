@@ -1,7 +1,10 @@
 """One decoder for the Llama family: Llama (incl. llama3 RoPE), Qwen2 (qkv bias) and Qwen3 (per-head q/k norm).
 
-Parameter names follow Hugging Face so checkpoints load by name. Attention over the paged KV cache is delegated
-to the backend passed to `forward`; nothing here synchronises with the host.
+Parameter names follow Hugging Face, except that q/k/v_proj and gate/up_proj are packed into qkv_proj and
+gate_up_proj (one GEMM each, which matters at batch 1); they load from the HF tensors (layers/linear.py).
+Small ops go through outrider.kernels.ops (fused Triton kernels on CUDA), and the residual stream is carried
+unsummed between layers so each residual add fuses into the next RMSNorm. Attention over the paged KV cache is
+delegated to the backend passed to `forward`; nothing here synchronises with the host.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from torch import nn
 
 from outrider.attention import AttentionBackend, AttentionMetadata, KVCache
 from outrider.config import ModelConfig
+from outrider.kernels import ops
+from outrider.layers.linear import MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
@@ -22,28 +27,36 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.head_dim ** -0.5
+        self.eps = cfg.rms_norm_eps
         qkv_bias = cfg.attention_bias
         o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"  # Qwen2 biases q/k/v only
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+                                     bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.register_load_state_dict_pre_hook(stack_merged_parts)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
+            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D]: one GEMM, then q/k norm (Qwen3) and RoPE in one op."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        # Strided views of the packed output: the fused op and the KV store read rows by stride, no copies.
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv_heads, self.head_dim)
+        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        q, k = ops.qk_norm_rope(q, k, positions, rotary.inv_freq, q_w, k_w, self.eps)
+        return q, k, v.view(t, self.n_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k, v = self.qkv(x, positions, rotary)
         o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
+        return self.o_proj(o.flatten(1))
 
 
 class DecoderLayer(nn.Module):
@@ -56,8 +69,23 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """Hidden state in, hidden state out: a single layer, as drafters run it."""
+        out, residual = self.forward_residual(h, None, positions, rotary, kv_cache, meta, backend)
+        return out + residual
+
+    def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                         rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata,
+                         backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream as (h, residual), whose sum is the stream (residual None: it is h alone).
+
+        Returns the pair after this layer unsummed, so the next RMSNorm fuses the add into its kernel."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm.forward_add(h, residual)
+        x = self.self_attn(x, positions, rotary, kv_cache, meta, backend)
+        x, residual = self.post_attention_layernorm.forward_add(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -92,14 +120,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         """input_ids, positions [T] -> hidden [T, H] of the last layer, before the final norm."""
-        h = self.embed(input_ids)
+        h, residual = self.embed(input_ids), None
         aux = []
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, positions, self.model.rotary_emb, kv_cache, meta, backend)
+            h, residual = layer.forward_residual(h, residual, positions, self.model.rotary_emb, kv_cache, meta,
+                                                 backend)
             if i in self.aux_layer_ids:
-                aux.append(h)
+                aux.append(h + residual)  # the layer's output, as HF's hidden_states[i + 1]
         self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
-        return h
+        return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()

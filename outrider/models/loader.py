@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from outrider.config import ModelConfig
+from outrider.layers.linear import MergedLinear
 from outrider.models.registry import model_class
 
 # Tensors that the target model does not own but that may ship in its checkpoint.
@@ -69,6 +70,22 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     return _DTYPES[dtype]
 
 
+def checkpoint_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """The model's parameters as a Hugging Face checkpoint names and shapes them: each packed MergedLinear
+    tensor (e.g. self_attn.qkv_proj.weight) appears as its parts (self_attn.q_proj.weight, ...)."""
+    shapes = {}
+    for name, p in model.named_parameters():  # a tied lm_head is not listed
+        module_name, _, kind = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, MergedLinear):
+            parent = module_name.rpartition(".")[0]
+            for part, rows in module.parts.items():
+                shapes[f"{parent}.{part}.{kind}"] = torch.Size((rows, *p.shape[1:]))
+        else:
+            shapes[name] = p.shape
+    return shapes
+
+
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto",
                device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture and load its weights strictly, in eval mode."""
@@ -80,7 +97,7 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         model = model_class(cfg)(cfg)
-    expected = {name: p.shape for name, p in model.named_parameters()}  # tied lm_head is not listed
+    expected = checkpoint_shapes(model)
     state = {}
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
@@ -99,6 +116,6 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)  # pre-hooks stack the parts into packed tensors
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False), cfg
