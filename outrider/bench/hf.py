@@ -24,7 +24,8 @@ def hf_random_model(name: str, device: torch.device, dtype: torch.dtype = torch.
 
 
 def ours_sharing_weights(hf_model, cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """Our model over the HF model's parameter tensors (same names, no copy), so both decode the same net."""
+    """Our model over the HF model's parameter tensors (HF names; shared, except the packed q/k/v and gate/up
+    projections, which are copies), so both decode the same net."""
     from outrider.models.registry import model_class
 
     with torch.device("meta"):

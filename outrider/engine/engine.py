@@ -187,7 +187,8 @@ class Engine:
             start = s.request.num_computed
             emits.append(self._commit(s, out, i, t))
             if self.drafter is not None:
-                count = s.num_new_tokens + out.accepted[i]  # target rows whose K/V stays valid
+                # Target rows whose K/V stays valid and whose next token is known (a stop may cut a round).
+                count = min(s.num_new_tokens + out.accepted[i], s.request.num_tokens - 1 - start)
                 commits.append(Commit(s.request, start, count))
                 rows.extend(range(base, base + count))
             base += s.num_query_tokens

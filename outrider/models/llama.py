@@ -1,7 +1,8 @@
 """One decoder for the Llama family: Llama (incl. llama3 RoPE), Qwen2 (qkv bias) and Qwen3 (per-head q/k norm).
 
 Parameter names follow Hugging Face, except that q/k/v_proj and gate/up_proj are packed into qkv_proj and
-gate_up_proj (one GEMM each, which matters at batch 1); they load from the HF tensors (layers/linear.py).
+gate_up_proj (one GEMM each, which matters at batch 1); load_model and load_state_dict still take the HF
+tensors (models/loader.py, layers/linear.py).
 Small ops go through outrider.kernels.ops (fused Triton kernels on CUDA), and the residual stream is carried
 unsummed between layers so each residual add fuses into the next RMSNorm. Attention over the paged KV cache is
 delegated to the backend passed to `forward`; nothing here synchronises with the host.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -70,20 +71,29 @@ def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.devi
     return _DTYPES[dtype]
 
 
-def checkpoint_shapes(model: torch.nn.Module) -> dict[str, torch.Size]:
-    """The model's parameters as a Hugging Face checkpoint names and shapes them: each packed MergedLinear
-    tensor (e.g. self_attn.qkv_proj.weight) appears as its parts (self_attn.q_proj.weight, ...)."""
-    shapes = {}
+class CheckpointSlot(NamedTuple):
+    """Where a checkpoint tensor lives in the model: rows row:row + shape[0] of parameter `param`."""
+
+    param: str
+    row: int
+    shape: torch.Size
+
+
+def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
+    """Hugging Face tensor name -> its slot, for every parameter: a packed MergedLinear tensor (e.g.
+    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order."""
+    layout = {}
     for name, p in model.named_parameters():  # a tied lm_head is not listed
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if isinstance(module, MergedLinear):
-            parent = module_name.rpartition(".")[0]
-            for part, rows in module.parts.items():
-                shapes[f"{parent}.{part}.{kind}"] = torch.Size((rows, *p.shape[1:]))
-        else:
-            shapes[name] = p.shape
-    return shapes
+        if not isinstance(module, MergedLinear):
+            layout[name] = CheckpointSlot(name, 0, p.shape)
+            continue
+        parent, row = module_name.rpartition(".")[0], 0
+        for part, rows in module.parts.items():
+            layout[f"{parent}.{part}.{kind}"] = CheckpointSlot(name, row, torch.Size((rows, *p.shape[1:])))
+            row += rows
+    return layout
 
 
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto",
@@ -97,25 +107,29 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         model = model_class(cfg)(cfg)
-    expected = checkpoint_shapes(model)
-    state = {}
+    layout = checkpoint_layout(model)
+    # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
+    params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
+    loaded = set()
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name not in expected:
+                if name not in layout:
                     if name.startswith(MTP_PREFIXES) or name.endswith(_IGNORED_SUFFIXES) or (
                             name == "lm_head.weight" and cfg.tie_word_embeddings):
                         continue
                     raise ValueError(f"unexpected tensor {name!r} in {file.name} for {cfg.architecture}")
-                t = f.get_slice(name)
-                if tuple(t.get_shape()) != tuple(expected[name]):
-                    raise ValueError(f"shape mismatch for {name!r}: expected {tuple(expected[name])}, "
-                                     f"got {tuple(t.get_shape())} in {file.name}")
-                state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    missing = [n for n in expected if n not in state]
+                slot = layout[name]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(slot.shape):
+                    raise ValueError(f"shape mismatch for {name!r}: expected {tuple(slot.shape)}, "
+                                     f"got {shape} in {file.name}")
+                params[slot.param][slot.row:slot.row + shape[0]].copy_(f.get_tensor(name))
+                loaded.add(name)
+    missing = [n for n in layout if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
-    model.load_state_dict(state, strict=False, assign=True)  # pre-hooks stack the parts into packed tensors
+    model.load_state_dict(params, strict=False, assign=True)  # not strict: the state dict lists a tied lm_head
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False), cfg

@@ -90,12 +90,8 @@ class DFlashDrafter:
         meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in commits],
                                          self.block_size, self.device)
         ctx = self.model.hidden_norm(self.model.fc(aux_hidden))
-        n = ctx.shape[0]
         for i, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(ctx).view(n, attn.n_kv_heads, attn.head_dim))
-            _, k = self.rotary(positions, k, k)  # RoPE on the keys only; the query slot is a throwaway
-            v = attn.v_proj(ctx).view(n, attn.n_kv_heads, attn.head_dim)
+            _, k, v = layer.self_attn.qkv(ctx, positions, self.rotary)  # the packed GEMM; q is not needed
             # Every slot here is real, so plain index_copy (no padding mask, no host sync).
             for cache, x in ((self.kv.k[i], k), (self.kv.v[i], v)):
                 cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, x.to(cache.dtype))

@@ -134,6 +134,9 @@ class MTPDrafter:
         for i, c in enumerate(commits):
             self._last[c.request.request_id] = (y_last[i], logits[i])
 
+    def release(self, request_id: int) -> None:
+        self._last.pop(request_id, None)
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - r.num_tokens + 2)

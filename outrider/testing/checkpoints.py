@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from outrider.config import ModelConfig
+from outrider.models.loader import checkpoint_layout
 from outrider.models.registry import model_class
 
 _ARCHS = {  # short name -> (architecture, model_type)
@@ -93,18 +94,18 @@ def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
         model = model_class(cfg)(cfg)
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, p in model.named_parameters():  # a tied lm_head is not listed, so it is not written
+    for name, (_, _, shape) in checkpoint_layout(model).items():  # HF names; a tied lm_head is not listed
         if name.endswith("norm.weight"):  # random signs decorrelate a tied head from the input embedding
-            t = torch.randn(p.shape, generator=gen)
+            t = torch.randn(shape, generator=gen)
         elif name.endswith("bias"):
-            t = 0.1 * torch.randn(p.shape, generator=gen)
+            t = 0.1 * torch.randn(shape, generator=gen)
         elif name == "model.embed_tokens.weight":
-            t = torch.randn(p.shape, generator=gen)
-            t = t / t.norm(dim=1, keepdim=True) * math.sqrt(p.shape[1])  # equal norms: no "hub" tokens
+            t = torch.randn(shape, generator=gen)
+            t = t / t.norm(dim=1, keepdim=True) * math.sqrt(shape[1])  # equal norms: no "hub" tokens
         else:
             # Strong residual branches, so the token's own embedding does not dominate (tied heads repeat it).
             gain = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            t = gain * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+            t = gain * torch.randn(shape, generator=gen) / math.sqrt(shape[1])
         out[name] = t
     return out
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from outrider.config import ModelConfig
+from outrider.models.loader import checkpoint_layout
 from outrider.testing.checkpoints import write_tiny_checkpoint
 
 _MTP = {  # layout -> (default target arch, config key announcing the head)
@@ -26,14 +27,15 @@ _MTP = {  # layout -> (default target arch, config key announcing the head)
 
 
 def random_params(module: nn.Module, prefix: str = "", seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random float32 tensors for every parameter of `module` (may live on "meta"), keeping activations O(1)."""
+    """Random float32 tensors for every parameter of `module` (may live on "meta") under its checkpoint names,
+    keeping activations O(1)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, p in module.named_parameters():
-        if p.dim() == 1:  # norm weights (and biases): near one / near zero
-            t = (1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=gen)
+    for name, (_, _, shape) in checkpoint_layout(module).items():
+        if len(shape) == 1:  # norm weights (and biases): near one / near zero
+            t = (1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(shape, generator=gen)
         else:
-            t = torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1])
+            t = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
         out[prefix + name] = t
     return out
 
