@@ -134,8 +134,8 @@ class ModelRunner:
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden.index_select(0, index))
             sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
-            sbatch = self.sampler.prepare(self.row_specs(plan))
             drafts = [plan.scheduled[i].draft_tokens for i in sampling]
+            sbatch = self.sampler.prepare(self.row_specs(plan), sample_only=not any(drafts))
             if any(drafts):
                 probs = draft_probs or {}
                 q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]

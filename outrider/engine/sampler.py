@@ -80,13 +80,14 @@ class SamplingBatch:
     """Device tensors for one step, built by `Sampler.prepare`; host flags pick the work to do."""
 
     num_rows: int
-    greedy: torch.Tensor  # [N] bool
-    temperature: torch.Tensor  # [N] float32 (1 for greedy rows, never used there)
-    top_k: torch.Tensor  # [N] int64, `width` when disabled
-    top_p: torch.Tensor  # [N] float32
-    min_p: torch.Tensor
-    typical_p: torch.Tensor
-    stream_keys: torch.Tensor  # [NUM_STREAMS, N] int64: hash of (seed, step, stream)
+    # The filter tensors are None in an all-greedy batch prepared with sample_only.
+    greedy: torch.Tensor | None  # [N] bool
+    temperature: torch.Tensor | None  # [N] float32 (1 for greedy rows, never used there)
+    top_k: torch.Tensor | None  # [N] int64, `width` when disabled
+    top_p: torch.Tensor | None  # [N] float32
+    min_p: torch.Tensor | None
+    typical_p: torch.Tensor | None
+    stream_keys: torch.Tensor | None  # [NUM_STREAMS, N] int64: hash of (seed, step, stream)
     width: int  # candidate columns kept after top-k (the vocab when some sampled row disables top-k)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
@@ -128,10 +129,15 @@ class Sampler:
         self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
 
     # --- building the step's tensors (host side, once per step) ---
-    def prepare(self, rows: Sequence[RowSpec]) -> SamplingBatch:
+    def prepare(self, rows: Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
+        """Device tensors for these rows. With `sample_only` (the batch goes to `sample`, not `processed`), an
+        all-greedy batch skips the filter tensors, whose upload is most of a small step's host time."""
         V = self.vocab_size
         ps = [r.params for r in rows]
         greedy = [p.temperature <= 0 for p in ps]
+        if all(greedy) and sample_only:
+            return SamplingBatch(len(rows), None, None, None, None, None, None, None, V, self._bias(rows),
+                                 self._penalties(rows), max((p.n_probs for p in ps), default=0), False, True)
         sampled = [p for p, g in zip(ps, greedy) if not g]
         width = min(V, max((p.top_k for p in sampled), default=1)) if all(p.top_k > 0 for p in sampled) else V
 
@@ -193,6 +199,8 @@ class Sampler:
     # --- device side ---
     def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Logits after logit bias and penalties (a new tensor; the input is left alone)."""
+        if batch.bias is None and batch.penalties is None:
+            return logits.float()  # nothing to adjust (compute_logits already returns float32: no copy)
         out = logits.float().clone()
         if batch.bias is not None:
             rows, toks, vals = batch.bias
