@@ -28,7 +28,8 @@ SPEC_TYPES = {"draft-simple": "draft", "draft-mtp": "mtp", "draft-dflash": "dfla
 
 def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider serve",
           description: str = "") -> argparse.Namespace:
-    """Flags (llama-server spellings), then LLAMA_ARG_* variables, then defaults; a model is required."""
+    """Flags (llama-server spellings), then LLAMA_ARG_* variables, then defaults. Without a model, the bundled
+    demo family is used (with the drafter --demo-draft names)."""
     parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
     for opts in groups:
         flags.add_options(parser, opts)
@@ -36,8 +37,24 @@ def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider 
     ns = parser.parse_args(argv)
     flags.apply_env_and_defaults(parser, ns, [o for g in groups for o in g])
     if not ns.model and not ns.hf_repo:
-        parser.error("a model is required: -m PATH or -hf REPO")
+        _use_demo(parser, ns)
     return ns
+
+
+def _use_demo(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """Point -m (and the drafter, unless one was given) at the demo family shipped in the package."""
+    from outrider import demo
+
+    if not demo.is_available():
+        parser.error("a model is required: -m PATH or -hf REPO (the bundled demo model is not installed)")
+    if ns.demo_draft not in ("none", *demo.DRAFTER_KINDS):
+        parser.error(f"--demo-draft {ns.demo_draft!r}: one of none, {', '.join(demo.DRAFTER_KINDS)}")
+    ns.model = str(demo.demo_path("target"))
+    if ns.model_draft is None and ns.spec_type is None:
+        if ns.demo_draft == "none":
+            ns.spec_type = "none"
+        elif ns.demo_draft != "mtp":  # MTP lives in the target checkpoint and is detected from it
+            ns.model_draft = str(demo.demo_path(ns.demo_draft))
 
 
 def model_path(ns: argparse.Namespace) -> str:
@@ -69,7 +86,7 @@ def _spec_type(ns: argparse.Namespace) -> tuple[str | None, str | None]:
     if ns.spec_type is None:
         return None, ns.model_draft
     if ns.spec_type == "none":
-        return None, None
+        return "none", None
     if ns.spec_type not in SPEC_TYPES:
         raise SystemExit(f"error: --spec-type {ns.spec_type!r} is not supported; "
                          f"one of: none, {', '.join(k for k in SPEC_TYPES if '-' in k)}")

@@ -88,7 +88,7 @@ def test_removed_draft_flags_are_errors(capsys, monkeypatch):
 def test_spec_type_names():
     assert cli.engine_kwargs(serve_ns("--spec-type", "draft-mtp"))["spec_type"] == "mtp"
     off = cli.engine_kwargs(serve_ns("-md", "/d", "--spec-type", "none"))
-    assert "draft_model" not in off and "spec_type" not in off
+    assert "draft_model" not in off and off["spec_type"] == "none"
     with pytest.raises(SystemExit, match="ngram-simple"):
         cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple"))
 
@@ -122,7 +122,16 @@ def test_chat_template_sources(tmp_path):
         cli.engine_kwargs(serve_ns("--chat-template", "llama3"))
 
 
-def test_model_is_required(capsys):
+def test_without_a_model_the_demo_family_is_served(capsys, monkeypatch):
+    from outrider import demo
+
+    ns = cli.parse(SERVE, [])
+    assert ns.model == str(demo.demo_path("target")) and ns.model_draft is None  # MTP: detected in the target
+    assert cli.parse(SERVE, ["--demo-draft", "dflash"]).model_draft == str(demo.demo_path("dflash"))
+    assert cli.engine_kwargs(cli.parse(SERVE, ["--demo-draft", "none"]))["spec_type"] == "none"
+    with pytest.raises(SystemExit):
+        cli.parse(SERVE, ["--demo-draft", "eagle"])
+    monkeypatch.setattr(demo, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         cli.parse(SERVE, [])
     assert "a model is required" in capsys.readouterr().err

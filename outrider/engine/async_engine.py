@@ -72,6 +72,11 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", req.request_id))
 
+    @property
+    def drafter_kind(self) -> str | None:
+        """The speculative kind actually loaded (None: no drafter, or it failed to load)."""
+        return self.engine.drafter_kind if self.engine is not None else None
+
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
 

@@ -22,6 +22,7 @@ from outrider.engine.request import FinishReason, Request, RequestOutput, Status
 from outrider.engine.runner import ModelRunner, StepOutput
 from outrider.engine.scheduler import ScheduledRequest, Scheduler
 from outrider.models import load_model, resolve_model_path
+from outrider.params import SamplingParams
 from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
@@ -83,8 +84,24 @@ class Engine:
 
             self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
         self.live: dict[int, _Live] = {}
-        self.counters = {"prompt_tokens": 0, "predicted_tokens": 0, "requests_finished": 0, "steps": 0,
-                         "busy_slots_total": 0}
+        self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
+                                       "busy_slots_total"), 0)
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Run every step shape once (prefill, decode, verify; greedy and sampled) before serving, so Triton's
+        JIT and torch.compile happen now and no request's timings include a compilation."""
+        vocab = self.model_config.vocab_size
+        for n in (2 * self.config.block_size + 3, min(512, self.max_model_len // 2)):
+            for params in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True, n_probs=1)):
+                self.add_request(Request([3 + i % (vocab - 3) for i in range(n)], params), lambda out: None)
+        while self.has_work():
+            self.step()
+        self.pool.reset_prefix_cache()
+        self.pool.hits = 0
+        self.counters = dict.fromkeys(self.counters, 0)
 
     def _load_drafter(self, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
         """The configured (or detected) drafter; on failure, log why and serve without speculation."""

@@ -87,7 +87,8 @@ def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], op
         "tokens_evaluated": req.num_prompt,
         "generation_settings": generation_settings(params, state.engine.config, req.seed, stream=opts.stream,
                                                    timings_per_token=opts.timings_per_token,
-                                                   post_sampling_probs=opts.post_sampling_probs),
+                                                   post_sampling_probs=opts.post_sampling_probs,
+                                                   drafter_kind=state.engine.drafter_kind),
         "prompt": state.tokenizer.decode(req.prompt_ids),
         "has_new_line": "\n" in text,
         "truncated": False,
@@ -189,7 +190,8 @@ async def get_props(request: Request):
     tok = core.tokenizer
     return JSON({
         "default_generation_settings": {
-            "params": generation_settings(cfg.defaults, state.engine.config),
+            "params": generation_settings(cfg.defaults, state.engine.config,
+                                          drafter_kind=state.engine.drafter_kind),
             "n_ctx": state.n_ctx,
         },
         "total_slots": state.n_slots,
@@ -228,7 +230,7 @@ async def slots(request: Request, fail_on_no_slot: str | None = None):
 
 def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
     """One slot as llama-server shows it, from the engine's snapshot joined with the request it serves."""
-    view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.config.draft_model is not None,
+    view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.drafter_kind is not None,
             "is_processing": snap["is_processing"]}
     req = state.live.get(snap["id_task"]) if snap["is_processing"] else None
     if req is None:
@@ -238,7 +240,8 @@ def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
     generated = tok.decode(req.output_ids[:n_decoded])
     return {**view, "id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
             "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
-            "params": generation_settings(req.params, state.engine.config, req.seed),
+            "params": generation_settings(req.params, state.engine.config, req.seed,
+                                          drafter_kind=state.engine.drafter_kind),
             "next_token": [{"has_next_token": True, "has_new_line": "\n" in generated,
                             "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
                             "n_decoded": n_decoded}],

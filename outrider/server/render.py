@@ -33,7 +33,7 @@ class JSON(Response):
 
 def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int | None = None, *,
                         stream: bool = False, timings_per_token: bool = False,
-                        post_sampling_probs: bool = False) -> dict[str, Any]:
+                        post_sampling_probs: bool = False, drafter_kind: str | None = None) -> dict[str, Any]:
     """llama-server's task params object; features we lack are shown at their "off" values."""
     if seed is None:
         seed = params.seed if params.seed is not None else (engine.seed if engine.seed >= 0 else LLAMA_DEFAULT_SEED)
@@ -83,7 +83,7 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
         "speculative.n_max": engine.spec_draft_n_max if params.spec_n_max is None else params.spec_n_max,
         "speculative.n_min": engine.spec_draft_n_min if params.spec_n_min is None else params.spec_n_min,
         "speculative.p_min": engine.draft_p_min if params.spec_p_min is None else params.spec_p_min,
-        "speculative.types": [engine.spec_type] if engine.spec_type else [],
+        "speculative.types": [drafter_kind] if drafter_kind else [],
         "timings_per_token": timings_per_token,
         "post_sampling_probs": post_sampling_probs,
         "backend_sampling": False,
