@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""Mean acceptance length of the bundled demo drafters, measured through the real engine (outrider.LLM).
+
+For every drafter setting, each held-out prompt of outrider/demo/eval_prompts.json is decoded greedily (T = 0,
+stop at EOS or after --max-tokens new tokens), one request at a time unless --batch says otherwise, by an engine
+with that drafter, and by an engine with no drafter. Reported per setting:
+
+  tau         mean acceptance length = committed tokens per verify round
+              = 1 + sum(draft_n_accepted) / sum(draft_rounds), the RequestTiming counters summed over the
+              prompts (so every verify round weighs the same, as in the training script's offline proxy);
+  tau/prompt  the same ratio per prompt, then averaged over prompts;
+  mean k      drafts verified per round, sum(draft_n) / sum(draft_rounds) (the k the engine really used);
+  accept      sum(draft_n_accepted) / sum(draft_n);
+  tok/step    (generated tokens - 1) / decode steps, plain decode steps included (the first token comes from
+              the prefill);
+  identical   prompts whose greedy output is token-for-token the no-drafter output.
+
+Draft length. A setting "KIND:K" runs the engine with spec_draft_n_max = K. The DraftPolicy then takes the
+smallest of K, the drafter's max_draft (DFlash: block_size - 1), the tokens left minus one and the batch cap
+max_verify_tokens // n_decoding - 1 (255 at batch 1), and its online rule may pick a smaller k:
+  --policy fixed   (default) the rule is neutralised by setting the drafter's step_cost to 0, so every round
+                   drafts that cap: k = K except in the last rounds before --max-tokens;
+  --policy online  the engine as served with --spec-draft-n-max K: the acceptance-aware rule chooses k <= K
+                   per round (and may decode plainly with k = 0, probing every 16 rounds).
+  Both: --policy fixed,online.
+
+Usage (the model card's numbers; about 10 minutes on one CPU thread):
+    .venv/bin/python scripts/measure_acceptance.py --json outrider/demo/acceptance.json
+    .venv/bin/python scripts/measure_acceptance.py --settings dflash:7 --prompts def --limit 8 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_SETTINGS = ("draft:4", "mtp:1", "mtp:3", "dflash:7")
+THRESHOLDS = {"draft": 2.0, "mtp": 1.6, "dflash": 2.5}  # issue 6, acceptance criterion 3
+
+
+@dataclass
+class PromptResult:
+    index: int
+    kind: str  # "def" | "window"
+    prompt_tokens: int
+    generated: int
+    draft_rounds: int
+    draft_n: int
+    draft_n_accepted: int
+    accepted_per_position: list[int]
+    identical: bool
+    rounds: list[tuple[int, int, bool]] = field(default_factory=list)  # (drafts, accepted, repeat) per round
+
+    @property
+    def tau(self) -> float | None:
+        return 1 + self.draft_n_accepted / self.draft_rounds if self.draft_rounds else None
+
+
+@dataclass
+class SettingResult:
+    kind: str
+    k: int
+    policy: str
+    prompts: list[PromptResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.k}"
+
+    def summary(self, subset: str | None = None) -> dict:
+        rs = [r for r in self.prompts if subset is None or r.kind == subset]
+        rounds = sum(r.draft_rounds for r in rs)
+        drafted = sum(r.draft_n for r in rs)
+        accepted = sum(r.draft_n_accepted for r in rs)
+        gen = sum(r.generated - 1 for r in rs)
+        plain_steps = sum(max(r.generated - 1 - r.draft_n_accepted - r.draft_rounds, 0) for r in rs)
+        per_prompt = [r.tau for r in rs if r.tau is not None]
+        depth = max((len(r.accepted_per_position) for r in rs), default=0)
+        per_pos = [sum(r.accepted_per_position[i] for r in rs if i < len(r.accepted_per_position))
+                   for i in range(depth)]
+        return {
+            "prompts": len(rs),
+            "tau": round(1 + accepted / rounds, 3) if rounds else None,
+            "tau_per_prompt_mean": round(sum(per_prompt) / len(per_prompt), 3) if per_prompt else None,
+            "tau_per_prompt_min": round(min(per_prompt), 3) if per_prompt else None,
+            "mean_k": round(drafted / rounds, 3) if rounds else None,
+            "acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "tokens_per_step": round(gen / (rounds + plain_steps), 3) if rounds + plain_steps else None,
+            "draft_rounds": rounds,
+            "draft_n": drafted,
+            "draft_n_accepted": accepted,
+            "plain_decode_steps": plain_steps,
+            "generated_tokens": sum(r.generated for r in rs),
+            # [i]: the fraction of verify rounds whose draft i+1 was accepted (tau = 1 + the sum of these)
+            "accepted_at_depth_per_round": [round(c / rounds, 3) for c in per_pos] if rounds else [],
+            "identical": sum(r.identical for r in rs),
+            **repeat_split([x for r in rs for x in r.rounds]),
+            # the propose hook's rounds agree with the engine's counters (no draft was cut after proposing)
+            "rounds_consistent": all(len(r.rounds) == r.draft_rounds and sum(m for _, m, _ in r.rounds)
+                                     == r.draft_n_accepted for r in rs),
+        }
+
+
+REPEAT_CONTEXT, REPEAT_AHEAD = 4, 4
+
+
+def is_repeat(seq: list[int], n: int) -> bool:
+    """Whether the text at anchor n is a verbatim repeat: the REPEAT_CONTEXT tokens ending at n followed by the
+    next REPEAT_AHEAD tokens occur earlier in the sequence (prompt included). The tiny target's greedy output
+    falls into such loops, which every drafter finds easy."""
+    lo, hi = n + 1 - REPEAT_CONTEXT, n + 1 + REPEAT_AHEAD
+    if lo < 0 or hi > len(seq):
+        return False
+    gram = seq[lo:hi]
+    width = len(gram)
+    return any(seq[i:i + width] == gram for i in range(lo))
+
+
+def repeat_split(rounds: list[tuple[int, int, bool]]) -> dict:
+    """tau over the rounds at verbatim repeats and over the others (per-round records of the propose hook)."""
+    out = {"recorded_rounds": len(rounds)}
+    for name, flag in (("repeat", True), ("novel", False)):
+        sel = [m for _, m, r in rounds if r == flag]
+        out[f"{name}_rounds"] = len(sel)
+        out[f"tau_{name}"] = round(1 + sum(sel) / len(sel), 3) if sel else None
+    return out
+
+
+def record_rounds(llm) -> dict[int, list[tuple[list[int], int, list[int]]]]:
+    """Wrap the engine's drafter so every proposal is kept: request id -> [(prompt ids, anchor index, drafts)].
+    The anchor is the last committed token (index num_tokens - 1); the drafts guess the tokens after it."""
+    log: dict[int, list] = {}
+    propose = llm.engine.drafter.propose
+
+    def recording(requests, ks):
+        out = propose(requests, ks)
+        for req, drafts in zip(requests, out.tokens):
+            if drafts:
+                log.setdefault(req.request_id, []).append((req.prompt_ids, req.num_tokens - 1, list(drafts)))
+        return out
+
+    llm.engine.drafter.propose = recording
+    return log
+
+
+def rounds_of(seq: list[int], proposals: list[tuple[list[int], int, list[int]]]) -> list[tuple[int, int, bool]]:
+    """(drafts, accepted, repeat) per proposal of one request whose final sequence is `seq`. Greedy verification
+    accepts the drafts' longest prefix that matches the committed tokens."""
+    out = []
+    for _, n, drafts in proposals:
+        truth = seq[n + 1:n + 1 + len(drafts)]
+        m = next((j for j, (d, t) in enumerate(zip(drafts, truth)) if d != t), min(len(drafts), len(truth)))
+        out.append((len(drafts), m, is_repeat(seq, n)))
+    return out
+
+
+def parse_setting(text: str) -> tuple[str, int]:
+    kind, _, k = text.partition(":")
+    if kind not in THRESHOLDS or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND:K with KIND in draft|mtp|dflash and K >= 1")
+    return kind, int(k)
+
+
+def select_prompts(which: str, limit: int | None) -> list[tuple[int, dict]]:
+    """(index in eval_prompts.json, prompt) for "all" | "def" | "window"; limit takes the first N of each kind
+    ("all": the first N def prompts and the first N window prompts)."""
+    from outrider import demo
+
+    prompts = list(enumerate(demo.eval_prompts()))
+    kinds = ("def", "window") if which == "all" else (which,)
+    out = []
+    for kind in kinds:
+        chosen = [(i, p) for i, p in prompts if p["kind"] == kind]
+        out += chosen[:limit] if limit else chosen
+    return sorted(out)
+
+
+def kv_blocks(prompt_lens: list[int], max_tokens: int, batch: int, block_size: int = 16) -> int:
+    """Enough KV blocks for `batch` of the longest requests, with room for a DFlash block of lookahead."""
+    need = -(-(max(prompt_lens) + max_tokens + 32) // block_size)
+    return batch * need + 8
+
+
+def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks: int, batch: int):
+    from outrider import LLM, demo
+
+    kwargs = dict(device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, max_num_seqs=max(batch, 1))
+    if kind is None:
+        kwargs["spec_type"] = "none"
+    else:
+        kwargs.update(spec_type=kind, spec_draft_n_max=k)
+        if kind in ("draft", "dflash"):
+            kwargs["draft_model"] = str(demo.demo_path(kind))
+    llm = LLM(str(demo.demo_path("target")), **kwargs)
+    if kind is not None and llm.engine.drafter_kind != kind:
+        raise RuntimeError(f"the engine did not load the {kind} drafter (see the log)")
+    return llm
+
+
+def run_prompts(llm, prompts: list[tuple[int, dict]], max_tokens: int, batch: int):
+    """Greedy completions, in prompt order, `batch` requests at a time."""
+    from outrider import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = []
+    for s in range(0, len(prompts), batch):
+        outs += llm.generate([p["prompt"] for _, p in prompts[s:s + batch]], params)
+    return outs
+
+
+def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *, max_tokens: int = 128,
+            policies: tuple[str, ...] = ("fixed",), batch: int = 1, device: str = "cpu", dtype: str = "float32",
+            log=print) -> tuple[list[int], list[SettingResult]]:
+    """Plain greedy token ids per prompt, and one SettingResult per (policy, setting)."""
+    from outrider import demo
+    from outrider.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(str(demo.demo_path("target")))
+    lens = [len(tok.encode(p["prompt"])) for _, p in prompts]
+    blocks = kv_blocks(lens, max_tokens, batch)
+    t0 = time.time()
+    plain = [o.token_ids for o in run_prompts(make_llm(None, 0, device=device, dtype=dtype, num_kv_blocks=blocks,
+                                                       batch=batch), prompts, max_tokens, batch)]
+    log(f"plain greedy: {len(prompts)} prompts, {sum(map(len, plain))} tokens, {time.time() - t0:.1f}s")
+    results = []
+    for policy in policies:
+        for kind, k in settings:
+            t0 = time.time()
+            llm = make_llm(kind, k, device=device, dtype=dtype, num_kv_blocks=blocks, batch=batch)
+            if policy == "fixed":
+                # expected_tokens(alpha, n) grows with n, so with no cost per draft the online rule always takes
+                # the cap: min(K, max_draft, tokens left - 1, batch cap).
+                llm.engine.drafter.step_cost = 0.0
+            res = SettingResult(kind, k, policy)
+            log_rounds = record_rounds(llm)
+            outs = run_prompts(llm, prompts, max_tokens, batch)
+            by_prompt = {}
+            for props in log_rounds.values():
+                by_prompt.setdefault(tuple(props[0][0]), []).extend(props)
+            for (i, p), n, ref, o in zip(prompts, lens, plain, outs):
+                t = o.timing
+                seq = o.prompt_ids + o.token_ids
+                res.prompts.append(PromptResult(i, p["kind"], n, len(o.token_ids), t.draft_rounds, t.draft_n,
+                                                t.draft_n_accepted, list(t.accepted_per_position),
+                                                o.token_ids == ref,
+                                                rounds_of(seq, by_prompt.get(tuple(o.prompt_ids), []))))
+            res.seconds = round(time.time() - t0, 1)
+            s = res.summary()
+            log(f"{policy:6} {res.name:9} tau {s['tau']}  mean k {s['mean_k']}  identical "
+                f"{s['identical']}/{s['prompts']}  ({res.seconds}s)")
+            results.append(res)
+    return plain, results
+
+
+def table(results: list[SettingResult]) -> str:
+    head = ("| policy | drafter | k | prompts | tau | tau def | tau window | tau/prompt (min) | mean k | accept "
+            "| tok/step | repeat rounds | tau novel | tau repeat | identical |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        a, d, w = r.summary(), r.summary("def"), r.summary("window")
+        lines.append(f"| {r.policy} | {r.kind} | {r.k} | {a['prompts']} | **{a['tau']}** | {d['tau']} | {w['tau']} "
+                     f"| {a['tau_per_prompt_mean']} ({a['tau_per_prompt_min']}) | {a['mean_k']} "
+                     f"| {a['acceptance_rate']} | {a['tokens_per_step']} "
+                     f"| {a['repeat_rounds'] / max(a['recorded_rounds'], 1):.0%} | {a['tau_novel']} | {a['tau_repeat']} "
+                     f"| {a['identical']}/{a['prompts']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", type=parse_setting, nargs="+", default=[parse_setting(s) for s in DEFAULT_SETTINGS],
+                    metavar="KIND:K", help=f"drafter kind and spec_draft_n_max (default: {' '.join(DEFAULT_SETTINGS)})")
+    ap.add_argument("--policy", default="fixed", help="fixed | online | fixed,online (see above)")
+    ap.add_argument("--prompts", choices=("all", "def", "window"), default="all")
+    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each kind (default: all 64)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together (the batch cap applies)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for this tiny model)")
+    ap.add_argument("--json", default="acceptance.json", help="where to write the results")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless every setting meets issue 6's threshold "
+                    "and every output is identical to plain decoding")
+    args = ap.parse_args(argv)
+    policies = tuple(args.policy.split(","))
+    if not set(policies) <= {"fixed", "online"}:
+        ap.error("--policy: fixed, online or fixed,online")
+    torch.set_num_threads(args.threads)
+
+    prompts = select_prompts(args.prompts, args.limit)
+    t0 = time.time()
+    _, results = measure(args.settings, prompts, max_tokens=args.max_tokens, policies=policies, batch=args.batch,
+                         device=args.device, dtype=args.dtype)
+    print()
+    print(table(results))
+    from outrider import demo
+
+    out = {
+        "what": "mean acceptance length tau = 1 + sum(draft_n_accepted) / sum(draft_rounds) over all prompts, "
+                "measured through outrider.LLM (the engine step) with greedy decoding; identical = greedy output "
+                "equals the no-drafter output token for token",
+        "command": "scripts/measure_acceptance.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "max_tokens": args.max_tokens, "temperature": 0.0, "batch": args.batch, "device": args.device,
+        "dtype": args.dtype, "prompts": args.prompts, "limit": args.limit, "prompt_indices": [i for i, _ in prompts],
+        "block_size": json.loads((demo.demo_path("dflash") / "config.json").read_text())["block_size"],
+        "torch": torch.__version__, "python": platform.python_version(), "seconds": round(time.time() - t0, 1),
+        "thresholds": THRESHOLDS,
+        "results": [{"drafter": r.kind, "spec_draft_n_max": r.k, "policy": r.policy, "seconds": r.seconds,
+                     "all": r.summary(), "def": r.summary("def"), "window": r.summary("window"),
+                     "per_prompt": [{"index": p.index, "kind": p.kind, "tau": p.tau and round(p.tau, 3),
+                                     "rounds": p.draft_rounds, "generated": p.generated,
+                                     "identical": p.identical} for p in r.prompts]}
+                    for r in results],
+    }
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+    print(f"\nwrote {args.json}")
+    if args.check:
+        bad = [f"{r.policy} {r.name}: tau {r.summary()['tau']}" for r in results
+               if (r.summary()["tau"] or 0) < THRESHOLDS[r.kind]]
+        bad += [f"{r.policy} {r.name}: prompt {p.index} differs from plain decoding" for r in results
+                for p in r.prompts if not p.identical]
+        for b in bad:
+            print("FAIL", b)
+        return 1 if bad else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

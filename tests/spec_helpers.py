@@ -1,0 +1,225 @@
+"""Shared by the speculative-decoding tests: a checkpoint family whose drafters really get accepted part of the
+time, a step clock that makes engine steps last a chosen time, and the real server app on loopback in-process.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from outrider.testing.checkpoints import write_tiny_checkpoint
+from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
+from outrider.timing import RequestTiming, now
+
+H, V = 64, 512  # hidden size; the tiny tokenizer's vocabulary
+HUBS = (100, 200, 300)  # the tokens the family's target concentrates on
+MASK_ID = 4  # <|mask|> in the tiny tokenizer: the DFlash drafters' mask token
+
+
+# --- a checkpoint family with mid acceptance ----------------------------------------------------------------
+#
+# A random tiny checkpoint spreads its next-token mass over the whole vocabulary and random drafters almost never
+# propose a token the target keeps. In this family the target is nearly a bigram model whose top-p 0.9 set holds
+# two or three "hub" tokens (which one is favoured depends on the previous token), and every drafter agrees with
+# it part of the time: a perturbed copy as draft model, MTP heads and a DFlash drafter that pass a token
+# embedding through to the target's LM head.
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _concentrate(t: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Every embedding gets a shared component u, so the final normed hidden always points partly along u. The
+    LM head gives the hubs logits 7, 6.5 and 6 along u and every other token a small random one (std 0.5), and
+    adds 1.2 to hub i+1's logit when the last token is hub i. Residual branches are scaled by 0.2, so the context
+    beyond the last token still matters a little."""
+    gen = torch.Generator().manual_seed(seed)
+    c = 1.0
+    u = torch.randn(H, generator=gen)
+    u = u / u.norm()
+    own = t["model.embed_tokens.weight"]  # rows of norm sqrt(H)
+    t["model.embed_tokens.weight"] = own + c * math.sqrt(H) * u
+    for name in t:
+        if name.startswith("model.layers.") and name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[name] = 0.2 * t[name]
+    t["model.norm.weight"] = torch.ones(H)
+    head = 0.5 * torch.randn(V, H, generator=gen) / math.sqrt(H)
+    # The normed hidden of token x is sqrt(H) * (own[x] + c sqrt(H) u) / |...|: its components along u and along
+    # own[x] / |own[x]| are sqrt(H) c / sqrt(1 + c^2) and sqrt(H) / sqrt(1 + c^2).
+    scale = math.sqrt(1 + c * c) / math.sqrt(H)
+    for tok, bias in zip(HUBS, (7.0, 6.5, 6.0)):
+        head[tok] += bias * scale / c * u
+    for prev, nxt in zip(HUBS, HUBS[1:] + HUBS[:1]):
+        head[nxt] += 1.2 * scale * own[prev] / own[prev].norm()
+    t["lm_head.weight"] = head
+    return t
+
+
+def _pass_through_head(t: dict[str, torch.Tensor], prefix: str, fuse: str, token_first: bool,
+                       gen: torch.Generator) -> None:
+    """An MTP head that (noisily) feeds the embedding of t_{i+1} straight to the target's LM head: it predicts the
+    target's bigram successor of t_{i+1}, usually the target's argmax for t_{i+2}."""
+    eye, zero = torch.eye(H), torch.zeros(H, H)
+    fc = torch.cat([eye, zero] if token_first else [zero, eye], dim=1)
+    t[prefix + fuse] = fc + 0.3 / math.sqrt(H) * torch.randn(H, 2 * H, generator=gen)
+    for name in t:
+        if not name.startswith(prefix):
+            continue
+        if name.endswith(("o_proj.weight", "down_proj.weight")):  # the decoder layer adds nothing
+            t[name] = torch.zeros_like(t[name])
+        elif name.endswith("norm.weight") and not name.endswith(("q_norm.weight", "k_norm.weight")):
+            t[name] = torch.ones_like(t[name])
+
+
+def write_family(root: Path, arch: str, members: tuple[str, ...], seed: int = 5) -> dict[str, Path]:
+    """`target` (arch, 1 layer) and the drafters named in `members`: `draft` (a perturbed copy), `mtp` (the target
+    plus a Qwen3-Next layout head), `mimo` (the target plus a MiMo layout head), `dflash`."""
+    root = Path(root)
+    out = {"target": write_tiny_checkpoint(root / "target", arch, hidden_size=H, layers=1, seed=seed)}
+    base = _concentrate(load_file(out["target"] / "model.safetensors"), seed + 100)
+    _save(out["target"], base)
+    gen = torch.Generator().manual_seed(seed + 200)
+    if "draft" in members:
+        out["draft"] = root / "draft"
+        shutil.copytree(out["target"], out["draft"])
+        _save(out["draft"], {n: x + 0.3 * x.std() * torch.randn(x.shape, generator=gen) if x.dim() == 2 else x
+                             for n, x in base.items()})
+    for layout, prefix, fuse, token_first in (("mtp", "mtp.", "fc.weight", True),
+                                              ("mimo", "model.mtp_layers.0.", "input_proj.weight", False)):
+        if layout in members:
+            path = write_mtp_checkpoint(root / layout, "qwen" if layout == "mtp" else "mimo", arch=arch,
+                                        hidden_size=H, layers=1, seed=seed)
+            t = {**load_file(path / "model.safetensors"), **base}  # the very same target weights
+            _pass_through_head(t, prefix, fuse, token_first, gen)
+            _save(path, t)
+            out[layout] = path
+    if "dflash" in members:
+        # Zero residual branches: a mask slot's output is the mask token's embedding, so the drafter always
+        # proposes the target's favourite hub after <|mask|>, which the target keeps part of the time.
+        out["dflash"] = write_dflash_checkpoint(root / "dflash", out["target"], layers=1, block_size=4,
+                                                mask_token_id=MASK_ID)
+        t = load_file(out["dflash"] / "model.safetensors")
+        for name in t:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t[name] = torch.zeros_like(t[name])
+        t["norm.weight"] = torch.ones(H)
+        _save(out["dflash"], t)
+    return out
+
+
+# kind -> (family arch, checkpoint served as the target, engine kwargs from the family, drafter kind reported)
+SETUPS = {
+    "draft": ("qwen3", "target", lambda c: dict(draft_model=str(c["draft"])), "draft"),
+    "mtp": ("qwen3", "mtp", lambda c: {}, "mtp"),
+    "mimo": ("qwen2", "mimo", lambda c: {}, "mtp"),  # MiMo's head sits on a Qwen2-style target
+    "dflash": ("qwen3", "target", lambda c: dict(draft_model=str(c["dflash"])), "dflash"),
+}
+# The reported kind in llama-server's `speculative.types` spelling (its --spec-type names).
+LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash"}
+
+
+def write_families(root: Path) -> dict[str, dict[str, Path]]:
+    return {"qwen3": write_family(root / "qwen3", "qwen3", ("draft", "mtp", "dflash")),
+            "qwen2": write_family(root / "qwen2", "qwen2", ("mimo",))}
+
+
+# --- steps that last a chosen time -------------------------------------------------------------------------
+
+@dataclass
+class Step:
+    start: float  # when the clock started counting this step (see StepClock)
+    end: float  # the runner's step hook returned (the step's tokens are on the host)
+    prefill: bool
+    requests: list  # the engine Requests scheduled in this step
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class StepClock:
+    """Makes every engine step last `prefill_s` when its plan prefills and `round_s` otherwise (the runner's step
+    hook sleeps out the rest), and records each step.
+
+    A step is counted from the end of the previous step's clocked part (its hook) when the engine went straight on
+    to it, so the bookkeeping between two hooks (commit, drafters learning the new rows, the next propose) is
+    inside the step and consecutive tokens are exactly P or R apart. After the engine ran out of work, a step is
+    counted from the moment Engine.step is entered.
+
+    `gate`, when cleared, holds every non-prefill step in the hook until it is set again (the engine thread then
+    waits there, with its snapshot for /slots published after the previous step)."""
+
+    prefill_s: float = 0.0
+    round_s: float = 0.0
+    steps: list[Step] = field(default_factory=list)
+    gate: threading.Event = field(default_factory=threading.Event)
+    _start: float = 0.0
+    _last_end: float = 0.0
+    _busy: bool = False  # the engine still had work after its previous step (it goes straight on)
+
+    def __post_init__(self) -> None:
+        self.gate.set()
+
+    def install(self, engine) -> StepClock:
+        inner = engine.step
+
+        def step() -> None:
+            entered = now()
+            self._start = self._last_end if self._busy else entered
+            inner()
+            self._busy = engine.has_work()
+
+        engine.step = step  # the instance attribute shadows the method for LLM and AsyncEngine alike
+        engine.runner.step_hook = self._hook
+        return self
+
+    def _hook(self, plan) -> None:
+        until = self._start + (self.prefill_s if plan.has_prefill else self.round_s)
+        while (left := until - now()) > 0:
+            time.sleep(left)
+        if not plan.has_prefill:
+            assert self.gate.wait(timeout=60), "the test never opened the gate"
+        self._last_end = now()
+        self.steps.append(Step(self._start, self._last_end, plan.has_prefill, [s.request for s in plan.scheduled]))
+
+    def steps_of(self, timing: RequestTiming) -> list[Step]:
+        return [s for s in self.steps if any(r.timing is timing for r in s.requests)]
+
+    def nominal(self, step: Step) -> float:
+        return self.prefill_s if step.prefill else self.round_s
+
+    def expected(self, timing: RequestTiming) -> tuple[float, float, float]:
+        """(prompt ms, predicted ms, nominal predicted ms) for a request: the duration of its step that ended with
+        its first token (its prompt fits one step here), and the durations of every later step it took part in,
+        as measured and as the clock meant them (P or R each; they differ when a step overran)."""
+        steps = self.steps_of(timing)
+        assert steps and steps[0].prefill, "the request's first step must be its prefill"
+        later = steps[1:]
+        return steps[0].seconds * 1e3, sum(s.seconds for s in later) * 1e3, sum(map(self.nominal, later)) * 1e3
+
+    def check(self, timings: dict, timing: RequestTiming, jitter_ms: float) -> None:
+        """Criterion 4 for one request: prompt_ms within 5 % (+ jitter) of P, predicted_ms within 5 % (+ jitter)
+        of its rounds' total, both as measured by the clock and as meant (so work hidden in a step, such as a
+        lazy load, cannot hide behind a measured total)."""
+        prompt, predicted, nominal = self.expected(timing)
+        steps = [(round(s.seconds * 1e3, 1), "P" if s.prefill else "R") for s in self.steps_of(timing)]
+        why = f"{timings} over steps (ms) {steps}"
+        P = self.prefill_s * 1e3
+        assert abs(timings["prompt_ms"] - P) <= 0.05 * P + jitter_ms, why
+        assert abs(timings["prompt_ms"] - prompt) <= 0.05 * prompt + jitter_ms, why
+        assert abs(timings["predicted_ms"] - predicted) <= 0.05 * predicted + jitter_ms, why
+        assert abs(timings["predicted_ms"] - nominal) <= 0.05 * nominal + jitter_ms, why
+
+    def request_with_prompt(self, prompt_ids: list[int]):
+        """The engine Request with these prompt ids (HTTP tests give every request its own prompt)."""
+        found = {id(r): r for s in self.steps for r in s.requests if r.prompt_ids == list(prompt_ids)}
+        assert len(found) == 1, f"{len(found)} engine requests have prompt {prompt_ids}"
+        return next(iter(found.values()))

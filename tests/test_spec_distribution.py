@@ -1,0 +1,120 @@
+"""Lossless sampling THROUGH THE ENGINE: for every drafter kind, the joint distribution of the first generated
+tokens at temperature 0.8 / top-p 0.9 with speculation equals plain sampling (a two-sample chi-square test over
+many seeded requests), and the same test rejects an engine whose rejection path lacks the residual correction.
+
+A random tiny checkpoint spreads its next-token mass over the whole 512-token vocabulary and random drafters
+almost never propose a token the target keeps, so such a test would compare two plain samplers. The checkpoint
+family of spec_helpers fixes both: the target's top-p set holds two or three "hub" tokens and every drafter
+agrees with it part of the time, so acceptance is well inside (0, 1) and the drafted positions carry real
+rejections (checked on every run).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from scipy import stats
+
+import outrider.spec.verify as verify_mod
+from outrider import LLM, SamplingParams
+from spec_helpers import SETUPS, write_families
+
+N = 800  # seeded requests per sample (one generate call each)
+PROMPT = [5, 9, 13, 200, 17]
+N_MAX = 2  # drafts per round: the 2nd and 3rd tokens can both come out of one verify
+
+
+def params(seed: int) -> SamplingParams:
+    # 4 tokens so the first round (after the prefill's token) drafts k = 2: the policy leaves room for the bonus.
+    return SamplingParams(max_tokens=4, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=seed,
+                          ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead, and on a busy 2-core machine they make this ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return write_families(tmp_path_factory.mktemp("spec_dist"))
+
+
+def engine(path: Path, **kwargs) -> LLM:
+    # Many requests per step (up to 256 running at once); no context beyond what they need.
+    llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=64, spec_draft_n_max=N_MAX,
+              **kwargs)
+    if llm.engine.policy is not None:
+        # The batch-size caps switch drafting off for large batches (right for a GPU server, useless here):
+        # lift them so every request of the big batch drafts.
+        llm.engine.policy.max_batch = 1 << 20
+        llm.engine.policy.max_verify_tokens = 1 << 20
+    return llm
+
+
+def sample(llm: LLM, seeds: range) -> tuple[Counter, list]:
+    outs = llm.generate([PROMPT] * len(seeds), [params(s) for s in seeds])
+    assert all(len(o.token_ids) == 4 for o in outs)
+    return Counter(tuple(o.token_ids[:3]) for o in outs), outs
+
+
+@pytest.fixture(scope="module")
+def plain(families):
+    """Plain sampling (no drafter) of each family's target, with seeds no speculative run uses."""
+    out = {}
+    for arch, ckpts in families.items():
+        llm = engine(ckpts["target"], spec_type="none")
+        assert llm.engine.drafter is None
+        out[arch] = sample(llm, range(N))[0]
+    return out
+
+
+def two_sample_pvalue(a: Counter, b: Counter, min_pooled: int = 10) -> float:
+    """Chi-square test of homogeneity on a 2 x bins table; bins with fewer than `min_pooled` pooled counts
+    (expected < 5 per sample) are merged into one."""
+    keys = set(a) | set(b)
+    big = sorted(k for k in keys if a[k] + b[k] >= min_pooled)
+    rest = [k for k in keys if a[k] + b[k] < min_pooled]
+    table = [[c[k] for k in big] + [sum(c[k] for k in rest)] for c in (a, b)]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [row[:-1] for row in table]
+    assert len(table[0]) >= 8, f"too few bins to say anything: {table}"
+    return stats.chi2_contingency(table, correction=False).pvalue
+
+
+def speculative_sample(families, kind: str) -> tuple[Counter, list]:
+    arch, served, kwargs, reported = SETUPS[kind]
+    ckpts = families[arch]
+    llm = engine(ckpts[served], **kwargs(ckpts))
+    assert llm.engine.drafter_kind == reported
+    counts, outs = sample(llm, range(10**6, 10**6 + N))  # seeds disjoint from the plain sample's
+    # The test says something only if the drafter drafted in every request and its drafts were neither always
+    # accepted nor always rejected.
+    drafted = sum(o.timing.draft_n for o in outs)
+    accepted = sum(o.timing.draft_n_accepted for o in outs)
+    assert all(o.timing.draft_rounds > 0 and o.timing.draft_kind == reported for o in outs)
+    assert 0.2 < accepted / drafted < 0.8, (accepted, drafted)
+    assert any(o.timing.draft_n_accepted == 2 for o in outs[:50])  # some rounds reach the bonus slot
+    return counts, outs
+
+
+@pytest.mark.parametrize("kind", list(SETUPS))
+def test_speculative_distribution_equals_plain(families, plain, kind):
+    counts, _ = speculative_sample(families, kind)
+    assert two_sample_pvalue(counts, plain[SETUPS[kind][0]]) > 1e-3
+
+
+@pytest.mark.parametrize("kind", list(SETUPS))
+def test_chi_square_rejects_missing_residual_correction(families, plain, kind, monkeypatch):
+    """After a rejection, draw from p itself instead of normalize(max(p - q, 0)): the drafted token is then
+    over-represented, and the same test must see it (otherwise it could not see a real bug either)."""
+    monkeypatch.setattr(verify_mod, "residual", lambda p, q: p)
+    counts, _ = speculative_sample(families, kind)
+    assert two_sample_pvalue(counts, plain[SETUPS[kind][0]]) < 1e-6
