@@ -56,6 +56,7 @@ class PromptResult:
     accepted_per_position: list[int]
     identical: bool
     rounds: list[tuple[int, int, bool]] = field(default_factory=list)  # (drafts, accepted, repeat) per round
+    training_code: tuple[int, int] | None = None  # (draft slots compared, equal) vs scripts/train_demo.py
 
     @property
     def tau(self) -> float | None:
@@ -103,6 +104,7 @@ class SettingResult:
             "identical": sum(r.identical for r in rs),
             **repeat_split([x for r in rs for x in r.rounds]),
             # the propose hook's rounds agree with the engine's counters (no draft was cut after proposing)
+            **training_code_summary(rs),
             "rounds_consistent": all(len(r.rounds) == r.draft_rounds and sum(m for _, m, _ in r.rounds)
                                      == r.draft_n_accepted for r in rs),
         }
@@ -161,6 +163,94 @@ def rounds_of(seq: list[int], proposals: list[tuple[list[int], int, list[int]]])
     return out
 
 
+class TrainingCode:
+    """The training script's own model code (scripts/train_demo.py, which computes the offline acceptance proxy)
+    loaded with the shipped weights, in float32 on the CPU: what it drafts, teacher-forced on a final sequence."""
+
+    def __init__(self) -> None:
+        import importlib.util
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        from outrider import demo
+
+        path = Path(__file__).resolve().parent / "train_demo.py"
+        spec = importlib.util.spec_from_file_location("train_demo", path)
+        td = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault("train_demo", td)
+        spec.loader.exec_module(td)
+        self.td = td
+
+        def cfg(kind):
+            return json.loads((demo.demo_path(kind) / "config.json").read_text())
+
+        def shape(c):
+            return td.Shape(c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+                            c["num_key_value_heads"], c["head_dim"], c["intermediate_size"])
+
+        def tensors(kind):
+            return {k: v.float() for k, v in load_file(str(demo.demo_path(kind) / "model.safetensors")).items()}
+
+        t, d, f = cfg("target"), cfg("draft"), cfg("dflash")
+        weights = tensors("target")
+        self.target = td.Qwen3LM(shape(t), t["vocab_size"]).eval()
+        self.target.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")}, strict=False)
+        self.mtp = td.MTPHead(shape(t)).eval()
+        self.mtp.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("mtp.")})
+        self.draft = td.Qwen3LM(shape(d), d["vocab_size"]).eval()
+        self.draft.load_state_dict(tensors("draft"), strict=False)
+        self.taps = tuple(f["dflash_config"]["target_layer_ids"])
+        self.block = f["block_size"]
+        self.mask_id = f["dflash_config"]["mask_token_id"]
+        self.dflash = td.DFlashDrafter(shape(f), len(self.taps)).eval()
+        self.dflash.load_state_dict(tensors("dflash"))
+
+    @torch.no_grad()
+    def predictor(self, kind: str, k: int, seq: list[int]):
+        """f(n, j): the token the training code drafts for index n+j+1 when the last committed index is n (None
+        where it has no prediction). Teacher-forced: for MTP and the draft model, slot j assumes slots < j were
+        right, so only slots up to the first wrong draft are comparable."""
+        td, s, L = self.td, torch.tensor([seq]), len(seq)
+        if kind == "draft":
+            dh, _ = self.draft(s)
+            da = self.draft.logits(dh).argmax(-1)[0].tolist()
+            return lambda n, j: da[n + j] if n + j < L else None
+        th, taps = self.target(s, taps=self.taps)
+        if kind == "mtp":
+            steps = max(k, 1)
+            mp = [self.target.logits(y).argmax(-1)[0].tolist() for y in self.mtp.unroll(self.target, th, s, steps)]
+            return lambda n, j: mp[j][n - 1] if j < steps and 0 <= n - 1 < len(mp[j]) else None
+        # DFlash: a block at every anchor 1..L-1 (the block may run past the sequence's end; only its slot 0 is read)
+        anchors = torch.arange(1, L)[None]
+        ids, pos, mask = td.dflash_block(s, anchors, self.block, self.mask_id)
+        hid = self.dflash(torch.cat(taps, -1), self.target.model.embed_tokens(ids), pos, mask)
+        fa = self.target.logits(hid).argmax(-1)[0].view(-1, self.block).tolist()
+        return lambda n, j: fa[n - 1][j + 1] if 1 <= n < L and j + 1 < self.block else None
+
+    def compare(self, kind: str, k: int, seq: list[int], proposals) -> tuple[int, int]:
+        """(slots compared, slots where the engine's draft equals the training code's) over a request's rounds."""
+        pred = self.predictor(kind, k, seq)
+        compared = equal = 0
+        for _, n, drafts in proposals:
+            for j, d in enumerate(drafts):
+                want = pred(n, j)
+                if want is None:
+                    break
+                compared += 1
+                equal += d == want
+                if kind != "dflash" and (n + j + 1 >= len(seq) or d != seq[n + j + 1]):
+                    break  # later slots of a teacher-forced drafter saw a different input
+        return compared, equal
+
+
+def training_code_summary(rs: list[PromptResult]) -> dict:
+    pairs = [r.training_code for r in rs if r.training_code is not None]
+    if not pairs:
+        return {}
+    return {"training_code_slots": sum(c for c, _ in pairs), "training_code_equal": sum(e for _, e in pairs)}
+
+
 def parse_setting(text: str) -> tuple[str, int]:
     kind, _, k = text.partition(":")
     if kind not in THRESHOLDS or not k.isdigit() or int(k) < 1:
@@ -217,14 +307,16 @@ def run_prompts(llm, prompts: list[tuple[int, dict]], max_tokens: int, batch: in
 
 def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *, max_tokens: int = 128,
             policies: tuple[str, ...] = ("fixed",), batch: int = 1, device: str = "cpu", dtype: str = "float32",
-            log=print) -> tuple[list[int], list[SettingResult]]:
-    """Plain greedy token ids per prompt, and one SettingResult per (policy, setting)."""
+            vs_training_code: bool = False, log=print) -> tuple[list[int], list[SettingResult]]:
+    """Plain greedy token ids per prompt, and one SettingResult per (policy, setting). vs_training_code: also
+    compare every round's drafts with what the training script's model code drafts at the same point."""
     from outrider import demo
     from outrider.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(str(demo.demo_path("target")))
     lens = [len(tok.encode(p["prompt"])) for _, p in prompts]
     blocks = kv_blocks(lens, max_tokens, batch)
+    reference = TrainingCode() if vs_training_code else None
     t0 = time.time()
     plain = [o.token_ids for o in run_prompts(make_llm(None, 0, device=device, dtype=dtype, num_kv_blocks=blocks,
                                                        batch=batch), prompts, max_tokens, batch)]
@@ -247,14 +339,17 @@ def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *,
             for (i, p), n, ref, o in zip(prompts, lens, plain, outs):
                 t = o.timing
                 seq = o.prompt_ids + o.token_ids
+                props = by_prompt.get(tuple(o.prompt_ids), [])
                 res.prompts.append(PromptResult(i, p["kind"], n, len(o.token_ids), t.draft_rounds, t.draft_n,
                                                 t.draft_n_accepted, list(t.accepted_per_position),
-                                                o.token_ids == ref,
-                                                rounds_of(seq, by_prompt.get(tuple(o.prompt_ids), []))))
+                                                o.token_ids == ref, rounds_of(seq, props),
+                                                reference and reference.compare(kind, k, seq, props)))
             res.seconds = round(time.time() - t0, 1)
             s = res.summary()
+            same = (f"  drafts = training code's {s['training_code_equal']}/{s['training_code_slots']}"
+                    if reference else "")
             log(f"{policy:6} {res.name:9} tau {s['tau']}  mean k {s['mean_k']}  identical "
-                f"{s['identical']}/{s['prompts']}  ({res.seconds}s)")
+                f"{s['identical']}/{s['prompts']}{same}  ({res.seconds}s)")
             results.append(res)
     return plain, results
 
@@ -286,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for this tiny model)")
     ap.add_argument("--json", default="acceptance.json", help="where to write the results")
+    ap.add_argument("--vs-training-code", action="store_true",
+                    help="compare every round's drafts with the training script's model code (the offline proxy)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every setting meets issue 6's threshold "
                     "and every output is identical to plain decoding")
     args = ap.parse_args(argv)
@@ -297,7 +394,7 @@ def main(argv=None) -> int:
     prompts = select_prompts(args.prompts, args.limit)
     t0 = time.time()
     _, results = measure(args.settings, prompts, max_tokens=args.max_tokens, policies=policies, batch=args.batch,
-                         device=args.device, dtype=args.dtype)
+                         device=args.device, dtype=args.dtype, vs_training_code=args.vs_training_code)
     print()
     print(table(results))
     from outrider import demo
@@ -328,6 +425,10 @@ def main(argv=None) -> int:
                if (r.summary()["tau"] or 0) < THRESHOLDS[r.kind]]
         bad += [f"{r.policy} {r.name}: prompt {p.index} differs from plain decoding" for r in results
                 for p in r.prompts if not p.identical]
+        bad += [f"{r.policy} {r.name}: drafts differ from the training code's in "
+                f"{s['training_code_slots'] - s['training_code_equal']} of {s['training_code_slots']} slots"
+                for r in results for s in [r.summary()] if s.get("training_code_slots", 0) != s.get(
+                    "training_code_equal", 0)]
         for b in bad:
             print("FAIL", b)
         return 1 if bad else 0

@@ -138,6 +138,9 @@ class Step:
     end: float  # the runner's step hook returned (the step's tokens are on the host)
     prefill: bool
     requests: list  # the engine Requests scheduled in this step
+    budget: float  # P or R
+    overrun: float  # engine work past the budget (the hook was entered that late)
+    late: float  # the hook's own oversleep: scheduling noise of the test, not work of the engine
 
     @property
     def seconds(self) -> float:
@@ -182,41 +185,37 @@ class StepClock:
         return self
 
     def _hook(self, plan) -> None:
-        until = self._start + (self.prefill_s if plan.has_prefill else self.round_s)
+        entered = now()
+        budget = self.prefill_s if plan.has_prefill else self.round_s
+        until = self._start + budget
         while (left := until - now()) > 0:
             time.sleep(left)
+        late = now() - max(until, entered)
         if not plan.has_prefill:
             assert self.gate.wait(timeout=60), "the test never opened the gate"
         self._last_end = now()
-        self.steps.append(Step(self._start, self._last_end, plan.has_prefill, [s.request for s in plan.scheduled]))
+        self.steps.append(Step(self._start, self._last_end, plan.has_prefill, [s.request for s in plan.scheduled],
+                               budget, max(0.0, entered - until), late))
 
     def steps_of(self, timing: RequestTiming) -> list[Step]:
         return [s for s in self.steps if any(r.timing is timing for r in s.requests)]
 
-    def nominal(self, step: Step) -> float:
-        return self.prefill_s if step.prefill else self.round_s
-
-    def expected(self, timing: RequestTiming) -> tuple[float, float, float]:
-        """(prompt ms, predicted ms, nominal predicted ms) for a request: the duration of its step that ended with
-        its first token (its prompt fits one step here), and the durations of every later step it took part in,
-        as measured and as the clock meant them (P or R each; they differ when a step overran)."""
+    def check(self, timings: dict, timing: RequestTiming, jitter_ms: float, max_overrun_ms: float = 250.0) -> None:
+        """Criterion 4 for one request, whose prompt fits one step: prompt_ms is within 5 % (+ jitter) of P and
+        of its prefill step as measured; predicted_ms is within 5 % (+ jitter) of the total of every later step
+        it took part in (the rounds, and any prefill of another request that shared them). And no step did
+        work far beyond its budget: a load hidden inside a step (a lazily loaded drafter) would show there, even
+        though the measured totals would then agree with the timings."""
         steps = self.steps_of(timing)
         assert steps and steps[0].prefill, "the request's first step must be its prefill"
-        later = steps[1:]
-        return steps[0].seconds * 1e3, sum(s.seconds for s in later) * 1e3, sum(map(self.nominal, later)) * 1e3
-
-    def check(self, timings: dict, timing: RequestTiming, jitter_ms: float) -> None:
-        """Criterion 4 for one request: prompt_ms within 5 % (+ jitter) of P, predicted_ms within 5 % (+ jitter)
-        of its rounds' total, both as measured by the clock and as meant (so work hidden in a step, such as a
-        lazy load, cannot hide behind a measured total)."""
-        prompt, predicted, nominal = self.expected(timing)
-        steps = [(round(s.seconds * 1e3, 1), "P" if s.prefill else "R") for s in self.steps_of(timing)]
-        why = f"{timings} over steps (ms) {steps}"
-        P = self.prefill_s * 1e3
-        assert abs(timings["prompt_ms"] - P) <= 0.05 * P + jitter_ms, why
+        why = f"{timings} over steps (ms, budget, overrun) " + str(
+            [(round(s.seconds * 1e3, 1), round(s.budget * 1e3), round(s.overrun * 1e3, 1)) for s in steps])
+        P, prompt = self.prefill_s * 1e3, steps[0].seconds * 1e3
+        predicted = sum(s.seconds for s in steps[1:]) * 1e3
+        assert abs(timings["prompt_ms"] - (P + steps[0].late * 1e3)) <= 0.05 * P + jitter_ms, why
         assert abs(timings["prompt_ms"] - prompt) <= 0.05 * prompt + jitter_ms, why
         assert abs(timings["predicted_ms"] - predicted) <= 0.05 * predicted + jitter_ms, why
-        assert abs(timings["predicted_ms"] - nominal) <= 0.05 * nominal + jitter_ms, why
+        assert max(s.overrun for s in steps) * 1e3 <= max_overrun_ms, why
 
     def request_with_prompt(self, prompt_ids: list[int]):
         """The engine Request with these prompt ids (HTTP tests give every request its own prompt)."""

@@ -37,10 +37,30 @@ def measured():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 5 M-parameter model: more threads only add synchronisation (much more when loaded)
     try:
-        plain, results = ma.measure(SETTINGS, ma.select_prompts("all", 2), max_tokens=128, log=lambda *_: None)
+        plain, results = ma.measure(SETTINGS, ma.select_prompts("all", 2), max_tokens=128, vs_training_code=True,
+                                    log=lambda *_: None)
     finally:
         torch.set_num_threads(threads)
     return ma, plain, {r.kind: r for r in results}
+
+
+def test_published_engine_measurement():
+    """outrider/demo/acceptance.json, the model card's numbers: all 64 prompts, every drafter identical to plain
+    decoding and above issue 6's threshold at the documented k."""
+    import json
+
+    path = demo.DEMO_DIR / "acceptance.json"
+    if not path.is_file():
+        pytest.skip("no published engine measurement")
+    m = json.loads(path.read_text())
+    assert m["max_tokens"] == 128 and m["temperature"] == 0.0 and len(m["prompt_indices"]) == 64
+    documented = {("draft", 4), ("mtp", 1), ("dflash", 7)}
+    fixed = {(r["drafter"], r["spec_draft_n_max"]): r["all"] for r in m["results"] if r["policy"] == "fixed"}
+    assert documented <= set(fixed)
+    for (kind, _), s in fixed.items():
+        assert s["identical"] == s["prompts"] == 64
+        if (kind, _) in documented:
+            assert s["tau"] >= m["thresholds"][kind]
 
 
 def test_subset_is_two_def_and_two_window_prompts():
@@ -54,6 +74,17 @@ def test_greedy_output_is_identical_to_plain_decoding(measured, kind, k):
     r = results[kind]
     assert all(len(ids) > 0 for ids in plain)
     assert [p.index for p in r.prompts if not p.identical] == []
+
+
+@pytest.mark.parametrize("kind,k", SETTINGS)
+def test_engine_drafts_equal_the_training_codes(measured, kind, k):
+    """Every draft the engine's drafter proposed is the token the training script's own model code (which computes
+    the offline proxy in metrics.json) drafts at the same point: same taps, norms, positions, mask token, block
+    layout and MTP chain. A serving/training convention mismatch shows up here first."""
+    _, _, results = measured
+    s = results[kind].summary()
+    assert s["training_code_slots"] >= s["draft_rounds"] > 0
+    assert s["training_code_equal"] == s["training_code_slots"]
 
 
 @pytest.mark.parametrize("kind,k", SETTINGS)

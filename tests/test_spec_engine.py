@@ -92,7 +92,7 @@ def test_oracle_drafter_accepts_everything(ckpts):
 # does the same over HTTP, streamed and not) ---------------------------------------------------------------------
 
 P_S, R_S = 0.30, 0.06  # the step clock: a step that prefills lasts P, any other R
-JITTER_MS = 10.0  # bookkeeping outside the clocked part of a step
+JITTER_MS = 10.0  # what the clock cannot place: the token stamp after the hook, the prompt start in the step
 
 
 @pytest.fixture(scope="module")
