@@ -5,8 +5,19 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from outrider.testing import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead, and on a busy 2-core machine they stall for longer
+    than a step of the timing tests (and make the suite several times slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

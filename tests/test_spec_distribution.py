@@ -15,7 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from scipy import stats
 
 import outrider.spec.verify as verify_mod
@@ -31,15 +30,6 @@ def params(seed: int) -> SamplingParams:
     # 4 tokens so the first round (after the prefill's token) drafts k = 2: the policy leaves room for the bonus.
     return SamplingParams(max_tokens=4, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=seed,
                           ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead, and on a busy 2-core machine they make this ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

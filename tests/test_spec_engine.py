@@ -6,7 +6,6 @@ import re
 import time
 
 import pytest
-import torch
 
 import outrider.engine.engine as engine_mod
 from outrider import LLM, SamplingParams
@@ -17,16 +16,6 @@ from spec_helpers import StepClock, write_families
 
 PROMPTS = [list(range(3, 30)), [5, 9, 13, 200, 17], list(range(100, 141)), [42] * 11,
            list(range(7, 10)), list(range(300, 333)), [8, 8, 9, 9, 10], list(range(50, 70))]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead and, on a busy 2-core machine, stalls longer than a step
-    of the timing tests below (and minutes in all)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

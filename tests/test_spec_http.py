@@ -21,7 +21,6 @@ import time
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 import outrider.engine.engine as engine_mod
@@ -39,15 +38,6 @@ SAMPLED = {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "min_p": 0.0, "ignore_e
 P_S, R_S = 0.30, 0.06  # the step clock: a step that prefills lasts P, any other R
 JITTER_MS = 10.0  # what the clock cannot place: the token stamp after the hook, the prompt start in the step
 LOAD_S = 1.5  # how slow the slow drafter loader is
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add overhead and, on a busy 2-core machine, long stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
