@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -255,6 +256,11 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"invalid chat template: {e}") from e
 
 
+# Per tokenizer, (skip_special_tokens=False, True) -> {id: text of that id decoded alone}: the Detokenizer
+# needs one for nearly every token it pushes, and a dict hit is far cheaper than a decode call.
+_SINGLE_IDS: weakref.WeakKeyDictionary[Tokenizer, tuple[dict[int, str], dict[int, str]]] = weakref.WeakKeyDictionary()
+
+
 class Detokenizer:
     """Incremental detokenizer for one request: emits complete UTF-8 only and cuts stop strings exactly.
 
@@ -275,6 +281,7 @@ class Detokenizer:
         self._held = ""  # decoded text that could still be the start of a stop string
         self._chunks: list[str] = []
         self.stop_word: str | None = None
+        self._singles = _SINGLE_IDS.setdefault(tokenizer, ({}, {}))[skip_special_tokens]
 
     @property
     def text(self) -> str:
@@ -297,7 +304,12 @@ class Detokenizer:
 
     def _decode_new(self, final: bool) -> str:
         """Text added by the unread ids; "" while it ends in U+FFFD (a character still split across tokens)."""
-        before = self._tok.decode(self._window[:self._read], self._skip)
+        if self._read == 1:  # the usual case once decoding runs: the decoded part is the previous token
+            before = self._singles.get(self._window[0])
+            if before is None:
+                before = self._singles[self._window[0]] = self._tok.decode(self._window[:1], self._skip)
+        else:
+            before = self._tok.decode(self._window[:self._read], self._skip)
         after = self._tok.decode(self._window, self._skip)
         if after.endswith("\ufffd") and not final:
             return ""
@@ -311,6 +323,10 @@ class Detokenizer:
         return new
 
     def _emit(self, new: str, final: bool) -> tuple[str, str | None]:
+        if not self._stop:  # nothing to hold back or cut
+            if new:
+                self._chunks.append(new)
+            return new, None
         text = self._held + new
         match = self._find_stop(text)
         if match is not None:

@@ -13,7 +13,14 @@ with that drafter, and by an engine with no drafter. Reported per setting:
   accept      sum(draft_n_accepted) / sum(draft_n);
   tok/step    (generated tokens - 1) / decode steps, plain decode steps included (the first token comes from
               the prefill);
-  identical   prompts whose greedy output is token-for-token the no-drafter output.
+  identical   prompts whose greedy output is token-for-token the no-drafter output;
+  tau novel / tau repeat
+              tau over the rounds whose text is not / is a verbatim repeat of earlier text (is_repeat: the 4
+              tokens up to the anchor and the 4 after it occur earlier); the tiny target's greedy output loops,
+              and loops are easy to draft;
+  --vs-training-code
+              also checks every round's drafts against the training script's own model code (the offline proxy
+              of metrics.json) at the same point: slots compared / equal.
 
 Draft length. A setting "KIND:K" runs the engine with spec_draft_n_max = K. The DraftPolicy then takes the
 smallest of K, the drafter's max_draft (DFlash: block_size - 1), the tokens left minus one and the batch cap
@@ -24,9 +31,11 @@ max_verify_tokens // n_decoding - 1 (255 at batch 1), and its online rule may pi
                    per round (and may decode plainly with k = 0, probing every 16 rounds).
   Both: --policy fixed,online.
 
-Usage (the model card's numbers; about 10 minutes on one CPU thread):
-    .venv/bin/python scripts/measure_acceptance.py --json outrider/demo/acceptance.json
-    .venv/bin/python scripts/measure_acceptance.py --settings dflash:7 --prompts def --limit 8 --max-tokens 64
+Usage. The model card's numbers (outrider/demo/acceptance.json; about 16 minutes on one CPU thread):
+    .venv/bin/python scripts/measure_acceptance.py --settings draft:4 mtp:1 mtp:3 dflash:7 dflash:4 \
+        --policy fixed,online --vs-training-code --check --json outrider/demo/acceptance.json
+A quick look (the defaults draft:4 mtp:1 mtp:3 dflash:7, fixed k; first 2 prompts of each kind, 64 tokens):
+    .venv/bin/python scripts/measure_acceptance.py --limit 2 --max-tokens 64 --json /tmp/acceptance.json
 """
 
 from __future__ import annotations
@@ -103,10 +112,12 @@ class SettingResult:
             "accepted_at_depth_per_round": [round(c / rounds, 3) for c in per_pos] if rounds else [],
             "identical": sum(r.identical for r in rs),
             **repeat_split([x for r in rs for x in r.rounds]),
-            # the propose hook's rounds agree with the engine's counters (no draft was cut after proposing)
             **training_code_summary(rs),
-            "rounds_consistent": all(len(r.rounds) == r.draft_rounds and sum(m for _, m, _ in r.rounds)
-                                     == r.draft_n_accepted for r in rs),
+            # the propose hook saw every verify round the engine counted (no proposal was dropped)
+            "rounds_consistent": all(len(r.rounds) == r.draft_rounds for r in rs),
+            # drafts RequestTiming counts as accepted that were never committed: verified in a round that a stop
+            # (EOS) cut short. tau includes them; they are few (see the model card).
+            "accepted_after_stop": sum(r.draft_n_accepted - sum(m for _, m, _ in r.rounds) for r in rs),
         }
 
 
@@ -115,10 +126,10 @@ REPEAT_CONTEXT, REPEAT_AHEAD = 4, 4
 
 def is_repeat(seq: list[int], n: int) -> bool:
     """Whether the text at anchor n is a verbatim repeat: the REPEAT_CONTEXT tokens ending at n followed by the
-    next REPEAT_AHEAD tokens occur earlier in the sequence (prompt included). The tiny target's greedy output
+    next REPEAT_AHEAD tokens (fewer at the sequence's end) occur earlier in the sequence (prompt included). The tiny target's greedy output
     falls into such loops, which every drafter finds easy."""
-    lo, hi = n + 1 - REPEAT_CONTEXT, n + 1 + REPEAT_AHEAD
-    if lo < 0 or hi > len(seq):
+    lo, hi = n + 1 - REPEAT_CONTEXT, min(n + 1 + REPEAT_AHEAD, len(seq))
+    if lo < 0 or hi <= n + 1:
         return False
     gram = seq[lo:hi]
     width = len(gram)
@@ -135,28 +146,36 @@ def repeat_split(rounds: list[tuple[int, int, bool]]) -> dict:
     return out
 
 
-def record_rounds(llm) -> dict[int, list[tuple[list[int], int, list[int]]]]:
-    """Wrap the engine's drafter so every proposal is kept: request id -> [(prompt ids, anchor index, drafts)].
-    The anchor is the last committed token (index num_tokens - 1); the drafts guess the tokens after it."""
+def record_rounds(llm) -> tuple[dict[int, list[tuple[int, list[int]]]], list[int]]:
+    """Wrap the engine so every proposal is kept: (request id -> [(anchor index, drafts)], request ids in the order
+    they were added). The anchor is the last committed token (index num_tokens - 1); the drafts guess the tokens
+    after it."""
     log: dict[int, list] = {}
-    propose = llm.engine.drafter.propose
+    order: list[int] = []
+    propose, add = llm.engine.drafter.propose, llm.engine.add_request
 
     def recording(requests, ks):
         out = propose(requests, ks)
         for req, drafts in zip(requests, out.tokens):
             if drafts:
-                log.setdefault(req.request_id, []).append((req.prompt_ids, req.num_tokens - 1, list(drafts)))
+                log.setdefault(req.request_id, []).append((req.num_tokens - 1, list(drafts)))
         return out
 
+    def adding(req, on_output):
+        order.append(req.request_id)
+        return add(req, on_output)
+
     llm.engine.drafter.propose = recording
-    return log
+    llm.engine.add_request = adding
+    return log, order
 
 
-def rounds_of(seq: list[int], proposals: list[tuple[list[int], int, list[int]]]) -> list[tuple[int, int, bool]]:
+def rounds_of(seq: list[int], proposals: list[tuple[int, list[int]]]) -> list[tuple[int, int, bool]]:
     """(drafts, accepted, repeat) per proposal of one request whose final sequence is `seq`. Greedy verification
-    accepts the drafts' longest prefix that matches the committed tokens."""
+    accepts the drafts' longest prefix that matches the committed tokens (a round cut by a stop counts only the
+    drafts that were committed)."""
     out = []
-    for _, n, drafts in proposals:
+    for n, drafts in proposals:
         truth = seq[n + 1:n + 1 + len(drafts)]
         m = next((j for j, (d, t) in enumerate(zip(drafts, truth)) if d != t), min(len(drafts), len(truth)))
         out.append((len(drafts), m, is_repeat(seq, n)))
@@ -232,7 +251,7 @@ class TrainingCode:
         """(slots compared, slots where the engine's draft equals the training code's) over a request's rounds."""
         pred = self.predictor(kind, k, seq)
         compared = equal = 0
-        for _, n, drafts in proposals:
+        for n, drafts in proposals:
             for j, d in enumerate(drafts):
                 want = pred(n, j)
                 if want is None:
@@ -331,15 +350,12 @@ def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *,
                 # the cap: min(K, max_draft, tokens left - 1, batch cap).
                 llm.engine.drafter.step_cost = 0.0
             res = SettingResult(kind, k, policy)
-            log_rounds = record_rounds(llm)
+            log_rounds, request_ids = record_rounds(llm)
             outs = run_prompts(llm, prompts, max_tokens, batch)
-            by_prompt = {}
-            for props in log_rounds.values():
-                by_prompt.setdefault(tuple(props[0][0]), []).extend(props)
-            for (i, p), n, ref, o in zip(prompts, lens, plain, outs):
+            for (i, p), n, ref, o, rid in zip(prompts, lens, plain, outs, request_ids):
                 t = o.timing
                 seq = o.prompt_ids + o.token_ids
-                props = by_prompt.get(tuple(o.prompt_ids), [])
+                props = log_rounds.get(rid, [])
                 res.prompts.append(PromptResult(i, p["kind"], n, len(o.token_ids), t.draft_rounds, t.draft_n,
                                                 t.draft_n_accepted, list(t.accepted_per_position),
                                                 o.token_ids == ref, rounds_of(seq, props),

@@ -1109,7 +1109,13 @@ def make_eval_prompts(held_files, per_kind: int, seed: int) -> list[dict]:
                     windows.append({"kind": "window", "file": rel, "prompt": chunk})
     rng.shuffle(defs)
     rng.shuffle(windows)
-    return defs[:per_kind] + windows[:per_kind]
+    # A short file can yield the same window twice (the published eval_prompts.json has one such pair, indices 35
+    # and 36). Dropping repeats after the shuffle keeps every other choice of this seed as it was.
+    def first_of_each(items):
+        seen = set()
+        return [x for x in items if not (x["prompt"] in seen or seen.add(x["prompt"]))]
+
+    return first_of_each(defs)[:per_kind] + first_of_each(windows)[:per_kind]
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def test_engine_drafts_equal_the_training_codes(measured, kind, k):
     layout and MTP chain. A serving/training convention mismatch shows up here first."""
     _, _, results = measured
     s = results[kind].summary()
-    assert s["training_code_slots"] >= s["draft_rounds"] > 0
+    assert s["rounds_consistent"] and s["training_code_slots"] >= s["draft_rounds"] > 0
     assert s["training_code_equal"] == s["training_code_slots"]
 
 

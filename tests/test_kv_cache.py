@@ -5,7 +5,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from outrider.engine.kv_cache import BlockPool
+from outrider.engine.kv_cache import BlockPool, chain_hash
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 
@@ -78,3 +78,53 @@ def test_eviction_reuses_cached_blocks_when_full():
     assert pool.admit(b, 7)  # needs all 4 blocks: the cached ones are evicted
     assert pool.match_prefix(Request([1, 2, 3, 4, 5], SamplingParams())) == []
     assert not pool.ensure(b, 9)
+
+
+def full_walk_commit(pool: BlockPool, req: Request, num_committed: int) -> None:
+    """Reference: publish by re-walking every full block from the first, as a from-scratch implementation would."""
+    ids, bs, prev = req.all_ids, pool.block_size, None
+    for i in range(min(num_committed, len(ids)) // bs):
+        block = pool.blocks[req.block_ids[i]]
+        if block.block_hash is not None:
+            prev = block.block_hash
+            continue
+        toks = tuple(ids[i * bs : (i + 1) * bs])
+        h = chain_hash(prev, toks)
+        if h not in pool.cached:
+            block.block_hash, block.tokens = h, toks
+            pool.cached[h] = block.block_id
+        prev = h
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=14), min_size=1, max_size=6),
+       outputs=st.lists(st.integers(0, 1), min_size=1, max_size=20), frees=st.lists(st.integers(0, 30), max_size=4))
+def test_incremental_commit_publishes_as_a_full_walk(prompts, outputs, frees):
+    """Same traffic through two pools (small alphabet: duplicate blocks, evictions, re-publishing): the
+    incremental commit leaves exactly the hashes a full walk of every request's blocks would."""
+    pools = [BlockPool(12, block_size=2), BlockPool(12, block_size=2)]
+    commits = [BlockPool.commit_full_blocks, full_walk_commit]
+    live: list[list[Request]] = [[], []]
+    step = 0
+    for ids in prompts + [[]] * len(outputs):  # admit one request per step, then keep decoding
+        for pool, reqs, commit in zip(pools, live, commits):
+            if ids:
+                req = Request(list(ids), SamplingParams())
+                if pool.admit(req, req.num_tokens - len(pool.match_prefix(req)) * 2):
+                    req.num_computed = req.num_tokens - 1
+                    reqs.append(req)
+            for req in list(reqs):
+                req.output_ids.append(outputs[step % len(outputs)])
+                if not pool.ensure(req, req.num_tokens):
+                    pool.free_request(req)
+                    reqs.remove(req)
+                    continue
+                req.num_computed = req.num_tokens - 1
+                commit(pool, req, req.num_computed)
+            if reqs and step in frees:
+                pool.free_request(reqs.pop(0))
+        a, b = pools
+        assert a.cached == b.cached
+        assert [(x.block_hash, x.tokens) for x in a.blocks] == [(x.block_hash, x.tokens) for x in b.blocks]
+        assert [r.block_ids for r in live[0]] == [r.block_ids for r in live[1]]
+        step += 1

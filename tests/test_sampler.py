@@ -222,3 +222,15 @@ def test_uniform_is_uniform_reproducible_and_stream_separated():
     assert stats.kstest(u1.numpy(), "uniform").pvalue > 1e-3
     assert abs(np.corrcoef(u1.numpy(), u2.numpy())[0, 1]) < 0.03
     assert torch.equal(u1, sampler.uniform(batch, 1))
+
+
+def test_stream_keys_agree_on_ints_and_arrays():
+    """The host hash runs on Python ints for small batches and numpy arrays for large ones: same keys."""
+    from outrider.engine.sampler import _stream_keys
+
+    rng = np.random.default_rng(0)
+    rows = [RowSpec(plain(), int(seed), int(step)) for seed, step in
+            zip(rng.integers(0, 2**63 - 1, 40, dtype=np.int64), rng.integers(0, 2**32 + 5, 40))]
+    many = _stream_keys(rows)
+    few = np.concatenate([_stream_keys(rows[i : i + 4]) for i in range(0, len(rows), 4)], axis=1)
+    assert many.dtype == few.dtype == np.int64 and np.array_equal(many, few)

@@ -39,6 +39,7 @@ class _Live:
     request: Request
     on_output: OutputCallback
     detok: Detokenizer
+    stop_ids: frozenset[int]  # ids that end the request past min_tokens: stop_token_ids, and EOS unless ignore_eos
 
 
 def pick_device(name: str) -> torch.device:
@@ -157,7 +158,8 @@ class Engine:
         else:
             req.seed = secrets.randbits(63)
         detok = Detokenizer(self.tokenizer, req.params.stop, context=req.prompt_ids[-4:])
-        live = _Live(req, on_output, detok)
+        stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
+        live = _Live(req, on_output, detok, stop_ids)
         if not req.prompt_ids or req.num_prompt >= self.max_model_len:
             self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")
             return
@@ -219,7 +221,10 @@ class Engine:
                 log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
         for emit in emits:
             if emit is not None:
-                emit()
+                live, output = emit
+                if output.finished:
+                    self._retire(live, output.finish_reason)
+                live.on_output(output)
 
     def _propose(self) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft for every decoding request the policy gives k > 0, with blocks reserved for what it writes."""
@@ -246,8 +251,9 @@ class Engine:
             self.drafter.release(request_id)
             self.policy.release(request_id)
 
-    def _commit(self, s: ScheduledRequest, out: StepOutput, i: int, t: float) -> Callable[[], None] | None:
-        """Apply one request's step result; returns the delivery of its output (run after drafters learn)."""
+    def _commit(self, s: ScheduledRequest, out: StepOutput, i: int, t: float) -> tuple[_Live, RequestOutput] | None:
+        """Apply one request's step result; returns its output, delivered (and a finished request retired) after
+        drafters learn the step."""
         req = s.request
         live = self.live[req.request_id]
         tokens, logprobs = out.tokens[i], out.logprobs[i]
@@ -260,43 +266,50 @@ class Engine:
             req.timing.mark_draft_round(proposed, accepted)
             self.policy.record(req.request_id, proposed, accepted)
         params = req.params
+        output_ids = req.output_ids
+        context_left = self.max_model_len - req.num_prompt  # outputs that still fit in the context
         text_parts: list[str] = []
-        kept: list[int] = []
         reason, stop_type, word = None, "none", ""
+        n = 0
         for tok in tokens:
-            req.output_ids.append(tok)
-            kept.append(tok)
-            n_out = len(req.output_ids)
-            is_eos = tok in self.eos_ids and not params.ignore_eos
-            if (is_eos or tok in params.stop_token_ids) and n_out > params.min_tokens:
+            output_ids.append(tok)
+            n += 1
+            n_out = len(output_ids)
+            if tok in live.stop_ids and n_out > params.min_tokens:
                 reason, stop_type = FinishReason.STOP, "eos"
                 break
-            piece, stop_word = live.detok.push([tok])
+            piece, stop_word = live.detok.push((tok,))
             text_parts.append(piece)
             if stop_word is not None:
                 reason, stop_type, word = FinishReason.STOP, "word", stop_word
                 break
-            if params.max_tokens >= 0 and n_out >= params.max_tokens:
+            if 0 <= params.max_tokens <= n_out:
                 reason, stop_type = FinishReason.LENGTH, "limit"
                 break
-            if req.num_tokens >= self.max_model_len:
+            if n_out >= context_left:
                 reason, stop_type = FinishReason.CONTEXT, "limit"
                 break
-        req.timing.mark_tokens(len(kept), t)
-        self.counters["predicted_tokens"] += len(kept)
-        if req.timing.predicted_n == len(kept):
+        kept = tokens if n == len(tokens) else tokens[:n]  # (the step's lists are not reused: no copy needed)
+        req.timing.mark_tokens(n, t)
+        self.counters["predicted_tokens"] += n
+        if req.timing.predicted_n == n:
             self.counters["prompt_tokens"] += req.timing.prompt_n
         self.pool.commit_full_blocks(req, req.num_computed)
         if reason is not None and stop_type != "word":
             text_parts.append(live.detok.flush())
-        lps = logprobs[: len(kept)] or None
-        text = "".join(text_parts)
-        if reason is None:
-            return lambda: live.on_output(RequestOutput(req.request_id, kept, text, logprobs=lps, timing=req.timing))
-        return lambda: self._finish(live, reason, kept, text, stop_type, word, lps)
+        lps = logprobs[:n] or None
+        return live, RequestOutput(req.request_id, kept, "".join(text_parts), reason is not None, reason, stop_type,
+                                   word, lps, req.timing)
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], text: str, stop_type: str = "none",
                 word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
+        self._retire(live, reason)
+        req = live.request
+        live.on_output(RequestOutput(req.request_id, tokens, text, True, reason, stop_type, word, logprobs,
+                                     req.timing, error))
+
+    def _retire(self, live: _Live, reason: FinishReason) -> None:
+        """Take a finished request out: status, timing, scheduler (blocks and slot), drafter state."""
         req = live.request
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -305,8 +318,6 @@ class Engine:
         self._release_drafter_state(req.request_id)
         self.live.pop(req.request_id, None)
         self.counters["requests_finished"] += 1
-        live.on_output(RequestOutput(req.request_id, tokens, text, True, reason, stop_type, word, logprobs,
-                                     req.timing, error))
 
     # --- introspection ---
     def stats(self) -> dict:

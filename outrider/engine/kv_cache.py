@@ -85,7 +85,7 @@ class BlockPool:
             return False
         for bid in matched:
             self._take(bid)
-        req.block_ids = list(matched)
+        self._set_blocks(req, list(matched))
         req.num_computed = num_cached
         self.hits += num_cached
         self._grow(req, need)
@@ -94,30 +94,39 @@ class BlockPool:
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Grow req's block table to cover num_tokens positions; False (and nothing taken) if no room."""
         need = self.blocks_needed(req, num_tokens)
+        if need == 0:  # the common case (a decode inside its last block): skip the free-list check
+            return True
         if need > self.num_free:
             return False
         self._grow(req, need)
         return True
 
     def commit_full_blocks(self, req: Request, num_committed: int) -> None:
-        """Publish the hashes of req's blocks that are now full of committed tokens."""
+        """Publish the hashes of req's blocks that are now full of committed tokens.
+
+        Incremental: the request remembers how many leading blocks were walked and the chain hash there, so a
+        step hashes only blocks that filled since the last call instead of re-walking the whole context."""
         if not self.enable_prefix_caching:
             return
-        ids = req.all_ids
+        if req.unpublished:
+            req.unpublished = [d for d in req.unpublished if not self._publish(*d)]
         bs = self.block_size
-        prev = None
-        for i in range(min(num_committed, len(ids)) // bs):
+        full = min(num_committed, req.num_tokens) // bs
+        prev = req.last_block_hash
+        for i in range(req.num_hashed_blocks, full):
             bid = req.block_ids[i]
             block = self.blocks[bid]
-            if block.block_hash is not None:
+            if block.block_hash is not None:  # shared from the prefix cache
                 prev = block.block_hash
                 continue
-            toks = tuple(ids[i * bs : (i + 1) * bs])
-            h = chain_hash(prev, toks)
-            if h not in self.cached:
-                block.block_hash, block.tokens = h, toks
-                self.cached[h] = bid
-            prev = h
+            toks = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            prev = chain_hash(prev, toks)
+            if not self._publish(bid, prev, toks):
+                # Another block holds these tokens (e.g. the same prompt prefilled concurrently); retried each
+                # call so that this block becomes findable once the other one is evicted.
+                req.unpublished.append((bid, prev, toks))
+        if full > req.num_hashed_blocks:
+            req.num_hashed_blocks, req.last_block_hash = full, prev
 
     def free_request(self, req: Request) -> None:
         """Drop req's references; tail blocks go to the eviction queue first."""
@@ -127,7 +136,7 @@ class BlockPool:
             assert block.ref_count >= 0, f"block {bid} freed twice"
             if block.ref_count == 0:
                 self.free[bid] = None
-        req.block_ids = []
+        self._set_blocks(req, [])
         req.num_computed = 0
 
     def reset_prefix_cache(self) -> None:
@@ -136,6 +145,21 @@ class BlockPool:
                 self._forget(bid)
 
     # --- internals ---
+    @staticmethod
+    def _set_blocks(req: Request, block_ids: list[int]) -> None:
+        """Give req a new block table (a new list: ModelRunner tells tables apart by identity); hashing restarts."""
+        req.block_ids = block_ids
+        req.num_hashed_blocks, req.last_block_hash, req.unpublished = 0, None, []
+
+    def _publish(self, bid: int, h: int, toks: tuple[int, ...]) -> bool:
+        """Make block bid findable under hash h, unless another block already is; True if published."""
+        if h in self.cached:
+            return False
+        block = self.blocks[bid]
+        block.block_hash, block.tokens = h, toks
+        self.cached[h] = bid
+        return True
+
     def _grow(self, req: Request, n: int) -> None:
         for _ in range(n):
             bid, _ = self.free.popitem(last=False)

@@ -64,10 +64,25 @@ class Request:
     seed: int = 0  # resolved seed (engine fills it when params.seed is None)
     num_preemptions: int = 0
     id_slot: int = -1  # llama-server slot id that serves this request (set by the engine)
+    # Prefix-cache publishing progress (BlockPool.commit_full_blocks): leading blocks already walked, the chain
+    # hash of the last of them, and blocks whose hash another block held (published once that one is gone).
+    num_hashed_blocks: int = 0
+    last_block_hash: int | None = None
+    unpublished: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
+        """A new list of every token (prompt + outputs): O(length), so hot paths use token_slice."""
         return self.prompt_ids + self.output_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids (0 <= start <= stop)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     @property
     def num_tokens(self) -> int:

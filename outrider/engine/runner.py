@@ -7,18 +7,21 @@ commits tokens (engine.py).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.sampler import RowSpec, Sampler
-from outrider.engine.request import TokenLogprob
+from outrider.engine.upload import to_device
+from outrider.engine.request import Request, TokenLogprob
 from outrider.params import SamplingParams
 from outrider.spec.verify import verify
-from outrider.engine.scheduler import StepPlan
+from outrider.engine.scheduler import ScheduledRequest, StepPlan
 
 
 @dataclass
@@ -38,41 +41,90 @@ class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    # logits rows: for each scheduled request, the flat indices whose logits are needed (empty = none)
-    logits_rows: list[list[int]]
+    sampling: list[int]  # plan indices of the scheduled requests whose logits are sampled this step
+    # Flat rows whose logits are needed, in plan order (the last known token of each sampling request, then
+    # one per draft token); None when that is every row in order (a pure decode step: no gather needed).
+    logits_rows: torch.Tensor | None
+
+
+def _layout(starts: list[int], qsl: list[int], table: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, slot mapping) of a ragged batch, in bulk: sequence i feeds the tokens qsl[i]:qsl[i+1] from
+    position starts[i], through its block table row table[i]."""
+    start = np.array(starts, dtype=np.int64)
+    num_seqs, num_tokens = len(starts), qsl[-1]
+    if num_tokens == num_seqs:  # one token per sequence (decode)
+        seq, positions = np.arange(num_seqs), start
+    else:
+        count = np.diff(qsl)
+        seq = np.repeat(np.arange(num_seqs), count)
+        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - qsl[:-1], count)
+    block, offset = np.divmod(positions, block_size)
+    return positions, table[seq, block] * block_size + offset  # (slots: int64 by promotion)
+
+
+def _metadata(qsl: list[int], lens: list[int], dev: list[torch.Tensor], causal: bool) -> AttentionMetadata:
+    """AttentionMetadata over device tensors dev = [slot mapping, query start offsets, seq lens, block tables]."""
+    return AttentionMetadata(
+        slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
+        max_query_len=max((b - a for a, b in zip(qsl, qsl[1:])), default=0), max_seq_len=max(lens, default=0),
+        causal=causal, query_start_loc_host=qsl, seq_lens_host=lens)
 
 
 def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device,
                    causal: bool = True) -> tuple[AttentionMetadata, torch.Tensor]:
     """seqs: (block table, tokens already cached, query tokens this step) per sequence -> (meta, positions)."""
-    positions: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    lens: list[int] = []
-    for blocks, start, n in seqs:
-        for p in range(start, start + n):
-            positions.append(p)
-            slots.append(blocks[p // block_size] * block_size + p % block_size)
-        qsl.append(qsl[-1] + n)
-        lens.append(start + n)
     width = max((len(b) for b, _, _ in seqs), default=1) or 1
-    table = [b + [0] * (width - len(b)) for b, _, _ in seqs]
+    table = np.zeros((len(seqs), width), dtype=np.int32)  # padding entries are 0 and never read
+    for i, (blocks, _, _) in enumerate(seqs):
+        table[i, : len(blocks)] = blocks
+    starts = [s for _, s, _ in seqs]
+    qsl = list(itertools.accumulate((n for _, _, n in seqs), initial=0))
+    lens = [s + n for _, s, n in seqs]
+    positions, slots = _layout(starts, qsl, table, block_size)
+    dev = to_device([(positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32), (table, np.int32)],
+                    torch.device(device))
+    return _metadata(qsl, lens, dev[1:], causal), dev[0]
 
-    def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
 
-    meta = AttentionMetadata(
-        slot_mapping=t(slots, torch.int64),
-        query_start_loc=t(qsl, torch.int32),
-        seq_lens=t(lens, torch.int32),
-        block_tables=t(table, torch.int32),
-        max_query_len=max((n for _, _, n in seqs), default=0),
-        max_seq_len=max(lens, default=0),
-        causal=causal,
-        query_start_loc_host=qsl,
-        seq_lens_host=lens,
-    )
-    return meta, t(positions, torch.int64)
+class BlockTables:
+    """Host block tables of the running requests, one row per scheduler slot, kept across steps: a step copies
+    only the blocks a request gained since its previous step, not every request's whole (padded) table.
+
+    A row mirrors one `block_ids` list, recognised by identity: BlockPool only appends to a request's list, and
+    gives the request a new list whenever its table is rebuilt (admission, free, preemption)."""
+
+    def __init__(self) -> None:
+        self.table = np.zeros((0, 1), dtype=np.int32)
+        self._mirrors: list[list[int] | None] = []  # the block_ids list each row mirrors
+        self._lens: list[int] = []  # entries of that list copied so far
+
+    def gather(self, reqs: list[Request]) -> np.ndarray:
+        """[len(reqs), max blocks] int32: the requests' tables (by id_slot, which running requests hold),
+        zero-padded."""
+        width = 1
+        for req in reqs:
+            blocks, row = req.block_ids, req.id_slot
+            n = len(blocks)
+            width = max(width, n)
+            if row >= self.table.shape[0] or n > self.table.shape[1]:
+                self._grow(row + 1, n)
+            if self._mirrors[row] is not blocks:  # another request, or this one with a rebuilt table
+                self.table[row, :n] = blocks
+                self.table[row, n:] = 0
+                self._mirrors[row], self._lens[row] = blocks, n
+            elif self._lens[row] != n:
+                self.table[row, self._lens[row] : n] = blocks[self._lens[row] :]
+                self._lens[row] = n
+        return self.table[[req.id_slot for req in reqs], :width]
+
+    def _grow(self, rows: int, width: int) -> None:
+        old = self.table
+        if width > old.shape[1]:
+            width = max(width, 2 * old.shape[1])  # doubling: a growing context reallocates O(log) times
+        self.table = np.zeros((max(rows, old.shape[0]), max(width, old.shape[1])), dtype=np.int32)
+        self.table[: old.shape[0], : old.shape[1]] = old
+        self._mirrors += [None] * (self.table.shape[0] - len(self._mirrors))
+        self._lens += [0] * (self.table.shape[0] - len(self._lens))
 
 
 class ModelRunner:
@@ -83,6 +135,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.backend = get_backend(device)
         self.sampler = Sampler(vocab_size, device)
+        self.block_tables = BlockTables()
         self.graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine on CUDA
         self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
         # Test hook: called with the plan inside each step, before results reach the host (e.g. to sleep).
@@ -90,21 +143,34 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> StepBatch:
         ids: list[int] = []
-        seqs: list[tuple[list[int], int, int]] = []
-        logits_rows: list[list[int]] = []
-        for s in plan.scheduled:
+        starts: list[int] = []
+        qsl = [0]
+        lens: list[int] = []
+        sampling: list[int] = []
+        rows: list[int] = []
+        for i, s in enumerate(plan.scheduled):
             req = s.request
-            start = req.num_computed
-            toks = req.all_ids[start : start + s.num_new_tokens] + s.draft_tokens
+            start, n = req.num_computed, s.num_new_tokens
             base = len(ids)
-            ids.extend(toks)
-            seqs.append((req.block_ids, start, len(toks)))
-            # A sampling row reads the last known token's logits, then one row per draft token.
-            first = base + s.num_new_tokens - 1
-            logits_rows.append(list(range(first, base + len(toks))) if s.samples else [])
-        meta, positions = build_metadata(seqs, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        return StepBatch(input_ids, positions, meta, logits_rows)
+            ids += req.token_slice(start, start + n)
+            ids += s.draft_tokens
+            starts.append(start)
+            qsl.append(len(ids))
+            lens.append(start + len(ids) - base)
+            if start + n == req.num_tokens:  # s.samples
+                # A sampling row reads the last known token's logits, then one row per draft token.
+                sampling.append(i)
+                rows.extend(range(base + n - 1, len(ids)))
+        table = self.block_tables.gather([s.request for s in plan.scheduled])
+        positions, slots = _layout(starts, qsl, table, self.block_size)
+        every_row = len(rows) == len(ids)  # rows ascend, so this means rows == range(T)
+        parts = [(ids, np.int64), (positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32),
+                 (table, np.int32)]
+        if not every_row:
+            parts.append((rows, np.int64))
+        dev = to_device(parts, self.device)
+        meta = _metadata(qsl, lens, dev[2:6], causal=True)
+        return StepBatch(dev[0], dev[1], meta, sampling, None if every_row else dev[6])
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [T, H] pre-norm, aux_hidden [T, A] or None) from a captured graph or eagerly."""
@@ -129,13 +195,13 @@ class ModelRunner:
         n = len(plan.scheduled)
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux,
                          [len(s.draft_tokens) for s in plan.scheduled])
-        rows = [r for rows in batch.logits_rows for r in rows]
-        if rows:
-            index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden.index_select(0, index))
-            sampling = [i for i, s in enumerate(plan.scheduled) if s.samples]
-            drafts = [plan.scheduled[i].draft_tokens for i in sampling]
-            sbatch = self.sampler.prepare(self.row_specs(plan), sample_only=not any(drafts))
+        sampling = batch.sampling
+        if sampling:
+            logits = self.model.compute_logits(
+                hidden if batch.logits_rows is None else hidden.index_select(0, batch.logits_rows))
+            sampled_reqs = [plan.scheduled[i] for i in sampling]
+            drafts = [s.draft_tokens for s in sampled_reqs]
+            sbatch = self.sampler.prepare(self.row_specs(sampled_reqs), sample_only=not any(drafts))
             if any(drafts):
                 probs = draft_probs or {}
                 q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
@@ -159,20 +225,20 @@ class ModelRunner:
             self.step_hook(plan)
         return out
 
-    def row_specs(self, plan: StepPlan) -> list[RowSpec]:
-        """One sampling row per logits row: its params, seed, output index (RNG counter), history and bans."""
+    def row_specs(self, sampled: list[ScheduledRequest]) -> list[RowSpec]:
+        """One sampling row per logits row of these (sampling) requests: params, seed, output index (RNG counter),
+        history and bans."""
         specs: list[RowSpec] = []
-        for s in plan.scheduled:
-            if not s.samples:
-                continue
+        for s in sampled:
             req = s.request
             p = req.params
-            history = _penalty_window(req.all_ids, p)
+            history = _penalty_window(req, p)
+            n_out = len(req.output_ids)
             for j in range(len(s.draft_tokens) + 1):
-                step = len(req.output_ids) + j
+                step = n_out + j
                 # EOS/EOG may not be sampled with ignore_eos, nor before min_tokens (llama-server bans them).
                 banned = self.eog_ids if p.ignore_eos or step < p.min_tokens else ()
-                specs.append(RowSpec(p, req.seed, step, history + s.draft_tokens[:j], banned))
+                specs.append(RowSpec(p, req.seed, step, history + s.draft_tokens[:j] if j else history, banned))
         return specs
 
 
@@ -181,9 +247,10 @@ def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
     return None if q is None or k == 0 else q[:k]
 
 
-def _penalty_window(ids: list[int], params: SamplingParams) -> list[int]:
+def _penalty_window(req: Request, params: SamplingParams) -> list[int]:
     """The recent tokens the penalties look at (none when no penalty is set)."""
     p = params
     if p.repeat_last_n == 0 or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
         return []
-    return ids if p.repeat_last_n < 0 else ids[-p.repeat_last_n :]
+    n = req.num_tokens
+    return req.token_slice(0 if p.repeat_last_n < 0 else max(0, n - p.repeat_last_n), n)

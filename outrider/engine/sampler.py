@@ -28,8 +28,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from outrider.engine.upload import to_device
 from outrider.params import SamplingParams
 
 # Independent noise streams per (seed, step): plain draws, and speculative verification's two (spec/verify.py).
@@ -39,14 +41,18 @@ NUM_STREAMS = 3
 _M32 = 0xFFFFFFFF
 _SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
 
+# The hash below uses operators only, so it runs on int64 torch tensors (device noise) and int64 numpy arrays
+# (host stream keys) alike, with the same results.
+Ints = torch.Tensor | np.ndarray
 
-def _mulmod32(x: torch.Tensor, c: int) -> torch.Tensor:
+
+def _mulmod32(x: Ints, c: int) -> Ints:
     """x * c mod 2^32 for x < 2^32, staying below 2^49 (int64 overflow is undefined behaviour in torch)."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """Murmur3's finaliser on int64 tensors holding 32-bit values: every output bit depends on every input bit."""
+def _fmix32(x: Ints) -> Ints:
+    """Murmur3's finaliser on int64 arrays holding 32-bit values: every output bit depends on every input bit."""
     x = x ^ (x >> 16)
     x = _mulmod32(x, 0x85EBCA6B)
     x = x ^ (x >> 13)
@@ -54,7 +60,7 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _absorb(h: torch.Tensor | int, word: torch.Tensor | int) -> torch.Tensor:
+def _absorb(h: Ints | int, word: Ints | int) -> Ints:
     """Mix one 32-bit word into a well-mixed hash state h (one finaliser: this runs per vocab entry)."""
     return _fmix32(h ^ _mulmod32(word & _M32, 0x9E3779B9))
 
@@ -64,7 +70,7 @@ def _to_unit(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass costs ~3x to build, and the runner builds one per row
 class RowSpec:
     """What the sampler needs to know about one logits row."""
 
@@ -130,54 +136,75 @@ class Sampler:
 
     # --- building the step's tensors (host side, once per step) ---
     def prepare(self, rows: Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
-        """Device tensors for these rows. With `sample_only` (the batch goes to `sample`, not `processed`), an
-        all-greedy batch skips the filter tensors, whose upload is most of a small step's host time."""
+        """Device tensors for these rows, uploaded in one copy. With `sample_only` (the batch goes to `sample`,
+        not `processed`), an all-greedy batch skips the filter tensors, whose upload is most of a small step's
+        host time."""
         V = self.vocab_size
         ps = [r.params for r in rows]
         greedy = [p.temperature <= 0 for p in ps]
-        if all(greedy) and sample_only:
-            return SamplingBatch(len(rows), None, None, None, None, None, None, None, V, self._bias(rows),
-                                 self._penalties(rows), max((p.n_probs for p in ps), default=0), False, True)
-        sampled = [p for p, g in zip(ps, greedy) if not g]
-        width = min(V, max((p.top_k for p in sampled), default=1)) if all(p.top_k > 0 for p in sampled) else V
-
-        floats = self._upload([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
-                               [p.typical_p for p in ps]], torch.float32)
-        top_k = torch.tensor([min(p.top_k, width) if p.top_k > 0 else width for p in ps], dtype=torch.int64)
-        ints = torch.cat([top_k[None], _stream_keys(rows)]).to(self.device, non_blocking=True)
-        greedy_t = floats[0] <= 0
+        bias, penalties = self._bias(rows), self._penalties(rows)
+        parts: list[tuple] = [*(bias or ()), *(penalties or ())]
+        filters = not (all(greedy) and sample_only)
+        if filters:
+            sampled = [p for p, g in zip(ps, greedy) if not g]
+            width = min(V, max((p.top_k for p in sampled), default=1)) if all(p.top_k > 0 for p in sampled) else V
+            # Rows: temperature as given (<= 0: greedy), the one logits are divided by (1 when greedy), top_p, ...
+            floats = np.array([[p.temperature for p in ps], [1.0 if g else p.temperature for p, g in zip(ps, greedy)],
+                               [p.top_p for p in ps], [p.min_p for p in ps], [p.typical_p for p in ps]],
+                              dtype=np.float32)
+            top_k = [min(p.top_k, width) if p.top_k > 0 else width for p in ps]
+            parts += [(floats, np.float32), (top_k, np.int64), (_stream_keys(rows), np.int64)]
+        dev = to_device(parts, self.device)
+        if bias:
+            bias, dev = tuple(dev[:3]), dev[3:]
+        if penalties:
+            (at, toks, coef), dev = dev[:3], dev[3:]
+            penalties = (at, toks, coef[0], coef[1], coef[2])
+        n_probs = max((p.n_probs for p in ps), default=0)
+        if not filters:
+            return SamplingBatch(len(rows), None, None, None, None, None, None, None, V, bias, penalties, n_probs,
+                                 False, True)
+        floats, top_k, keys = dev
         return SamplingBatch(
             num_rows=len(rows),
-            greedy=greedy_t,
-            temperature=torch.where(greedy_t, 1.0, floats[0]),
-            top_k=ints[0],
-            top_p=floats[1],
-            min_p=floats[2],
-            typical_p=floats[3],
-            stream_keys=ints[1:],
+            greedy=floats[0] <= 0,
+            temperature=floats[1],
+            top_k=top_k,
+            top_p=floats[2],
+            min_p=floats[3],
+            typical_p=floats[4],
+            stream_keys=keys,
             width=width,
-            bias=self._bias(rows),
-            penalties=self._penalties(rows),
-            n_probs=max((p.n_probs for p in ps), default=0),
+            bias=bias,
+            penalties=penalties,
+            n_probs=n_probs,
             use_typical=any(p.typical_p < 1.0 for p in sampled),
             all_greedy=all(greedy),
         )
 
-    def _upload(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """Host lists -> device tensor (small: a pageable non-blocking copy does not wait for the stream)."""
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+    def _bias(self, rows: Sequence[RowSpec]) -> list[tuple] | None:
+        """Upload parts for (rows, token ids, values) of the logit bias and engine bans (-inf); None if none."""
+        at: list[int] = []
+        toks: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(rows):
+            for tok, b in r.params.logit_bias:
+                at.append(i)
+                toks.append(tok)
+                vals.append(b)
+            if r.banned:
+                at += [i] * len(r.banned)
+                toks += r.banned
+                vals += [-math.inf] * len(r.banned)
+        if toks and (min(toks) < 0 or max(toks) >= self.vocab_size):  # llama-server ignores bad ids too
+            keep = [j for j, tok in enumerate(toks) if 0 <= tok < self.vocab_size]
+            at, toks, vals = [at[j] for j in keep], [toks[j] for j in keep], [vals[j] for j in keep]
+        return [(at, np.int64), (toks, np.int64), (vals, np.float32)] if toks else None
 
-    def _bias(self, rows: Sequence[RowSpec]):
-        entries = [(i, tok, b) for i, r in enumerate(rows) for tok, b in r.params.logit_bias]
-        entries += [(i, tok, -math.inf) for i, r in enumerate(rows) for tok in r.banned]
-        entries = [e for e in entries if 0 <= e[1] < self.vocab_size]  # llama-server ignores bad ids too
-        if not entries:
-            return None
-        i, tok, b = zip(*entries)
-        return self._upload(i, torch.int64), self._upload(tok, torch.int64), self._upload(b, torch.float32)
-
-    def _penalties(self, rows: Sequence[RowSpec]):
-        row_ids: list[int] = []
+    def _penalties(self, rows: Sequence[RowSpec]) -> list[tuple] | None:
+        """Upload parts for (rows, token ids: one entry per occurrence in the window, [3, N] repeat, presence and
+        frequency penalties); None if no row has a penalty."""
+        at: list[int] = []
         toks: list[int] = []
         for i, r in enumerate(rows):
             p = r.params
@@ -186,15 +213,14 @@ class Sampler:
             if off or n == 0:
                 continue
             window = [t for t in list(r.history[-n:]) if 0 <= t < self.vocab_size]
-            row_ids += [i] * len(window)
+            at += [i] * len(window)
             toks += window
         if not toks:
             return None
         ps = [r.params for r in rows]
-        repeat, presence, frequency = self._upload(
-            [[p.repeat_penalty for p in ps], [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]],
-            torch.float32)
-        return self._upload(row_ids, torch.int64), self._upload(toks, torch.int64), repeat, presence, frequency
+        coef = np.array([[p.repeat_penalty for p in ps], [p.presence_penalty for p in ps],
+                         [p.frequency_penalty for p in ps]], dtype=np.float32)
+        return [(at, np.int64), (toks, np.int64), (coef, np.float32)]
 
     # --- device side ---
     def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -277,12 +303,16 @@ class Sampler:
         return _to_unit(_absorb(batch.stream_keys[stream], _M32))
 
 
-def _stream_keys(rows: Sequence[RowSpec]) -> torch.Tensor:
-    """[NUM_STREAMS, N] hashes of (seed, step, stream), on the host: a few vector ops, not per-row Python."""
-    seeds = torch.tensor([r.seed & _M32 for r in rows] + [(r.seed >> 32) & _M32 for r in rows], dtype=torch.int64)
-    steps = torch.tensor([r.step & _M32 for r in rows], dtype=torch.int64)
+def _stream_keys(rows: Sequence[RowSpec]) -> np.ndarray:
+    """[NUM_STREAMS, N] int64 hashes of (seed, step, stream), on the host. The hash uses operators only, so it
+    runs on Python ints for a few rows and on numpy arrays for many: whichever costs less for the batch."""
+    if len(rows) <= 8:
+        keys = [_absorb(_absorb(_absorb(_SALT, r.seed & _M32), (r.seed >> 32) & _M32), r.step & _M32) for r in rows]
+        return np.array([[_absorb(k, stream) for k in keys] for stream in range(NUM_STREAMS)], dtype=np.int64)
+    seeds = np.array([r.seed & _M32 for r in rows] + [(r.seed >> 32) & _M32 for r in rows], dtype=np.int64)
+    steps = np.array([r.step & _M32 for r in rows], dtype=np.int64)
     row = _absorb(_absorb(_absorb(_SALT, seeds[: len(rows)]), seeds[len(rows) :]), steps)
-    return _absorb(row[None, :], torch.arange(NUM_STREAMS)[:, None])
+    return _absorb(row[None, :], np.arange(NUM_STREAMS, dtype=np.int64)[:, None])
 
 
 def _gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

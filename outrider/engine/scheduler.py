@@ -82,12 +82,13 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
-        queue = list(self.running)
+        queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
-            req = queue.pop(0)
-            n = min(req.num_tokens - req.num_computed, budget)
-            draft = drafts.get(req.request_id, []) if n == req.num_tokens - req.num_computed == 1 else []
-            draft = draft[: max(0, min(budget - n, self.max_model_len - req.num_tokens))]
+            req = queue.popleft()
+            todo = req.num_tokens - req.num_computed
+            n = min(todo, budget)
+            draft = drafts.get(req.request_id) if todo == 1 else None  # drafts follow a decode's one token
+            draft = draft[: max(0, min(budget - n, self.max_model_len - req.num_tokens))] if draft else []
             while not self.pool.ensure(req, req.num_computed + n + len(draft)):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -95,7 +96,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, list(draft)))
+                scheduled.append(ScheduledRequest(req, n, draft))
                 budget -= n + len(draft)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
