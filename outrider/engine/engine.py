@@ -262,8 +262,6 @@ class Engine:
         if not tokens:
             return None  # a prefill chunk that does not reach the end of the prompt yet
         if proposed:
-            req.timing.draft_kind = self.drafter.kind
-            req.timing.mark_draft_round(proposed, accepted)
             self.policy.record(req.request_id, proposed, accepted)
         params = req.params
         output_ids = req.output_ids
@@ -290,6 +288,9 @@ class Engine:
                 reason, stop_type = FinishReason.CONTEXT, "limit"
                 break
         kept = tokens if n == len(tokens) else tokens[:n]  # (the step's lists are not reused: no copy needed)
+        if proposed:  # count only accepted drafts that were committed (a stop can cut a round short)
+            req.timing.draft_kind = self.drafter.kind
+            req.timing.mark_draft_round(proposed, min(accepted, n))
         req.timing.mark_tokens(n, t)
         self.counters["predicted_tokens"] += n
         if req.timing.predicted_n == n:
