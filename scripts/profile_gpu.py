@@ -1,0 +1,71 @@
+"""Where a decode step's GPU time goes: kernel table from torch.profiler over engine decode steps (GPU only).
+
+For each --random-weights shape and batch size, runs `--steps` decode steps of the real engine (CUDA graphs on,
+unless --eager) under torch.profiler and prints: wall ms/step, GPU-busy ms/step (sum of kernel and copy times),
+the gap between the two (host work the GPU waits for), and the kernels by total time.
+
+    python scripts/profile_gpu.py --model qwen3-0.6b --batch 1 [--eager] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from outrider.bench.engine_setup import build_engine
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
+                           gpu_memory_utilization=0.9)
+    engine = build_engine(args, max_num_seqs=a.batch, max_model_len=a.prompt_len + 4 * a.steps + 64,
+                          max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=4 * a.steps, temperature=a.temperature, seed=0, ignore_eos=True)
+    for b in range(a.batch):
+        engine.add_request(Request([(7 * b + i) % vocab for i in range(a.prompt_len)], params), lambda out: None)
+    for _ in range(a.steps):  # prefill, then decode steps to warm everything up
+        engine.step()
+    sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - t0) / a.steps
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    busy = 0.0
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            by_name[ev.name][0] += t
+            by_name[ev.name][1] += 1
+            busy += t
+    busy_ms = busy / 1e3 / a.steps
+    print(f"== {a.model} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall {wall * 1e3:.3f} "
+          f"ms/step, GPU busy {busy_ms:.3f} ms/step, host gap {wall * 1e3 - busy_ms:.3f} ms/step")
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
+    for name, (tot, cnt) in rows:
+        print(f"  {tot / 1e3 / a.steps:8.4f} ms/step  {cnt / a.steps:6.1f}/step  {tot / max(cnt, 1):8.2f} us/call  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
