@@ -104,6 +104,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gib=ns.kv_cache_gib,
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
         spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min,
+        overlap_schedule=False if ns.no_overlap_schedule else None,
     )
     return {k: v for k, v in kwargs.items() if v is not None}
 

@@ -1,9 +1,14 @@
-"""Engine invariance: batching, chunked prefill, prefix caching and preemption never change the output."""
+"""Engine invariance: batching, chunked prefill, prefix caching, preemption and overlap scheduling never change
+the output. Every test runs twice: synchronous steps, and overlap scheduling (forced on, as on CUDA)."""
+
+import functools
 
 import pytest
 
+import outrider.llm
 from outrider import LLM, SamplingParams
-from outrider.engine.request import FinishReason
+from outrider.config import EngineConfig
+from outrider.engine.request import FinishReason, Request
 from outrider.testing import write_tiny_checkpoint
 
 PROMPTS = [
@@ -26,6 +31,14 @@ def run(ckpt, prompts, params=GREEDY, **kw):
     llm = LLM(ckpt, **kw)
     outs = llm.generate(prompts, params)
     return llm, [o.token_ids for o in outs]
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["sync", "overlap"])
+def overlap(request, monkeypatch):
+    """Engines built by LLM in the test use this scheduling mode (the module-scoped reference is built first,
+    synchronously)."""
+    monkeypatch.setattr(outrider.llm, "EngineConfig", functools.partial(EngineConfig, overlap_schedule=request.param))
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +92,6 @@ def test_preemption_recomputes_and_frees_every_block(ckpt, reference):
 
 def test_preemption_happened(ckpt):
     """The small pool above really forces preemption (otherwise the test proves nothing)."""
-    from outrider.engine.request import Request
-
     llm = LLM(ckpt, max_num_seqs=6, block_size=4, num_kv_blocks=40, enable_prefix_caching=False)
     reqs = [Request(list(p), GREEDY) for p in PROMPTS]
     for r in reqs:
@@ -135,3 +146,39 @@ def test_cache_prompt_false_bypasses_the_prefix_cache(ckpt, reference):
                                                      cache_prompt=False))[0]
     assert warm.timing.cache_n > 0 and cold.timing.cache_n == 0
     assert warm.token_ids == cold.token_ids == reference[0]
+
+
+def test_overlap_keeps_a_step_in_flight(ckpt, reference, overlap):
+    """With overlap on, a decode step is launched while the previous one is still to be committed, and requests
+    that finish on a token already in flight (max_tokens) or mid-flight (aborts) leave nothing behind."""
+    llm = LLM(ckpt, max_num_seqs=8, block_size=4, enable_prefix_caching=False)
+    engine = llm.engine
+    outs: dict[int, list] = {}
+    reqs = [Request(list(p), GREEDY) for p in PROMPTS]
+    for r in reqs:
+        outs[r.request_id] = []
+        engine.add_request(r, outs[r.request_id].append)
+    in_flight = 0
+    aborted = reqs[3]
+    while engine.has_work():
+        engine.step()
+        in_flight += engine.inflight is not None
+        if len(aborted.output_ids) == 5 and aborted.status.value != "finished":
+            engine.abort(aborted.request_id)
+    assert (in_flight > 0) == overlap
+    for r, ref in zip(reqs, reference):
+        got = [t for o in outs[r.request_id] for t in o.new_token_ids]
+        assert got == (ref[:5] if r is aborted else ref)
+        assert outs[r.request_id][-1].finished and r.num_pending == 0 or r is aborted
+    assert engine.pool.num_used == 0 and engine.inflight is None
+
+
+def test_penalties_fall_back_to_synchronous_steps(ckpt, overlap):
+    """Penalties read recent tokens on the host, so a penalised request makes the engine wait for each step;
+    the output is the same either way."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repeat_penalty=1.3)
+    llm = LLM(ckpt, max_num_seqs=8)
+    outs = llm.generate(PROMPTS[:3], [GREEDY, params, GREEDY])
+    sync = LLM(ckpt, max_num_seqs=8, overlap_schedule=False) if overlap else llm
+    assert [o.token_ids for o in outs] == [o.token_ids for o in sync.generate(PROMPTS[:3], [GREEDY, params, GREEDY])]
+    assert llm.engine._penalized == 0

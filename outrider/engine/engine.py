@@ -1,8 +1,14 @@
-"""Engine: the step loop. plan = scheduler.schedule(); out = runner.execute(plan); commit(out).
+"""Engine: the step loop. plan = scheduler.schedule(); launched = runner.launch(plan); commit(collect(launched)).
 
 Everything here runs on one thread (the engine thread of AsyncEngine, or the caller's thread offline).
 Commit is where tokens become visible: stop conditions, incremental detokenization, timing stamps and the
 RequestOutput handed to the request's owner all happen in one place, once per committed token batch.
+
+Overlap scheduling (CUDA, no drafter, no penalties): each step() schedules and launches step n+1 before it
+collects and commits step n, so the host's work for one step runs while the GPU computes the other. Step n+1
+feeds each request the token step n sampled straight from device memory (Request.num_pending). A request that
+stops on step n's token wasted one token of compute in step n+1, which is discarded; one whose max_tokens or
+context is reached by its pending token is not scheduled again.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
-from outrider.engine.runner import ModelRunner, StepOutput
+from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import ScheduledRequest, Scheduler
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
@@ -85,6 +91,9 @@ class Engine:
 
             self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
         self.live: dict[int, _Live] = {}
+        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
+        self._penalized = 0  # live requests with penalties: their history must be on the host, so no overlap
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
                                        "busy_slots_total"), 0)
         if self.device.type == "cuda":
@@ -164,6 +173,7 @@ class Engine:
             self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")
             return
         self.live[req.request_id] = live
+        self._penalized += req.params.penalized
         self.scheduler.add(req)
 
     def abort(self, request_id: int) -> None:
@@ -172,10 +182,38 @@ class Engine:
             self._finish(live, FinishReason.ABORT, [], "")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.inflight is not None or self.scheduler.has_work()
 
     # --- the step ---
     def step(self) -> None:
+        """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise)."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None and not self._can_overlap():
+            self._complete(prev)  # (a request that needs its history on the host arrived, say)
+            return
+        t0 = now()
+        launched = self._launch(prev)
+        if prev is not None:
+            t = self._complete(prev)
+            if launched is not None:
+                # The GPU starts the new step once the previous one is done: that is when newly admitted
+                # requests begin prompt processing (llama-server starts a slot after the running batch).
+                for s in launched.plan.scheduled:
+                    if s.request.timing.t_prompt_start is not None and s.request.timing.t_prompt_start >= t0:
+                        s.request.timing.t_prompt_start = t
+        if launched is None:
+            return
+        if self._can_overlap():
+            self.inflight = launched
+        else:
+            self._complete(launched)
+
+    def _can_overlap(self) -> bool:
+        return self.overlap and self.drafter is None and not self._penalized
+
+    def _launch(self, feed: LaunchedStep | None) -> LaunchedStep | None:
+        """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight); advances each
+        scheduled request past the tokens it feeds, with one pending token per sampled request."""
         try:
             drafts, draft_probs = self._propose()
         except Exception as exc:  # drafts are only proposals: without them the step is still exact
@@ -185,31 +223,50 @@ class Engine:
         for req in plan.preempted:
             self._release_drafter_state(req.request_id)
         if not plan.scheduled:
-            return
+            return None
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
-            out = self.runner.execute(plan, draft_probs)
+            launched = self.runner.launch(plan, draft_probs, feed)
         except Exception as exc:  # a fault fails this step's requests, never the server
-            log.error("step failed: %s\n%s", exc, traceback.format_exc())
-            for s in plan.scheduled:
-                live = self.live.get(s.request.request_id)
-                if live is not None:
-                    self._finish(live, FinishReason.ERROR, [], "", error=f"internal error: {exc}")
-            return
+            self._fail(plan, exc)
+            return None
+        for s in plan.scheduled:
+            req = s.request
+            req.num_computed += s.num_new_tokens
+            req.num_pending += req.num_computed == req.num_tokens
+        return launched
+
+    def _fail(self, plan, exc: Exception) -> None:
+        log.error("step failed: %s\n%s", exc, traceback.format_exc())
+        for s in plan.scheduled:
+            live = self.live.get(s.request.request_id)
+            if live is not None:
+                self._finish(live, FinishReason.ERROR, [], "", error=f"internal error: {exc}")
+
+    def _complete(self, launched: LaunchedStep) -> float:
+        """Collect a launched step's tokens, commit them, let drafters learn, deliver; returns the time the
+        tokens reached the host."""
+        plan = launched.plan
+        try:
+            out = self.runner.collect(launched)
+        except Exception as exc:
+            self._fail(plan, exc)
+            return now()
         t = now()
         commits: list[Commit] = []
         rows: list[int] = []
         base = 0
         emits = []
         for i, s in enumerate(plan.scheduled):
-            start = s.request.num_computed
-            emits.append(self._commit(s, out, i, t))
-            if self.drafter is not None:
-                # Target rows whose K/V stays valid and whose next token is known (a stop may cut a round).
-                count = min(s.num_new_tokens + out.accepted[i], s.request.num_tokens - 1 - start)
-                commits.append(Commit(s.request, start, count))
-                rows.extend(range(base, base + count))
+            if s.request.request_id in self.live:  # (not aborted, or finished by the step before, meanwhile)
+                emits.append(self._commit(s, out, i, t))
+                if self.drafter is not None:
+                    # Target rows whose K/V stays valid and whose next token is known (a stop may cut a round).
+                    start = s.request.num_computed - s.num_new_tokens - out.accepted[i]
+                    count = min(s.num_new_tokens + out.accepted[i], s.request.num_tokens - 1 - start)
+                    commits.append(Commit(s.request, start, count))
+                    rows.extend(range(base, base + count))
             base += s.num_query_tokens
         if commits:
             # Drafters learn every committed row (finishing requests too: their blocks may serve prefix hits).
@@ -225,6 +282,7 @@ class Engine:
                 if output.finished:
                     self._retire(live, output.finish_reason)
                 live.on_output(output)
+        return t
 
     def _propose(self) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft for every decoding request the policy gives k > 0, with blocks reserved for what it writes."""
@@ -258,9 +316,10 @@ class Engine:
         live = self.live[req.request_id]
         tokens, logprobs = out.tokens[i], out.logprobs[i]
         proposed, accepted = len(s.draft_tokens), out.accepted[i]
-        req.num_computed += s.num_new_tokens + accepted
+        req.num_computed += accepted  # (the fed tokens were counted at launch)
         if not tokens:
             return None  # a prefill chunk that does not reach the end of the prompt yet
+        req.num_pending -= 1  # (the launch of the next step may have added another)
         if proposed:
             self.policy.record(req.request_id, proposed, accepted)
         params = req.params
@@ -317,7 +376,8 @@ class Engine:
         req.timing.mark_finished()
         self.scheduler.remove(req)
         self._release_drafter_state(req.request_id)
-        self.live.pop(req.request_id, None)
+        if self.live.pop(req.request_id, None) is not None:
+            self._penalized -= req.params.penalized
         self.counters["requests_finished"] += 1
 
     # --- introspection ---

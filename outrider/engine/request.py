@@ -57,7 +57,10 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # block table, in order
-    num_computed: int = 0  # tokens whose K/V are in the cache (prefix-cache hits included)
+    num_computed: int = 0  # tokens whose K/V are in the cache or being written by a launched step
+    # Sampled tokens not yet on the host. With overlap scheduling the next step is launched (feeding the
+    # pending token from device memory) before the previous step's token arrives, so briefly there are two.
+    num_pending: int = 0
     num_cached: int = 0  # of the prompt, tokens reused from the prefix cache at admission
     finish_reason: FinishReason | None = None
     timing: RequestTiming = field(default_factory=RequestTiming)
@@ -86,7 +89,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Sequence length, counting a pending token (token_slice and all_ids hold only the known ones)."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    def output_limit_reached(self, max_model_len: int) -> bool:
+        """True when the outputs (known or pending) already reach max_tokens or fill the context."""
+        n = self.num_tokens
+        return 0 <= self.params.max_tokens <= n - len(self.prompt_ids) or n >= max_model_len
 
     @property
     def num_prompt(self) -> int:

@@ -8,7 +8,8 @@ commits tokens (engine.py).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -31,9 +32,26 @@ class StepOutput:
     tokens: list[list[int]]  # the tokens this step commits (empty mid-prefill; m+1 after a verify)
     logprobs: list[list[TokenLogprob]]  # one per committed token, when the request asked for n_probs
     accepted: list[int]  # m: drafts accepted this step
-    hidden: torch.Tensor  # [T, H] pre-norm hidden states of every fed row (drafters read these)
+    # [T, H] pre-norm hidden states of every fed row (drafters read these; a CUDA-graph view, valid until the
+    # next replay)
+    hidden: torch.Tensor
     aux_hidden: torch.Tensor | None  # [T, A] outputs of model.aux_layer_ids, when a drafter reads them
     proposed: list[int]  # k: drafts fed this step
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued; its sampled tokens reach the host in ModelRunner.collect."""
+
+    plan: StepPlan
+    sampling: list[int]  # plan indices of the requests sampled this step
+    out: StepOutput  # tokens and log-probs filled in by collect
+    tokens: list[list[int]] | None = None  # already on the host (a verify step decides there)
+    starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
+    token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r]
+    rows: dict[int, int] = field(default_factory=dict)  # request_id -> row of token_ids
+    host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
+    ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
 
 
 @dataclass
@@ -138,21 +156,31 @@ class ModelRunner:
         self.block_tables = BlockTables()
         self.graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine on CUDA
         self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
-        # Test hook: called with the plan inside each step, before results reach the host (e.g. to sleep).
+        # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
 
-    def prepare(self, plan: StepPlan) -> StepBatch:
+    def prepare(self, plan: StepPlan, feed: LaunchedStep | None = None) -> StepBatch:
+        """Flat batch tensors for the plan. A request's pending token (sampled by `feed`, the step still in
+        flight) is not on the host yet: its input id is copied from feed's device output instead."""
         ids: list[int] = []
         starts: list[int] = []
         qsl = [0]
         lens: list[int] = []
         sampling: list[int] = []
         rows: list[int] = []
+        dst: list[int] = []  # flat rows whose input id comes from feed.token_ids[src]
+        src: list[int] = []
         for i, s in enumerate(plan.scheduled):
             req = s.request
             start, n = req.num_computed, s.num_new_tokens
             base = len(ids)
-            ids += req.token_slice(start, start + n)
+            if req.num_pending:  # only the last fed token can be pending: the step in flight sampled it
+                ids += req.token_slice(start, start + n - 1)
+                dst.append(len(ids))
+                src.append(feed.rows[req.request_id])
+                ids.append(0)
+            else:
+                ids += req.token_slice(start, start + n)
             ids += s.draft_tokens
             starts.append(start)
             qsl.append(len(ids))
@@ -165,12 +193,13 @@ class ModelRunner:
         positions, slots = _layout(starts, qsl, table, self.block_size)
         every_row = len(rows) == len(ids)  # rows ascend, so this means rows == range(T)
         parts = [(ids, np.int64), (positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32),
-                 (table, np.int32)]
-        if not every_row:
-            parts.append((rows, np.int64))
+                 (table, np.int32), (rows if not every_row else [], np.int64), (dst, np.int64), (src, np.int64)]
         dev = to_device(parts, self.device)
+        input_ids = dev[0]
+        if dst:
+            input_ids.index_copy_(0, dev[7], feed.token_ids.index_select(0, dev[8]))
         meta = _metadata(qsl, lens, dev[2:6], causal=True)
-        return StepBatch(dev[0], dev[1], meta, sampling, None if every_row else dev[6])
+        return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[6])
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [T, H] pre-norm, aux_hidden [T, A] or None) from a captured graph or eagerly."""
@@ -186,44 +215,72 @@ class ModelRunner:
         return (hidden, self.model.aux_hidden) if self.model.aux_layer_ids else hidden
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None) -> StepOutput:
-        """Run one step: forward, sample (or verify drafts on) the rows that need it, bring tokens to the host.
+    def launch(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None,
+               feed: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue one step: forward, then sample (or verify drafts on) the rows that need it. Sampled tokens
+        stay on the device (they can feed the next step) and start an asynchronous copy to the host; `collect`
+        waits for it. Verification decides on the host, so a step with drafts is complete when this returns.
 
         draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts)."""
-        batch = self.prepare(plan)
+        batch = self.prepare(plan, feed)
         hidden, aux = self.forward(batch)
         n = len(plan.scheduled)
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux,
                          [len(s.draft_tokens) for s in plan.scheduled])
+        step = LaunchedStep(plan, batch.sampling, out)
+        if not batch.sampling:
+            return step
         sampling = batch.sampling
-        if sampling:
-            logits = self.model.compute_logits(
-                hidden if batch.logits_rows is None else hidden.index_select(0, batch.logits_rows))
-            sampled_reqs = [plan.scheduled[i] for i in sampling]
-            drafts = [s.draft_tokens for s in sampled_reqs]
-            sbatch = self.sampler.prepare(self.row_specs(sampled_reqs), sample_only=not any(drafts))
-            if any(drafts):
-                probs = draft_probs or {}
-                q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
-                verdict = verify(self.sampler, logits, sbatch, drafts, q)
-                tokens, accepted, starts, sampled = verdict.tokens, verdict.num_accepted, verdict.starts, verdict.output
-            else:
-                sampled = self.sampler.sample(logits, sbatch)
-                tokens = [[t] for t in sampled.token_ids.tolist()]  # the step's one host synchronisation
-                accepted, starts = [0] * len(sampling), list(range(len(sampling)))
-            top = None
-            if sampled.top_ids is not None:
-                top = (sampled.top_ids.tolist(), sampled.top_logprobs.tolist(), sampled.chosen_logprob.tolist())
+        logits = self.model.compute_logits(
+            hidden if batch.logits_rows is None else hidden.index_select(0, batch.logits_rows))
+        sampled_reqs = [plan.scheduled[i] for i in sampling]
+        drafts = [s.draft_tokens for s in sampled_reqs]
+        sbatch = self.sampler.prepare(self.row_specs(sampled_reqs), sample_only=not any(drafts))
+        if any(drafts):
+            probs = draft_probs or {}
+            q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
+            verdict = verify(self.sampler, logits, sbatch, drafts, q)
+            step.tokens, step.starts = verdict.tokens, verdict.starts
             for r, i in enumerate(sampling):
-                out.tokens[i], out.accepted[i] = tokens[r], accepted[r]
-                n_probs = plan.scheduled[i].request.params.n_probs
-                if top is not None and n_probs > 0:
-                    ids, lps, chosen = top
-                    out.logprobs[i] = [TokenLogprob(tok, chosen[p], list(zip(ids[p][:n_probs], lps[p][:n_probs])))
-                                       for p, tok in enumerate(tokens[r], start=starts[r])]
+                out.accepted[i] = verdict.num_accepted[r]
+            sampled = verdict.output
+        else:
+            sampled = self.sampler.sample(logits, sbatch)
+            step.token_ids = sampled.token_ids
+            step.rows = {s.request.request_id: r for r, s in enumerate(sampled_reqs)}
+            step.starts = range(len(sampling))
+        step.host = [_to_host(t) for t in ((sampled.token_ids,) if step.tokens is None else ())
+                     + ((sampled.top_ids, sampled.top_logprobs, sampled.chosen_logprob)
+                        if sampled.top_ids is not None else ())]
+        if self.device.type == "cuda":
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
+    def collect(self, step: LaunchedStep) -> StepOutput:
+        """Wait for a launched step's tokens to reach the host; fill its StepOutput's tokens and log-probs."""
+        out, plan = step.out, step.plan
         if self.step_hook is not None:
             self.step_hook(plan)
+        if not step.sampling:
+            return out
+        if step.ready is not None:
+            step.ready.synchronize()  # the step's one host synchronisation
+        host = [t.tolist() for t in step.host]
+        tokens = step.tokens if step.tokens is not None else [[t] for t in host.pop(0)]
+        top = host if host else None
+        for r, i in enumerate(step.sampling):
+            out.tokens[i] = tokens[r]
+            n_probs = plan.scheduled[i].request.params.n_probs
+            if top is not None and n_probs > 0:
+                ids, lps, chosen = top
+                out.logprobs[i] = [TokenLogprob(tok, chosen[p], list(zip(ids[p][:n_probs], lps[p][:n_probs])))
+                                   for p, tok in enumerate(tokens[r], start=step.starts[r])]
         return out
+
+    def execute(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None) -> StepOutput:
+        """launch + collect: one synchronous step."""
+        return self.collect(self.launch(plan, draft_probs))
 
     def row_specs(self, sampled: list[ScheduledRequest]) -> list[RowSpec]:
         """One sampling row per logits row of these (sampling) requests: params, seed, output index (RNG counter),
@@ -242,6 +299,14 @@ class ModelRunner:
         return specs
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying a device tensor into pinned host memory (asynchronous on CUDA; no-op on the CPU)."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
+
+
 def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
     """A drafter's q for the drafts the scheduler kept (it may cut a proposal short)."""
     return None if q is None or k == 0 else q[:k]
@@ -250,7 +315,7 @@ def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
 def _penalty_window(req: Request, params: SamplingParams) -> list[int]:
     """The recent tokens the penalties look at (none when no penalty is set)."""
     p = params
-    if p.repeat_last_n == 0 or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+    if not p.penalized:
         return []
     n = req.num_tokens
     return req.token_slice(0 if p.repeat_last_n < 0 else max(0, n - p.repeat_last_n), n)

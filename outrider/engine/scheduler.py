@@ -85,6 +85,8 @@ class Scheduler:
         queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
             req = queue.popleft()
+            if req.num_pending and req.output_limit_reached(self.max_model_len):
+                continue  # its token in flight is its last (overlap scheduling)
             todo = req.num_tokens - req.num_computed
             n = min(todo, budget)
             draft = drafts.get(req.request_id) if todo == 1 else None  # drafts follow a decode's one token

@@ -68,6 +68,8 @@ MODEL = [
     Opt(("--kv-cache-gib",), "kv_cache_gib", None, float, None, "CPU: memory for the KV cache"),
     Opt(("--gpu-memory-utilization",), "gpu_memory_utilization", None, float, None, "GPU memory fraction"),
     Opt(("--enforce-eager",), "enforce_eager", None, None, False, "GPU: no CUDA graphs"),
+    Opt(("--no-overlap-schedule",), "no_overlap_schedule", None, None, False,
+        "GPU: wait for each step's tokens before launching the next"),
 ]
 
 SAMPLING = [
