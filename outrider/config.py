@@ -110,7 +110,7 @@ class EngineConfig:
     # Speculative decoding
     draft_model: str | None = None
     spec_type: str | None = None  # None = detect: draft | mtp | dflash
-    spec_draft_n_max: int = 4
+    spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: its block - 1), else 4
     spec_draft_n_min: int = 0
     draft_p_min: float = 0.0
     tokenizer: str | None = None  # defaults to the model directory
@@ -123,5 +123,5 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
-        if not 0 <= self.spec_draft_n_min <= self.spec_draft_n_max:
+        if not 0 <= self.spec_draft_n_min <= (self.spec_draft_n_max if self.spec_draft_n_max is not None else 1 << 30):
             raise ValueError("need 0 <= spec_draft_n_min <= spec_draft_n_max")

@@ -139,3 +139,15 @@ def test_slow_drafter_load_shows_in_no_timings(families, monkeypatch, caplog):
     loaded = re.search(r"Drafter loaded \(kind=draft, (\d+) ms\)", caplog.text)
     assert loaded and int(loaded.group(1)) >= load_s * 1e3  # it loaded beside the target, slowly
     timed_batches(llm, StepClock(P_S, R_S).install(llm.engine))
+
+
+@pytest.mark.parametrize("kind", list(FAMILY))
+def test_default_draft_length_is_the_drafters(families, kind):
+    """Without --spec-draft-n-max, DFlash drafts its whole block (block_size - 1) and the other kinds 4; the
+    resolved value is what the engine config (and so /props) reports. An explicit value always wins."""
+    arch, served, kwargs, _ = FAMILY[kind]
+    llm = LLM(families[arch][served], max_num_seqs=2, **kwargs(families[arch]))
+    drafter = llm.engine.drafter
+    want = drafter.block - 1 if kind == "dflash" else 4
+    assert drafter.max_draft == llm.engine.policy.n_max == llm.engine.config.spec_draft_n_max == want
+    assert family_llm(families, kind).engine.policy.n_max == 3

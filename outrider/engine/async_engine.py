@@ -92,6 +92,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = Engine(self.config)
+            self.config = self.engine.config  # with the defaults the engine resolved (e.g. the draft length)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("failed to load the model: %s\n%s", exc, traceback.format_exc())

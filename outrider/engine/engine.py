@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import secrets
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -30,6 +30,7 @@ from outrider.engine.scheduler import ScheduledRequest, Scheduler
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
+from outrider.spec.drafter import DEFAULT_N_MAX
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
 
@@ -86,6 +87,8 @@ class Engine:
                  num_blocks, config.block_size, (now() - t0) * 1e3)
         # The drafter loads now, beside the target, never lazily inside a request (no request pays for it).
         self.drafter, self.policy = self._load_drafter(num_blocks)
+        if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)
+            self.config = config = replace(config, spec_draft_n_max=self.policy.n_max if self.policy else DEFAULT_N_MAX)
         if self.device.type == "cuda" and not config.enforce_eager:
             from outrider.engine.cuda_graphs import capture_decode_graphs
 
@@ -131,12 +134,12 @@ class Engine:
             drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
                                    target_path=str(self.model_path), draft_path=cfg.draft_model,
                                    num_blocks=num_blocks, block_size=cfg.block_size, dtype=self.dtype,
-                                   device=self.device, max_draft=max(cfg.spec_draft_n_max, 1))
+                                   device=self.device, max_draft=max(cfg.spec_draft_n_max or DEFAULT_N_MAX, 1))
         except Exception as exc:
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
             return None, None
         self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
-        policy = DraftPolicy(n_max=cfg.spec_draft_n_max, n_min=cfg.spec_draft_n_min, p_min=cfg.draft_p_min,
+        policy = DraftPolicy(n_max=drafter.max_draft if cfg.spec_draft_n_max is None else cfg.spec_draft_n_max, n_min=cfg.spec_draft_n_min, p_min=cfg.draft_p_min,
                              max_model_len=self.max_model_len)
         log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
         return drafter, policy

@@ -60,6 +60,9 @@ class Drafter(Protocol):
         """Forget a request whose blocks were freed (finish, abort, preemption)."""
 
 
+DEFAULT_N_MAX = 4  # drafts per round when neither the server nor the drafter says otherwise
+
+
 def block_capacity(request: Request, block_size: int) -> int:
     """Positions the request's block table can hold: drafters never write past it."""
     return len(request.block_ids) * block_size
@@ -81,7 +84,7 @@ class _Acceptance:
 class DraftPolicy:
     """Draft length per request: request caps, a batch-size cap, and an acceptance-aware online rule."""
 
-    n_max: int = 4  # server default for SamplingParams.spec_n_max (--draft-max)
+    n_max: int = DEFAULT_N_MAX  # server default for SamplingParams.spec_n_max (--draft-max)
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
     p_min: float = 0.0  # drafting stops at the first token the drafter gives less than this (--draft-p-min)
     max_model_len: int = 1 << 30
