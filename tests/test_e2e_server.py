@@ -353,6 +353,10 @@ def test_slots_idle_and_busy(client):
         assert slot["params"]["n_predict"] == 400 and slot["next_token"][0]["n_decoded"] >= 1
         assert slot["prompt"].endswith("a long one")
     wait_idle(client)
+    # Idle again, the slot still shows its last task (as llama-server does), with no next token coming.
+    (last,) = [s for s in client.get("/slots").json() if s["id"] == slot["id"]]
+    assert not last["is_processing"] and last["id_task"] == slot["id_task"] and last["params"]["n_predict"] == 400
+    assert last["next_token"][0]["has_next_token"] is False
 
 
 def poll(probe, timeout: float = 10.0):

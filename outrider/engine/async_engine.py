@@ -32,6 +32,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="outrider-engine", daemon=True)
         self._lock = threading.Lock()  # guards the snapshot views read from other threads
         self._slots: list[dict] = []
+        self._last_task: dict[int, Request] = {}  # slot -> the request it serves or served last (as /slots shows)
         self._stats: dict = {}
 
     @property
@@ -131,14 +132,14 @@ class AsyncEngine:
         engine = self.engine
         slots = []
         running = {r.id_slot: r for r in engine.scheduler.running}
+        self._last_task.update(running)
         for i in range(engine.config.max_num_seqs):
-            req = running.get(i)
+            req = self._last_task.get(i)
             slots.append({
                 "id": i,
                 "n_ctx": engine.max_model_len,
-                "is_processing": req is not None,
-                "id_task": req.request_id if req is not None else -1,
-                "n_prompt_tokens": req.num_prompt if req is not None else 0,
+                "is_processing": i in running,
+                "request": req,
                 "n_decoded": len(req.output_ids) if req is not None else 0,
             })
         stats = engine.stats()

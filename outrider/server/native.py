@@ -229,10 +229,11 @@ async def slots(request: Request, fail_on_no_slot: str | None = None):
 
 
 def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
-    """One slot as llama-server shows it, from the engine's snapshot joined with the request it serves."""
+    """One slot as llama-server shows it, from the engine's snapshot: the request it serves, or (idle) the last
+    one it served."""
     view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.drafter_kind is not None,
             "is_processing": snap["is_processing"]}
-    req = state.live.get(snap["id_task"]) if snap["is_processing"] else None
+    req = snap["request"]
     if req is None:
         return view
     n_decoded = snap["n_decoded"]
@@ -242,7 +243,7 @@ def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
             "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
             "params": generation_settings(req.params, state.engine.config, req.seed,
                                           drafter_kind=state.engine.drafter_kind),
-            "next_token": [{"has_next_token": True, "has_new_line": "\n" in generated,
+            "next_token": [{"has_next_token": snap["is_processing"], "has_new_line": "\n" in generated,
                             "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
                             "n_decoded": n_decoded}],
             "prompt": tok.decode(req.prompt_ids), "generated": generated}

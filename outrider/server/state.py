@@ -22,7 +22,7 @@ class ServerState:
         self.config = config
         self.metrics = Metrics()
         self.started = time.time()
-        self.live: dict[int, Request] = {}  # admitted and not yet finished, by request_id (read by /slots)
+        self.live: dict[int, Request] = {}  # admitted and not yet finished, by request_id (the queue limit)
 
     @property
     def core(self):
