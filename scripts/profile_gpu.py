@@ -30,11 +30,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
-                           gpu_memory_utilization=0.9)
+                           gpu_memory_utilization=0.9, no_overlap=a.no_overlap)
     engine = build_engine(args, max_num_seqs=a.batch, max_model_len=a.prompt_len + 4 * a.steps + 64,
                           max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
     vocab = engine.model_config.vocab_size

@@ -17,6 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--dtype", default="auto")
     common.add_argument("--device", default="cuda")
     common.add_argument("--eager", action="store_true", help="disable CUDA graphs")
+    common.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
     common.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     common.add_argument("--seed", type=int, default=0)
     common.add_argument("--peak-bw", type=float, help="roofline bandwidth in GB/s (default: the GPU's spec)")

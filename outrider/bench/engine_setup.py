@@ -18,6 +18,7 @@ def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched
     device = torch.device(args.device)
     kwargs = dict(device=str(device), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                   max_num_batched_tokens=max_num_batched_tokens, enforce_eager=args.eager,
+                  overlap_schedule=False if args.no_overlap else None,
                   enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization)
     if args.random_weights:
         if preloaded is None:

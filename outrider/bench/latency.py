@@ -52,7 +52,7 @@ def run(args, reporter: Reporter) -> None:
                           max_num_batched_tokens=max(2048, args.batch * args.prompt_len, args.ttft_prompt_len),
                           preloaded=preloaded)
     cfg = engine.model_config
-    name = args.random_weights or args.model
+    name = (args.random_weights or args.model) + ("" if engine.overlap else " (no overlap)")
     rng = random.Random(args.seed)
     prompt = lambda n: [rng.randrange(cfg.vocab_size) for _ in range(n)]  # noqa: E731
     w_bytes = config_weight_bytes(cfg, engine.dtype.itemsize)

@@ -17,7 +17,7 @@ def run(args, reporter: Reporter) -> None:
     engine = build_engine(args, max_num_seqs=args.max_num_seqs, max_model_len=2 * args.max_len + 16,
                           max_num_batched_tokens=args.max_num_batched_tokens)
     cfg = engine.model_config
-    name = args.random_weights or args.model
+    name = (args.random_weights or args.model) + ("" if engine.overlap else " (no overlap)")
     rng = random.Random(args.seed)
     lens = [(rng.randint(args.min_len, args.max_len), rng.randint(args.min_len, args.max_len))
             for _ in range(args.num_requests)]
