@@ -1,20 +1,24 @@
-"""`bench kernels`: the Triton kernels alone (attention decode, fused ops) against torch, with bandwidth."""
+"""`bench kernels`: the Triton kernels alone (attention decode, fused ops, skinny GEMM) against torch, with
+bandwidth."""
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
+import torch.nn.functional as F
 
 from outrider.attention import AttentionMetadata
 from outrider.bench.report import Reporter
+from outrider.bench.shapes import RANDOM_MODELS
 
 
-def _time_ms(fn) -> float:
+def _time_ms(fn, rep: int = 50) -> float:
     """GPU time per call (median), from replays of a CUDA graph of the call: launch overhead excluded."""
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
 def _eager_us(fn, n: int = 200) -> float:
@@ -28,31 +32,34 @@ def _eager_us(fn, n: int = 200) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def _decode_meta(batch: int, ctx: int, page: int, device: torch.device) -> AttentionMetadata:
+def _decode_meta(batch: int, ctx: int, page: int, device: torch.device, bound: int = 0) -> AttentionMetadata:
+    """`bound`: the max_seq_len the launch is planned for (0: ctx; CUDA graphs plan for the model's limit)."""
     per_seq = -(-ctx // page)
     tables = torch.randperm(batch * per_seq, device=device).view(batch, per_seq).to(torch.int32)
     return AttentionMetadata(
         slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
-        block_tables=tables, max_query_len=1, max_seq_len=ctx)
+        block_tables=tables, max_query_len=1, max_seq_len=bound or ctx)
 
 
 def attention(reporter: Reporter, device: torch.device, n_heads=32, n_kv=8, head_dim=128, page=16) -> None:
     """Decode attention over one layer of a Qwen3-8B-shaped cache: bytes = the K and V it must read."""
     from outrider.kernels.attention import paged_attention
 
-    for batch, ctx in ((1, 1024), (1, 8192), (1, 32768), (32, 1024), (64, 4096), (256, 1024)):
+    # (batch, ctx, planned bound): the engine's decode graphs plan every launch for the context limit (40960).
+    for batch, ctx, bound in ((1, 128, 40960), (1, 300, 40960), (1, 1024, 0), (1, 1024, 40960), (1, 8192, 0),
+                              (1, 32768, 0), (32, 1024, 0), (64, 4096, 0), (256, 1024, 0)):
         blocks = batch * -(-ctx // page)
         kc = torch.randn(blocks, page, n_kv, head_dim, device=device, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         q = torch.randn(batch, n_heads, head_dim, device=device, dtype=torch.bfloat16)
-        meta = _decode_meta(batch, ctx, page, device)
+        meta = _decode_meta(batch, ctx, page, device, bound)
         fn = lambda: paged_attention(q, kc, vc, meta, head_dim ** -0.5)  # noqa: E731
         torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream: the inputs must be ready
         ms, eager = _time_ms(fn), _eager_us(fn)
         moved = 2 * batch * ctx * n_kv * head_dim * 2
-        reporter.line(f"kernel decode-attention bs={batch} ctx={ctx}",
+        reporter.line(f"kernel decode-attention bs={batch} ctx={ctx}" + (f" (planned for {bound})" if bound else ""),
                       f"{ms * 1e3:.1f} us GPU (eager {eager:.0f} us/call)", moved, ms / 1e3, us=ms * 1e3,
                       eager_us=eager)
         del kc, vc
@@ -89,7 +96,71 @@ def fused(reporter: Reporter, device: torch.device, hidden=4096, inter=12288, n_
                           us=ms * 1e3, torch_us=ms_ref * 1e3)
 
 
+def _gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of one decoder layer's projections, packed as in models/llama.py, and of the LM head."""
+    c = RANDOM_MODELS[name]
+    h, d = c["hidden_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * c["intermediate_size"], h),
+            "down": (h, c["intermediate_size"]), "lm_head": (c["vocab_size"], h)}
+
+
+def gemm(reporter: Reporter, device: torch.device, models=("qwen3-0.6b", "qwen3-8b"), rows=(1, 2)) -> None:
+    """Decode projections (bf16, M rows): cuBLAS (F.linear) vs the skinny Triton GEMM in every candidate config.
+
+    Successive calls cycle through enough copies of the weight to overflow L2 four times over, as a decode step
+    streams each layer's weights once: back-to-back calls on one small weight would time L2, not HBM. Each
+    config is checked against cuBLAS first. The `best` line is what to put in gemm.DEFAULT_TABLE."""
+    from outrider.kernels import gemm as tg
+
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    for model in models:
+        for proj, (n, k) in _gemm_shapes(model).items():
+            w_bytes = n * k * 2
+            weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16).mul_(k ** -0.5)  # outputs ~N(0, 1)
+                       for _ in range(-(-4 * l2 // w_bytes))]
+            for m in rows:
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                ref = F.linear(x, weights[0])
+                moved = w_bytes + 2 * m * (n + k)
+                label = f"kernel gemm {model} {proj} {k}->{n} M={m}"
+
+                def timed(fn) -> float:
+                    cycle = itertools.cycle(weights)
+                    return _time_ms(lambda: fn(x, next(cycle)), rep=20)
+
+                torch.cuda.synchronize()
+                ms_ref = timed(F.linear)
+                reporter.line(f"{label} cuBLAS", f"{ms_ref * 1e3:.1f} us GPU (eager "
+                              f"{_eager_us(lambda: F.linear(x, weights[0])):.0f} us/call)", moved, ms_ref / 1e3,
+                              us=ms_ref * 1e3)
+                default = tg.default_config(n)
+                times: dict[tg.GemmConfig, float] = {}
+                for cfg in dict.fromkeys((default, *(c for c in tg.CANDIDATES if tg.fits(c, m)))):
+                    err = (tg.skinny_gemm(x, weights[0], None, cfg).float() - ref.float()).abs().max().item()
+                    if err > 0.05:  # bf16 rounding of outputs ~N(0, 1) stays near 0.01
+                        print(f"{label} triton {cfg}: WRONG, max error {err:.3g} vs cuBLAS", flush=True)
+                        continue
+                    times[cfg] = timed(lambda x_, w_, cfg=cfg: tg.skinny_gemm(x_, w_, None, cfg))
+                best = min(times, key=times.get)
+                roles = {cfg: role for role, cfg in (("default", default), ("best", best)) if cfg in times}
+                if best == default:
+                    roles[best] = "default = best"
+                for cfg, role in roles.items():
+                    ms = times[cfg]
+                    eager = f"; eager {_eager_us(lambda: tg.skinny_gemm(x, weights[0], None, cfg)):.0f} us/call" \
+                        if role.startswith("default") else ""
+                    reporter.line(f"{label} triton {cfg} ({role})",
+                                  f"{ms * 1e3:.1f} us GPU ({ms_ref / ms:.2f}x cuBLAS{eager})", moved, ms / 1e3,
+                                  us=ms * 1e3, cublas_us=ms_ref * 1e3, config=str(cfg),
+                                  all_us={str(c): t * 1e3 for c, t in times.items()})
+                print(f"{label} all configs (us): " + ", ".join(
+                    f"{c} {t * 1e3:.1f}" for c, t in sorted(times.items(), key=lambda kv: kv[1])), flush=True)
+            del weights
+
+
 def run(args, reporter: Reporter) -> None:
     device = torch.device(args.device)
     attention(reporter, device)
     fused(reporter, device)
+    gemm(reporter, device)

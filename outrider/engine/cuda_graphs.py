@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from outrider.attention import AttentionMetadata
+from outrider.kernels import ops
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | tuple[torch.Tensor, ...]]
 
@@ -65,6 +66,10 @@ class CudaGraphRunner:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         todo = sorted(self.buckets, reverse=True)
+        with ops.graph_capture():
+            self._capture(todo, progress)
+
+    def _capture(self, todo: list[int], progress: bool) -> None:
         for i, bs in enumerate(todo):
             n = bs * self.q
             args = (self.input_ids[:n], self.positions[:n], self._meta(bs))

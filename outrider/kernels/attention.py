@@ -1,11 +1,15 @@
-"""Paged attention in Triton: one kernel for decode, verify, prefill and extend, plus a split-KV merge.
+"""Paged attention in Triton: one kernel for decode, verify, prefill and extend.
 
 Rows of a tile are (query token, query head) pairs of ONE KV head: row r is token r // GROUP, head
 kv_head * GROUP + r % GROUP. Packing the GQA group this way lets a single decode token fill a tensor-core tile
-and makes each K/V tile serve every head that shares it. Long contexts with few programs are split along the
-KV axis (flash-decoding); each split writes a partial output and its log-sum-exp, merged by a second kernel.
-All sizes the grid depends on are host ints from AttentionMetadata (upper bounds), so a CUDA graph captured
-with max_seq_len = the model's limit replays correctly for any shorter context.
+and makes each K/V tile serve every head that shares it.
+
+Long contexts with few programs are split along the KV axis (flash-decoding). The grid is sized from host
+upper bounds (AttentionMetadata), so a CUDA graph captured with max_seq_len = the model's limit replays for any
+shorter context; each program derives its split's key range from the sequence's ACTUAL length, with at least
+MIN_SPLIT_KEYS keys per split. A sequence whose keys fit one split is written directly by that split's program
+(the other splits return at once); otherwise each split writes a partial output and its log-sum-exp, and the
+last split of a tile to finish (an arrival counter) merges them, so no second kernel is ever launched.
 """
 
 from __future__ import annotations
@@ -17,17 +21,57 @@ import triton.language as tl
 from outrider.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
+# Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial
+# reads); two 64-key tiles cost about as much, so a context of up to 128 keys is one program and no merge.
+MIN_SPLIT_KEYS = 128
+# A split launch has at most this many programs per SM, so that many arrival counters per SM suffice.
+_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _merge_rows(out_ptr, part_o_ptr, part_lse_ptr, first_row, n_rows, q_start, kvh, n_live, num_tokens,
+                GROUP: tl.constexpr, N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                ROWS: tl.constexpr, CHUNK: tl.constexpr):
+    """Writes the final output of ROWS tile rows from the partials of splits 0..n_live-1 (log-sum-exp weighted).
+
+    ROWS * CHUNK is kept small (the wrapper sizes ROWS to the real rows, up to 16) so the merge needs no more
+    registers than the decode tile's KV loop, and a decode tile of GROUP rows reads many splits per load."""
+    rows = first_row + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    row_tok = (q_start + rows // GROUP).to(tl.int64)
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.full([ROWS], -1.0e30, tl.float32)
+    l = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for first in tl.range(0, n_live, CHUNK, num_stages=3):  # pipelined: later chunks load while one adds up
+        s = first + tl.arange(0, CHUNK)
+        ok = (s < n_live)[:, None] & row_ok[None, :]
+        idx = (s.to(tl.int64)[:, None] * num_tokens + row_tok[None, :]) * N_HEADS + head[None, :]
+        lse = tl.load(part_lse_ptr + idx, mask=ok, other=float("-inf"))
+        o = tl.load(part_o_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.math.exp2(m - m_new)
+        w = tl.math.exp2(lse - m_new[None, :])  # a split that saw no key for a row has lse = -inf: weight 0
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        m = m_new
+    res = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_off = row_tok[:, None] * (N_HEADS * HEAD_DIM) + head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 # Per-step ints are not specialised on: a new batch width or token count must never trigger a recompile.
 @triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_bt"])
 def _attn_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, arrivals_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale_log2, num_splits, num_tokens, stride_bt,
     GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, MERGE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
 ):
     # Every tensor is contiguous (the wrapper guarantees it), so strides follow from the shapes: fewer
     # launch arguments, which is most of Triton's per-launch host cost.
@@ -39,12 +83,17 @@ def _attn_kernel(
     m_block = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
 
+    # The three metadata loads are independent: issued together, they cost one memory round trip.
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    n_rows = q_len * GROUP
-    if m_block * BLOCK_M >= n_rows:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
+    n_rows = q_len * GROUP
+    # This sequence's split length (whole tiles, >= MIN_SPLIT keys) and how many splits hold keys (>= 1, so
+    # a padding row with seq_len 0 still gets its zeros written, by split 0).
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    n_live = tl.maximum(tl.cdiv(seq_len, per_split), 1)
+    if (m_block * BLOCK_M >= n_rows) | (split >= n_live):
+        return
     ctx_start = seq_len - q_len  # absolute position of this sequence's first query token
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -63,8 +112,6 @@ def _attn_kernel(
         kv_end = tl.minimum(ctx_start + last_tok + 1, seq_len)
     else:
         kv_end = seq_len
-    kv_end = tl.maximum(kv_end, 0)
-    per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kv_end)
 
@@ -98,35 +145,26 @@ def _attn_kernel(
     row_tok = (q_start + tok).to(tl.int64)
     st_mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
-        lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
-        row = split.to(tl.int64) * num_tokens + row_tok  # flat (split, token) index
-        p_off = row[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
-        tl.store(part_o_ptr + p_off, out, mask=st_mask)
-        tl.store(part_lse_ptr + row * (N_KV * GROUP) + head, lse, mask=row_ok)
-    else:
-        o_off = row_tok[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=st_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
-def _merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, num_splits, num_tokens,
-                  N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    row = s.to(tl.int64) * num_tokens + t  # (split, token) rows of the partial buffers
-    lse = tl.load(part_lse_ptr + row * N_HEADS + h, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse - m)  # empty splits have lse = -inf and weigh 0
-    o = tl.load(part_o_ptr + (row[:, None] * N_HEADS + h) * HEAD_DIM + d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    total = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + (t * N_HEADS + h) * HEAD_DIM + d, res.to(out_ptr.dtype.element_ty), mask=d_ok)
+        if n_live > 1:
+            lse = tl.where(l_i > 0, m_i + tl.math.log2(l_i), float("-inf"))
+            row = split.to(tl.int64) * num_tokens + row_tok  # flat (split, token) index
+            p_off = row[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
+            tl.store(part_o_ptr + p_off, out, mask=st_mask)
+            tl.store(part_lse_ptr + row * (N_KV * GROUP) + head, lse, mask=row_ok)
+            # Every thread's partial is stored before the (release) arrival; the last split to arrive (acquire)
+            # merges and re-arms the counter, so it is zero for the next launch or graph replay.
+            tl.debug_barrier()
+            counter = arrivals_ptr + seq * N_KV + kvh  # one tile per (sequence, KV head) when splitting
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") < n_live - 1:
+                return
+            tl.store(counter, 0)
+            for r in tl.static_range(0, BLOCK_M, MERGE_ROWS):
+                if r < n_rows:  # (m_block is 0 when splitting)
+                    _merge_rows(out_ptr, part_o_ptr, part_lse_ptr, r, n_rows, q_start, kvh, n_live, num_tokens,
+                                GROUP, N_KV * GROUP, HEAD_DIM, BLOCK_D, MERGE_ROWS, 32 // MERGE_ROWS)
+            return
+    o_off = row_tok[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=st_mask)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -144,21 +182,35 @@ def _sm_count(index: int) -> int:
     return _SM_CACHE[index]
 
 
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, num_sms: int) -> torch.Tensor:
+    """The device's split-arrival counters, one per (sequence, KV head) tile of a split launch. Zeroed once
+    and never reallocated (CUDA graphs keep its address); each launch leaves them zero again. Launches on one
+    device must therefore not run concurrently on different streams."""
+    counters = _ARRIVALS.get(device)
+    if counters is None:
+        counters = _ARRIVALS[device] = torch.zeros(_PROGRAMS_PER_SM * num_sms, dtype=torch.int32, device=device)
+    return counters
+
+
 def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, max_seq_len: int,
                 num_sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, m_blocks, num_splits) for one call, from host-side upper bounds."""
     rows = max_query_len * group
-    if rows <= 64:  # decode / verify / short drafts: few rows, the KV stream is the cost
+    if rows <= 64:  # decode / verify / short drafts: one m-block, the KV stream is the cost
         block_m, block_n, warps = max(16, triton.next_power_of_2(rows)), 64, 4
     else:
         block_m, block_n, warps = 128, 64, 8
     m_blocks = triton.cdiv(rows, block_m)
     programs = num_seqs * n_kv_heads * m_blocks
     splits = 1
-    if rows <= 64 and programs < 4 * num_sms:
-        # Resident programs run their KV loops side by side, so time ~ keys per program: split until ~4
-        # programs per SM, but keep >= 256 keys per split so the partials and merge stay cheap.
-        splits = max(1, min(triton.cdiv(4 * num_sms, programs), triton.cdiv(max_seq_len, 256), 32))
+    if rows <= 64 and programs < _PROGRAMS_PER_SM * num_sms:
+        # Resident programs run their KV loops side by side, so time ~ keys per program: split up to 4 programs
+        # per SM, never more (one arrival counter each). The kernel spreads each sequence's actual keys over at
+        # most this many splits.
+        splits = max(1, min(_PROGRAMS_PER_SM * num_sms // programs, triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), 32))
     return block_m, block_n, warps, m_blocks, splits
 
 
@@ -175,28 +227,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty((t, n_heads, head_dim), dtype=q.dtype, device=q.device)
     if t == 0 or meta.max_query_len == 0:
         return out
+    num_sms = _num_sms(q.device)
     block_m, block_n, warps, m_blocks, splits = plan_launch(
-        meta.num_seqs, n_kv, group, meta.max_query_len, meta.max_seq_len, _num_sms(q.device))
+        meta.num_seqs, n_kv, group, meta.max_query_len, meta.max_seq_len, num_sms)
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 models must match the oracle closely
     if splits > 1:
         part_o = torch.empty((splits, t, n_heads, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((splits, t, n_heads), dtype=torch.float32, device=q.device)
-    else:
-        part_o, part_lse = out, out  # unused by the kernel when SPLIT is off
-    grid = (meta.num_seqs, n_kv, m_blocks * splits)
-    _attn_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse,
+        arrivals = _arrival_counters(q.device, num_sms)
+        # Rows merged at a time: a decode tile's real rows (its GQA group), 4..16 (fewer compile badly).
+        merge_rows = min(16, max(4, triton.next_power_of_2(meta.max_query_len * group)))
+    else:  # unused by the kernel when SPLIT is off
+        part_o, part_lse, arrivals, merge_rows = out, out, out, 16
+    _attn_kernel[(meta.num_seqs, n_kv, m_blocks * splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, arrivals,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale * _LOG2E, splits, t, meta.block_tables.stride(0),
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
-        PRECISION=precision, num_warps=warps, num_stages=2,
+        MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
+        num_warps=warps, num_stages=2,
     )
-    if splits > 1:
-        _merge_kernel[(t, n_heads)](
-            out, part_o, part_lse, splits, t,
-            N_HEADS=n_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits),
-            num_warps=4,
-        )
     return out

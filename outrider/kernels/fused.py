@@ -18,6 +18,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, 
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    # The weight is loaded with x, not after the sum's store and the reduction: one memory round trip.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if ADD:
         x = x + tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)  # rounds like torch's bf16 add
@@ -25,7 +27,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, 
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -71,27 +72,38 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _norm_rope_rows(x_ptr, out_ptr, w_ptr, t, cos, sin, stride_t, stride_h, eps,
-                    N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+def _load_halves(x_ptr, t, stride_t, stride_h, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Row t's heads as their two rotate-half halves, [BLOCK_H, HALF] each, in float32."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < N_HEADS
     base = x_ptr + t * stride_t + h * stride_h + d
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
-    dt = x_ptr.dtype.element_ty
-    if NORM:
-        rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(w_ptr + d).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
-        x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    # rotate-half RoPE: [x1, x2] -> [x1*c - x2*s, x2*c + x1*s], each product rounded as in HF.
+    return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
+            tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _head_rms_norm(x1, x2, w1, w2, eps, dt: tl.constexpr):
+    """Per-head RMSNorm * weight of the halves, rounded to dt where the HF module rounds."""
+    rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * x1.shape[1]) + eps)[:, None]
+    x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _rope_store(x1, x2, cos, sin, out_ptr, t, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """Rotate-half RoPE [x1, x2] -> [x1*c - x2*s, x2*c + x1*s] (each product rounded as in HF) into row t of
+    the contiguous out [T, N_HEADS, 2 * HALF]."""
+    dt = out_ptr.dtype.element_ty
     o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
     o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-    obase = out_ptr + t * (N_HEADS * 2 * HALF) + h * (2 * HALF) + d
-    tl.store(obase, o1.to(dt), mask=mask)
-    tl.store(obase + HALF, o2.to(dt), mask=mask)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < N_HEADS
+    base = out_ptr + t * (N_HEADS * 2 * HALF) + h * (2 * HALF) + d
+    tl.store(base, o1.to(dt), mask=mask)
+    tl.store(base + HALF, o2.to(dt), mask=mask)
 
 
 @triton.jit
@@ -99,14 +111,24 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, 
                          stride_qt, stride_qh, stride_kt, stride_kh, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                          HALF: tl.constexpr, NORM: tl.constexpr):
+    # One program per token, every load issued before the first store: the compiler may not move a load past
+    # a store that could alias it, so storing q first would cost k's loads a second memory round trip.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    freqs = pos * tl.load(inv_freq_ptr + tl.arange(0, HALF))[None, :]
+    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))[None, :]
+    q1, q2 = _load_halves(q_ptr, t, stride_qt, stride_qh, HQ, BLOCK_HQ, HALF)
+    k1, k2 = _load_halves(k_ptr, t, stride_kt, stride_kh, HK, BLOCK_HK, HALF)
     dt = q_ptr.dtype.element_ty
+    if NORM:
+        qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF)  # a weight is one "head" of [1, HALF] halves
+        kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF)
+        q1, q2 = _head_rms_norm(q1, q2, qw1, qw2, eps, dt)
+        k1, k2 = _head_rms_norm(k1, k2, kw1, kw2, eps, dt)
+    freqs = pos * inv_freq
     cos = tl.cos(freqs).to(dt).to(tl.float32)  # HF casts cos/sin to the model dtype before use
     sin = tl.sin(freqs).to(dt).to(tl.float32)
-    _norm_rope_rows(q_ptr, qo_ptr, qw_ptr, t, cos, sin, stride_qt, stride_qh, eps, HQ, BLOCK_HQ, HALF, NORM)
-    _norm_rope_rows(k_ptr, ko_ptr, kw_ptr, t, cos, sin, stride_kt, stride_kh, eps, HK, BLOCK_HK, HALF, NORM)
+    _rope_store(q1, q2, cos, sin, qo_ptr, t, HQ, BLOCK_HQ, HALF)
+    _rope_store(k1, k2, cos, sin, ko_ptr, t, HK, BLOCK_HK, HALF)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -11,16 +11,17 @@ import triton.language as tl
 def _store_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_kt, stride_vt,
                   N_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t)
-    if slot < 0:  # padding rows of a CUDA-graph bucket, or tokens whose KV is not kept
-        return
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < N_HEADS) & (d < HEAD_DIM)
+    # k/v row t always exists, so its loads need not wait for the slot: all three take one round trip.
+    slot = tl.load(slot_ptr + t)
     k = tl.load(k_ptr + t * stride_kt + h * HEAD_DIM + d, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * HEAD_DIM + d, mask=mask)
     # The cache is contiguous [NB, page, Hkv, D]: a slot (block * page + offset) is a row of Hkv * D.
     dst = slot * (N_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+    # dst < 0 exactly when slot is -1: padding rows of a CUDA-graph bucket, or tokens whose KV is not kept.
+    mask = mask & (dst >= 0)
     tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 

@@ -1,14 +1,37 @@
 """Fused small ops with one signature for every device: Triton on CUDA, plain torch elsewhere.
 
 The torch versions are the semantics (they round like the Hugging Face modules); the Triton versions in
-outrider.kernels.fused match them up to reduction order and collapse 3-7 kernel launches into one.
+outrider.kernels.fused match them up to reduction order and collapse 3-7 kernel launches into one. `linear` can
+send decode-sized projections to outrider.kernels.gemm (SKINNY_GEMM).
 Safe to import on CPU: Triton is imported only when a CUDA tensor arrives.
 """
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
+
+# Route batch-1/2 decode projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
+# (kernels/gemm.py) instead of cuBLAS. Only there: an eager Triton launch costs 40-140 us of host time, several
+# times cuBLAS's, which short prefills would pay per projection. On an H200 it took Qwen3-0.6B batch-1 decode from
+# 690 to 877 tok/s (docs/benchmarks.md); OUTRIDER_SKINNY_GEMM=0 turns it off.
+SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
+SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is as good beyond
+_in_graph_capture = False
+
+
+@contextmanager
+def graph_capture():
+    """Marks the forwards a CUDA graph runner warms up and captures (ops may pick graph-only kernels there)."""
+    global _in_graph_capture
+    _in_graph_capture = True
+    try:
+        yield
+    finally:
+        _in_graph_capture = False
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -76,3 +99,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
 
         return fused.qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
     return torch_qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias); with SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x of 1 or 2 rows
+    and a row-major weight of its dtype go to the Triton kernel."""
+    if (SKINNY_GEMM and _in_graph_capture and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+            and x.is_contiguous()
+            and weight.is_contiguous() and weight.dtype == x.dtype):
+        from outrider.kernels import gemm
+
+        return gemm.skinny_gemm(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -1,12 +1,22 @@
-"""Packed projections: sibling checkpoint matrices that read the same input, stacked so one GEMM does them all."""
+"""Projections: nn.Linear through ops.linear (skinny Triton GEMM at decode), and packed projections: sibling
+checkpoint matrices that read the same input, stacked so one GEMM does them all."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from outrider.kernels import ops
 
-class MergedLinear(nn.Linear):
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state dict) whose forward goes through ops.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Output rows of several checkpoint projections in one weight, e.g. qkv_proj = [q_proj; k_proj; v_proj].
 
     `parts` maps each checkpoint module name (a sibling of this module) to its rows, in packing order."""

@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from outrider.kernels import ops
-from outrider.layers.linear import MergedLinear, stack_merged_parts
+from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size})
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

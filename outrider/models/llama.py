@@ -16,7 +16,7 @@ from torch import nn
 from outrider.attention import AttentionBackend, AttentionMetadata, KVCache
 from outrider.config import ModelConfig
 from outrider.kernels import ops
-from outrider.layers.linear import MergedLinear, stack_merged_parts
+from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
@@ -34,7 +34,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
                                      bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -105,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
         self.tie_weights()

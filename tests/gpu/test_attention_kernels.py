@@ -44,6 +44,11 @@ def _run_both(q_lens, seq_lens, *, n_heads=8, n_kv=2, head_dim=64, block_size=16
     return out.float().cpu(), ref, gpu_cache, ref_cache, meta
 
 
+# What CUDA graphs are captured with (the model's context limit): the launch is sized for it, whatever the
+# actual lengths, so every split that the grid holds must cope with having few keys or none.
+CAPTURE_MAX_SEQ_LEN = 40960
+
+
 def _rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
@@ -90,12 +95,13 @@ def test_kv_store_matches_reference(device, half):
     assert torch.equal(gpu_cache.v[0].float().cpu(), ref_cache.v[0])
 
 
-def test_padding_rows_are_ignored(device, half):
+@pytest.mark.parametrize("max_seq_len", [None, CAPTURE_MAX_SEQ_LEN], ids=["exact", "capture"])
+def test_padding_rows_are_ignored(max_seq_len, device, half):
     """CUDA-graph padding: extra sequences with q_len 1, seq_len 0, slot -1 write nothing and output zeros."""
     from outrider.attention.triton_backend import TritonAttentionBackend
 
     gen = torch.Generator().manual_seed(3)
-    meta, t = make_meta([1, 1], [30, 7], 16, 8, device, gen=gen)
+    meta, t = make_meta([1, 1], [30, 7], 16, 8, device, gen=gen, max_seq_len=max_seq_len)
     meta.slot_mapping = torch.cat([meta.slot_mapping, torch.full((2,), -1, dtype=torch.int64, device=device)])
     meta.query_start_loc = torch.arange(5, dtype=torch.int32, device=device)
     meta.seq_lens = torch.cat([meta.seq_lens, torch.zeros(2, dtype=torch.int32, device=device)])
@@ -112,3 +118,101 @@ def test_padding_rows_are_ignored(device, half):
     changed = (cache.k[0] != before).flatten(1).any(1).nonzero().flatten().tolist()
     real_blocks = set(meta.block_tables[:2].flatten().tolist()) - {0}
     assert set(changed) <= real_blocks
+
+
+def _live_splits(seq_len: int, num_splits: int) -> int:
+    """How many splits the kernel gives keys to (its per-sequence split rule, restated)."""
+    from outrider.kernels.attention import MIN_SPLIT_KEYS
+
+    def cdiv(a, b):
+        return -(-a // b)
+
+    per_split = max(cdiv(cdiv(seq_len, num_splits), 64) * 64, MIN_SPLIT_KEYS)  # whole 64-key tiles
+    return max(cdiv(seq_len, per_split), 1)
+
+
+def _capture_splits(num_seqs, n_kv=2, q_len=1, group=4) -> int:
+    from outrider.kernels.attention import plan_launch
+
+    return plan_launch(num_seqs, n_kv, group, q_len, CAPTURE_MAX_SEQ_LEN, 132)[4]
+
+
+def _assert_counters_rearmed(device):
+    """The last split of a tile re-arms its arrival counter: the next launch or graph replay starts from zero."""
+    from outrider.kernels import attention
+
+    counters = [c for d, c in attention._ARRIVALS.items() if d.type == device.type]  # keyed by cuda:N
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
+
+
+def test_short_and_long_contexts_share_a_capture_sized_launch(device, half):
+    # One batch under a capture-sized grid: contexts that fit one split (written directly, no merge) next to
+    # ones spread over a few splits and one over every split (merged by the last split to finish).
+    seq_lens = [1, 100, 128, 129, 300, 5000]
+    splits = _capture_splits(len(seq_lens))
+    assert splits == 32
+    assert [_live_splits(n, splits) for n in seq_lens] == [1, 1, 1, 2, 3, 27]
+    out, ref, *_ = _run_both([1] * len(seq_lens), seq_lens, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
+                             device=device)
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, ref) < 1e-2
+    _assert_counters_rearmed(device)
+
+
+@pytest.mark.parametrize("seq_len", [127, 128, 129, 32 * 128, 32 * 128 + 1])
+def test_split_boundaries(seq_len, device, half):
+    # Around MIN_SPLIT_KEYS (one split -> two) and where all 32 splits are live (4096 keys) until one more key
+    # makes each split a tile longer and fewer of them live (4097: 22 splits of 192).
+    assert _capture_splits(2) == 32
+    assert [_live_splits(n, 32) for n in (127, 128, 129, 4096, 4097)] == [1, 1, 2, 32, 22]
+    out, ref, *_ = _run_both([1, 1], [seq_len, 3], max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half, device=device,
+                             head_dim=32, n_heads=4, n_kv=2)
+    assert _rel_err(out, ref) < 1e-2
+    _assert_counters_rearmed(device)
+
+
+@pytest.mark.parametrize("q_len", [5, 16])
+def test_verify_shape_split_matches_reference(q_len, device, half):
+    # q_len * group rows > 16: the merge runs over several 16-row slices of the tile. With 129 keys the last
+    # split holds only the last query token's key, so the other tokens' rows see none there (lse = -inf).
+    seq_lens = [q_len, 129, 700, 3000]
+    assert _capture_splits(len(seq_lens), q_len=q_len) > 1
+    out, ref, *_ = _run_both([q_len] * len(seq_lens), seq_lens, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
+                             device=device)
+    assert _rel_err(out, ref) < 1e-2
+    _assert_counters_rearmed(device)
+
+
+def test_non_causal_split_matches_reference(device, half):
+    out, ref, *_ = _run_both([8, 3], [40, 900], causal=False, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
+                             device=device)
+    assert _rel_err(out, ref) < 1e-2
+    _assert_counters_rearmed(device)
+
+
+def test_split_launch_replays_identically(device, half):
+    """Run twice over the same inputs (as graph replays do): same output, the counters re-armed each time."""
+    from outrider.kernels.attention import paged_attention
+
+    gen = torch.Generator().manual_seed(5)
+    meta, t = make_meta([1, 1, 1], [700, 40, 0], 16, 64, device, gen=gen, max_seq_len=CAPTURE_MAX_SEQ_LEN)
+    kc = torch.randn(64, 16, 2, 64, generator=gen).to(half).to(device)
+    vc = torch.randn(64, 16, 2, 64, generator=gen).to(half).to(device)
+    q = torch.randn(t, 8, 64, generator=gen).to(half).to(device)
+    first = paged_attention(q, kc, vc, meta, 0.125)
+    second = paged_attention(q, kc, vc, meta, 0.125)
+    assert torch.equal(first, second)
+    assert first[2].float().abs().max().item() == 0.0
+    _assert_counters_rearmed(device)
+
+
+def test_plan_launch_grid_stays_within_the_counters():
+    from outrider.kernels.attention import _PROGRAMS_PER_SM, plan_launch
+
+    for num_seqs in (1, 2, 3, 16, 33, 64, 256):
+        for q_len in (1, 4, 16, 100):
+            _, _, _, m_blocks, splits = plan_launch(num_seqs, 8, 4, q_len, CAPTURE_MAX_SEQ_LEN, 132)
+            if splits > 1:  # one tile per (sequence, KV head), each with its own counter
+                assert m_blocks == 1
+                assert num_seqs * 8 * splits <= _PROGRAMS_PER_SM * 132
+    assert plan_launch(1, 8, 4, 1, 300, 132)[4] == 3  # the host's bound: no more splits than 128-key pieces

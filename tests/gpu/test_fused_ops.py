@@ -38,14 +38,14 @@ def test_silu_mul_on_packed_halves(device, half):
 
 
 @pytest.mark.parametrize("norm", [False, True])
-def test_qk_norm_rope(norm, device, half):
+@pytest.mark.parametrize("t,hq,hk,d", [(6, 12, 4, 64), (1, 32, 8, 128)], ids=["ragged-heads", "qwen3-8b-decode"])
+def test_qk_norm_rope(norm, t, hq, hk, d, device, half):
     from outrider.kernels import fused
 
-    t, hq, hk, d = 6, 12, 4, 64
     qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=half)
     q = qkv[:, : hq * d].view(t, hq, d)  # strided views, as a packed QKV projection produces
     k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
-    pos = torch.tensor([0, 1, 2, 700, 4095, 31])
+    pos = torch.tensor([0, 1, 2, 700, 4095, 31])[-t:]
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
     qw = torch.randn(d, dtype=half) if norm else None
     kw = torch.randn(d, dtype=half) if norm else None

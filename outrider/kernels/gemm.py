@@ -1,0 +1,122 @@
+"""Skinny GEMM for decode: y = x @ W.T (+ bias) for one or two rows of x and an nn.Linear weight W [N, K].
+
+At batch 1-2 a projection is one pass over its weight, so all that matters is streaming W at full bandwidth,
+and cuBLAS's heuristics pick badly for several decode shapes (tiles that leave SMs idle, or split-K with a
+second reduce kernel): on an H200, Qwen3-0.6B's o_proj takes 12.6 us in cuBLAS and 3.4 us here, Qwen3-8B's
+down_proj 30.5 vs 24.7 us (docs/benchmarks.md). Each program owns BLOCK_N output columns (rows of W) and walks K
+in BLOCK_K steps: 16-byte loads along W's rows, `num_stages` steps in flight (software-pipelined through shared
+memory), and an fp32 [M, BLOCK_N, BLOCK_K] accumulator of elementwise products on the CUDA cores, reduced over K
+once after the loop, so the loop is loads and FMAs only. All M rows share the program, so W is read once. No
+split-K: a small BLOCK_N gives enough programs to fill the GPU without a second kernel.
+
+Beyond two rows the accumulator outgrows the registers, and a tensor-core variant measured no better than cuBLAS
+(0.9-1.1x at M = 8), so ops.linear keeps M > MAX_M on cuBLAS. Configs are explicit rather than autotuned
+(autotune benchmarks inside the first call, which may be a CUDA-graph capture): DEFAULT_TABLE picks one per
+shape class, and `bench kernels` times CANDIDATES against cuBLAS to re-tune it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int  # output columns (rows of W) per program: the grid is cdiv(N, block_n)
+    block_k: int  # K elements per loop step
+    num_warps: int = 4
+    num_stages: int = 3  # pipeline depth: loop steps whose loads are in flight at once (1: plain loads)
+
+    def __str__(self) -> str:
+        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.num_stages}"
+
+
+_ANY = 1 << 62
+# (max N, config): the first row covering N wins. Measured on an H200 (bench kernels, gemm section): these were
+# the fastest or within 0.2 us of it for every Qwen3-0.6B / Qwen3-8B decode projection at M = 1.
+DEFAULT_TABLE: tuple[tuple[int, GemmConfig], ...] = (
+    (2048, GemmConfig(block_n=4, block_k=1024)),
+    (_ANY, GemmConfig(block_n=8, block_k=512)),
+)
+
+# What `bench kernels` tries per shape (those that fit() at its M).
+CANDIDATES: tuple[GemmConfig, ...] = (
+    GemmConfig(block_n=2, block_k=1024),
+    GemmConfig(block_n=4, block_k=1024),
+    GemmConfig(block_n=4, block_k=512, num_stages=1),
+    GemmConfig(block_n=8, block_k=512),
+    GemmConfig(block_n=8, block_k=1024, num_warps=8),
+    GemmConfig(block_n=16, block_k=256),
+    GemmConfig(block_n=4, block_k=256, num_warps=8),
+)
+
+
+def default_config(n: int) -> GemmConfig:
+    return next(cfg for max_n, cfg in DEFAULT_TABLE if n <= max_n)
+
+
+def fits(config: GemmConfig, m: int) -> bool:
+    """Whether the accumulator (BLOCK_M * BLOCK_N * BLOCK_K fp32) stays within ~64 registers a thread."""
+    return _block_m(m) * config.block_n * config.block_k <= 64 * 32 * config.num_warps
+
+
+def _block_m(m: int) -> int:
+    return triton.next_power_of_2(m)
+
+
+@triton.jit
+def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> y, rounded once like cuBLAS's epilogue."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# M is not specialised: Triton would otherwise compile M == 1 as a separate variant.
+@triton.jit(do_not_specialize=["M"])
+def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)[:, None, None]
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
+    offs_k = tl.arange(0, BLOCK_K)[None, None, :]
+    x_ptrs = x_ptr + offs_m * stride_xm + offs_k
+    w_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn + offs_k  # int64: N * K can pass 2**31 (LM heads)
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k_mask = offs_k < K - k0
+        w = tl.load(w_ptrs, mask=(offs_n < N) & k_mask, other=0.0)
+        x = tl.load(x_ptrs, mask=(offs_m < M) & k_mask, other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    _store(tl.sum(acc, axis=2), b_ptr, y_ptr, pid, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: GemmConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_M, row-major x and weight.
+
+    config: None picks from DEFAULT_TABLE (benchmarks pass their own). No host syncs: safe in CUDA graphs."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 0 < m <= MAX_M and weight.shape[1] == k and weight.dtype == x.dtype
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    cfg = config or default_config(n)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n),)
+    b = bias if bias is not None else weight  # any pointer: unread without HAS_BIAS
+    args = (x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
+    _fma_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return y

@@ -1,0 +1,125 @@
+"""The skinny (decode) GEMM of outrider.kernels.gemm against torch, and ops.linear's dispatch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from outrider.kernels import ops
+
+HAVE_CUDA = torch.cuda.is_available()
+
+# Small blocks so that the shapes below take several K steps and partial N and K tiles (and the interpreter
+# stays fast), plus the default table's picks.
+SMALL = dict(block_n=4, block_k=64)
+SHAPES = [(1, 1, 1, False), (1, 37, 200, True), (2, 64, 1000, False), (2, 100, 64, True), (1, 17, 130, False),
+          (2, 129, 520, True), (1, 48, 33, True), (2, 70, 250, False)]  # (M, N, K, bias)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _inputs(m, n, k, dtype, bias, device):
+    gen = torch.Generator().manual_seed(m * 10007 + n * 101 + k)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)  # outputs ~N(0, 1): one tolerance for all K
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return [t.to(device) if t is not None else None for t in (x, w, b)]
+
+
+def _check(y, x, w, b):
+    """Against fp32 torch on the same rounded inputs, the result rounded once to the input dtype."""
+    ref = F.linear(x.float().cpu(), w.float().cpu(), b.float().cpu() if b is not None else None).to(x.dtype)
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[x.dtype]
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    torch.testing.assert_close(y.float().cpu(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["small", "default"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("m,n,k,bias", SHAPES)
+def test_skinny_gemm_matches_torch(m, n, k, bias, dtype, kind, device):
+    from outrider.kernels import gemm
+
+    config = gemm.GemmConfig(**SMALL) if kind == "small" else None
+    x, w, b = _inputs(m, n, k, dtype, bias, device)
+    _check(gemm.skinny_gemm(x, w, b, config), x, w, b)
+
+
+def test_every_candidate_and_default_config(device):
+    """What `bench kernels` times and what the table picks are all correct (fp16: one shape, every M)."""
+    from outrider.kernels import gemm
+
+    configs = {*gemm.CANDIDATES, *(row[-1] for row in gemm.DEFAULT_TABLE)}
+    for m in range(1, gemm.MAX_M + 1):
+        x, w, b = _inputs(m, 40, 600, torch.float16, True, device)
+        for config in configs:
+            _check(gemm.skinny_gemm(x, w, b, config), x, w, b)
+
+
+def test_default_table_covers_every_decode_shape():
+    from outrider.kernels import gemm
+
+    for m in range(1, gemm.MAX_M + 1):
+        for n, k in ((1, 1), (1024, 3072), (151936, 4096), (1 << 20, 1 << 20)):
+            assert gemm.fits(gemm.default_config(n), m)
+
+
+def test_linear_keeps_f_linear_off_cuda_and_when_off(monkeypatch):
+    x, w, b = _inputs(3, 40, 64, torch.float32, True, "cpu")
+    for on in (False, True):
+        monkeypatch.setattr(ops, "SKINNY_GEMM", on)
+        assert torch.equal(ops.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_linear_dispatch_on_cuda(m, monkeypatch):
+    from outrider.kernels import gemm
+
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    calls = []
+    monkeypatch.setattr(gemm, "skinny_gemm", lambda *a: calls.append(a) or F.linear(*a))
+    x, w, b = _inputs(m, 96, 256, torch.bfloat16, True, "cuda")
+    ops.linear(x, w, b)  # eager: cuBLAS (a Triton launch costs more host time)
+    assert not calls
+    with ops.graph_capture():
+        ops.linear(x, w, b)
+        ops.linear(x[:, :128], w[:, :128], b)  # a strided x stays on cuBLAS
+    assert len(calls) == (m <= 2)
+
+
+@pytest.mark.cuda_only
+def test_cuda_graph_replay_equals_eager():
+    """Capture needs no host sync, and replays pick up new inputs in the static buffers."""
+    from outrider.kernels import gemm
+
+    x, w, b = _inputs(2, 1000, 768, torch.bfloat16, True, "cuda")
+    gemm.skinny_gemm(x, w, b)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemm.skinny_gemm(x, w, b)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(y, x, w, b)
+
+
+@pytest.mark.cuda_only
+def test_model_with_skinny_gemm_equals_cpu_reference(tiny_checkpoint, monkeypatch):
+    """Greedy tokens of a tiny model through CUDA graphs with every projection on the kernel match the CPU."""
+    from outrider.llm import LLM
+    from outrider.params import SamplingParams
+
+    path = tiny_checkpoint("qwen3", hidden_size=128, layers=3, heads=4, kv_heads=2, head_dim=32,
+                           dtype=torch.float32)
+    prompts, params = [[5, 17, 42, 99, 7], [300, 301]], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                       ignore_eos=True)
+
+    def greedy(device):
+        llm = LLM(str(path), device=device, dtype="float32", block_size=16)
+        return [c.token_ids for c in llm.generate(prompts, params)]
+
+    cpu = greedy("cpu")
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    assert greedy("cuda") == cpu
