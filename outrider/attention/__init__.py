@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The model's attention layers call `backend.forward(q, k, v, kv_cache, layer, meta)` and know nothing else.
-`meta` is built once per step by the runner and passed explicitly (no module globals), so a GPU backend can
-keep it in static buffers for CUDA-graph capture.
+The model's attention layers call `backend.forward(q, k, v, kv_cache, layer, meta, scale, rope)` and know nothing
+else. q and k arrive un-normed and un-roped, with `rope` saying how to prepare them, so that a backend can fuse
+that preparation with the KV store (the Triton backend does both in one kernel). `meta` is built once per step by
+the runner and passed explicitly (no module globals), so a GPU backend can keep it in static buffers for
+CUDA-graph capture.
 
 KV layout, one pair per layer: k_cache[layer], v_cache[layer] of shape [num_blocks, block_size, n_kv_heads,
 head_dim]. A token's slot is block_id * block_size + offset.
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from outrider.kernels import ops
 
 
 @dataclass
@@ -66,13 +70,29 @@ class KVCache:
         return self.k[0].shape[1]
 
 
+@dataclass
+class QKNormRope:
+    """How q and k are prepared before attention: optional per-head RMSNorm (Qwen3 q_norm/k_norm), then RoPE."""
+
+    positions: torch.Tensor  # [T]: each new token's absolute position
+    inv_freq: torch.Tensor  # [D/2] float32 on the tokens' device (RotaryEmbedding.inv_freq)
+    q_weight: torch.Tensor | None  # [D] per-head norm weights, or both None (no q/k norm)
+    k_weight: torch.Tensor | None
+    eps: float
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] -> (prepared q, prepared k): the reference semantics (ops.qk_norm_rope)."""
+        return ops.qk_norm_rope(q, k, self.positions, self.inv_freq, self.q_weight, self.k_weight, self.eps)
+
+
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> out [T, Hq, D].
+                meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens, q and k not yet prepared -> out [T, Hq, D].
 
-        Stores k/v into the cache at meta.slot_mapping, then attends each query over its sequence's
-        cached context (causally unless meta.causal is False)."""
+        Prepares q and k as rope.apply does, stores the prepared k and v into the cache at meta.slot_mapping
+        (slot -1: skip), then attends each query over its sequence's cached context (causally unless
+        meta.causal is False). Rows may be strided views of a packed QKV output (last dim contiguous)."""
         ...
 
 

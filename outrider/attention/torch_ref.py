@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from outrider.attention import AttentionMetadata, KVCache
+from outrider.attention import AttentionMetadata, KVCache, QKNormRope
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int, slot_mapping: torch.Tensor) -> None:
@@ -28,7 +28,8 @@ def gather_context(kv_cache: KVCache, layer: int, block_table: torch.Tensor, n: 
 
 class TorchReferenceBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
+        q, k = rope.apply(q, k)
         store_kv(k, v, kv_cache, layer, meta.slot_mapping)
         qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
         lens = meta.seq_lens_host or meta.seq_lens.tolist()

@@ -1,4 +1,4 @@
-"""CUDA attention backend: Triton KV store + paged attention, a drop-in for TorchReferenceBackend.
+"""CUDA attention backend: fused q/k prep + KV store, then paged attention; a drop-in for TorchReferenceBackend.
 
 Imported only on the CUDA path (get_backend loads it lazily), so CPU runs never import Triton.
 Host-side work per call is a few attribute reads; nothing synchronises with the GPU, so the whole
@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from outrider.attention import AttentionMetadata, KVCache
+from outrider.attention import AttentionMetadata, KVCache, QKNormRope
 from outrider.kernels.attention import paged_attention
-from outrider.kernels.kv_store import store_kv
+from outrider.kernels.fused import qk_norm_rope_store_kv
 
 
 class TritonAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Store the new k/v at meta.slot_mapping, then attend q over each sequence's cached context."""
+                meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
+        """Two kernels: one prepares q and k and writes k/v at meta.slot_mapping, then attention only reads."""
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = qk_norm_rope_store_kv(q, k, v, rope.positions, rope.inv_freq, rope.q_weight, rope.k_weight, rope.eps,
+                                  k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -49,17 +49,20 @@ async def _run(args, reporter: Reporter, step_bytes: float | None) -> None:
     itls: list[float] = []
     tokens = [0]
 
-    async def client() -> None:
+    async def client(record: bool = True) -> None:
         body = {"prompt": [rng.randrange(args.vocab) for _ in range(args.prompt_len)], "max_tokens": args.gen,
                 "stream": True, "ignore_eos": True, "temperature": 0}
         async with sem:
             t0 = time.perf_counter()
             stamps = await _stream_one(url.hostname, url.port or 80, body)
-        if stamps:
+        if stamps and record:
             ttfts.append(stamps[0] - t0)
             itls.extend(b - a for a, b in zip(stamps, stamps[1:]))
             tokens[0] += len(stamps)
 
+    # One untimed round at full concurrency first: what a server does once (JIT, allocations at a new batch
+    # shape) is not its steady state.
+    await asyncio.gather(*(client(record=False) for _ in range(args.concurrency)))
     t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(args.num_requests)))
     elapsed = time.perf_counter() - t0

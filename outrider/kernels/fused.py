@@ -1,4 +1,4 @@
-"""Triton kernels for the small per-token ops: RMSNorm (+ residual add), SiLU*mul, q/k-norm + RoPE.
+"""Triton kernels for the small per-token ops: RMSNorm (+ residual add), SiLU*mul, q/k-norm + RoPE (+ KV store).
 
 Each rounds exactly where the Hugging Face modules do (intermediate casts to the model dtype), so a fused
 model matches the unfused one up to reduction order. Call these through outrider.kernels.ops, which falls
@@ -49,14 +49,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def silu_mul_tile(g, u, dt: tl.constexpr):
+    """silu(g) * u in dt, rounded where torch rounds (silu's output, then the product); also used by the skinny
+    GEMM's fused variant (kernels/gemm.py)."""
+    g = g.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    return (act * u.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * stride_u + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, silu_mul_tile(g, u, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -72,80 +80,125 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _load_halves(x_ptr, t, stride_t, stride_h, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """Row t's heads as their two rotate-half halves, [BLOCK_H, HALF] each, in float32."""
+def _load_halves(x_ptr, t, stride_t, stride_h, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr):
+    """Row t's heads as their two rotate-half halves, [BLOCK_H, BLOCK_HALF] each (zero padded), in float32."""
     h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < N_HEADS
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < N_HEADS) & (d < HALF)
     base = x_ptr + t * stride_t + h * stride_h + d
     return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
             tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32))
 
 
 @triton.jit
-def _head_rms_norm(x1, x2, w1, w2, eps, dt: tl.constexpr):
+def _store_halves(x1, x2, out_ptr, row, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    """Halves from _load_halves into row `row` of a contiguous out [rows, N_HEADS, 2 * HALF]; row -1 stores
+    nothing. A paged cache [NB, page, Hkv, D] is such an out, a slot (block * page + offset) one of its rows."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    dst = row * (N_HEADS * 2 * HALF) + h * (2 * HALF) + d
+    # Over the stored heads and dims, dst < 0 exactly when row is -1 (a per-element test: Triton's interpreter
+    # rejects a scalar condition in a block mask).
+    mask = (h < N_HEADS) & (d < HALF) & (dst >= 0)
+    tl.store(out_ptr + dst, x1.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst + HALF, x2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, dt: tl.constexpr):
     """Per-head RMSNorm * weight of the halves, rounded to dt where the HF module rounds."""
-    rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * x1.shape[1]) + eps)[:, None]
+    rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
     x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     return x1, x2
 
 
 @triton.jit
-def _rope_store(x1, x2, cos, sin, out_ptr, t, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """Rotate-half RoPE [x1, x2] -> [x1*c - x2*s, x2*c + x1*s] (each product rounded as in HF) into row t of
-    the contiguous out [T, N_HEADS, 2 * HALF]."""
-    dt = out_ptr.dtype.element_ty
+def _rope(x1, x2, cos, sin, dt: tl.constexpr):
+    """Rotate-half RoPE [x1, x2] -> [x1*c - x2*s, x2*c + x1*s], each product and the result rounded to dt as
+    in HF."""
     o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
     o2 = (x2 * cos).to(dt).to(tl.float32) + (x1 * sin).to(dt).to(tl.float32)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < N_HEADS
-    base = out_ptr + t * (N_HEADS * 2 * HALF) + h * (2 * HALF) + d
-    tl.store(base, o1.to(dt), mask=mask)
-    tl.store(base + HALF, o2.to(dt), mask=mask)
+    return o1.to(dt), o2.to(dt)
 
 
 @triton.jit
-def _qk_norm_rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_kh, eps,
+def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
+                         slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                         HALF: tl.constexpr, NORM: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE_KV: tl.constexpr):
     # One program per token, every load issued before the first store: the compiler may not move a load past
     # a store that could alias it, so storing q first would cost k's loads a second memory round trip.
+    # STORE_KV: k and v go to the paged caches ko/vo at row slot_mapping[t] (the KV store, fused here to save
+    # a launch); otherwise k goes to row t of a [T, HK, D] ko.
     t = tl.program_id(0).to(tl.int64)
+    if STORE_KV:
+        kv_row = tl.load(slot_ptr + t)
+    else:
+        kv_row = t
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, HALF))[None, :]
-    q1, q2 = _load_halves(q_ptr, t, stride_qt, stride_qh, HQ, BLOCK_HQ, HALF)
-    k1, k2 = _load_halves(k_ptr, t, stride_kt, stride_kh, HK, BLOCK_HK, HALF)
+    inv_freq = tl.load(inv_freq_ptr + tl.arange(0, BLOCK_HALF), mask=tl.arange(0, BLOCK_HALF) < HALF,
+                       other=0.0)[None, :]
+    q1, q2 = _load_halves(q_ptr, t, stride_qt, stride_qh, HQ, BLOCK_HQ, HALF, BLOCK_HALF)
+    k1, k2 = _load_halves(k_ptr, t, stride_kt, stride_kh, HK, BLOCK_HK, HALF, BLOCK_HALF)
+    if STORE_KV:
+        v1, v2 = _load_halves(v_ptr, t, stride_vt, stride_vh, HK, BLOCK_HK, HALF, BLOCK_HALF)
     dt = q_ptr.dtype.element_ty
     if NORM:
-        qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF)  # a weight is one "head" of [1, HALF] halves
-        kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF)
-        q1, q2 = _head_rms_norm(q1, q2, qw1, qw2, eps, dt)
-        k1, k2 = _head_rms_norm(k1, k2, kw1, kw2, eps, dt)
+        # A weight is one "head" of [1, HALF] halves.
+        qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
+        kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
+        q1, q2 = _head_rms_norm(q1, q2, qw1, qw2, eps, HALF, dt)
+        k1, k2 = _head_rms_norm(k1, k2, kw1, kw2, eps, HALF, dt)
     freqs = pos * inv_freq
     cos = tl.cos(freqs).to(dt).to(tl.float32)  # HF casts cos/sin to the model dtype before use
     sin = tl.sin(freqs).to(dt).to(tl.float32)
-    _rope_store(q1, q2, cos, sin, qo_ptr, t, HQ, BLOCK_HQ, HALF)
-    _rope_store(k1, k2, cos, sin, ko_ptr, t, HK, BLOCK_HK, HALF)
+    q1, q2 = _rope(q1, q2, cos, sin, dt)
+    k1, k2 = _rope(k1, k2, cos, sin, dt)
+    _store_halves(q1, q2, qo_ptr, t, HQ, BLOCK_HQ, HALF, BLOCK_HALF)
+    _store_halves(k1, k2, ko_ptr, kv_row, HK, BLOCK_HK, HALF, BLOCK_HALF)
+    if STORE_KV:
+        _store_halves(v1, v2, vo_ptr, kv_row, HK, BLOCK_HK, HALF, BLOCK_HALF)
+
+
+def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_weight, k_weight, eps) -> None:
+    """One _qk_norm_rope_kernel program per token; v None: no KV store (k_out is [T, Hkv, D])."""
+    t, hq, head_dim = q.shape
+    hk = k.shape[1]
+    if t == 0:
+        return
+    norm, store = q_weight is not None, v is not None
+    # Pointers a variant never reads are stand-ins (any tensor does).
+    v, v_out, slot_mapping = (v, v_out, slot_mapping) if store else (k, k_out, positions)
+    q_weight, k_weight = (q_weight, k_weight) if norm else (q, k)
+    _qk_norm_rope_kernel[(t,)](
+        q, k, v, q_out, k_out, v_out, q_weight, k_weight, positions, inv_freq, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
+        HQ=hq, HK=hk, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
+        HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, STORE_KV=store,
+        num_warps=4,
+    )
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hkv, D] -> (RoPE(norm(q)), RoPE(norm(k))), new contiguous tensors."""
-    t, hq, head_dim = q.shape
-    hk = k.shape[1]
-    q_out = torch.empty((t, hq, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((t, hk, head_dim), dtype=k.dtype, device=k.device)
-    if t == 0:
-        return q_out, k_out
-    norm = q_weight is not None
-    _qk_norm_rope_kernel[(t,)](
-        q, k, q_out, k_out, q_weight if norm else q, k_weight if norm else k, positions, inv_freq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), eps,
-        HQ=hq, HK=hk, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
-        HALF=head_dim // 2, NORM=norm, num_warps=4,
-    )
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch(q, k, None, q_out, k_out, None, None, positions, inv_freq, q_weight, k_weight, eps)
     return q_out, k_out
+
+
+def qk_norm_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          inv_freq: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                          eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """qk_norm_rope plus the KV store in one launch: returns RoPE(norm(q)) (new, contiguous) and writes
+    RoPE(norm(k)) and v [T, Hkv, D] into the contiguous paged caches [NB, page, Hkv, D] at slot_mapping [T]
+    (-1: skip, e.g. CUDA-graph padding rows)."""
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, inv_freq, q_weight, k_weight, eps)
+    return q_out

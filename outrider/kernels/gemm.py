@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.kernels.fused import silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
 
 
@@ -85,7 +86,8 @@ def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, HAS_BIAS: tl.constexpr, BLOC
 # M is not specialised: Triton would otherwise compile M == 1 as a separate variant.
 @triton.jit(do_not_specialize=["M"])
 def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+                SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None]
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
@@ -96,7 +98,10 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         w = tl.load(w_ptrs, mask=(offs_n < N) & k_mask, other=0.0)
-        x = tl.load(x_ptrs, mask=(offs_m < M) & k_mask, other=0.0)
+        x_mask = (offs_m < M) & k_mask
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_MUL:  # x's rows are [gate | up] (K each): x = silu(gate) * up, rounded as the unfused op stores it
+            x = silu_mul_tile(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), x_ptr.dtype.element_ty)
         acc += x.to(tl.float32) * w.to(tl.float32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -104,19 +109,20 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemmConfig | None = None) -> torch.Tensor:
+                config: GemmConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_M, row-major x and weight.
 
+    silu_mul: x is a packed [M, 2K] = [gate | up] and the product uses silu(gate) * up as x (ops.silu_mul_linear).
     config: None picks from DEFAULT_TABLE (benchmarks pass their own). No host syncs: safe in CUDA graphs."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert 0 < m <= MAX_M and weight.shape[1] == k and weight.dtype == x.dtype
+    m = x.shape[0]
+    n, k = weight.shape
+    assert 0 < m <= MAX_M and x.shape[1] == (2 * k if silu_mul else k) and weight.dtype == x.dtype
     assert x.stride(1) == 1 and weight.stride(1) == 1
     cfg = config or default_config(n)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n),)
     b = bias if bias is not None else weight  # any pointer: unread without HAS_BIAS
     args = (x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
-    _fma_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n,
-                      BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=_block_m(m),
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y

@@ -93,21 +93,36 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     """Optional per-head RMSNorm (Qwen3 q_norm/k_norm) then rotate-half RoPE at `positions`.
 
     q [T, Hq, D], k [T, Hkv, D]; inv_freq [D/2] float32 on q's device (RotaryEmbedding.inv_freq)."""
-    half = q.shape[-1] // 2
-    if _use_triton(q) and k.stride(-1) == 1 and half & (half - 1) == 0:
+    if _use_triton(q) and k.stride(-1) == 1:
         from outrider.kernels import fused
 
         return fused.qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
     return torch_qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
 
 
+def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x of 1 or 2 rows and a row-major weight of its
+    dtype: where the Triton skinny GEMM replaces cuBLAS."""
+    return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
+            and x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias); with SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x of 1 or 2 rows
-    and a row-major weight of its dtype go to the Triton kernel."""
-    if (SKINNY_GEMM and _in_graph_capture and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
-            and x.is_contiguous()
-            and weight.is_contiguous() and weight.dtype == x.dtype):
+    """F.linear(x, weight, bias), on the Triton skinny GEMM where _use_skinny_gemm says so."""
+    if _use_skinny_gemm(x, weight):
         from outrider.kernels import gemm
 
         return gemm.skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu_mul(gate, up), weight, bias) for the packed gate_up [T, 2I] = [gate | up] (SwiGLU's down_proj).
+
+    On the skinny GEMM the kernel forms silu(gate) * up as it loads x, so the activation costs no launch of its
+    own (a kernel boundary is ~1 us of dead time in a batch-1 decode graph)."""
+    if _use_skinny_gemm(gate_up, weight):
+        from outrider.kernels import gemm
+
+        return gemm.skinny_gemm(gate_up, weight, bias, silu_mul=True)
+    return linear(silu_mul(*gate_up.chunk(2, dim=-1)), weight, bias)

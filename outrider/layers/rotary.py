@@ -31,7 +31,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 
 
 class RotaryEmbedding(nn.Module):
-    """Holds RoPE's inverse frequencies; ops.qk_norm_rope applies them (the buffer follows the model's device)."""
+    """Holds RoPE's inverse frequencies, which the attention backend applies (attention.QKNormRope); the buffer
+    follows the model's device."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_position_embeddings: int) -> None:

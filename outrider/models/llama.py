@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from outrider.attention import AttentionBackend, AttentionMetadata, KVCache
+from outrider.attention import AttentionBackend, AttentionMetadata, KVCache, QKNormRope
 from outrider.config import ModelConfig
-from outrider.kernels import ops
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
@@ -41,22 +40,31 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
-            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D]: one GEMM, then q/k norm (Qwen3) and RoPE in one op."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D] from one GEMM, q and k not yet normed or roped."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        # Strided views of the packed output: the fused op and the KV store read rows by stride, no copies.
-        q = q.view(t, self.n_heads, self.head_dim)
-        k = k.view(t, self.n_kv_heads, self.head_dim)
+        # Strided views of the packed output: the fused kernels read rows by stride, no copies.
+        return (q.view(t, self.n_heads, self.head_dim), k.view(t, self.n_kv_heads, self.head_dim),
+                v.view(t, self.n_kv_heads, self.head_dim))
+
+    def rope(self, positions: torch.Tensor, rotary: RotaryEmbedding) -> QKNormRope:
+        """How this layer prepares q and k: q/k norm (Qwen3), then RoPE at `positions`."""
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-        q, k = ops.qk_norm_rope(q, k, positions, rotary.inv_freq, q_w, k_w, self.eps)
-        return q, k, v.view(t, self.n_kv_heads, self.head_dim)
+        return QKNormRope(positions, rotary.inv_freq, q_w, k_w, self.eps)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
+            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project() with q and k prepared: for callers that store K/V themselves (DFlash's context)."""
+        q, k, v = self.project(x)
+        q, k = self.rope(positions, rotary).apply(q, k)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv(x, positions, rotary)
-        o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
+        # The backend prepares q/k itself, so it can fuse that with the KV store (one kernel on Triton).
+        q, k, v = self.project(x)
+        o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary))
         return self.o_proj(o.flatten(1))
 
 

@@ -34,12 +34,19 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_only: needs a real CUDA device even under TRITON_INTERPRET")
 
 
-# Triton's interpreter computes bf16 dots wrongly (numpy has no bf16), so it checks the fp16 path instead.
+# Triton's interpreter computes bf16 dots wrongly and truncates casts to bf16 rather than rounding them (numpy has
+# no bf16), so it checks the fp16 path instead.
 HALF_DTYPES = [torch.bfloat16, torch.float16] if HAVE_CUDA else [torch.float16]
 
 
 @pytest.fixture(params=HALF_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def half(request) -> torch.dtype:
+    return request.param
+
+
+@pytest.fixture(params=[torch.float32, *HALF_DTYPES], ids=lambda d: str(d).removeprefix("torch."))
+def model_dtype(request) -> torch.dtype:
+    """float32 and the half dtypes that this run checks (see HALF_DTYPES)."""
     return request.param
 
 

@@ -7,9 +7,16 @@ import dataclasses
 import pytest
 import torch
 
-from outrider.attention import KVCache
+from outrider.attention import KVCache, QKNormRope
 from outrider.attention.torch_ref import TorchReferenceBackend
 from tests.gpu.conftest import make_meta
+
+
+def _identity_rope(t, head_dim, device):
+    """Position 0 and no q/k norm: RoPE is exactly the identity, so these tests see attention and the store alone
+    (test_fused_ops checks the q/k preparation)."""
+    return QKNormRope(torch.zeros(t, dtype=torch.int64, device=device), torch.ones(head_dim // 2, device=device),
+                      None, None, 1e-6)
 
 
 def _to_cpu_meta(meta):
@@ -35,12 +42,14 @@ def _run_both(q_lens, seq_lens, *, n_heads=8, n_kv=2, head_dim=64, block_size=16
     scale = head_dim ** -0.5
 
     gpu_cache = KVCache(k=[k_hist.clone().to(device)], v=[v_hist.clone().to(device)])
-    out = TritonAttentionBackend().forward(q.to(device), k.to(device), v.to(device), gpu_cache, 0, meta, scale)
+    out = TritonAttentionBackend().forward(q.to(device), k.to(device), v.to(device), gpu_cache, 0, meta, scale,
+                                           _identity_rope(t, head_dim, device))
     if device.type == "cuda":
         torch.cuda.synchronize()
 
     ref_cache = KVCache(k=[k_hist.float()], v=[v_hist.float()])  # the oracle in float32
-    ref = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), ref_cache, 0, _to_cpu_meta(meta), scale)
+    ref = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), ref_cache, 0, _to_cpu_meta(meta), scale,
+                                          _identity_rope(t, head_dim, "cpu"))
     return out.float().cpu(), ref, gpu_cache, ref_cache, meta
 
 
@@ -112,12 +121,34 @@ def test_padding_rows_are_ignored(max_seq_len, device, half):
     before = cache.k[0].clone()
     q = torch.randn(4, 8, 64, generator=gen).to(half).to(device)
     kv = torch.randn(4, 2, 64, generator=gen).to(half).to(device)
-    out = TritonAttentionBackend().forward(q, kv, kv, cache, 0, meta, 0.125)
+    out = TritonAttentionBackend().forward(q, kv, kv, cache, 0, meta, 0.125, _identity_rope(4, 64, device))
     assert torch.isfinite(out.float()).all()
     assert out[2:].float().abs().max().item() == 0.0
     changed = (cache.k[0] != before).flatten(1).any(1).nonzero().flatten().tolist()
     real_blocks = set(meta.block_tables[:2].flatten().tolist()) - {0}
     assert set(changed) <= real_blocks
+
+
+def test_backends_agree_on_prepare_store_attend(device, half):
+    """Real q/k preparation (Qwen3 q/k norm, GQA 16/8 x 128) through both backends: same outputs and caches."""
+    from outrider.attention.triton_backend import TritonAttentionBackend
+
+    gen = torch.Generator().manual_seed(7)
+    t, hq, hk, d = 4, 16, 8, 128
+    q, k, v = (torch.randn(t, h, d, generator=gen).to(half) for h in (hq, hk, hk))
+    qw, kw = (torch.randn(d, generator=gen).to(half) for _ in range(2))
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    pos = torch.tensor([8, 17, 18, 19])  # a decode row, then a 3-token extend: seq_lens 9 and 20
+    outs, caches = [], []
+    for backend, dev in ((TorchReferenceBackend(), torch.device("cpu")), (TritonAttentionBackend(), device)):
+        meta, _ = make_meta([1, 3], [9, 20], 16, 6, dev, gen=torch.Generator().manual_seed(1))  # same blocks
+        cache = KVCache.allocate(1, 6, 16, hk, d, half, dev)
+        rope = QKNormRope(pos.to(dev), inv_freq.to(dev), qw.to(dev), kw.to(dev), 1e-6)
+        outs.append(backend.forward(q.to(dev), k.to(dev), v.to(dev), cache, 0, meta, d ** -0.5, rope).float().cpu())
+        caches.append(cache)
+    assert _rel_err(outs[1], outs[0]) < 1e-2
+    assert _rel_err(caches[1].k[0].float().cpu(), caches[0].k[0].float()) < 1e-2
+    assert torch.equal(caches[1].v[0].cpu(), caches[0].v[0])
 
 
 def _live_splits(seq_len: int, num_splits: int) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from outrider.attention import KVCache
+from outrider.attention.torch_ref import store_kv
 from outrider.kernels import ops
 
 
@@ -38,7 +40,8 @@ def test_silu_mul_on_packed_halves(device, half):
 
 
 @pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("t,hq,hk,d", [(6, 12, 4, 64), (1, 32, 8, 128)], ids=["ragged-heads", "qwen3-8b-decode"])
+@pytest.mark.parametrize("t,hq,hk,d", [(6, 12, 4, 64), (1, 32, 8, 128), (3, 6, 3, 80)],
+                         ids=["ragged-heads", "qwen3-8b-decode", "odd-head-dim"])
 def test_qk_norm_rope(norm, t, hq, hk, d, device, half):
     from outrider.kernels import fused
 
@@ -54,3 +57,49 @@ def test_qk_norm_rope(norm, t, hq, hk, d, device, half):
     out_q, out_k = fused.qk_norm_rope(dev(q), dev(k), dev(pos), dev(inv_freq), dev(qw), dev(kw), 1e-6)
     _close(out_q, ref_q, half)
     _close(out_k, ref_k, half)
+
+
+def _qkv(t, hq, hk, d, dtype, norm, gen):
+    """Strided q/k/v views of one packed QKV row per token (as the model passes them), positions, RoPE inputs."""
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    pos = torch.randint(0, 8192, (t,), generator=gen)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
+    qw = torch.randn(d, generator=gen).to(dtype) if norm else None
+    kw = torch.randn(d, generator=gen).to(dtype) if norm else None
+    return q, k, v, pos, inv_freq, qw, kw
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["qwen2-no-qk-norm", "qwen3-qk-norm"])
+@pytest.mark.parametrize("t,hq,hk,d", [(1, 32, 8, 128), (2, 16, 8, 128), (5, 12, 4, 64), (3, 6, 3, 80)],
+                         ids=["32/8x128-decode", "16/8x128-bs2", "ragged-heads", "odd-head-dim"])
+def test_qk_norm_rope_store_kv(t, hq, hk, d, norm, model_dtype, device):
+    """The fused prep + KV store equals the reference backend's steps: ops.torch_qk_norm_rope, then its store_kv.
+
+    The last row has slot -1 (CUDA-graph padding): it writes nothing, though its q is still prepared."""
+    from outrider.kernels import fused
+
+    gen = torch.Generator().manual_seed(t * 1000 + d)
+    q, k, v, pos, inv_freq, qw, kw = _qkv(t, hq, hk, d, model_dtype, norm, gen)
+    num_blocks, page = 4, 4
+    slots = torch.randperm(num_blocks * page, generator=gen)[:t]
+    slots[-1] = -1
+    history = KVCache.allocate(1, num_blocks, page, hk, d, model_dtype, "cpu")
+    for c in (history.k[0], history.v[0]):
+        c.copy_(torch.randn(c.shape, generator=gen).to(model_dtype))  # untouched slots must keep it
+
+    ref = KVCache(k=[history.k[0].clone()], v=[history.v[0].clone()])
+    ref_q, ref_k = ops.torch_qk_norm_rope(q, k, pos, inv_freq, qw, kw, 1e-6)
+    store_kv(ref_k, v, ref, 0, slots)
+
+    dev = lambda x: x.to(device) if x is not None else None  # noqa: E731
+    k_cache, v_cache = dev(history.k[0].clone()), dev(history.v[0].clone())
+    out_q = fused.qk_norm_rope_store_kv(dev(q), dev(k), dev(v), dev(pos), dev(inv_freq), dev(qw), dev(kw), 1e-6,
+                                        k_cache, v_cache, dev(slots))
+    _close(out_q, ref_q, model_dtype)
+    _close(k_cache, ref.k[0], model_dtype)
+    assert torch.equal(v_cache.cpu(), ref.v[0])  # v is copied, not computed
+    kept = torch.ones(num_blocks * page, dtype=torch.bool)
+    kept[slots[:-1]] = False
+    assert torch.equal(k_cache.cpu().flatten(0, 1)[kept], history.k[0].flatten(0, 1)[kept])
+

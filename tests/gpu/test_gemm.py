@@ -45,6 +45,21 @@ def test_skinny_gemm_matches_torch(m, n, k, bias, dtype, kind, device):
     _check(gemm.skinny_gemm(x, w, b, config), x, w, b)
 
 
+@pytest.mark.parametrize("kind", ["small", "default"])
+@pytest.mark.parametrize("m,n,k,bias", SHAPES)
+def test_skinny_gemm_silu_mul_matches_torch(m, n, k, bias, model_dtype, kind, device):
+    """x = the packed gate_up [M, 2K]: the kernel's product equals F.linear(torch's silu(gate) * up, W).
+
+    model_dtype has bf16 on CUDA only: the interpreter truncates casts to bf16, biasing the activation over K."""
+    from outrider.kernels import gemm
+
+    config = gemm.GemmConfig(**SMALL) if kind == "small" else None
+    _, w, b = _inputs(m, n, k, model_dtype, bias, device)
+    gate_up = (2 * torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(k))).to(model_dtype)
+    act = ops.torch_silu_mul(*gate_up.chunk(2, dim=-1))  # rounded to dtype, as the unfused path stores it
+    _check(gemm.skinny_gemm(gate_up.to(device), w, b, config, silu_mul=True), act, w, b)
+
+
 def test_every_candidate_and_default_config(device):
     """What `bench kernels` times and what the table picks are all correct (fp16: one shape, every M)."""
     from outrider.kernels import gemm
@@ -86,6 +101,35 @@ def test_linear_dispatch_on_cuda(m, monkeypatch):
         ops.linear(x, w, b)
         ops.linear(x[:, :128], w[:, :128], b)  # a strided x stays on cuBLAS
     assert len(calls) == (m <= 2)
+
+
+def test_silu_mul_linear_is_the_unfused_composition_off_cuda(monkeypatch):
+    gate_up = torch.randn(2, 2 * 64)
+    _, w, b = _inputs(2, 40, 64, torch.float32, True, "cpu")
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    with ops.graph_capture():
+        out = ops.silu_mul_linear(gate_up, w, b)
+    assert torch.equal(out, F.linear(ops.torch_silu_mul(*gate_up.chunk(2, dim=-1)), w, b))
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_silu_mul_linear_dispatch_on_cuda(m, monkeypatch):
+    """Same rule as ops.linear: the fused skinny kernel inside graph capture at M <= 2, else silu_mul + F.linear."""
+    from outrider.kernels import gemm
+
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    gate_up = torch.randn(m, 2 * 256, device="cuda", dtype=torch.bfloat16)
+    _, w, b = _inputs(m, 96, 256, torch.bfloat16, True, "cuda")
+    ref = F.linear(ops.silu_mul(*gate_up.chunk(2, dim=-1)), w, b)
+    assert torch.equal(ops.silu_mul_linear(gate_up, w, b), ref)  # eager: unfused
+    calls = []
+    real = gemm.skinny_gemm
+    monkeypatch.setattr(gemm, "skinny_gemm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    with ops.graph_capture():
+        out = ops.silu_mul_linear(gate_up, w, b)
+    assert calls == ([{"silu_mul": True}] if m <= 2 else [])
+    torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=8e-3)
 
 
 @pytest.mark.cuda_only
