@@ -104,6 +104,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = -1  # default seed for requests that give none (-1 = random per request)
     enforce_eager: bool = False  # GPU: disable CUDA graphs
+    cpu_threads: int = 0  # CPU device: torch's compute threads (process-wide; 0 = leave torch's setting)
     # Launch step n+1 before step n's tokens reach the host, so host work hides behind GPU work (None: on for
     # CUDA; on the CPU the forward is synchronous and overlap would only delay each token by a step).
     overlap_schedule: bool | None = None

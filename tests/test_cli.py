@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -64,11 +65,17 @@ def test_bool_flag_pairs():
 
 
 def test_ggml_only_flags_warn_and_unknown_flags_fail(capsys):
-    ns = serve_ns("-ngl", "99", "-fa", "on", "-ctk", "q8_0", "--threads", "4", "--mlock", "-cb", "-c", "64")
+    ns = serve_ns("-ngl", "99", "-fa", "on", "-ctk", "q8_0", "-tb", "4", "--mlock", "-cb", "-c", "64")
     assert ns.ctx_size == 64
     err = capsys.readouterr().err.splitlines()
     assert err == [f"warning: {f} only applies to GGML backends; ignored"
-                   for f in ("-ngl", "-fa", "-ctk", "--threads", "--mlock", "-cb")]
+                   for f in ("-ngl", "-fa", "-ctk", "-tb", "--mlock", "-cb")]
+
+
+def test_threads_set_the_cpu_compute_threads():
+    assert EngineConfig(**cli.engine_kwargs(serve_ns("-t", "3"))).cpu_threads == 3
+    assert EngineConfig(**cli.engine_kwargs(serve_ns())).cpu_threads == max(1, (os.cpu_count() or 2) - 1)
+    assert EngineConfig(model="m").cpu_threads == 0  # offline use leaves torch's setting alone
     with pytest.raises(SystemExit) as e:
         serve_ns("--no-such-flag")
     assert e.value.code == 2

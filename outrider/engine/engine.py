@@ -65,6 +65,8 @@ class Engine:
         """`preloaded`: a (model, config) already on the device (benchmarks with random weights)."""
         self.config = config
         self.device = pick_device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads > 0:
+            torch.set_num_threads(config.cpu_threads)
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
         t0 = now()
         self.model_path = resolve_model_path(config.model)

@@ -41,6 +41,8 @@ MODEL = [
     Opt(("-c", "--ctx-size"), "ctx_size", "LLAMA_ARG_CTX_SIZE", int, 0,
         "context length of each sequence (0 = the model's)"),
     Opt(("-np", "--parallel"), "parallel", "LLAMA_ARG_N_PARALLEL", int, -1, "sequences decoded together (-1 = auto)"),
+    Opt(("-t", "--threads"), "threads", "LLAMA_ARG_THREADS", int, -1,
+        "CPU device: compute threads (-1 = all cores but one, which the HTTP side keeps)"),
     Opt(("-b", "--batch-size"), "batch_size", "LLAMA_ARG_BATCH", int, None, "token budget of one step"),
     Opt(("-s", "--seed"), "seed", None, int, -1, "default seed (-1 = random per request)"),
     Opt(("--cache-prompt",), "cache_prompt", "LLAMA_ARG_CACHE_PROMPT", None, True, "reuse cached prompt prefixes",
@@ -107,7 +109,7 @@ SERVER = [
 # GGML/llama.cpp-only knobs: accepted so existing command lines run, with a one-line warning. True = takes a value.
 GGML_ONLY = {
     ("-ngl", "--gpu-layers", "--n-gpu-layers"): True, ("-fa", "--flash-attn"): True,
-    ("-ctk", "--cache-type-k"): True, ("-ctv", "--cache-type-v"): True, ("-t", "--threads"): True,
+    ("-ctk", "--cache-type-k"): True, ("-ctv", "--cache-type-v"): True,
     ("-tb", "--threads-batch"): True, ("-ub", "--ubatch-size"): True, ("-sm", "--split-mode"): True,
     ("-ts", "--tensor-split"): True, ("-mg", "--main-gpu"): True,
     ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"): True, ("-devd", "--device-draft"): True,
