@@ -90,6 +90,11 @@ class Tokenizer:
         decoder = tok.decoder.__getstate__() if tok.decoder is not None else b""
         self._byte_level = b'"type":"ByteLevel"' in decoder
         self._byte_fallback = b'"type":"ByteFallback"' in decoder
+        # A plain byte-level decoder maps each token to bytes on its own and decodes their concatenation.
+        self._concatenates = bool(decoder) and json.loads(decoder).get("type") == "ByteLevel"
+        # Cached per instance: the Detokenizer asks for nearly every token it pushes, and a hit is far cheaper than
+        # a decode.
+        self.whole_text = functools.cache(self.whole_text)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -170,6 +175,15 @@ class Tokenizer:
             except KeyError:  # a vocab entry outside the byte alphabet: take it literally
                 return piece.encode()
         return piece.replace("▁", " ").encode()  # SentencePiece marks spaces with U+2581
+
+    def whole_text(self, token_id: int) -> str:
+        """The text `token_id` adds after any text that ends on a whole character, when it does not depend on the
+        tokens around it: under a plain byte-level decoder, an ordinary token whose bytes are whole UTF-8
+        characters. "" otherwise (decode with the neighbours)."""
+        if not self._concatenates or token_id in self._added:
+            return ""
+        text = self._tok.decode([token_id])
+        return "" if "\ufffd" in text else text
 
     def token_piece(self, token_id: int) -> str:
         """The token's text (U+FFFD where it holds only part of a multi-byte character)."""
@@ -279,9 +293,13 @@ class Detokenizer:
         self._window: list[int] = list(context)
         self._read = len(self._window)
         self._held = ""  # decoded text that could still be the start of a stop string
+        # The longest suffix of a text that is a proper prefix of a stop string is where this first matches.
+        prefixes = sorted({s[:k] for s in self._stop for k in range(1, len(s))})
+        self._stop_tail = re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})\\Z") if prefixes else None
         self._chunks: list[str] = []
         self.stop_word: str | None = None
         self._singles = _SINGLE_IDS.setdefault(tokenizer, ({}, {}))[skip_special_tokens]
+        self._whole = tokenizer.whole_text
 
     @property
     def text(self) -> str:
@@ -304,13 +322,19 @@ class Detokenizer:
 
     def _decode_new(self, final: bool) -> str:
         """Text added by the unread ids; "" while it ends in U+FFFD (a character still split across tokens)."""
-        if self._read == 1:  # the usual case once decoding runs: the decoded part is the previous token
-            before = self._singles.get(self._window[0])
+        window = self._window
+        if self._read == 1 and len(window) == 2 and self._whole(window[0]) and (new := self._whole(window[1])):
+            # The usual case once decoding runs: one new id after the previous one, both of whole characters, so
+            # the new text is known without a decode (Tokenizer.whole_text).
+            self._window = window[1:]
+            return new
+        if self._read == 1:  # the decoded part is the previous token
+            before = self._singles.get(window[0])
             if before is None:
-                before = self._singles[self._window[0]] = self._tok.decode(self._window[:1], self._skip)
+                before = self._singles[window[0]] = self._tok.decode(window[:1], self._skip)
         else:
-            before = self._tok.decode(self._window[:self._read], self._skip)
-        after = self._tok.decode(self._window, self._skip)
+            before = self._tok.decode(window[:self._read], self._skip)
+        after = self._tok.decode(window, self._skip)
         if after.endswith("\ufffd") and not final:
             return ""
         new = after[len(before):]
@@ -318,7 +342,7 @@ class Detokenizer:
         # but never start it on ids that decode to nothing (skipped specials): SentencePiece decoders would then
         # strip the leading space of the next token, which mid-text they keep.
         if new:
-            self._window = self._window[self._read:]
+            self._window = window[self._read:]
         self._read = len(self._window)
         return new
 
@@ -350,9 +374,5 @@ class Detokenizer:
 
     def _holdback(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        longest = max((len(s) for s in self._stop), default=1) - 1
-        for k in range(min(longest, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
+        match = self._stop_tail.search(text) if self._stop_tail is not None else None
+        return len(text) - match.start() if match else 0

@@ -276,6 +276,35 @@ def test_sentencepiece_style_spaces_survive_streaming(spm_tok):
     assert spm_tok.token_bytes(spm_tok.encode("\x01", add_special=False)[-1]) == b"\x01"  # a byte-fallback token
 
 
+def test_whole_text_reads_the_same_mid_text(tok, spm_tok):
+    """The Detokenizer's fast path: after a token of whole characters, a token of whole characters adds exactly
+    its own text (byte-level decoder); tokens that split a character, added tokens and other decoders opt out."""
+    whole = {i: tok.whole_text(i) for i in range(tok.vocab_size) if tok.whole_text(i)}
+    assert len(whole) > tok.vocab_size // 2
+    for a, text_a in whole.items():
+        for b, text_b in whole.items():
+            assert tok.decode([a, b]) == text_a + text_b
+    split = next(i for i in tok.encode("中文 😀", add_special=False) if "\ufffd" in tok.token_piece(i))
+    assert tok.whole_text(split) == "" and tok.whole_text(tok.encode(EOS_TOKEN, add_special=False)[0]) == ""
+    assert not any(spm_tok.whole_text(i) for i in range(spm_tok.vocab_size))
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="ab c<>\n", max_size=24),
+       stops=st.lists(st.text(alphabet="ab c<>\n", min_size=1, max_size=5), min_size=1, max_size=3))
+def test_held_back_text_is_the_longest_tail_that_starts_a_stop(tok, text, stops):
+    """While no stop matched, exactly the longest tail of the text that could begin a stop string is held back."""
+    detok = Detokenizer(tok, stop=tuple(stops))
+    ids = tok.encode(text, add_special=False)
+    for n in range(1, len(ids) + 1):
+        detok.push(ids[n - 1:n])
+        seen = tok.decode(ids[:n])
+        if detok.stop_word is not None:
+            break
+        tails = [k for k in range(1, len(seen) + 1) if any(len(s) > k and s.startswith(seen[-k:]) for s in stops)]
+        assert len(seen) - len(detok.text) == max(tails, default=0)
+
+
 @st.composite
 def token_runs(draw):
     """Random token ids (specials included) and stop strings: some cut from the decoded text, some random."""

@@ -93,9 +93,9 @@ class BlockPool:
 
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Grow req's block table to cover num_tokens positions; False (and nothing taken) if no room."""
-        need = self.blocks_needed(req, num_tokens)
-        if need == 0:  # the common case (a decode inside its last block): skip the free-list check
+        if num_tokens <= len(req.block_ids) * self.block_size:  # the common case: a decode inside its last block
             return True
+        need = self.blocks_needed(req, num_tokens)
         if need > self.num_free:
             return False
         self._grow(req, need)
@@ -111,6 +111,8 @@ class BlockPool:
         if req.unpublished:
             req.unpublished = [d for d in req.unpublished if not self._publish(*d)]
         bs = self.block_size
+        if num_committed // bs <= req.num_hashed_blocks:  # the common case: no block filled since the last call
+            return
         full = min(num_committed, req.num_tokens) // bs
         prev = req.last_block_hash
         for i in range(req.num_hashed_blocks, full):

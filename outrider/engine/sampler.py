@@ -41,13 +41,16 @@ NUM_STREAMS = 3
 _M32 = 0xFFFFFFFF
 _SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
 
-# The hash below uses operators only, so it runs on int64 torch tensors (device noise) and int64 numpy arrays
-# (host stream keys) alike, with the same results.
-Ints = torch.Tensor | np.ndarray
+# The hash below uses operators only, so it runs on int64 torch tensors (device noise), uint64 numpy arrays and
+# Python ints (host stream keys) alike, with the same results.
+Ints = torch.Tensor | np.ndarray | int
 
 
 def _mulmod32(x: Ints, c: int) -> Ints:
-    """x * c mod 2^32 for x < 2^32, staying below 2^49 (int64 overflow is undefined behaviour in torch)."""
+    """x * c mod 2^32 for x < 2^32."""
+    if isinstance(x, (int, np.ndarray)):  # exact: Python ints hold anything, uint64 holds the product
+        return (x * c) & _M32
+    # int64 torch tensors: products stay below 2^49 (int64 overflow is undefined behaviour in torch)
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
@@ -152,7 +155,7 @@ class Sampler:
             floats = np.array([[p.temperature for p in ps], [1.0 if g else p.temperature for p, g in zip(ps, greedy)],
                                [p.top_p for p in ps], [p.min_p for p in ps], [p.typical_p for p in ps]],
                               dtype=np.float32)
-            top_k = [min(p.top_k, width) if p.top_k > 0 else width for p in ps]
+            top_k = [p.top_k if 0 < p.top_k < width else width for p in ps]
             parts += [(floats, np.float32), (top_k, np.int64), (_stream_keys(rows), np.int64)]
         dev = to_device(parts, self.device)
         if bias:
@@ -309,10 +312,10 @@ def _stream_keys(rows: Sequence[RowSpec]) -> np.ndarray:
     if len(rows) <= 8:
         keys = [_absorb(_absorb(_absorb(_SALT, r.seed & _M32), (r.seed >> 32) & _M32), r.step & _M32) for r in rows]
         return np.array([[_absorb(k, stream) for k in keys] for stream in range(NUM_STREAMS)], dtype=np.int64)
-    seeds = np.array([r.seed & _M32 for r in rows] + [(r.seed >> 32) & _M32 for r in rows], dtype=np.int64)
-    steps = np.array([r.step & _M32 for r in rows], dtype=np.int64)
+    seeds = np.array([r.seed & _M32 for r in rows] + [(r.seed >> 32) & _M32 for r in rows], dtype=np.uint64)
+    steps = np.array([r.step & _M32 for r in rows], dtype=np.uint64)
     row = _absorb(_absorb(_absorb(_SALT, seeds[: len(rows)]), seeds[len(rows) :]), steps)
-    return _absorb(row[None, :], np.arange(NUM_STREAMS, dtype=np.int64)[:, None])
+    return _absorb(row[None, :], np.arange(NUM_STREAMS, dtype=np.uint64)[:, None]).view(np.int64)  # (< 2^32)
 
 
 def _gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,8 @@ class Scheduler:
             if req.num_pending and req.output_limit_reached(self.max_model_len):
                 continue  # its token in flight is its last (overlap scheduling)
             todo = req.num_tokens - req.num_computed
-            n = min(todo, budget)
-            draft = drafts.get(req.request_id) if todo == 1 else None  # drafts follow a decode's one token
+            n = todo if todo < budget else budget  # (min() costs several times more, per request per step)
+            draft = drafts.get(req.request_id) if drafts and todo == 1 else None  # drafts follow a decode's one token
             draft = draft[: max(0, min(budget - n, self.max_model_len - req.num_tokens))] if draft else []
             while not self.pool.ensure(req, req.num_computed + n + len(draft)):
                 victim = queue.pop() if queue else req
