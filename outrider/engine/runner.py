@@ -193,13 +193,18 @@ class ModelRunner:
         positions, slots = _layout(starts, qsl, table, self.block_size)
         every_row = len(rows) == len(ids)  # rows ascend, so this means rows == range(T)
         parts = [(ids, np.int64), (positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32),
-                 (table, np.int32), (rows if not every_row else [], np.int64), (dst, np.int64), (src, np.int64)]
+                 (table, np.int32)]
+        # Optional parts go last, so the fixed ones keep their places (each part costs host time per step).
+        if dst:
+            parts += [(dst, np.int64), (src, np.int64)]
+        if not every_row:
+            parts.append((rows, np.int64))
         dev = to_device(parts, self.device)
         input_ids = dev[0]
         if dst:
-            input_ids.index_copy_(0, dev[7], feed.token_ids.index_select(0, dev[8]))
+            input_ids.index_copy_(0, dev[6], feed.token_ids.index_select(0, dev[7]))
         meta = _metadata(qsl, lens, dev[2:6], causal=True)
-        return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[6])
+        return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1])
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden [T, H] pre-norm, aux_hidden [T, A] or None) from a captured graph or eagerly."""
