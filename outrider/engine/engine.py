@@ -196,16 +196,14 @@ class Engine:
         if prev is not None and not self._can_overlap():
             self._complete(prev)  # (a request that needs its history on the host arrived, say)
             return
-        t0 = now()
         launched = self._launch(prev)
         if prev is not None:
             t = self._complete(prev)
             if launched is not None:
                 # The GPU starts the new step once the previous one is done: that is when newly admitted
                 # requests begin prompt processing (llama-server starts a slot after the running batch).
-                for s in launched.plan.scheduled:
-                    if s.request.timing.t_prompt_start is not None and s.request.timing.t_prompt_start >= t0:
-                        s.request.timing.t_prompt_start = t
+                for req in launched.plan.admitted:
+                    req.timing.mark_prompt_start(t)
         if launched is None:
             return
         if self._can_overlap():
@@ -229,6 +227,10 @@ class Engine:
             self._release_drafter_state(req.request_id)
         if not plan.scheduled:
             return None
+        if feed is None:  # nothing in flight: the GPU starts this step now (else: when `feed` completes, in step)
+            t = now()
+            for req in plan.admitted:
+                req.timing.mark_prompt_start(t)
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:

@@ -37,6 +37,7 @@ class ScheduledRequest:
 class StepPlan:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
+    admitted: list[Request] = field(default_factory=list)  # first admissions: their prompt processing starts
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +82,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        admitted: list[Request] = []
 
         queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
@@ -111,15 +113,15 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed, budget)
             req.status = Status.RUNNING
             req.id_slot = self.free_slots.pop(0)
-            if req.timing.t_prompt_start is None:  # first admission (not a resume after preemption)
+            if req.num_preemptions == 0:  # first admission (not a resume after preemption)
                 req.num_cached = req.num_computed
                 req.timing.cache_n = req.num_computed
                 req.timing.prompt_n = req.num_prompt - req.num_computed
-                req.timing.mark_prompt_start()
+                admitted.append(req)
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
-        return StepPlan(scheduled, preempted)
+        return StepPlan(scheduled, preempted, admitted)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
