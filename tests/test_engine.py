@@ -182,3 +182,14 @@ def test_penalties_fall_back_to_synchronous_steps(ckpt, overlap):
     sync = LLM(ckpt, max_num_seqs=8, overlap_schedule=False) if overlap else llm
     assert [o.token_ids for o in outs] == [o.token_ids for o in sync.generate(PROMPTS[:3], [GREEDY, params, GREEDY])]
     assert llm.engine._penalized == 0
+
+
+def test_seeded_sampling_and_min_tokens_are_the_same_with_overlap(ckpt, overlap):
+    """The RNG counter and the min_tokens ban count a token still in flight: seeded draws (and where EOS may
+    first appear) do not depend on the scheduling mode."""
+    params = [SamplingParams(max_tokens=20, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=s, min_tokens=6)
+              for s in range(len(PROMPTS))]
+    got = [o.token_ids for o in LLM(ckpt, max_num_seqs=8).generate(PROMPTS, params)]
+    sync = [o.token_ids for o in LLM(ckpt, max_num_seqs=8, overlap_schedule=False).generate(PROMPTS, params)]
+    assert got == sync
+    assert len({tuple(t) for t in got}) == len(got)

@@ -295,7 +295,7 @@ class ModelRunner:
             req = s.request
             p = req.params
             history = _penalty_window(req, p)
-            n_out = len(req.output_ids)
+            n_out = req.num_tokens - req.num_prompt  # a pending token (overlap scheduling) counts: it is output
             for j in range(len(s.draft_tokens) + 1):
                 step = n_out + j
                 # EOS/EOG may not be sampled with ignore_eos, nor before min_tokens (llama-server bans them).
