@@ -125,7 +125,7 @@ class CudaGraphRunner:
 def capture_decode_graphs(runner, max_batch: int, max_model_len: int, progress: bool = True) -> CudaGraphRunner:
     """Decode graphs (one token per sequence) over a ModelRunner's model, KV cache and attention backend."""
     graphs = CudaGraphRunner(
-        runner.forward_eager,
+        runner.forward_decode,
         max_batch=max_batch, max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size),
         max_seq_len=max_model_len, device=runner.device)
     graphs.capture(progress)

@@ -206,18 +206,27 @@ class ModelRunner:
         meta = _metadata(qsl, lens, dev[2:6], causal=True)
         return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1])
 
-    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden [T, H] pre-norm, aux_hidden [T, A] or None) from a captured graph or eagerly."""
+    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(hidden [T, H] pre-norm, aux_hidden [T, A] or None, logits [T, V] or None): a captured decode graph
+        also computes every row's logits; an eager step leaves them to the caller (it may need only some rows)."""
         if self.graphs is not None and self.graphs.can_run(batch.meta):
             out = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-        else:
-            out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
-        return (out, None) if isinstance(out, torch.Tensor) else out
+            return out[0], (out[1] if len(out) == 3 else None), out[-1]
+        out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
+        return (out, None, None) if isinstance(out, torch.Tensor) else (*out, None)
 
     def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
-        """The model call CUDA graphs capture: the hidden states, plus aux_hidden when a drafter reads them."""
+        """The model call: the hidden states, plus aux_hidden when a drafter reads them."""
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
         return (hidden, self.model.aux_hidden) if self.model.aux_layer_ids else hidden
+
+    def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """What decode CUDA graphs capture: forward_eager's outputs and every row's logits (a decode step samples
+        every row), so the final norm and LM head launch inside the graph too."""
+        out = self.forward_eager(input_ids, positions, meta)
+        out = (out,) if isinstance(out, torch.Tensor) else out
+        return (*out, self.model.compute_logits(out[0]))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None,
@@ -228,7 +237,7 @@ class ModelRunner:
 
         draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts)."""
         batch = self.prepare(plan, feed)
-        hidden, aux = self.forward(batch)
+        hidden, aux, logits = self.forward(batch)
         n = len(plan.scheduled)
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux,
                          [len(s.draft_tokens) for s in plan.scheduled])
@@ -236,8 +245,11 @@ class ModelRunner:
         if not batch.sampling:
             return step
         sampling = batch.sampling
-        logits = self.model.compute_logits(
-            hidden if batch.logits_rows is None else hidden.index_select(0, batch.logits_rows))
+        rows = batch.logits_rows
+        if logits is None:
+            logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
+        elif rows is not None:  # a graph step with a row that does not sample (a one-token prefill chunk)
+            logits = logits.index_select(0, rows)
         sampled_reqs = [plan.scheduled[i] for i in sampling]
         drafts = [s.draft_tokens for s in sampled_reqs]
         sbatch = self.sampler.prepare(self.row_specs(sampled_reqs), sample_only=not any(drafts))

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from outrider.attention import AttentionMetadata
+from outrider.kernels.fused import pdl_enter
+from outrider.kernels.ops import pdl_kwargs, use_pdl
 
 _LOG2E = 1.4426950408889634
 # Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial
@@ -72,7 +74,9 @@ def _attn_kernel(
     GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, MERGE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     # Every tensor is contiguous (the wrapper guarantees it), so strides follow from the shapes: fewer
     # launch arguments, which is most of Triton's per-launch host cost.
     stride_qt = N_KV * GROUP * HEAD_DIM  # q, out: [T, Hq, D]; part_o: [S, T, Hq, D]; part_lse: [S, T, Hq]
@@ -240,13 +244,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         merge_rows = min(16, max(4, triton.next_power_of_2(meta.max_query_len * group)))
     else:  # unused by the kernel when SPLIT is off
         part_o, part_lse, arrivals, merge_rows = out, out, out, 16
+    pdl = use_pdl(q)
     _attn_kernel[(meta.num_seqs, n_kv, m_blocks * splits)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale * _LOG2E, splits, t, meta.block_tables.stride(0),
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
-        MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
-        num_warps=warps, num_stages=2,
+        MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision, USE_PDL=pdl,
+        num_warps=warps, num_stages=2, **pdl_kwargs(pdl),
     )
     return out

@@ -11,10 +11,23 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.kernels.ops import pdl_kwargs, use_pdl
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """A kernel's first step when launched with PDL (ops.use_pdl): wait until the previous kernel has finished
+    and its writes are visible (nothing may be read or written before), then let the next kernel's blocks be
+    scheduled early; they wait the same way."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
-                     N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+                     N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -41,9 +54,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r2 = residual.reshape(-1, n) if residual is not None else x2
     s2 = summed if summed is not None else out
     block = triton.next_power_of_2(n)
+    pdl = use_pdl(x)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, s2, x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0), eps,
-        N=n, BLOCK=block, ADD=residual is not None, num_warps=min(16, max(1, block // 256)),
+        N=n, BLOCK=block, ADD=residual is not None, USE_PDL=pdl, num_warps=min(16, max(1, block // 256)),
+        **pdl_kwargs(pdl),
     )
     return out.view(shape), (summed.view(shape) if summed is not None else None)
 
@@ -58,7 +73,9 @@ def silu_mul_tile(g, u, dt: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, stride_g, stride_u, stride_o, N, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -73,8 +90,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
+    pdl = use_pdl(gate)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-        g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+        g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, USE_PDL=pdl, num_warps=4,
+        **pdl_kwargs(pdl),
     )
     return out.view(gate.shape)
 
@@ -128,11 +147,13 @@ def _rope(x1, x2, cos, sin, dt: tl.constexpr):
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
                          slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE_KV: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE_KV: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     # One program per token, every load issued before the first store: the compiler may not move a load past
     # a store that could alias it, so storing q first would cost k's loads a second memory round trip.
     # STORE_KV: k and v go to the paged caches ko/vo at row slot_mapping[t] (the KV store, fused here to save
     # a launch); otherwise k goes to row t of a [T, HK, D] ko.
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     if STORE_KV:
         kv_row = tl.load(slot_ptr + t)
@@ -173,12 +194,13 @@ def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_w
     # Pointers a variant never reads are stand-ins (any tensor does).
     v, v_out, slot_mapping = (v, v_out, slot_mapping) if store else (k, k_out, positions)
     q_weight, k_weight = (q_weight, k_weight) if norm else (q, k)
+    pdl = use_pdl(q)
     _qk_norm_rope_kernel[(t,)](
         q, k, v, q_out, k_out, v_out, q_weight, k_weight, positions, inv_freq, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
         HQ=hq, HK=hk, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
         HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, STORE_KV=store,
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl),
     )
 
 

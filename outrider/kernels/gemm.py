@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fused import silu_mul_tile
+from outrider.kernels.fused import pdl_enter, silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
+from outrider.kernels.ops import pdl_kwargs
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,16 @@ CANDIDATES: tuple[GemmConfig, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm applied to x inside the GEMM: x + residual (when given; stored to `summed`) is normed."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # [M, K] contiguous
+    summed: torch.Tensor | None = None  # [M, K] contiguous output: x + residual
+
+
 def default_config(n: int) -> GemmConfig:
     return next(cfg for max_n, cfg in DEFAULT_TABLE if n <= max_n)
 
@@ -72,28 +83,55 @@ def _block_m(m: int) -> int:
 
 
 @triton.jit
-def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> y, rounded once like cuBLAS's epilogue."""
+def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> y, rounded once to dt like cuBLAS's epilogue (then to y's dtype: a
+    float32 y holds the model-dtype result, as F.linear(...).float() would)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(dt).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_rstd(x_ptr, r_ptr, s_ptr, store_sum, M, K, stride_xm, eps, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """1 / RMS of each row of x (+ r) -> [BLOCK_M]; with ADD, x + r is stored to s where store_sum (one program).
+
+    Every program recomputes this over all of K: x is a few KB and stays in L1/L2, so the norm costs no launch."""
+    offs_m = tl.arange(0, BLOCK_M)[:, None]
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = (offs_m < M) & (offs_k < K - k0)
+        x = tl.load(x_ptr + offs_m * stride_xm + k0 + offs_k, mask=mask, other=0.0)
+        if ADD:
+            x = x + tl.load(r_ptr + offs_m * K + k0 + offs_k, mask=mask, other=0.0)  # rounds like torch's add
+            if store_sum:
+                tl.store(s_ptr + offs_m * K + k0 + offs_k, x, mask=mask)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+    return tl.math.rsqrt(tl.sum(sq, 1) / K + eps)
 
 
 # M is not specialised: Triton would otherwise compile M == 1 as a separate variant.
 @triton.jit(do_not_specialize=["M"])
-def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
-                SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                NUM_STAGES: tl.constexpr):
+def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
+                HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None]
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
     x_ptrs = x_ptr + offs_m * stride_xm + offs_k
     w_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn + offs_k  # int64: N * K can pass 2**31 (LM heads)
+    dt = x_ptr.dtype.element_ty
+    if NORM:
+        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, pid == 0, M, K, stride_xm, eps, ADD, BLOCK_M, BLOCK_K)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
@@ -101,28 +139,43 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
         x_mask = (offs_m < M) & k_mask
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if SILU_MUL:  # x's rows are [gate | up] (K each): x = silu(gate) * up, rounded as the unfused op stores it
-            x = silu_mul_tile(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), x_ptr.dtype.element_ty)
+            x = silu_mul_tile(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), dt)
+        if NORM:  # x = RMSNorm(x [+ r]) * norm weight, rounded where ops.torch_rms_norm rounds
+            if ADD:
+                x = x + tl.load(r_ptr + offs_m * K + k0 + offs_k, mask=x_mask, other=0.0)
+            nw = tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            x = (nw * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
         acc += x.to(tl.float32) * w.to(tl.float32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _store(tl.sum(acc, axis=2), b_ptr, y_ptr, pid, M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N)
+    _store(tl.sum(acc, axis=2), b_ptr, y_ptr, pid, M, N, stride_ym, dt, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: GemmConfig | None = None, silu_mul: bool = False) -> torch.Tensor:
-    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype; M <= MAX_M, row-major x and weight.
+                config: GemmConfig | None = None, silu_mul: bool = False, norm: RowNorm | None = None,
+                out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's); M <= MAX_M, row-major x and
+    weight.
 
     silu_mul: x is a packed [M, 2K] = [gate | up] and the product uses silu(gate) * up as x (ops.silu_mul_linear).
-    config: None picks from DEFAULT_TABLE (benchmarks pass their own). No host syncs: safe in CUDA graphs."""
+    norm: the product uses RMSNorm(x [+ norm.residual]) * norm.weight as x, and stores x + residual to norm.summed
+    (ops.rms_norm_linear). config: None picks from DEFAULT_TABLE (benchmarks pass their own). pdl: launch as a
+    programmatic dependent launch (ops.use_pdl). No host syncs: safe in CUDA graphs."""
     m = x.shape[0]
     n, k = weight.shape
     assert 0 < m <= MAX_M and x.shape[1] == (2 * k if silu_mul else k) and weight.dtype == x.dtype
-    assert x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and not (silu_mul and norm)
     cfg = config or default_config(n)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n),)
-    b = bias if bias is not None else weight  # any pointer: unread without HAS_BIAS
-    args = (x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0))
-    _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, BLOCK_M=_block_m(m),
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    b = bias if bias is not None else weight  # any pointer: unread without HAS_BIAS (nor r/nw/s without NORM)
+    add = norm is not None and norm.residual is not None
+    if add:
+        assert norm.residual.is_contiguous() and norm.summed.is_contiguous() and norm.residual.shape == x.shape
+    r, s = (norm.residual, norm.summed) if add else (weight, weight)
+    nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
+    args = (x, weight, b, y, r, nw, s, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps)
+    _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
+                      BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+                      USE_PDL=pdl, num_warps=cfg.num_warps, **pdl_kwargs(pdl))
     return y

@@ -20,7 +20,12 @@ import torch.nn.functional as F
 # 690 to 877 tok/s (docs/benchmarks.md); OUTRIDER_SKINNY_GEMM=0 turns it off.
 SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
 SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is as good beyond
+# Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
+# kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), which
+# hides most of the ~1 us gap between dependent kernels of a decode step. OUTRIDER_PDL=0 turns it off.
+PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
 _in_graph_capture = False
+_pdl_capable: dict[int, bool] = {}
 
 
 @contextmanager
@@ -32,6 +37,21 @@ def graph_capture():
         yield
     finally:
         _in_graph_capture = False
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """Whether Triton kernels on x's device launch with PDL now: inside graph capture, on compute capability 9+."""
+    if not (PDL and _in_graph_capture and x.is_cuda):
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _pdl_capable:
+        _pdl_capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _pdl_capable[index]
+
+
+def pdl_kwargs(pdl: bool) -> dict:
+    """The launch keyword a Triton kernel launched with PDL takes (empty otherwise: older Tritons lack it)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -112,8 +132,26 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _use_skinny_gemm(x, weight):
         from outrider.kernels import gemm
 
-        return gemm.skinny_gemm(x, weight, bias)
+        return gemm.skinny_gemm(x, weight, bias, pdl=use_pdl(x))
     return F.linear(x, weight, bias)
+
+
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(RMSNorm(x [+ residual]) * norm_weight, weight, bias), x + residual (x itself without residual)).
+
+    On the skinny GEMM the norm (and the residual add) happen as the kernel loads x: at decode a pre-norm
+    projection is one launch instead of two. out_dtype: the result's dtype (default x's; LM heads ask float32)."""
+    if _use_skinny_gemm(x, weight) and (residual is None or residual.is_contiguous()):
+        from outrider.kernels import gemm
+
+        summed = torch.empty_like(x) if residual is not None else x
+        norm = gemm.RowNorm(norm_weight, eps, residual, summed if residual is not None else None)
+        return gemm.skinny_gemm(x, weight, bias, norm=norm, out_dtype=out_dtype, pdl=use_pdl(x)), summed
+    normed, summed = rms_norm(x, norm_weight, eps, residual)
+    y = linear(normed, weight, bias)
+    return (y if out_dtype is None else y.to(out_dtype)), (summed if summed is not None else x)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,5 +162,5 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if _use_skinny_gemm(gate_up, weight):
         from outrider.kernels import gemm
 
-        return gemm.skinny_gemm(gate_up, weight, bias, silu_mul=True)
+        return gemm.skinny_gemm(gate_up, weight, bias, silu_mul=True, pdl=use_pdl(gate_up))
     return linear(silu_mul(*gate_up.chunk(2, dim=-1)), weight, bias)

@@ -17,5 +17,9 @@ class GatedMLP(nn.Module):
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) from the packed gate_up output."""
         # The activation goes into down_proj's GEMM (one launch fewer at decode); weight and bias stay down_proj's.
-        return ops.silu_mul_linear(self.gate_up_proj(x), self.down_proj.weight, self.down_proj.bias)
+        return ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)

@@ -1,4 +1,5 @@
-"""RMSNorm through outrider.kernels.ops: one Triton kernel on CUDA, the HF float32 rounding elsewhere."""
+"""RMSNorm through outrider.kernels.ops: one Triton kernel on CUDA (or none: folded into the next projection),
+the HF float32 rounding elsewhere."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)[0]
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add fused into the norm's kernel."""
-        return ops.rms_norm(x, self.weight, self.eps, residual)
+    def forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
+                       out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(norm(x + residual)), x + residual): a pre-norm projection, the residual add and the norm
+        fused into one kernel (the projection's, at decode). residual None: norm(x), and x is returned."""
+        return ops.rms_norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias, out_dtype)

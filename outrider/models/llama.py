@@ -40,10 +40,11 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q [T, Hq, D], k and v [T, Hkv, D] from one GEMM, q and k not yet normed or roped."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv_proj's output [T, Hq*D + 2*Hkv*D] -> q [T, Hq, D], k and v [T, Hkv, D], q and k not yet normed or
+        roped."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(self.qkv_proj.sizes, dim=-1)
         # Strided views of the packed output: the fused kernels read rows by stride, no copies.
         return (q.view(t, self.n_heads, self.head_dim), k.view(t, self.n_kv_heads, self.head_dim),
                 v.view(t, self.n_kv_heads, self.head_dim))
@@ -55,15 +56,20 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor,
             rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """project() with q and k prepared: for callers that store K/V themselves (DFlash's context)."""
-        q, k, v = self.project(x)
+        """q, k, v of x with q and k prepared: for callers that store K/V themselves (DFlash's context)."""
+        q, k, v = self.split_qkv(self.qkv_proj(x))
         q, k = self.rope(positions, rotary).apply(q, k)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        return self.attend(self.qkv_proj(x), positions, rotary, kv_cache, meta, backend)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Attention and o_proj from qkv_proj's output (the decoder layer fuses its norm into that GEMM)."""
         # The backend prepares q/k itself, so it can fuse that with the KV store (one kernel on Triton).
-        q, k, v = self.project(x)
+        q, k, v = self.split_qkv(qkv)
         o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary))
         return self.o_proj(o.flatten(1))
 
@@ -87,14 +93,13 @@ class DecoderLayer(nn.Module):
                          backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream as (h, residual), whose sum is the stream (residual None: it is h alone).
 
-        Returns the pair after this layer unsummed, so the next RMSNorm fuses the add into its kernel."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm.forward_add(h, residual)
-        x = self.self_attn(x, positions, rotary, kv_cache, meta, backend)
-        x, residual = self.post_attention_layernorm.forward_add(x, residual)
-        return self.mlp(x), residual
+        Returns the pair after this layer unsummed, so the next layer's norm fuses the add into its kernel. Each
+        norm goes with the projection after it (at decode, one GEMM kernel does add, norm and projection)."""
+        attn = self.self_attn
+        qkv, residual = self.input_layernorm.forward_linear(h, residual, attn.qkv_proj)
+        x = attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
+        gate_up, residual = self.post_attention_layernorm.forward_linear(x, residual, self.mlp.gate_up_proj)
+        return self.mlp.down(gate_up), residual
 
 
 class DecoderModel(nn.Module):
@@ -140,4 +145,5 @@ class LlamaForCausalLM(nn.Module):
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+        """Final norm and LM head -> float32 logits (one kernel at decode inside CUDA graphs)."""
+        return self.model.norm.forward_linear(hidden, None, self.lm_head, torch.float32)[0]

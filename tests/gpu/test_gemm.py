@@ -60,6 +60,76 @@ def test_skinny_gemm_silu_mul_matches_torch(m, n, k, bias, model_dtype, kind, de
     _check(gemm.skinny_gemm(gate_up.to(device), w, b, config, silu_mul=True), act, w, b)
 
 
+@pytest.mark.parametrize("kind", ["small", "default"])
+@pytest.mark.parametrize("add", [False, True], ids=["norm", "add+norm"])
+@pytest.mark.parametrize("m,n,k,bias", SHAPES)
+def test_skinny_gemm_norm_matches_torch(m, n, k, bias, add, model_dtype, kind, device):
+    """x = RMSNorm(x [+ residual]) * norm weight inside the kernel: equals F.linear of torch's norm (rounded as
+    the unfused path stores it), and the stored sum equals torch's x + residual exactly."""
+    from outrider.kernels import gemm
+
+    config = gemm.GemmConfig(**SMALL) if kind == "small" else None
+    x, w, b = _inputs(m, n, k, model_dtype, bias, device)
+    gen = torch.Generator().manual_seed(n)
+    residual = torch.randn(m, k, generator=gen).to(model_dtype).to(device) if add else None
+    nw = (1 + torch.randn(k, generator=gen) / 4).to(model_dtype).to(device)
+    normed, summed = ops.torch_rms_norm(x.cpu(), nw.cpu(), 1e-6, residual.cpu() if add else None)
+    out = torch.empty_like(x) if add else None
+    y = gemm.skinny_gemm(x, w, b, config, norm=gemm.RowNorm(nw, 1e-6, residual, out))
+    _check(y, normed, w, b)
+    if add:
+        assert torch.equal(out.cpu(), summed)
+
+
+def test_skinny_gemm_float32_output_is_the_rounded_result(device):
+    """out_dtype float32 (LM heads) holds the model-dtype result, as F.linear(...).float() does."""
+    from outrider.kernels import gemm
+
+    x, w, _ = _inputs(2, 300, 256, torch.float16, False, device)
+    y = gemm.skinny_gemm(x, w, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    assert torch.equal(y.to(torch.float16).float(), y)  # representable in fp16: rounded once, then widened
+    _check(y.to(torch.float16), x, w, None)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_linear_is_the_unfused_composition_off_cuda(residual, monkeypatch):
+    x, w, b = _inputs(2, 40, 64, torch.float32, True, "cpu")
+    r = torch.randn(2, 64) if residual else None
+    nw = torch.rand(64) + 0.5
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    with ops.graph_capture():
+        y, summed = ops.rms_norm_linear(x, r, nw, 1e-6, w, b, out_dtype=torch.float64)
+    normed, ref_sum = ops.torch_rms_norm(x, nw, 1e-6, r)
+    assert torch.equal(y, F.linear(normed, w, b).double())
+    assert torch.equal(summed, ref_sum if residual else x)
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_rms_norm_linear_dispatch_on_cuda(m, monkeypatch):
+    """One fused kernel inside graph capture at M <= 2 (with PDL on Hopper), else rms_norm + F.linear."""
+    from outrider.kernels import gemm
+
+    monkeypatch.setattr(ops, "SKINNY_GEMM", True)
+    x, w, b = _inputs(m, 96, 256, torch.bfloat16, True, "cuda")
+    r, nw = torch.randn_like(x), torch.rand(256, device="cuda", dtype=torch.bfloat16) + 0.5
+    normed, ref_sum = ops.rms_norm(x, nw, 1e-6, r)
+    ref = F.linear(normed, w, b)
+    y, summed = ops.rms_norm_linear(x, r, nw, 1e-6, w, b)
+    assert torch.equal(y, ref) and torch.equal(summed, ref_sum)  # eager: unfused
+    calls = []
+    real = gemm.skinny_gemm
+    monkeypatch.setattr(gemm, "skinny_gemm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    with ops.graph_capture():
+        y, summed = ops.rms_norm_linear(x, r, nw, 1e-6, w, b)
+    assert len(calls) == (m <= 2)
+    if calls:
+        assert calls[0]["pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
+    assert torch.equal(summed, ref_sum)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=8e-3)
+
+
 def test_every_candidate_and_default_config(device):
     """What `bench kernels` times and what the table picks are all correct (fp16: one shape, every M)."""
     from outrider.kernels import gemm
@@ -128,7 +198,7 @@ def test_silu_mul_linear_dispatch_on_cuda(m, monkeypatch):
     monkeypatch.setattr(gemm, "skinny_gemm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     with ops.graph_capture():
         out = ops.silu_mul_linear(gate_up, w, b)
-    assert calls == ([{"silu_mul": True}] if m <= 2 else [])
+    assert [kw["silu_mul"] for kw in calls] == ([True] if m <= 2 else [])
     torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=8e-3)
 
 

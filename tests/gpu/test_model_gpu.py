@@ -34,6 +34,17 @@ def test_cuda_graphs_equal_eager(tiny):
                                                                     enforce_eager=True)
 
 
+def test_graphs_without_pdl_equal_graphs_with_it(tiny, monkeypatch):
+    """Programmatic dependent launch changes when kernels start, never what they compute."""
+    from outrider.kernels import ops
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0+")
+    with_pdl = _greedy(tiny, device="cuda", dtype="bfloat16")
+    monkeypatch.setattr(ops, "PDL", False)
+    assert _greedy(tiny, device="cuda", dtype="bfloat16") == with_pdl
+
+
 def test_bf16_forward_close_to_cpu_fp32(tiny):
     from outrider.attention import KVCache, get_backend
     from outrider.engine.runner import build_metadata
