@@ -131,6 +131,8 @@ def _attn_kernel(
         page_off = k_pos % PAGE
         kv_off = blk * stride_kb + page_off * stride_ks + kvh * HEAD_DIM
         kt = tl.load(k_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0)
+        # V is loaded with K, before the softmax needs it: one memory round trip per tile, not two.
+        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         qk = tl.dot(q, kt.to(q.dtype), input_precision=PRECISION) * scale_log2
         mask = k_ok[None, :]
         if CAUSAL:
@@ -140,7 +142,6 @@ def _attn_kernel(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
 

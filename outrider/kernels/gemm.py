@@ -9,6 +9,11 @@ memory), and an fp32 [M, BLOCK_N, BLOCK_K] accumulator of elementwise products o
 once after the loop, so the loop is loads and FMAs only. All M rows share the program, so W is read once. No
 split-K: a small BLOCK_N gives enough programs to fill the GPU without a second kernel.
 
+A pre-norm projection folds its RMSNorm (and the residual add before it) into the same pass: each program walks
+all of K anyway, so it sums x's squares as it goes and scales its result by 1/RMS at the end; at decode that is
+one launch instead of two, at no extra latency (a separate pre-pass over x to find the RMS first cost the 8B 0.4
+ms a step).
+
 Beyond two rows the accumulator outgrows the registers, and a tensor-core variant measured no better than cuBLAS
 (0.9-1.1x at M = 8), so ops.linear keeps M > MAX_M on cuBLAS. Configs are explicit rather than autotuned
 (autotune benchmarks inside the first call, which may be a CUDA-graph capture): DEFAULT_TABLE picks one per
@@ -61,7 +66,10 @@ CANDIDATES: tuple[GemmConfig, ...] = (
 
 @dataclass(frozen=True)
 class RowNorm:
-    """An RMSNorm applied to x inside the GEMM: x + residual (when given; stored to `summed`) is normed."""
+    """An RMSNorm applied to x inside the GEMM: x + residual (when given; stored to `summed`) is normed.
+
+    The normed row is not rounded to the model dtype before the product, unlike ops.torch_rms_norm + a GEMM: the
+    results differ by that rounding (float32 models: not at all)."""
 
     weight: torch.Tensor  # [K]
     eps: float
@@ -95,27 +103,6 @@ def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt: tl.constexpr, HAS_BIAS: 
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(dt).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _row_rstd(x_ptr, r_ptr, s_ptr, store_sum, M, K, stride_xm, eps, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """1 / RMS of each row of x (+ r) -> [BLOCK_M]; with ADD, x + r is stored to s where store_sum (one program).
-
-    Every program recomputes this over all of K: x is a few KB and stays in L1/L2, so the norm costs no launch."""
-    offs_m = tl.arange(0, BLOCK_M)[:, None]
-    offs_k = tl.arange(0, BLOCK_K)[None, :]
-    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask = (offs_m < M) & (offs_k < K - k0)
-        x = tl.load(x_ptr + offs_m * stride_xm + k0 + offs_k, mask=mask, other=0.0)
-        if ADD:
-            x = x + tl.load(r_ptr + offs_m * K + k0 + offs_k, mask=mask, other=0.0)  # rounds like torch's add
-            if store_sum:
-                tl.store(s_ptr + offs_m * K + k0 + offs_k, x, mask=mask)
-        xf = x.to(tl.float32)
-        sq += xf * xf
-    return tl.math.rsqrt(tl.sum(sq, 1) / K + eps)
-
-
 # M is not specialised: Triton would otherwise compile M == 1 as a separate variant.
 @triton.jit(do_not_specialize=["M"])
 def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
@@ -130,9 +117,8 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
     x_ptrs = x_ptr + offs_m * stride_xm + offs_k
     w_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn + offs_k  # int64: N * K can pass 2**31 (LM heads)
     dt = x_ptr.dtype.element_ty
-    if NORM:
-        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, pid == 0, M, K, stride_xm, eps, ADD, BLOCK_M, BLOCK_K)[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M, 1, BLOCK_K), dtype=tl.float32)  # NORM: sum of squares of x's rows
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k_mask = offs_k < K - k0
         w = tl.load(w_ptrs, mask=(offs_n < N) & k_mask, other=0.0)
@@ -140,15 +126,21 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         if SILU_MUL:  # x's rows are [gate | up] (K each): x = silu(gate) * up, rounded as the unfused op stores it
             x = silu_mul_tile(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), dt)
-        if NORM:  # x = RMSNorm(x [+ r]) * norm weight, rounded where ops.torch_rms_norm rounds
-            if ADD:
+        if NORM:
+            if ADD:  # the residual stream x + r, rounded like torch's add; one program stores it
                 x = x + tl.load(r_ptr + offs_m * K + k0 + offs_k, mask=x_mask, other=0.0)
-            nw = tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            x = (nw * (x.to(tl.float32) * rstd).to(dt).to(tl.float32)).to(dt)
+                if pid == 0:
+                    tl.store(s_ptr + offs_m * K + k0 + offs_k, x, mask=x_mask)
+            xf = x.to(tl.float32)
+            sq += xf * xf
+            x = xf * tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
         acc += x.to(tl.float32) * w.to(tl.float32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _store(tl.sum(acc, axis=2), b_ptr, y_ptr, pid, M, N, stride_ym, dt, HAS_BIAS, BLOCK_M, BLOCK_N)
+    y = tl.sum(acc, axis=2)
+    if NORM:  # every program walked all of K, so it has the rows' whole sums of squares
+        y *= tl.math.rsqrt(tl.sum(sq, axis=2) / K + eps)
+    _store(y, b_ptr, y_ptr, pid, M, N, stride_ym, dt, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

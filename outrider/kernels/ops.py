@@ -142,7 +142,8 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     """(linear(RMSNorm(x [+ residual]) * norm_weight, weight, bias), x + residual (x itself without residual)).
 
     On the skinny GEMM the norm (and the residual add) happen as the kernel loads x: at decode a pre-norm
-    projection is one launch instead of two. out_dtype: the result's dtype (default x's; LM heads ask float32)."""
+    projection is one launch instead of two (the normed row is then not rounded to x's dtype before the product:
+    gemm.RowNorm). out_dtype: the result's dtype (default x's; LM heads ask float32)."""
     if _use_skinny_gemm(x, weight) and (residual is None or residual.is_contiguous()):
         from outrider.kernels import gemm
 
