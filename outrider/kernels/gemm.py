@@ -127,10 +127,8 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
         if SILU_MUL:  # x's rows are [gate | up] (K each): x = silu(gate) * up, rounded as the unfused op stores it
             x = silu_mul_tile(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), dt)
         if NORM:
-            if ADD:  # the residual stream x + r, rounded like torch's add; one program stores it
+            if ADD:  # the residual stream x + r, rounded like torch's add (stored after the loop)
                 x = x + tl.load(r_ptr + offs_m * K + k0 + offs_k, mask=x_mask, other=0.0)
-                if pid == 0:
-                    tl.store(s_ptr + offs_m * K + k0 + offs_k, x, mask=x_mask)
             xf = x.to(tl.float32)
             sq += xf * xf
             x = xf * tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
@@ -141,6 +139,14 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
     if NORM:  # every program walked all of K, so it has the rows' whole sums of squares
         y *= tl.math.rsqrt(tl.sum(sq, axis=2) / K + eps)
     _store(y, b_ptr, y_ptr, pid, M, N, stride_ym, dt, HAS_BIAS, BLOCK_M, BLOCK_N)
+    if ADD:  # the sum x + r goes out once, K chunk c by program c (mod the grid), after the loop: one program
+        # storing it all inside the loop cost 0.5-1 us (H200: Qwen3-8B qkv 16.4 -> 15.6 us, 0.6B gate_up 6.6 -> 6.1)
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        for c in range(pid, tl.cdiv(K, BLOCK_K), tl.num_programs(0)):
+            cols = c * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            mask = (rows < M) & (cols < K)
+            x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
+            tl.store(s_ptr + rows * K + cols, x + tl.load(r_ptr + rows * K + cols, mask=mask, other=0.0), mask=mask)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -165,7 +165,7 @@ def _live_splits(seq_len: int, num_splits: int) -> int:
 def _capture_splits(num_seqs, n_kv=2, q_len=1, group=4) -> int:
     from outrider.kernels.attention import plan_launch
 
-    return plan_launch(num_seqs, n_kv, group, q_len, CAPTURE_MAX_SEQ_LEN, 132)[4]
+    return plan_launch(num_seqs, n_kv, group, q_len, CAPTURE_MAX_SEQ_LEN, 132).splits
 
 
 def _assert_counters_rearmed(device):
@@ -242,8 +242,9 @@ def test_plan_launch_grid_stays_within_the_counters():
 
     for num_seqs in (1, 2, 3, 16, 33, 64, 256):
         for q_len in (1, 4, 16, 100):
-            _, _, _, m_blocks, splits = plan_launch(num_seqs, 8, 4, q_len, CAPTURE_MAX_SEQ_LEN, 132)
+            plan = plan_launch(num_seqs, 8, 4, q_len, CAPTURE_MAX_SEQ_LEN, 132)
+            m_blocks, splits = plan.m_blocks, plan.splits
             if splits > 1:  # one tile per (sequence, KV head), each with its own counter
                 assert m_blocks == 1
                 assert num_seqs * 8 * splits <= _PROGRAMS_PER_SM * 132
-    assert plan_launch(1, 8, 4, 1, 300, 132)[4] == 3  # the host's bound: no more splits than 128-key pieces
+    assert plan_launch(1, 8, 4, 1, 300, 132).splits == 3  # the host's bound: no more splits than 128-key pieces
