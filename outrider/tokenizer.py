@@ -286,9 +286,9 @@ class Detokenizer:
                  context: Sequence[int] = ()):
         """`context`: the last few prompt ids, so the first output token decodes as it would mid-text
         (SentencePiece decoders drop the leading space of whatever token starts a decode)."""
-        self._tok = tokenizer
+        # HF's decode itself (Tokenizer.decode's copy of the ids is not needed: the window is a list already).
+        self._decode = functools.partial(tokenizer._tok.decode, skip_special_tokens=skip_special_tokens)
         self._stop = tuple(s for s in stop if s)
-        self._skip = skip_special_tokens
         # Decode window: ids from the last emitted boundary; the first _read of them are decoded already.
         self._window: list[int] = list(context)
         self._read = len(self._window)
@@ -310,8 +310,14 @@ class Detokenizer:
         """Add tokens; return (text now safe to emit, stop word if one matched). Input after a stop is ignored."""
         if self.stop_word is not None:
             return "", None
-        self._window.extend(token_ids)
-        new = self._decode_new(final=False)
+        window = self._window
+        window.extend(token_ids)
+        if self._read == 1 and len(window) == 2 and self._whole(window[0]) and (new := self._whole(window[1])):
+            # The usual case once decoding runs: one new id after the previous one, both of whole characters, so
+            # the new text is known without a decode (Tokenizer.whole_text).
+            self._window = window[1:]
+        else:
+            new = self._decode_new(final=False)
         return self._emit(new, final=False)
 
     def flush(self) -> str:
@@ -323,18 +329,13 @@ class Detokenizer:
     def _decode_new(self, final: bool) -> str:
         """Text added by the unread ids; "" while it ends in U+FFFD (a character still split across tokens)."""
         window = self._window
-        if self._read == 1 and len(window) == 2 and self._whole(window[0]) and (new := self._whole(window[1])):
-            # The usual case once decoding runs: one new id after the previous one, both of whole characters, so
-            # the new text is known without a decode (Tokenizer.whole_text).
-            self._window = window[1:]
-            return new
         if self._read == 1:  # the decoded part is the previous token
             before = self._singles.get(window[0])
             if before is None:
-                before = self._singles[window[0]] = self._tok.decode(window[:1], self._skip)
+                before = self._singles[window[0]] = self._decode(window[:1])
         else:
-            before = self._tok.decode(window[:self._read], self._skip)
-        after = self._tok.decode(window, self._skip)
+            before = self._decode(window[:self._read])
+        after = self._decode(window)
         if after.endswith("\ufffd") and not final:
             return ""
         new = after[len(before):]

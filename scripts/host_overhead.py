@@ -3,7 +3,7 @@
 The forward returns zeros and the LM head returns rows of a fixed random bank over a small vocabulary, so what
 is left in a step is the engine's own Python: schedule, batch preparation, sampler preparation, the (cheap) CPU
 sampling and commit. Times are CPU time of the engine thread (robust to other processes on the machine).
-Prints ms/step per scenario with a phase breakdown (phases nest: `execute` holds prepare, stub model, row specs,
+Prints ms/step per scenario with a phase breakdown (phases nest: `launch` holds prepare, stub model, row specs,
 sampler prepare and sample; `gc` is Python's cyclic garbage collector, wherever it ran), and a checksum of
 every output (tokens, text, finish reason): identical before and after a host-side change means the change
 kept the behaviour.
@@ -80,7 +80,7 @@ class Phases:
 def run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], profile: bool) -> dict:
     phases = Phases()
     r = engine.runner
-    for obj, attr, label in [(engine.scheduler, "schedule", "schedule"), (r, "execute", "execute"),
+    for obj, attr, label in [(engine.scheduler, "schedule", "schedule"), (r, "launch", "launch"),
                              (r, "prepare", "prepare inputs"), (r, "forward_eager", "stub model"),
                              (engine.model, "compute_logits", "stub model"), (r, "row_specs", "row specs"),
                              (r.sampler, "prepare", "sampler prepare"), (r.sampler, "sample", "sample (cpu)"),

@@ -174,14 +174,23 @@ def test_overlap_keeps_a_step_in_flight(ckpt, reference, overlap):
 
 
 def test_penalties_fall_back_to_synchronous_steps(ckpt, overlap):
-    """Penalties read recent tokens on the host, so a penalised request makes the engine wait for each step;
-    the output is the same either way."""
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repeat_penalty=1.3)
-    llm = LLM(ckpt, max_num_seqs=8)
-    outs = llm.generate(PROMPTS[:3], [GREEDY, params, GREEDY])
-    sync = LLM(ckpt, max_num_seqs=8, overlap_schedule=False) if overlap else llm
-    assert [o.token_ids for o in outs] == [o.token_ids for o in sync.generate(PROMPTS[:3], [GREEDY, params, GREEDY])]
-    assert llm.engine._penalized == 0
+    """Penalties read recent tokens on the host, so a step that samples a penalised request is committed before
+    the next one launches (the others still overlap once it is done); the output is the same either way."""
+    params = [GREEDY, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repeat_penalty=1.3), GREEDY]
+    engine = LLM(ckpt, max_num_seqs=8).engine
+    reqs = [Request(list(p), q) for p, q in zip(PROMPTS[:3], params)]
+    outs: dict[int, list] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r, outs[r.request_id].append)
+    in_flight = 0
+    while engine.has_work():
+        engine.step()
+        if engine.inflight is not None:
+            in_flight += 1
+            assert not any(s.samples and s.request is reqs[1] for s in engine.inflight.plan.scheduled)
+    assert (in_flight > 0) == overlap
+    sync = LLM(ckpt, max_num_seqs=8, overlap_schedule=False).generate(PROMPTS[:3], params)
+    assert [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs] == [o.token_ids for o in sync]
 
 
 def test_seeded_sampling_and_min_tokens_are_the_same_with_overlap(ckpt, overlap):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
 
-from outrider.engine.sampler import RowSpec, Sampler
+from outrider.engine.sampler import ParamTable, RowSpec, Sampler, SamplingRows
 from outrider.params import SamplingParams
 
 V = 32
@@ -157,6 +158,54 @@ def test_logit_bias_and_bans():
     assert sampler.sample(logits[:1], greedy).token_ids.item() != 4
 
 
+def running(params: list[SamplingParams]) -> list[SimpleNamespace]:
+    """Stand-ins for running requests (what ParamTable.sync reads), slot i each."""
+    return [SimpleNamespace(params=p, seed=i, id_slot=i) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("steps", [[5, 1, 0], [5, 4, 3]], ids=["every row banned", "some rows banned"])
+def test_eog_bans_by_rule_match_explicit_bans(steps):
+    """The runner's rows ban EOG ids by rule (ignore_eos, or short of min_tokens) as if each row listed them."""
+    eog = (7, 30)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(8))
+    logits[:, 7] = 20.0
+    params = [plain(ignore_eos=True, n_probs=3), plain(temperature=0.0, min_tokens=4), plain(min_tokens=1)]
+    sampler = Sampler(V, "cpu")
+    table = ParamTable()
+    table.sync(running(params))
+    by_rule = sampler.prepare(SamplingRows(table, np.arange(3), np.array(steps), eog_ids=eog))
+    explicit = sampler.prepare([RowSpec(p, i, step, banned=eog if p.ignore_eos or step < p.min_tokens else ())
+                                for i, (p, step) in enumerate(zip(params, steps))])
+    got, want = sampler.sample(logits, by_rule), sampler.sample(logits, explicit)
+    assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.top_logprobs, want.top_logprobs)
+    assert torch.equal(sampler.process(logits, by_rule), sampler.process(logits, explicit))
+    assert (got.token_ids == 7).tolist() == [False, steps[1] >= 4, steps[2] >= 1]
+
+
+def test_param_table_rewrites_a_slot_only_for_another_request():
+    table = ParamTable()
+    a, b = running([plain(temperature=0.5), plain(temperature=0.7)])
+    table.sync([a, b])
+    a.params = plain(temperature=0.9)  # (never happens to a running request: shows the slot is not rewritten)
+    table.sync([b, a])
+    assert table.floats[0, :2].tolist() == pytest.approx([0.5, 0.7])
+    c = SimpleNamespace(params=plain(temperature=0.3), seed=1, id_slot=0)  # a's slot, reused
+    table.sync([c])
+    assert table.floats[0, 0] == pytest.approx(0.3)
+
+
+def test_unused_filters_do_not_change_draws():
+    """A batch skips the filters no row uses; every row draws what it draws beside rows that use them all."""
+    gen = torch.Generator().manual_seed(9)
+    sampler = Sampler(V, "cpu")
+    rows = [RowSpec(plain(temperature=0.7), 3, s) for s in range(8)]
+    busy = [RowSpec(plain(top_k=5, top_p=0.5, min_p=0.1, typical_p=0.5), 3, 0), RowSpec(plain(temperature=0.0), 3, 0)]
+    logits = torch.randn(10, V, generator=gen)
+    alone = sampler.sample(logits[:8], sampler.prepare(rows, sample_only=True)).token_ids
+    beside = sampler.sample(logits, sampler.prepare(rows + busy)).token_ids
+    assert torch.equal(alone, beside[:8])
+
+
 def test_seed_invariant_to_batch_composition():
     """A seeded row draws the same tokens alone, among other rows, at any index, with any batch width."""
     gen = torch.Generator().manual_seed(4)
@@ -224,29 +273,35 @@ def test_uniform_is_uniform_reproducible_and_stream_separated():
     assert torch.equal(u1, sampler.uniform(batch, 1))
 
 
+def stream_keys(rows: list[RowSpec]) -> np.ndarray:
+    """The host keys of these rows, every stream."""
+    from outrider.engine.sampler import NUM_STREAMS, _seed_key, _stream_keys
+
+    return _stream_keys(np.array([_seed_key(r.seed) for r in rows], dtype=np.int64),
+                        np.array([r.step for r in rows], dtype=np.int64), NUM_STREAMS)
+
+
 def test_stream_keys_agree_on_ints_and_arrays():
     """The host hash runs on Python ints for small batches and numpy arrays for large ones: same keys."""
-    from outrider.engine.sampler import _stream_keys
-
     rng = np.random.default_rng(0)
     rows = [RowSpec(plain(), int(seed), int(step)) for seed, step in
             zip(rng.integers(0, 2**63 - 1, 40, dtype=np.int64), rng.integers(0, 2**32 + 5, 40))]
-    many = _stream_keys(rows)
-    few = np.concatenate([_stream_keys(rows[i : i + 4]) for i in range(0, len(rows), 4)], axis=1)
+    many = stream_keys(rows)
+    few = np.concatenate([stream_keys(rows[i : i + 4]) for i in range(0, len(rows), 4)], axis=1)
     assert many.dtype == few.dtype == np.int64 and np.array_equal(many, few)
 
 
 def test_stream_keys_are_pinned_and_match_the_device_hash():
     """Seeded draws must not change across versions: host keys (either path) equal known values, and the hash
     computed on torch int64 tensors (the device's arithmetic) gives the same keys."""
-    from outrider.engine.sampler import _M32, _SALT, NUM_STREAMS, _absorb, _stream_keys
+    from outrider.engine.sampler import _M32, _SALT, NUM_STREAMS, _absorb
 
     seeds_steps = [(0, 0), (1, 7), (2**63 - 1, 2**32 + 5), (123456789012345, 99)]
     rows = [RowSpec(plain(), seed, step) for seed, step in seeds_steps]
     pinned = [[1459986880, 663870494, 1618100533, 253648000], [2537935315, 2951709447, 1652868867, 3033719192],
               [2823541456, 631515596, 2387145058, 2891760805]]
-    assert _stream_keys(rows).tolist() == pinned  # Python ints (a few rows)
-    assert _stream_keys(rows * 3).tolist() == [r * 3 for r in pinned]  # numpy (many rows)
+    assert stream_keys(rows).tolist() == pinned  # Python ints (a few rows)
+    assert stream_keys(rows * 3).tolist() == [r * 3 for r in pinned]  # numpy (many rows)
     col = lambda f: torch.tensor([f(r) & _M32 for r in rows], dtype=torch.int64)  # noqa: E731
     row = _absorb(_absorb(_absorb(_SALT, col(lambda r: r.seed)), col(lambda r: r.seed >> 32)), col(lambda r: r.step))
     assert _absorb(row[None, :], torch.arange(NUM_STREAMS)[:, None]).tolist() == pinned

@@ -4,11 +4,12 @@ Everything here runs on one thread (the engine thread of AsyncEngine, or the cal
 Commit is where tokens become visible: stop conditions, incremental detokenization, timing stamps and the
 RequestOutput handed to the request's owner all happen in one place, once per committed token batch.
 
-Overlap scheduling (CUDA, no drafter, no penalties): each step() schedules and launches step n+1 before it
-collects and commits step n, so the host's work for one step runs while the GPU computes the other. Step n+1
-feeds each request the token step n sampled straight from device memory (Request.num_pending). A request that
-stops on step n's token wasted one token of compute in step n+1, which is discarded; one whose max_tokens or
-context is reached by its pending token is not scheduled again.
+Overlap scheduling (CUDA, no drafter): each step() schedules and launches step n+1 before it collects and
+commits step n, so the host's work for one step runs while the GPU computes the other. Step n+1 feeds each
+request the token step n sampled straight from device memory (Request.num_pending). A request that stops on step
+n's token wasted one token of compute in step n+1, which is discarded; one whose max_tokens or context is reached
+by its pending token is not scheduled again. A step that samples a penalised request is committed before the
+next one launches: penalties read the recent tokens on the host.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
-from outrider.engine.scheduler import ScheduledRequest, Scheduler
+from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
@@ -98,7 +99,6 @@ class Engine:
         self.live: dict[int, _Live] = {}
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
-        self._penalized = 0  # live requests with penalties: their history must be on the host, so no overlap
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
                                        "busy_slots_total"), 0)
         if self.device.type == "cuda":
@@ -177,8 +177,10 @@ class Engine:
         if not req.prompt_ids or req.num_prompt >= self.max_model_len:
             self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")
             return
+        context_left = self.max_model_len - req.num_prompt
+        max_tokens = req.params.max_tokens
+        req.max_output_tokens = context_left if max_tokens < 0 else min(max_tokens, context_left)
         self.live[req.request_id] = live
-        self._penalized += req.params.penalized
         self.scheduler.add(req)
 
     def abort(self, request_id: int) -> None:
@@ -193,9 +195,6 @@ class Engine:
     def step(self) -> None:
         """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise)."""
         prev, self.inflight = self.inflight, None
-        if prev is not None and not self._can_overlap():
-            self._complete(prev)  # (a request that needs its history on the host arrived, say)
-            return
         launched = self._launch(prev)
         if prev is not None:
             t = self._complete(prev)
@@ -206,13 +205,10 @@ class Engine:
                     req.timing.mark_prompt_start(t)
         if launched is None:
             return
-        if self._can_overlap():
+        if self.overlap and self.drafter is None and not launched.reads_history:
             self.inflight = launched
         else:
             self._complete(launched)
-
-    def _can_overlap(self) -> bool:
-        return self.overlap and self.drafter is None and not self._penalized
 
     def _launch(self, feed: LaunchedStep | None) -> LaunchedStep | None:
         """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight); advances each
@@ -241,7 +237,7 @@ class Engine:
         for s in plan.scheduled:
             req = s.request
             req.num_computed += s.num_new_tokens
-            req.num_pending += req.num_computed == req.num_tokens
+            req.num_pending += s.samples
         return launched
 
     def _fail(self, plan, exc: Exception) -> None:
@@ -261,35 +257,36 @@ class Engine:
             self._fail(plan, exc)
             return now()
         t = now()
+        emits = self._commit(plan, out, t)
+        if self.drafter is not None:
+            self._learn(plan, out)
+        for live, output in emits:
+            if output.finished:
+                self._retire(live, output.finish_reason)
+            live.on_output(output)
+        return t
+
+    def _learn(self, plan: StepPlan, out: StepOutput) -> None:
+        """Let the drafter learn every committed row (finishing requests too: their blocks may serve prefix hits)."""
         commits: list[Commit] = []
         rows: list[int] = []
         base = 0
-        emits = []
         for i, s in enumerate(plan.scheduled):
-            if s.request.request_id in self.live:  # (not aborted, or finished by the step before, meanwhile)
-                emits.append(self._commit(s, out, i, t))
-                if self.drafter is not None:
-                    # Target rows whose K/V stays valid and whose next token is known (a stop may cut a round).
-                    start = s.request.num_computed - s.num_new_tokens - out.accepted[i]
-                    count = min(s.num_new_tokens + out.accepted[i], s.request.num_tokens - 1 - start)
-                    commits.append(Commit(s.request, start, count))
-                    rows.extend(range(base, base + count))
+            if s.request.request_id in self.live:  # (as committed: retiring comes after)
+                # Target rows whose K/V stays valid and whose next token is known (a stop may cut a round).
+                start = s.request.num_computed - s.num_new_tokens - out.accepted[i]
+                count = min(s.num_new_tokens + out.accepted[i], s.request.num_tokens - 1 - start)
+                commits.append(Commit(s.request, start, count))
+                rows.extend(range(base, base + count))
             base += s.num_query_tokens
-        if commits:
-            # Drafters learn every committed row (finishing requests too: their blocks may serve prefix hits).
-            index = torch.tensor(rows, dtype=torch.int64, device=out.hidden.device)
-            aux = out.aux_hidden.index_select(0, index) if out.aux_hidden is not None else None
-            try:
-                self.drafter.on_commit(commits, out.hidden.index_select(0, index), aux)
-            except Exception as exc:  # a drafter fault costs acceptance, never correctness
-                log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
-        for emit in emits:
-            if emit is not None:
-                live, output = emit
-                if output.finished:
-                    self._retire(live, output.finish_reason)
-                live.on_output(output)
-        return t
+        if not commits:
+            return
+        index = torch.tensor(rows, dtype=torch.int64, device=out.hidden.device)
+        aux = out.aux_hidden.index_select(0, index) if out.aux_hidden is not None else None
+        try:
+            self.drafter.on_commit(commits, out.hidden.index_select(0, index), aux)
+        except Exception as exc:  # a drafter fault costs acceptance, never correctness
+            log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
 
     def _propose(self) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
         """Draft for every decoding request the policy gives k > 0, with blocks reserved for what it writes."""
@@ -316,57 +313,58 @@ class Engine:
             self.drafter.release(request_id)
             self.policy.release(request_id)
 
-    def _commit(self, s: ScheduledRequest, out: StepOutput, i: int, t: float) -> tuple[_Live, RequestOutput] | None:
-        """Apply one request's step result; returns its output, delivered (and a finished request retired) after
-        drafters learn the step."""
-        req = s.request
-        live = self.live[req.request_id]
-        tokens, logprobs = out.tokens[i], out.logprobs[i]
-        proposed, accepted = len(s.draft_tokens), out.accepted[i]
-        req.num_computed += accepted  # (the fed tokens were counted at launch)
-        if not tokens:
-            return None  # a prefill chunk that does not reach the end of the prompt yet
-        req.num_pending -= 1  # (the launch of the next step may have added another)
-        if proposed:
-            self.policy.record(req.request_id, proposed, accepted)
-        params = req.params
-        output_ids = req.output_ids
-        context_left = self.max_model_len - req.num_prompt  # outputs that still fit in the context
-        text_parts: list[str] = []
-        reason, stop_type, word = None, "none", ""
-        n = 0
-        for tok in tokens:
+    def _commit(self, plan: StepPlan, out: StepOutput, t: float) -> list[tuple[_Live, RequestOutput]]:
+        """Apply a step's results to its requests; returns their outputs, delivered (and finished requests
+        retired) after drafters learn the step."""
+        emits = []
+        predicted = 0
+        for i, s in enumerate(plan.scheduled):
+            live = self.live.get(s.request.request_id)
+            if live is None:  # aborted, or finished by the step before, meanwhile
+                continue
+            req = live.request
+            accepted = out.accepted[i]
+            req.num_computed += accepted  # (the fed tokens were counted at launch)
+            tokens = out.tokens[i]
+            if not tokens:
+                continue  # a prefill chunk that does not reach the end of the prompt yet
+            req.num_pending -= 1  # (the launch of the next step may have added another)
+            n, text, reason, stop_type, word = self._append(live, tokens)
+            if s.draft_tokens:  # count only accepted drafts that were committed (a stop can cut a round short)
+                self.policy.record(req.request_id, len(s.draft_tokens), accepted)
+                req.timing.draft_kind = self.drafter.kind
+                req.timing.mark_draft_round(len(s.draft_tokens), min(accepted, n))
+            req.timing.mark_tokens(n, t)
+            predicted += n
+            if req.timing.predicted_n == n:
+                self.counters["prompt_tokens"] += req.timing.prompt_n
+            self.pool.commit_full_blocks(req, req.num_computed)
+            kept = tokens if n == len(tokens) else tokens[:n]  # (the step's lists are not reused: no copy needed)
+            logprobs = out.logprobs[i][:n] or None
+            emits.append((live, RequestOutput(req.request_id, kept, text, reason is not None, reason, stop_type, word,
+                                              logprobs, req.timing)))
+        self.counters["predicted_tokens"] += predicted
+        return emits
+
+    @staticmethod
+    def _append(live: _Live, tokens: list[int]) -> tuple[int, str, FinishReason | None, str, str]:
+        """Append a step's tokens to the request's outputs up to the first stop: (tokens kept, their text, finish
+        reason, stop type, stop word)."""
+        req, detok = live.request, live.detok
+        output_ids, min_tokens = req.output_ids, req.params.min_tokens
+        text = ""  # (usually one token's piece: no list to join)
+        for n, tok in enumerate(tokens, start=1):
             output_ids.append(tok)
-            n += 1
-            n_out = len(output_ids)
-            if tok in live.stop_ids and n_out > params.min_tokens:
-                reason, stop_type = FinishReason.STOP, "eos"
-                break
-            piece, stop_word = live.detok.push((tok,))
-            text_parts.append(piece)
-            if stop_word is not None:
-                reason, stop_type, word = FinishReason.STOP, "word", stop_word
-                break
-            if 0 <= params.max_tokens <= n_out:
-                reason, stop_type = FinishReason.LENGTH, "limit"
-                break
-            if n_out >= context_left:
-                reason, stop_type = FinishReason.CONTEXT, "limit"
-                break
-        kept = tokens if n == len(tokens) else tokens[:n]  # (the step's lists are not reused: no copy needed)
-        if proposed:  # count only accepted drafts that were committed (a stop can cut a round short)
-            req.timing.draft_kind = self.drafter.kind
-            req.timing.mark_draft_round(proposed, min(accepted, n))
-        req.timing.mark_tokens(n, t)
-        self.counters["predicted_tokens"] += n
-        if req.timing.predicted_n == n:
-            self.counters["prompt_tokens"] += req.timing.prompt_n
-        self.pool.commit_full_blocks(req, req.num_computed)
-        if reason is not None and stop_type != "word":
-            text_parts.append(live.detok.flush())
-        lps = logprobs[:n] or None
-        return live, RequestOutput(req.request_id, kept, "".join(text_parts), reason is not None, reason, stop_type,
-                                   word, lps, req.timing)
+            num_outputs = len(output_ids)
+            if tok in live.stop_ids and num_outputs > min_tokens:
+                return n, text + detok.flush(), FinishReason.STOP, "eos", ""
+            piece, word = detok.push((tok,))
+            text += piece
+            if word is not None:
+                return n, text, FinishReason.STOP, "word", word
+            if num_outputs >= req.max_output_tokens:
+                return n, text + detok.flush(), req.limit_reason(num_outputs), "limit", ""
+        return n, text, None, "none", ""
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], text: str, stop_type: str = "none",
                 word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
@@ -383,8 +381,7 @@ class Engine:
         req.timing.mark_finished()
         self.scheduler.remove(req)
         self._release_drafter_state(req.request_id)
-        if self.live.pop(req.request_id, None) is not None:
-            self._penalized -= req.params.penalized
+        self.live.pop(req.request_id, None)
         self.counters["requests_finished"] += 1
 
     # --- introspection ---

@@ -75,21 +75,23 @@ class BlockPool:
             prev = h
         return matched
 
-    def admit(self, req: Request, num_new_tokens: int) -> bool:
-        """Give a waiting request its cached prefix and room for its first chunk; False if it does not fit."""
+    def admit(self, req: Request, budget: int) -> int:
+        """Give a waiting request its cached prefix and room for its first chunk (the rest of its known tokens, at
+        most `budget`); returns the chunk's size, or 0 (and nothing taken) if it does not fit."""
         matched = self.match_prefix(req)
         num_cached = len(matched) * self.block_size
+        num_new_tokens = min(req.num_tokens - num_cached, budget)
         need = -(-(num_cached + num_new_tokens) // self.block_size) - len(matched)
         reusable_free = sum(1 for b in matched if self.blocks[b].ref_count == 0)
         if need > self.num_free - reusable_free:
-            return False
+            return 0
         for bid in matched:
             self._take(bid)
-        self._set_blocks(req, list(matched))
+        self._set_blocks(req, matched)
         req.num_computed = num_cached
         self.hits += num_cached
         self._grow(req, need)
-        return True
+        return num_new_tokens
 
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Grow req's block table to cover num_tokens positions; False (and nothing taken) if no room."""

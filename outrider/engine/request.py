@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 from dataclasses import dataclass, field
 
 from outrider.params import SamplingParams
@@ -49,7 +50,7 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's queue operations compare requests, never their contents
 class Request:
     prompt_ids: list[int]
     params: SamplingParams
@@ -62,6 +63,10 @@ class Request:
     # pending token from device memory) before the previous step's token arrives, so briefly there are two.
     num_pending: int = 0
     num_cached: int = 0  # of the prompt, tokens reused from the prefix cache at admission
+    # Outputs the request may produce: max_tokens, capped by what fits in the context (set by Engine.add_request).
+    # Commit stops a request when its outputs reach it; the scheduler, when its outputs and pending token do.
+    max_output_tokens: int = sys.maxsize
+    sample_row: int = -1  # row of its token in the sampled ids of the last step launched for it (ModelRunner)
     finish_reason: FinishReason | None = None
     timing: RequestTiming = field(default_factory=RequestTiming)
     seed: int = 0  # resolved seed (engine fills it when params.seed is None)
@@ -92,10 +97,9 @@ class Request:
         """Sequence length, counting a pending token (token_slice and all_ids hold only the known ones)."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
-    def output_limit_reached(self, max_model_len: int) -> bool:
-        """True when the outputs (known or pending) already reach max_tokens or fill the context."""
-        n = self.num_tokens
-        return 0 <= self.params.max_tokens <= n - len(self.prompt_ids) or n >= max_model_len
+    def limit_reason(self, num_outputs: int) -> FinishReason:
+        """Which limit num_outputs (>= max_output_tokens) reached: max_tokens (LENGTH), else the context."""
+        return FinishReason.LENGTH if 0 <= self.params.max_tokens <= num_outputs else FinishReason.CONTEXT
 
     @property
     def num_prompt(self) -> int:

@@ -8,6 +8,7 @@ commits tokens (engine.py).
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,10 +18,9 @@ import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.engine.cuda_graphs import CudaGraphRunner
-from outrider.engine.sampler import RowSpec, Sampler
+from outrider.engine.sampler import ParamTable, Sampler, SamplingRows
 from outrider.engine.upload import to_device
 from outrider.engine.request import Request, TokenLogprob
-from outrider.params import SamplingParams
 from outrider.spec.verify import verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
 
@@ -36,7 +36,6 @@ class StepOutput:
     # next replay)
     hidden: torch.Tensor
     aux_hidden: torch.Tensor | None  # [T, A] outputs of model.aux_layer_ids, when a drafter reads them
-    proposed: list[int]  # k: drafts fed this step
 
 
 @dataclass
@@ -48,10 +47,11 @@ class LaunchedStep:
     out: StepOutput  # tokens and log-probs filled in by collect
     tokens: list[list[int]] | None = None  # already on the host (a verify step decides there)
     starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
-    token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r]
-    rows: dict[int, int] = field(default_factory=dict)  # request_id -> row of token_ids
+    token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
     host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+    # A penalty read a sampled request's recent tokens on the host: the next step needs this one's tokens there.
+    reads_history: bool = False
 
 
 @dataclass
@@ -84,7 +84,7 @@ def _metadata(qsl: list[int], lens: list[int], dev: list[torch.Tensor], causal: 
     """AttentionMetadata over device tensors dev = [slot mapping, query start offsets, seq lens, block tables]."""
     return AttentionMetadata(
         slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
-        max_query_len=max((b - a for a, b in zip(qsl, qsl[1:])), default=0), max_seq_len=max(lens, default=0),
+        max_query_len=max(map(operator.sub, qsl[1:], qsl), default=0), max_seq_len=max(lens, default=0),
         causal=causal, query_start_loc_host=qsl, seq_lens_host=lens)
 
 
@@ -119,21 +119,31 @@ class BlockTables:
     def gather(self, reqs: list[Request]) -> np.ndarray:
         """[len(reqs), max blocks] int32: the requests' tables (by id_slot, which running requests hold),
         zero-padded."""
+        rows = [req.id_slot for req in reqs]
+        if rows and max(rows) >= len(self._mirrors):
+            self._grow(max(rows) + 1, 1)
         width = 1
+        mirrors, lens = self._mirrors, self._lens
         for req in reqs:
             blocks, row = req.block_ids, req.id_slot
             n = len(blocks)
-            width = max(width, n)
-            if row >= self.table.shape[0] or n > self.table.shape[1]:
-                self._grow(row + 1, n)
-            if self._mirrors[row] is not blocks:  # another request, or this one with a rebuilt table
-                self.table[row, :n] = blocks
-                self.table[row, n:] = 0
-                self._mirrors[row], self._lens[row] = blocks, n
-            elif self._lens[row] != n:
-                self.table[row, self._lens[row] : n] = blocks[self._lens[row] :]
-                self._lens[row] = n
-        return self.table[[req.id_slot for req in reqs], :width]
+            if n > width:
+                width = n
+            if mirrors[row] is not blocks or lens[row] != n:  # new blocks, another request or a rebuilt table
+                self._copy(row, blocks)
+        return self.table[rows, :width]
+
+    def _copy(self, row: int, blocks: list[int]) -> None:
+        n = len(blocks)
+        if n > self.table.shape[1]:
+            self._grow(0, n)
+        if self._mirrors[row] is not blocks:
+            self.table[row, :n] = blocks
+            self.table[row, n:] = 0
+            self._mirrors[row] = blocks
+        else:
+            self.table[row, self._lens[row] : n] = blocks[self._lens[row] :]
+        self._lens[row] = n
 
     def _grow(self, rows: int, width: int) -> None:
         old = self.table
@@ -154,6 +164,7 @@ class ModelRunner:
         self.backend = get_backend(device)
         self.sampler = Sampler(vocab_size, device)
         self.block_tables = BlockTables()
+        self.sampling_table = ParamTable()  # by scheduler slot, like block_tables
         self.graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine on CUDA
         self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
@@ -170,25 +181,31 @@ class ModelRunner:
         rows: list[int] = []
         dst: list[int] = []  # flat rows whose input id comes from feed.token_ids[src]
         src: list[int] = []
+        total = 0  # len(ids)
         for i, s in enumerate(plan.scheduled):
             req = s.request
             start, n = req.num_computed, s.num_new_tokens
-            base = len(ids)
             if req.num_pending:  # only the last fed token can be pending: the step in flight sampled it
-                ids += req.token_slice(start, start + n - 1)
-                dst.append(len(ids))
-                src.append(feed.rows[req.request_id])
+                if n > 1:
+                    ids += req.token_slice(start, start + n - 1)
+                dst.append(total + n - 1)
+                src.append(req.sample_row)  # (its row in feed: read before this step's row is written below)
                 ids.append(0)
             else:
                 ids += req.token_slice(start, start + n)
-            ids += s.draft_tokens
-            starts.append(start)
-            qsl.append(len(ids))
-            lens.append(start + len(ids) - base)
-            if start + n == req.num_tokens:  # s.samples
+            count = n
+            if s.draft_tokens:
+                ids += s.draft_tokens
+                count += len(s.draft_tokens)
+            if s.samples:
                 # A sampling row reads the last known token's logits, then one row per draft token.
+                req.sample_row = len(sampling)
                 sampling.append(i)
-                rows.extend(range(base + n - 1, len(ids)))
+                rows.extend(range(total + n - 1, total + count))
+            total += count
+            starts.append(start)
+            qsl.append(total)
+            lens.append(start + count)
         table = self.block_tables.gather([s.request for s in plan.scheduled])
         positions, slots = _layout(starts, qsl, table, self.block_size)
         every_row = len(rows) == len(ids)  # rows ascend, so this means rows == range(T)
@@ -239,8 +256,7 @@ class ModelRunner:
         batch = self.prepare(plan, feed)
         hidden, aux, logits = self.forward(batch)
         n = len(plan.scheduled)
-        out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux,
-                         [len(s.draft_tokens) for s in plan.scheduled])
+        out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
         step = LaunchedStep(plan, batch.sampling, out)
         if not batch.sampling:
             return step
@@ -251,9 +267,12 @@ class ModelRunner:
         elif rows is not None:  # a graph step with a row that does not sample (a one-token prefill chunk)
             logits = logits.index_select(0, rows)
         sampled_reqs = [plan.scheduled[i] for i in sampling]
-        drafts = [s.draft_tokens for s in sampled_reqs]
-        sbatch = self.sampler.prepare(self.row_specs(sampled_reqs), sample_only=not any(drafts))
-        if any(drafts):
+        specs = self.row_specs(sampled_reqs)
+        verifies = len(specs.slots) > len(sampled_reqs)  # some request has draft rows
+        sbatch = self.sampler.prepare(specs, sample_only=not verifies)
+        step.reads_history = specs.histories is not None
+        if verifies:
+            drafts = [s.draft_tokens for s in sampled_reqs]
             probs = draft_probs or {}
             q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
             verdict = verify(self.sampler, logits, sbatch, drafts, q)
@@ -264,7 +283,6 @@ class ModelRunner:
         else:
             sampled = self.sampler.sample(logits, sbatch)
             step.token_ids = sampled.token_ids
-            step.rows = {s.request.request_id: r for r, s in enumerate(sampled_reqs)}
             step.starts = range(len(sampling))
         step.host = [_to_host(t) for t in ((sampled.token_ids,) if step.tokens is None else ())
                      + ((sampled.top_ids, sampled.top_logprobs, sampled.chosen_logprob)
@@ -285,35 +303,42 @@ class ModelRunner:
             step.ready.synchronize()  # the step's one host synchronisation
         host = [t.tolist() for t in step.host]
         tokens = step.tokens if step.tokens is not None else [[t] for t in host.pop(0)]
-        top = host if host else None
-        for r, i in enumerate(step.sampling):
-            out.tokens[i] = tokens[r]
-            n_probs = plan.scheduled[i].request.params.n_probs
-            if top is not None and n_probs > 0:
-                ids, lps, chosen = top
-                out.logprobs[i] = [TokenLogprob(tok, chosen[p], list(zip(ids[p][:n_probs], lps[p][:n_probs])))
-                                   for p, tok in enumerate(tokens[r], start=step.starts[r])]
+        for i, toks in zip(step.sampling, tokens):
+            out.tokens[i] = toks
+        if host:  # log-prob parts, for the requests that asked
+            ids, lps, chosen = host
+            for r, i in enumerate(step.sampling):
+                n_probs = plan.scheduled[i].request.params.n_probs
+                if n_probs > 0:
+                    out.logprobs[i] = [TokenLogprob(tok, chosen[p], list(zip(ids[p][:n_probs], lps[p][:n_probs])))
+                                       for p, tok in enumerate(tokens[r], start=step.starts[r])]
         return out
 
     def execute(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None) -> StepOutput:
         """launch + collect: one synchronous step."""
         return self.collect(self.launch(plan, draft_probs))
 
-    def row_specs(self, sampled: list[ScheduledRequest]) -> list[RowSpec]:
-        """One sampling row per logits row of these (sampling) requests: params, seed, output index (RNG counter),
-        history and bans."""
-        specs: list[RowSpec] = []
-        for s in sampled:
-            req = s.request
-            p = req.params
-            history = _penalty_window(req, p)
-            n_out = req.num_tokens - req.num_prompt  # a pending token (overlap scheduling) counts: it is output
-            for j in range(len(s.draft_tokens) + 1):
-                step = n_out + j
-                # EOS/EOG may not be sampled with ignore_eos, nor before min_tokens (llama-server bans them).
-                banned = self.eog_ids if p.ignore_eos or step < p.min_tokens else ()
-                specs.append(RowSpec(p, req.seed, step, history + s.draft_tokens[:j] if j else history, banned))
-        return specs
+    def row_specs(self, sampled: list[ScheduledRequest]) -> SamplingRows:
+        """The sampling rows of these (sampling) requests, one per logits row (the last known token's, then one
+        per draft token): the request's parameter slot, the output index sampled (the RNG counter) and, when a
+        penalty reads it, the history."""
+        reqs = [s.request for s in sampled]
+        self.sampling_table.sync(reqs)
+        slot_ids = [req.id_slot for req in reqs]
+        slots = np.array(slot_ids, dtype=np.int64)
+        # Output index: a pending token (overlap scheduling) counts, it is output.
+        steps = np.array([len(req.output_ids) + req.num_pending for req in reqs], dtype=np.int64)
+        counts = [len(s.draft_tokens) + 1 for s in sampled]
+        if len(sampled) < sum(counts):  # draft rows follow their request's row, each one output index further
+            first = np.cumsum(counts) - counts
+            slots, steps = np.repeat(slots, counts), np.repeat(steps - first, counts) + np.arange(sum(counts))
+        histories = None
+        if self.sampling_table.penalized(slot_ids):
+            histories = []
+            for s in sampled:
+                window = _penalty_window(s.request)
+                histories += [window + s.draft_tokens[:j] for j in range(len(s.draft_tokens) + 1)]
+        return SamplingRows(self.sampling_table, slots, steps, histories, self.eog_ids)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -329,9 +354,9 @@ def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
     return None if q is None or k == 0 else q[:k]
 
 
-def _penalty_window(req: Request, params: SamplingParams) -> list[int]:
+def _penalty_window(req: Request) -> list[int]:
     """The recent tokens the penalties look at (none when no penalty is set)."""
-    p = params
+    p = req.params
     if not p.penalized:
         return []
     n = req.num_tokens

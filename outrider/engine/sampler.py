@@ -14,6 +14,8 @@ draws on streams 1 and 2.
 Usage, once per step (no host sync until the runner copies `token_ids` back):
     batch = sampler.prepare([RowSpec(params, seed, step, history) for each logits row])
     out = sampler.sample(logits, batch)  # out.token_ids [N] int64 on the logits' device
+The runner passes SamplingRows instead: the same rows by column, over a ParamTable it keeps across steps, so a
+step's host work is a gather rather than a pass over every row's parameters.
 Speculative verification (spec/verify.py) uses `processed` (the sparse processed distribution), `uniform`
 and `gumbel_argmax` on its own streams, and `with_logprobs` for the tokens it commits.
 
@@ -27,12 +29,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from outrider.engine.upload import to_device
 from outrider.params import SamplingParams
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 # Independent noise streams per (seed, step): plain draws, and speculative verification's two (spec/verify.py).
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
@@ -73,7 +79,7 @@ def _to_unit(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass costs ~3x to build, and the runner builds one per row
+@dataclass(slots=True)
 class RowSpec:
     """What the sampler needs to know about one logits row."""
 
@@ -81,29 +87,135 @@ class RowSpec:
     seed: int
     step: int  # index of the output token this row samples: the RNG counter
     history: Sequence[int] = ()  # tokens before this row's position (prompt, outputs, earlier drafts)
-    banned: Sequence[int] = ()  # engine-imposed bans (ignore_eos, min_tokens): bias -inf
+    banned: Sequence[int] = ()  # ids this row may not sample: bias -inf
+
+
+# ParamTable columns: its float32 rows, then its int64 rows.
+_TEMPERATURE, _DIVISOR, _TOP_P, _MIN_P, _TYPICAL_P, _REPEAT, _PRESENCE, _FREQUENCY = range(8)
+_FLAGS, _TOP_K, _WIDTH_K, _N_PROBS, _EOG_BANNED_UNTIL, _SEED_KEY, _REPEAT_LAST_N = range(7)
+_NO_LIMIT = np.iinfo(np.int64).max
+
+
+class _Flag:
+    """A slot's flags, what its rows need: a batch ORs them (some row needs it) and ANDs them (every row does)."""
+
+    GREEDY = 1  # temperature <= 0
+    DEVICE_GREEDY = 2  # the float32 temperature (what the device tests) <= 0
+    TOP_P = 4  # top_p < 1
+    MIN_P = 8  # min_p > 0
+    TYPICAL = 16  # sampled with typical_p < 1
+    NO_TOP_K = 32  # sampled with top-k disabled
+    PENALIZED = 64
+    BIASED = 128  # a logit bias, or banned ids
+    LOGPROBS = 256  # n_probs > 0
+
+
+class ParamTable:
+    """Sampling parameters and seeds by slot, as columns that a step gathers its rows from.
+
+    The runner keeps one across steps, a slot per scheduler slot: a slot mirrors one request, recognised by
+    identity, and is rewritten only when another request takes it (parameters and seed never change)."""
+
+    def __init__(self, size: int = 0) -> None:
+        self.floats = np.zeros((8, size), dtype=np.float32)
+        self.ints = np.zeros((7, size), dtype=np.int64)
+        self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * size  # with the banned ids at -inf
+        self._owners: list[object | None] = [None] * size  # the request each slot mirrors
+        self._penalized: set[int] = set()  # slots whose penalties read the history
+
+    def sync(self, reqs: Sequence[Request]) -> None:
+        """Mirror these running requests at their slots (id_slot)."""
+        for req in reqs:
+            slot = req.id_slot
+            if slot >= len(self._owners) or self._owners[slot] is not req:
+                self.write(slot, req.params, req.seed, owner=req)
+
+    def write(self, slot: int, params: SamplingParams, seed: int, banned: Sequence[int] = (),
+              owner: object | None = None) -> None:
+        """Set a slot's parameters and seed, with `banned` ids biased -inf, for `owner` (the request it mirrors)."""
+        if slot >= len(self._owners):
+            self._grow(slot + 1)
+        p, sampled = params, not params.greedy
+        f = self.floats[:, slot]
+        f[:] = (p.temperature, p.temperature if sampled else 1.0, p.top_p, p.min_p, p.typical_p, p.repeat_penalty,
+                p.presence_penalty, p.frequency_penalty)
+        bias = (*p.logit_bias, *((tok, -math.inf) for tok in banned))
+        flags = {_Flag.GREEDY: not sampled, _Flag.DEVICE_GREEDY: f[_TEMPERATURE] <= 0, _Flag.TOP_P: f[_TOP_P] < 1.0,
+                 _Flag.MIN_P: f[_MIN_P] > 0.0, _Flag.TYPICAL: sampled and f[_TYPICAL_P] < 1.0,
+                 _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.penalized, _Flag.BIASED: bool(bias),
+                 _Flag.LOGPROBS: p.n_probs > 0}
+        self.ints[:, slot] = (
+            sum(flag for flag, on in flags.items() if on),
+            p.top_k if p.top_k > 0 else _NO_LIMIT,  # a row keeps min(this, width) candidates
+            p.top_k if sampled and p.top_k > 0 else 1,  # the width it asks for
+            p.n_probs,
+            _NO_LIMIT if p.ignore_eos else p.min_tokens,  # (llama-server bans EOG with ignore_eos, or before)
+            _seed_key(seed),
+            p.repeat_last_n,
+        )
+        self.logit_bias[slot] = bias
+        self._owners[slot] = owner
+        if p.penalized:
+            self._penalized.add(slot)
+        else:
+            self._penalized.discard(slot)
+
+    def penalized(self, slots: Sequence[int]) -> bool:
+        """True when a penalty reads the history of a row at these slots."""
+        return bool(self._penalized) and not self._penalized.isdisjoint(slots)
+
+    def _grow(self, size: int) -> None:
+        old = len(self._owners)
+        size = max(size, 2 * old)
+        self.floats = np.concatenate([self.floats, np.zeros((8, size - old), dtype=np.float32)], axis=1)
+        self.ints = np.concatenate([self.ints, np.zeros((7, size - old), dtype=np.int64)], axis=1)
+        self.logit_bias += [()] * (size - old)
+        self._owners += [None] * (size - old)
+
+
+@dataclass
+class SamplingRows:
+    """A batch's logits rows by column: row r samples with the parameters and seed at `table` slot slots[r], as
+    output index steps[r] (its RNG counter)."""
+
+    table: ParamTable
+    slots: np.ndarray  # [N] int64
+    steps: np.ndarray  # [N] int64
+    histories: Sequence[Sequence[int]] | None = None  # per row, the tokens before it (None: no row is penalised)
+    eog_ids: Sequence[int] = ()  # end-of-generation ids: banned (llama-server) with ignore_eos, or before min_tokens
+
+    @classmethod
+    def of(cls, specs: Sequence[RowSpec]) -> SamplingRows:
+        """The rows of these specs, each with its own table slot."""
+        table = ParamTable(len(specs))
+        for i, r in enumerate(specs):
+            table.write(i, r.params, r.seed, r.banned)
+        return cls(table, np.arange(len(specs)), np.array([r.step for r in specs], dtype=np.int64),
+                   [r.history for r in specs])
 
 
 @dataclass
 class SamplingBatch:
-    """Device tensors for one step, built by `Sampler.prepare`; host flags pick the work to do."""
+    """Device tensors for one step, built by `Sampler.prepare`. A filter's tensor is None when no row needs it
+    (every step pays a few microseconds of host time per device op it launches)."""
 
     num_rows: int
-    # The filter tensors are None in an all-greedy batch prepared with sample_only.
-    greedy: torch.Tensor | None  # [N] bool
+    # The filter tensors are all None in an all-greedy batch prepared with sample_only.
+    greedy: torch.Tensor | None  # [N] bool; None: no row is greedy
     temperature: torch.Tensor | None  # [N] float32 (1 for greedy rows, never used there)
-    top_k: torch.Tensor | None  # [N] int64, `width` when disabled
-    top_p: torch.Tensor | None  # [N] float32
-    min_p: torch.Tensor | None
-    typical_p: torch.Tensor | None
-    stream_keys: torch.Tensor | None  # [NUM_STREAMS, N] int64: hash of (seed, step, stream)
+    top_k: torch.Tensor | None  # [N] int64, `width` when disabled; None: every row keeps `width`
+    top_p: torch.Tensor | None  # [N] float32; None: every row disables top-p (1.0)
+    min_p: torch.Tensor | None  # None: every row disables min-p (0.0)
+    typical_p: torch.Tensor | None  # None: no sampled row uses typical sampling
+    stream_keys: torch.Tensor | None  # [S, N] int64: hash of (seed, step, stream); S = 1 with sample_only
     width: int  # candidate columns kept after top-k (the vocab when some sampled row disables top-k)
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     # ^ rows, token ids (one entry per occurrence), repeat, presence, frequency [N]
     n_probs: int  # max n_probs over the rows (0 = no log-probs)
-    use_typical: bool
     all_greedy: bool
+    some_top_p_off: bool = False  # some rows disable top-p while others use it
+    eog_ban: torch.Tensor | None = None  # [E] EOG ids that no row may sample (else bans are in `bias`)
 
 
 @dataclass
@@ -136,104 +248,127 @@ class Sampler:
         self.device = torch.device(device)
         # On CUDA the ~30 integer ops of the noise hash fuse into one kernel; eager elsewhere.
         self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
+        self._range = torch.arange(vocab_size, device=self.device)  # see _arange
+        self._neg_inf = torch.tensor(-math.inf, device=self.device)
+        # EOG ids as given, those the logits cover, and those on the device
+        self._eog: tuple[Sequence[int], list[int], torch.Tensor] | None = None
 
     # --- building the step's tensors (host side, once per step) ---
-    def prepare(self, rows: Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
+    def prepare(self, rows: SamplingRows | Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
         """Device tensors for these rows, uploaded in one copy. With `sample_only` (the batch goes to `sample`,
         not `processed`), an all-greedy batch skips the filter tensors, whose upload is most of a small step's
-        host time."""
-        V = self.vocab_size
-        ps = [r.params for r in rows]
-        greedy = [p.temperature <= 0 for p in ps]
-        bias, penalties = self._bias(rows), self._penalties(rows)
+        host time, and only the plain draws' noise stream is keyed."""
+        if not isinstance(rows, SamplingRows):
+            rows = SamplingRows.of(rows)
+        floats, ints = rows.table.floats[:, rows.slots], rows.table.ints[:, rows.slots]
+        some, every = int(np.bitwise_or.reduce(ints[_FLAGS])), int(np.bitwise_and.reduce(ints[_FLAGS]))
+        banned = np.flatnonzero(rows.steps < ints[_EOG_BANNED_UNTIL]) if rows.eog_ids else ()
+        ban_every_row = 0 < len(banned) == len(rows.slots)  # (the usual case, ignore_eos: nothing to upload)
+        bias = self._bias(rows, ints, some, () if ban_every_row else banned)
+        penalties = self._penalties(rows, floats, ints) if some & _Flag.PENALIZED else None
         parts: list[tuple] = [*(bias or ()), *(penalties or ())]
-        filters = not (all(greedy) and sample_only)
+        all_greedy = bool(every & _Flag.GREEDY)
+        filters = not (all_greedy and sample_only)
         if filters:
-            sampled = [p for p, g in zip(ps, greedy) if not g]
-            width = min(V, max((p.top_k for p in sampled), default=1)) if all(p.top_k > 0 for p in sampled) else V
-            # Rows: temperature as given (<= 0: greedy), the one logits are divided by (1 when greedy), top_p, ...
-            floats = np.array([[p.temperature for p in ps], [1.0 if g else p.temperature for p, g in zip(ps, greedy)],
-                               [p.top_p for p in ps], [p.min_p for p in ps], [p.typical_p for p in ps]],
-                              dtype=np.float32)
-            top_k = [p.top_k if 0 < p.top_k < width else width for p in ps]
-            parts += [(floats, np.float32), (top_k, np.int64), (_stream_keys(rows), np.int64)]
+            V = self.vocab_size
+            width = V if some & _Flag.NO_TOP_K else min(V, int(ints[_WIDTH_K].max()))
+            top_k = np.minimum(ints[_TOP_K], width)
+            keys = _stream_keys(ints[_SEED_KEY], rows.steps, 1 if sample_only else NUM_STREAMS)
+            parts += [(floats[:_REPEAT], np.float32), (top_k, np.int64), (keys, np.int64)]
         dev = to_device(parts, self.device)
         if bias:
             bias, dev = tuple(dev[:3]), dev[3:]
         if penalties:
             (at, toks, coef), dev = dev[:3], dev[3:]
             penalties = (at, toks, coef[0], coef[1], coef[2])
-        n_probs = max((p.n_probs for p in ps), default=0)
+        eog_ban = self._eog_ids(rows.eog_ids)[1] if ban_every_row else None
+        n_probs = int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0
         if not filters:
-            return SamplingBatch(len(rows), None, None, None, None, None, None, None, V, bias, penalties, n_probs,
-                                 False, True)
-        floats, top_k, keys = dev
+            return SamplingBatch(len(rows.slots), None, None, None, None, None, None, None, self.vocab_size, bias,
+                                 penalties, n_probs, True, eog_ban=eog_ban)
+        filt, top_k_dev, keys_dev = dev
         return SamplingBatch(
-            num_rows=len(rows),
-            greedy=floats[0] <= 0,
-            temperature=floats[1],
-            top_k=top_k,
-            top_p=floats[2],
-            min_p=floats[3],
-            typical_p=floats[4],
-            stream_keys=keys,
+            num_rows=len(rows.slots),
+            greedy=filt[_TEMPERATURE] <= 0 if some & _Flag.DEVICE_GREEDY else None,
+            temperature=filt[_DIVISOR],
+            top_k=top_k_dev if top_k.min() < width else None,
+            top_p=filt[_TOP_P] if some & _Flag.TOP_P else None,
+            min_p=filt[_MIN_P] if some & _Flag.MIN_P else None,
+            typical_p=filt[_TYPICAL_P] if some & _Flag.TYPICAL else None,
+            stream_keys=keys_dev,
             width=width,
             bias=bias,
             penalties=penalties,
             n_probs=n_probs,
-            use_typical=any(p.typical_p < 1.0 for p in sampled),
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
+            some_top_p_off=not every & _Flag.TOP_P,
+            eog_ban=eog_ban,
         )
 
-    def _bias(self, rows: Sequence[RowSpec]) -> list[tuple] | None:
-        """Upload parts for (rows, token ids, values) of the logit bias and engine bans (-inf); None if none."""
+    def _bias(self, rows: SamplingRows, ints: np.ndarray, flags: int, banned: Sequence[int]) -> list[tuple] | None:
+        """Upload parts for (rows, token ids, values) of the logit bias and the EOG bans of rows `banned` (-inf);
+        None if none."""
         at: list[int] = []
         toks: list[int] = []
         vals: list[float] = []
-        for i, r in enumerate(rows):
-            for tok, b in r.params.logit_bias:
-                at.append(i)
-                toks.append(tok)
-                vals.append(b)
-            if r.banned:
-                at += [i] * len(r.banned)
-                toks += r.banned
-                vals += [-math.inf] * len(r.banned)
-        if toks and (min(toks) < 0 or max(toks) >= self.vocab_size):  # llama-server ignores bad ids too
-            keep = [j for j, tok in enumerate(toks) if 0 <= tok < self.vocab_size]
-            at, toks, vals = [at[j] for j in keep], [toks[j] for j in keep], [vals[j] for j in keep]
+        if flags & _Flag.BIASED:
+            for r in np.flatnonzero(ints[_FLAGS] & _Flag.BIASED).tolist():
+                for tok, b in rows.table.logit_bias[rows.slots[r]]:
+                    at.append(r)
+                    toks.append(tok)
+                    vals.append(b)
+            if toks and (min(toks) < 0 or max(toks) >= self.vocab_size):  # llama-server ignores bad ids too
+                keep = [j for j, tok in enumerate(toks) if 0 <= tok < self.vocab_size]
+                at, toks, vals = [at[j] for j in keep], [toks[j] for j in keep], [vals[j] for j in keep]
+        if len(banned):
+            eog = self._eog_ids(rows.eog_ids)[0]
+            for r in banned.tolist():
+                at += [r] * len(eog)
+                toks += eog
+                vals += [-math.inf] * len(eog)
         return [(at, np.int64), (toks, np.int64), (vals, np.float32)] if toks else None
 
-    def _penalties(self, rows: Sequence[RowSpec]) -> list[tuple] | None:
+    def _arange(self, n: int) -> torch.Tensor:
+        """0..n-1 on the device: a view of a range kept across steps (a view launches nothing)."""
+        if len(self._range) < n:
+            self._range = torch.arange(max(n, 2 * len(self._range)), device=self.device)
+        return self._range[:n]
+
+    def _eog_ids(self, eog_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """The end-of-generation ids the logits cover, on the host and on the device (uploaded once)."""
+        if self._eog is None or self._eog[0] != eog_ids:
+            valid = [i for i in eog_ids if 0 <= i < self.vocab_size]
+            self._eog = (eog_ids, valid, torch.tensor(valid, dtype=torch.int64, device=self.device))
+        return self._eog[1:]
+
+    def _penalties(self, rows: SamplingRows, floats: np.ndarray, ints: np.ndarray) -> list[tuple] | None:
         """Upload parts for (rows, token ids: one entry per occurrence in the window, [3, N] repeat, presence and
         frequency penalties); None if no row has a penalty."""
+        if rows.histories is None:
+            return None
         at: list[int] = []
         toks: list[int] = []
-        for i, r in enumerate(rows):
-            p = r.params
-            n = p.repeat_last_n if p.repeat_last_n >= 0 else len(r.history)
-            off = p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            if off or n == 0:
-                continue
-            window = [t for t in list(r.history[-n:]) if 0 <= t < self.vocab_size]
-            at += [i] * len(window)
+        for r in np.flatnonzero(ints[_FLAGS] & _Flag.PENALIZED).tolist():
+            n, history = int(ints[_REPEAT_LAST_N, r]), rows.histories[r]
+            window = [t for t in (history[-n:] if n > 0 else history) if 0 <= t < self.vocab_size]  # -1: all
+            at += [r] * len(window)
             toks += window
         if not toks:
             return None
-        ps = [r.params for r in rows]
-        coef = np.array([[p.repeat_penalty for p in ps], [p.presence_penalty for p in ps],
-                         [p.frequency_penalty for p in ps]], dtype=np.float32)
-        return [(at, np.int64), (toks, np.int64), (coef, np.float32)]
+        return [(at, np.int64), (toks, np.int64), (floats[_REPEAT:], np.float32)]
 
     # --- device side ---
     def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Logits after logit bias and penalties (a new tensor; the input is left alone)."""
-        if batch.bias is None and batch.penalties is None:
+        """Logits after logit bias, bans and penalties (a new tensor; the input is left alone)."""
+        if batch.bias is None and batch.eog_ban is None and batch.penalties is None:
             return logits.float()  # nothing to adjust (compute_logits already returns float32: no copy)
         out = logits.float().clone()
         if batch.bias is not None:
             rows, toks, vals = batch.bias
             out.index_put_((rows, toks), vals, accumulate=True)
+        if batch.eog_ban is not None:  # (added, as a bias of -inf is)
+            eog = batch.eog_ban
+            out.index_add_(1, eog, self._neg_inf.expand(len(out), len(eog)))
         if batch.penalties is not None:
             rows, toks, repeat, presence, frequency = batch.penalties
             counts = torch.zeros_like(out)
@@ -252,15 +387,23 @@ class Sampler:
         # Best first. A full sort beats topk when every column is kept (some row has no top-k).
         full = batch.width == adjusted.shape[-1]
         vals, ids = adjusted.sort(dim=-1, descending=True) if full else adjusted.topk(batch.width, dim=-1)
-        rank = torch.arange(batch.width, device=vals.device)
-        keep = rank[None, :] < batch.top_k[:, None]
-        if batch.use_typical:
-            keep &= _typical_keep(vals, keep, batch.typical_p)
-        probs = torch.softmax(vals.masked_fill(~keep, -math.inf), dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of better tokens: top-p keeps the one crossing p
-        keep &= (before < batch.top_p[:, None]) | (batch.top_p[:, None] >= 1.0)
-        keep &= vals >= vals[:, :1] + torch.log(batch.min_p)[:, None]  # min-p relative to the best token
-        logp = torch.log_softmax(vals.masked_fill(~keep, -math.inf) / batch.temperature[:, None], dim=-1)
+        rank = self._arange(batch.width)
+        # Each filter narrows `keep`, the candidates still in (None: all of them); filters no row uses are skipped.
+        keep = rank[None, :] < batch.top_k[:, None] if batch.top_k is not None else None
+        if batch.typical_p is not None:
+            keep = _and(keep, _typical_keep(vals, keep, batch.typical_p))
+        if batch.top_p is not None:
+            probs = torch.softmax(_masked(vals, keep), dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # mass of better tokens: top-p keeps the one crossing p
+            in_top_p = before < batch.top_p[:, None]
+            if batch.some_top_p_off:
+                in_top_p |= batch.top_p[:, None] >= 1.0
+            keep = _and(keep, in_top_p)
+        if batch.min_p is not None:  # min-p relative to the best token
+            keep = _and(keep, vals >= vals[:, :1] + torch.log(batch.min_p)[:, None])
+        logp = torch.log_softmax(_masked(vals, keep) / batch.temperature[:, None], dim=-1)
+        if batch.greedy is None:
+            return Processed(adjusted, logp, ids)
         # Greedy rows: all mass on argmax (whose tie-break is defined, unlike topk's), in column 0.
         # (Built with where: writing one element of a device tensor from Python syncs the host.)
         greedy = batch.greedy[:, None]
@@ -306,16 +449,28 @@ class Sampler:
         return _to_unit(_absorb(batch.stream_keys[stream], _M32))
 
 
-def _stream_keys(rows: Sequence[RowSpec]) -> np.ndarray:
-    """[NUM_STREAMS, N] int64 hashes of (seed, step, stream), on the host. The hash uses operators only, so it
-    runs on Python ints for a few rows and on numpy arrays for many: whichever costs less for the batch."""
-    if len(rows) <= 8:
-        keys = [_absorb(_absorb(_absorb(_SALT, r.seed & _M32), (r.seed >> 32) & _M32), r.step & _M32) for r in rows]
-        return np.array([[_absorb(k, stream) for k in keys] for stream in range(NUM_STREAMS)], dtype=np.int64)
-    seeds = np.array([r.seed & _M32 for r in rows] + [(r.seed >> 32) & _M32 for r in rows], dtype=np.uint64)
-    steps = np.array([r.step & _M32 for r in rows], dtype=np.uint64)
-    row = _absorb(_absorb(_absorb(_SALT, seeds[: len(rows)]), seeds[len(rows) :]), steps)
-    return _absorb(row[None, :], np.arange(NUM_STREAMS, dtype=np.uint64)[:, None]).view(np.int64)  # (< 2^32)
+def _seed_key(seed: int) -> int:
+    """The hash state after a row's seed: _stream_keys continues it with the step and the stream."""
+    return _absorb(_absorb(_SALT, seed & _M32), (seed >> 32) & _M32)
+
+
+def _stream_keys(seed_keys: np.ndarray, steps: np.ndarray, streams: int) -> np.ndarray:
+    """[streams, N] int64 hashes of (seed, step, stream), on the host. The hash uses operators only, so it runs
+    on Python ints for a few rows and on numpy arrays for many: whichever costs less for the batch."""
+    if len(steps) <= 8:
+        keys = [_absorb(k, step) for k, step in zip(seed_keys.tolist(), steps.tolist())]
+        return np.array([[_absorb(k, stream) for k in keys] for stream in range(streams)], dtype=np.int64)
+    row = _absorb(seed_keys.astype(np.uint64), steps.astype(np.uint64))
+    return _absorb(row[None, :], np.arange(streams, dtype=np.uint64)[:, None]).view(np.int64)  # (< 2^32)
+
+
+def _masked(vals: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """vals with the candidates outside `keep` at -inf (None: all kept)."""
+    return vals if keep is None else torch.where(keep, vals, -math.inf)
+
+
+def _and(keep: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if keep is None else keep & more
 
 
 def _gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -323,8 +478,10 @@ def _gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(_to_unit(_absorb(keys, ids))))
 
 
-def _typical_keep(vals: torch.Tensor, keep: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+def _typical_keep(vals: torch.Tensor, keep: torch.Tensor | None, typical_p: torch.Tensor) -> torch.Tensor:
     """llama.cpp typical sampling: keep the tokens whose surprise is closest to the entropy, up to mass p."""
+    if keep is None:
+        keep = torch.ones_like(vals, dtype=torch.bool)
     logp = torch.log_softmax(vals.masked_fill(~keep, -math.inf), dim=-1)
     p = logp.exp()
     entropy = -(p * logp.masked_fill(~keep, 0.0)).sum(-1, keepdim=True)

@@ -16,21 +16,16 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import Request, Status
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # known tokens fed this step (prompt chunk, or the last sampled token)
+    samples: bool  # this step computes the request's last known token, so its logits are sampled
     draft_tokens: list[int] = field(default_factory=list)  # speculative proposals fed after them
 
     @property
     def num_query_tokens(self) -> int:
         return self.num_new_tokens + len(self.draft_tokens)
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so its logits are sampled."""
-        req = self.request
-        return req.num_computed + self.num_new_tokens == req.num_tokens
 
 
 @dataclass
@@ -87,7 +82,8 @@ class Scheduler:
         queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
             req = queue.popleft()
-            if req.num_pending and req.output_limit_reached(self.max_model_len):
+            pending = req.num_pending
+            if pending and len(req.output_ids) + pending >= req.max_output_tokens:
                 continue  # its token in flight is its last (overlap scheduling)
             todo = req.num_tokens - req.num_computed
             n = todo if todo < budget else budget  # (min() costs several times more, per request per step)
@@ -100,17 +96,15 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, draft))
+                scheduled.append(ScheduledRequest(req, n, n == todo, draft))
                 budget -= n + len(draft)
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            matched_tokens = len(self.pool.match_prefix(req)) * self.pool.block_size
-            n = min(req.num_tokens - matched_tokens, budget)
-            if not self.pool.admit(req, n):
+            n = self.pool.admit(req, budget)
+            if not n:
                 break
             self.waiting.popleft()
-            n = min(req.num_tokens - req.num_computed, budget)
             req.status = Status.RUNNING
             req.id_slot = self.free_slots.pop(0)
             if req.num_preemptions == 0:  # first admission (not a resume after preemption)
@@ -119,7 +113,7 @@ class Scheduler:
                 req.timing.prompt_n = req.num_prompt - req.num_computed
                 admitted.append(req)
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, n))
+            scheduled.append(ScheduledRequest(req, n, req.num_computed + n == req.num_tokens))
             budget -= n
         return StepPlan(scheduled, preempted, admitted)
 

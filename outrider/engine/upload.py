@@ -20,32 +20,28 @@ def to_device(parts: Sequence[tuple[Sequence | np.ndarray, type]], device: torch
     would compile (and run) other variants than the ones warmed up."""
     if not parts:
         return []
-    offsets, words = [], 0  # in 4-byte words
+    layout = []  # (values, dtype, first element in the dtype's view, size, shape: None when 1-D, needing no view)
+    words = 0  # in 4-byte words
     for values, dtype in parts:
-        offsets.append(words)
-        size = values.size if isinstance(values, np.ndarray) else len(values)
+        array = isinstance(values, np.ndarray)
+        size = values.size if array else len(values)
+        shape = values.shape if array and values.ndim != 1 else None
+        layout.append((values, dtype, words // _WORDS[dtype], size, shape))
         words += -(-size * _WORDS[dtype] // 4) * 4
     # A fresh buffer per call: the caching host allocator keeps it from reuse until its copy has run.
     buf = torch.empty(words, dtype=torch.int32, pin_memory=device.type == "cuda")
     host = buf.numpy()
     host_views = {np.int32: host}
-    for (values, dtype), off in zip(parts, offsets):
+    for values, dtype, start, size, shape in layout:
         if dtype not in host_views:
             host_views[dtype] = host.view(dtype)
-        start = off // _WORDS[dtype]
-        if isinstance(values, np.ndarray):
-            host_views[dtype][start : start + values.size] = values.ravel()
-        else:
-            host_views[dtype][start : start + len(values)] = values
+        host_views[dtype][start : start + size] = values if shape is None else values.ravel()
     dev = buf.to(device, non_blocking=True)
     dev_views = {np.int32: dev}
     out = []
-    for (values, dtype), off in zip(parts, offsets):
+    for values, dtype, start, size, shape in layout:
         if dtype not in dev_views:
             dev_views[dtype] = dev.view(_TORCH[dtype])
-        start = off // _WORDS[dtype]
-        if isinstance(values, np.ndarray):
-            out.append(dev_views[dtype][start : start + values.size].view(values.shape))
-        else:
-            out.append(dev_views[dtype][start : start + len(values)])
+        view = dev_views[dtype][start : start + size]
+        out.append(view if shape is None else view.view(shape))
     return out
