@@ -11,6 +11,7 @@ Queue wait (t_prompt_start - t_arrival) is not part of `timings`; it feeds a /me
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -63,6 +64,13 @@ class RequestTiming:
     def mark_finished(self, t: float | None = None) -> None:
         if self.t_finish is None:
             self.t_finish = now() if t is None else t
+
+    def snapshot(self) -> RequestTiming:
+        """A copy as of now: what a frame rendered later on another thread must show (the engine thread keeps
+        stamping this record, so reading it then would report work done after the frame's tokens)."""
+        snap = copy.copy(self)
+        snap.accepted_per_position = list(self.accepted_per_position)
+        return snap
 
     # --- derived figures ---
     @property

@@ -67,3 +67,18 @@ def test_stamps_are_idempotent_where_they_must_be():
     t.mark_tokens(0, 9.0)  # a step that commits nothing stamps nothing
     assert t.prompt_ms == 2000.0 and t.t_last_token == 3.0
     assert t.queue_ms == 1000.0
+
+
+def test_snapshot_keeps_the_figures_of_its_moment():
+    """A streamed frame renders a snapshot: later stamps on the live record never reach it."""
+    t = RequestTiming(t_arrival=0.0)
+    t.mark_prompt_start(1.0)
+    t.mark_tokens(1, 2.0)
+    snap = t.snapshot()
+    before = snap.to_timings()
+    t.mark_draft_round(3, 2)
+    t.mark_tokens(3, 2.5)
+    t.mark_finished(3.0)
+    assert snap.to_timings() == before and "draft_n" not in before
+    assert snap.accepted_per_position == [] and t.accepted_per_position == [1, 1, 0]
+    assert t.to_timings()["predicted_n"] == 4

@@ -61,6 +61,8 @@ class AsyncEngine:
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def deliver(out: RequestOutput) -> None:
+            if out.timing is not None:  # the frame shows the record as of its own tokens
+                out.timing = out.timing.snapshot()
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         self._commands.put(("add", (req, deliver)))

@@ -46,7 +46,9 @@ class RequestOutput:
     stop_type: str = "none"  # llama-server: none | eos | word | limit
     stopping_word: str = ""
     logprobs: list[TokenLogprob] | None = None
-    timing: RequestTiming | None = None  # the request's live record; render with to_timings()
+    # The request's live record (AsyncEngine hands its consumers a snapshot as of this output); render with
+    # to_timings().
+    timing: RequestTiming | None = None
     error: str | None = None
 
 
