@@ -66,14 +66,14 @@ def run(args, reporter: Reporter) -> None:
                   f"{rate:.1f} tok/s/seq ({1e3 / rate:.2f} ms/step, {rate * args.batch:.0f} tok/s total), "
                   f"TTFT {ttft * 1e3:.1f} ms", step_bytes * rate, 1.0, tok_s=rate, ttft_s=ttft)
     if args.profile:
-        from outrider.bench.profile import profiled
+        from outrider.bench.profile import GRAPH_FORWARD, profiled
 
         steps0 = engine.counters["steps"]
         with profiled(engine) as timer:
             run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], args.gen)
         n = engine.counters["steps"] - steps0
         parts = ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in timer.total.items())
-        fwd = timer.total.get("forward (graph)", 0.0) / n
+        fwd = timer.total.get(GRAPH_FORWARD, 0.0) / n
         reporter.line(f"profile {name} bs={args.batch}", f"ms/step over {n} steps: {parts}",
                       step_bytes, fwd, **{k: v / n for k, v in timer.total.items()})
     if args.ttft_prompt_len:

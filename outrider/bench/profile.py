@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
+GRAPH_FORWARD = "forward + logits (graph)"  # a decode graph's replay: it computes the logits too
+
 
 class PhaseTimer:
     def __init__(self) -> None:
@@ -37,9 +39,9 @@ def profiled(engine):
     timer = PhaseTimer()
     runner = engine.runner
     targets = [(engine, "step", "step (all)"), (engine.scheduler, "schedule", "schedule"),
-               (runner, "prepare", "prepare inputs"), (runner.model, "compute_logits", "logits"),
+               (runner, "prepare", "prepare inputs"), (runner.model, "compute_logits", "logits (eager steps)"),
                (runner.sampler, "prepare", "sampler prepare"), (runner.sampler, "sample", "sample")]
-    forward = (runner.graphs, "run", "forward (graph)") if runner.graphs is not None else None
+    forward = (runner.graphs, "run", GRAPH_FORWARD) if runner.graphs is not None else None
     if forward:
         targets.append(forward)
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in targets]
