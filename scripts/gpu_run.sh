@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# GPU tests + benchmarks on the device machine. Usage: scripts/gpu_run.sh [quick|full]; logs land in $OUT.
+# GPU tests + benchmarks on the device machine. Usage: scripts/gpu_run.sh [quick|full|ab]; logs land in $OUT.
 # quick: kernel/model tests, kernel micro-benchmarks, batch-1 latency (8B vs HF, 0.6B).
-# full: quick + throughput (0.6B, 8B) and batch-32 latency (8B).
+# full: quick + throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
+# ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
+#     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
 MODE=${1:-full}
-OUT=${OUT:-.out}
+OUT=$(realpath -m "${OUT:-.out}")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -19,6 +21,18 @@ bench() {  # every bench line also goes to bench.log, with the exact command bef
   timeout "${BENCH_TIMEOUT:-300}" $PY -m outrider.bench "$@" 2>&1 | grep -v 'capturing CUDA graphs' | tee -a "$OUT/bench.log"
 }
 
+if [ "$MODE" = ab ]; then
+  for round in 1 2; do
+    for dir in $AB; do
+      echo "== $dir (round $round)" | tee -a "$OUT/bench.log"
+      (cd "$dir" && export PYTHONPATH="$PWD" && bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0 &&
+       bench latency --random-weights qwen3-8b --ttft-prompt-len 0)
+    done
+  done
+  grep -E '^(==|latency)' "$OUT/bench.log"
+  exit 0
+fi
+
 timeout 420 $PY -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/tests.log"
 bench kernels
 bench latency --random-weights qwen3-8b --compare hf --profile
@@ -26,6 +40,9 @@ bench latency --random-weights qwen3-0.6b --profile
 if [ "$MODE" = full ]; then
   bench throughput --random-weights qwen3-0.6b
   bench throughput --random-weights qwen3-8b
+  # where a throughput-sized decode step goes (batch and context near the workload's average, T=0.6)
+  timeout 200 $PY scripts/profile_gpu.py --model qwen3-0.6b --batch 160 --prompt-len 700 --temperature 0.6 \
+    --steps 32 --top 15 2>&1 | grep -v 'capturing CUDA graphs' | tee "$OUT/profile_throughput.log"
   bench latency --random-weights qwen3-8b --batch 32 --ttft-prompt-len 0
 fi
 echo "== summary"; grep -E '^(latency|ttft|hf-|throughput|kernel|profile)' "$OUT/bench.log"; tail -3 "$OUT/tests.log"
