@@ -16,10 +16,8 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up) from the packed gate_up output."""
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) from gate_up_proj's output: the decoder layer runs gate_up_proj itself, with
+        its norm fused into that GEMM."""
         # The activation goes into down_proj's GEMM (one launch fewer at decode); weight and bias stay down_proj's.
         return ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)

@@ -61,13 +61,10 @@ class Attention(nn.Module):
         q, k = self.rope(positions, rotary).apply(q, k)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, rotary, kv_cache, meta, backend)
-
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
-               meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Attention and o_proj from qkv_proj's output (the decoder layer fuses its norm into that GEMM)."""
+        """Attention and o_proj from qkv_proj's output: the decoder layer runs qkv_proj itself, with its norm
+        fused into that GEMM."""
         # The backend prepares q/k itself, so it can fuse that with the KV store (one kernel on Triton).
         q, k, v = self.split_qkv(qkv)
         o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary))
@@ -95,11 +92,10 @@ class DecoderLayer(nn.Module):
 
         Returns the pair after this layer unsummed, so the next layer's norm fuses the add into its kernel. Each
         norm goes with the projection after it (at decode, one GEMM kernel does add, norm and projection)."""
-        attn = self.self_attn
-        qkv, residual = self.input_layernorm.forward_linear(h, residual, attn.qkv_proj)
-        x = attn.attend(qkv, positions, rotary, kv_cache, meta, backend)
+        qkv, residual = self.input_layernorm.forward_linear(h, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(qkv, positions, rotary, kv_cache, meta, backend)
         gate_up, residual = self.post_attention_layernorm.forward_linear(x, residual, self.mlp.gate_up_proj)
-        return self.mlp.down(gate_up), residual
+        return self.mlp(gate_up), residual
 
 
 class DecoderModel(nn.Module):
