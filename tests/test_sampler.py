@@ -305,3 +305,31 @@ def test_stream_keys_are_pinned_and_match_the_device_hash():
     col = lambda f: torch.tensor([f(r) & _M32 for r in rows], dtype=torch.int64)  # noqa: E731
     row = _absorb(_absorb(_absorb(_SALT, col(lambda r: r.seed)), col(lambda r: r.seed >> 32)), col(lambda r: r.step))
     assert _absorb(row[None, :], torch.arange(NUM_STREAMS)[:, None]).tolist() == pinned
+
+
+def test_compiled_noise_never_recompiles_for_a_lone_row_or_one_candidate():
+    """torch.compile specialises sizes 0 and 1; the sampler pads such calls, so the variant compiled at warm-up
+    serves every batch (a recompile costs seconds inside a request). Draws are the same as the eager hash's."""
+    import torch._dynamo
+
+    from outrider.engine.sampler import _gumbel_noise
+
+    torch._dynamo.reset()
+    calls = []
+
+    def counting_backend(gm, example_inputs):
+        calls.append(1)
+        return gm.forward
+
+    sampler = Sampler(64, "cpu")
+    sampler._noise = torch.compile(_gumbel_noise, dynamic=True, backend=counting_backend)
+    eager = Sampler(64, "cpu")
+    for rows, top_k in ((3, 5), (1, 5), (4, 1), (1, 1), (6, 9)):
+        params = SamplingParams(temperature=0.8, top_k=top_k, top_p=1.0, min_p=0.0)
+        specs = [RowSpec(params, seed=i, step=2) for i in range(rows)]
+        logits = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        got = sampler.sample(logits, sampler.prepare(specs, sample_only=True)).token_ids
+        want = eager.sample(logits, eager.prepare(specs, sample_only=True)).token_ids
+        assert torch.equal(got, want), (rows, top_k)
+    assert len(calls) == 1
+    torch._dynamo.reset()

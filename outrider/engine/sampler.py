@@ -432,15 +432,24 @@ class Sampler:
             out.chosen_logprob = raw.gather(1, out.token_ids[:, None])[:, 0]
         return out
 
-    def gumbel_argmax(self, logp: torch.Tensor, ids: torch.Tensor | None, batch: SamplingBatch,
+    def gumbel_argmax(self, logp: torch.Tensor, ids: torch.Tensor, batch: SamplingBatch,
                       stream: int) -> torch.Tensor:
         """Draw from each row of `logp` (unnormalised is fine) with counter-based noise -> token ids [N].
 
-        `ids` [N, C] names the vocab id of each column (None: column j is token j). Noise is keyed on the
-        vocab id, so the draw does not depend on which columns a batch happens to carry."""
-        if ids is None:
-            ids = torch.arange(logp.shape[-1], device=logp.device).expand_as(logp)
-        col = (logp + self._noise(batch.stream_keys[stream][:, None], ids)).argmax(dim=-1, keepdim=True)
+        `ids` [N, C] names the vocab id of each column. Noise is keyed on the vocab id, so the draw does not
+        depend on which columns a batch happens to carry."""
+        # torch.compile specialises sizes and storage offsets of 0 and 1, and each new variant compiles for
+        # seconds inside a request. So the keys are a fresh tensor (the view into the step's upload buffer has an
+        # offset that varies), and a lone row (the last request of a batch) or a single candidate (top_k = 1)
+        # is padded to 2 rows and columns: every call stays on the variant the warm-up compiled.
+        keys = batch.stream_keys[stream][:, None].clone()
+        n, c = ids.shape
+        if n > 1 and c > 1:
+            noise = self._noise(keys, ids)
+        else:
+            pad_rows, pad_cols = 2 if n == 1 else 1, 2 if c == 1 else 1
+            noise = self._noise(keys.repeat(pad_rows, 1), ids.repeat(pad_rows, pad_cols))[:n, :c]
+        col = (logp + noise).argmax(dim=-1, keepdim=True)
         return ids.gather(1, col)[:, 0]
 
     def uniform(self, batch: SamplingBatch, stream: int) -> torch.Tensor:
