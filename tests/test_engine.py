@@ -202,3 +202,24 @@ def test_seeded_sampling_and_min_tokens_are_the_same_with_overlap(ckpt, overlap)
     sync = [o.token_ids for o in LLM(ckpt, max_num_seqs=8, overlap_schedule=False).generate(PROMPTS, params)]
     assert got == sync
     assert len({tuple(t) for t in got}) == len(got)
+
+
+def test_warm_up_runs_each_attention_tile_height_alone_and_leaves_the_engine_clean(ckpt, overlap):
+    """The CUDA warm-up (run here on the CPU) feeds every query length whose rows (tokens x GQA group) pick
+    another attention tile height, alone in its step, fresh and as an extend of a cached prefix; afterwards
+    nothing is cached, used or counted."""
+    engine = LLM(ckpt, max_model_len=512).engine
+    launch, steps = engine.runner.launch, []
+
+    def record(plan, *args):
+        s = plan.scheduled
+        steps.append((len(s), s[0].num_new_tokens, s[0].request.num_computed > 0))
+        return launch(plan, *args)
+
+    engine.runner.launch = record
+    engine._warm_up()
+    mc = engine.model_config
+    group = mc.num_attention_heads // mc.num_key_value_heads
+    for q_len in (q for q in (1, 2, 4, 8, 16, 32, 64) if q * group <= 64):
+        assert (1, q_len, False) in steps and (1, q_len, True) in steps, (q_len, steps)
+    assert engine.pool.num_used == 0 and engine.pool.hits == 0 and not any(engine.counters.values())

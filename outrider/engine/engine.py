@@ -107,16 +107,33 @@ class Engine:
     def _warm_up(self) -> None:
         """Run every step shape once (prefill, decode, verify; greedy and sampled) before serving, so Triton's
         JIT and torch.compile happen now and no request's timings include a compilation."""
-        vocab = self.model_config.vocab_size
-        for n in (2 * self.config.block_size + 3, min(512, self.max_model_len // 2)):
+        mc = self.model_config
+        ids = [3 + i % (mc.vocab_size - 3) for i in range(min(512, self.max_model_len // 2))]
+        for n in (2 * self.config.block_size + 3, len(ids)):
             for params in (SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                            SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True, n_probs=1)):
-                self.add_request(Request([3 + i % (vocab - 3) for i in range(n)], params), lambda out: None)
-        while self.has_work():
-            self.step()
+                self.add_request(Request(ids[:n], params), lambda out: None)
+        self._run_until_idle()
+        # Attention compiles a kernel variant per tile height, which follows the step's longest query in rows
+        # (tokens x GQA group), and per split plan: short prompts, and short extends of a cached prefix (a chat's
+        # next turn), each run alone at every height class.
+        group = mc.num_attention_heads // mc.num_key_value_heads
+        cached = ids[: len(ids) // 2 // self.config.block_size * self.config.block_size]  # a prefix hit, if caching
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        q_len = 1
+        while q_len * group <= 64:
+            fresh = [4 + (q_len + i) % (mc.vocab_size - 4) for i in range(q_len)]
+            for prompt in (fresh, cached + fresh):
+                self.add_request(Request(prompt, one), lambda out: None)
+                self._run_until_idle()
+            q_len *= 2
         self.pool.reset_prefix_cache()
         self.pool.hits = 0
         self.counters = dict.fromkeys(self.counters, 0)
+
+    def _run_until_idle(self) -> None:
+        while self.has_work():
+            self.step()
 
     def _load_drafter(self, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
         """The configured (or detected) drafter; on failure, log why and serve without speculation."""
