@@ -127,32 +127,35 @@ def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), on the Triton skinny GEMM where _use_skinny_gemm says so."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) (then cast to out_dtype: LM heads ask float32), on the Triton skinny GEMM where
+    _use_skinny_gemm says so."""
     if _use_skinny_gemm(x, weight):
         from outrider.kernels import gemm
 
-        return gemm.skinny_gemm(x, weight, bias, pdl=use_pdl(x))
-    return F.linear(x, weight, bias)
+        return gemm.skinny_gemm(x, weight, bias, out_dtype=out_dtype, pdl=use_pdl(x))
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(linear(RMSNorm(x [+ residual]) * norm_weight, weight, bias), x + residual (x itself without residual)).
 
     On the skinny GEMM the norm (and the residual add) happen as the kernel loads x: at decode a pre-norm
     projection is one launch instead of two (the normed row is then not rounded to x's dtype before the product:
-    gemm.RowNorm). out_dtype: the result's dtype (default x's; LM heads ask float32)."""
+    gemm.RowNorm). LM heads do not use it: every program of a GEMM that wide re-reading x and the norm weight
+    cost Qwen3-8B's 10 us, several times a separate norm kernel (docs/benchmarks.md, run F)."""
     if _use_skinny_gemm(x, weight) and (residual is None or residual.is_contiguous()):
         from outrider.kernels import gemm
 
         summed = torch.empty_like(x) if residual is not None else x
         norm = gemm.RowNorm(norm_weight, eps, residual, summed if residual is not None else None)
-        return gemm.skinny_gemm(x, weight, bias, norm=norm, out_dtype=out_dtype, pdl=use_pdl(x)), summed
+        return gemm.skinny_gemm(x, weight, bias, norm=norm, pdl=use_pdl(x)), summed
     normed, summed = rms_norm(x, norm_weight, eps, residual)
     y = linear(normed, weight, bias)
-    return (y if out_dtype is None else y.to(out_dtype)), (summed if summed is not None else x)
+    return y, (summed if summed is not None else x)
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

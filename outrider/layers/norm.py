@@ -18,8 +18,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)[0]
 
-    def forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None, linear: nn.Linear,
-                       out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_linear(self, x: torch.Tensor, residual: torch.Tensor | None,
+                       linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(x + residual)), x + residual): a pre-norm projection, the residual add and the norm
         fused into one kernel (the projection's, at decode). residual None: norm(x), and x is returned."""
-        return ops.rms_norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias, out_dtype)
+        return ops.rms_norm_linear(x, residual, self.weight, self.eps, linear.weight, linear.bias)

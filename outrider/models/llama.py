@@ -15,6 +15,7 @@ from torch import nn
 
 from outrider.attention import AttentionBackend, AttentionMetadata, KVCache, QKNormRope
 from outrider.config import ModelConfig
+from outrider.kernels import ops
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
@@ -141,5 +142,5 @@ class LlamaForCausalLM(nn.Module):
         return h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head -> float32 logits (one kernel at decode inside CUDA graphs)."""
-        return self.model.norm.forward_linear(hidden, None, self.lm_head, torch.float32)[0]
+        """Final norm and LM head -> float32 logits (the LM head's GEMM writes them directly at decode)."""
+        return ops.linear(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
