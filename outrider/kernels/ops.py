@@ -21,8 +21,9 @@ import torch.nn.functional as F
 SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
 SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is as good beyond
 # Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
-# kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), which
-# hides most of the ~1 us gap between dependent kernels of a decode step. OUTRIDER_PDL=0 turns it off.
+# kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), to hide
+# the gap between dependent kernels of a decode step. Measured within noise so far (docs/benchmarks.md, run F):
+# the gain needs work moved before the wait (weight prefetch). OUTRIDER_PDL=0 turns it off.
 PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
 _in_graph_capture = False
 _pdl_capable: dict[int, bool] = {}
