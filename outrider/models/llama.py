@@ -109,7 +109,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model contract of docs/team-interfaces.md: forward -> pre-norm hidden, compute_logits, embed."""
+    """The model contract (docs/architecture.md, Contracts): forward -> pre-norm hidden, compute_logits, embed."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
