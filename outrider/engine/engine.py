@@ -97,7 +97,9 @@ class Engine:
 
             self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
         self.live: dict[int, _Live] = {}
-        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        # Overlap scheduling needs no drafter: proposing reads the committed tokens (docs/architecture.md).
+        overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
+        self.overlap = overlap and self.drafter is None
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
                                        "busy_slots_total"), 0)
@@ -149,17 +151,18 @@ class Engine:
             else:
                 return None, None
         t0 = now()
+        asked = cfg.spec_draft_n_max  # None: the drafter's own default (an explicit 0 stays 0)
         try:
             drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
                                    target_path=str(self.model_path), draft_path=cfg.draft_model,
                                    num_blocks=num_blocks, block_size=cfg.block_size, dtype=self.dtype,
-                                   device=self.device, max_draft=max(cfg.spec_draft_n_max or DEFAULT_N_MAX, 1))
+                                   device=self.device, max_draft=max(asked if asked is not None else DEFAULT_N_MAX, 1))
         except Exception as exc:
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
             return None, None
         self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
-        policy = DraftPolicy(n_max=drafter.max_draft if cfg.spec_draft_n_max is None else cfg.spec_draft_n_max, n_min=cfg.spec_draft_n_min, p_min=cfg.draft_p_min,
-                             max_model_len=self.max_model_len)
+        policy = DraftPolicy(n_max=drafter.max_draft if asked is None else asked, n_min=cfg.spec_draft_n_min,
+                             p_min=cfg.draft_p_min, max_model_len=self.max_model_len)
         log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
         return drafter, policy
 
@@ -222,7 +225,7 @@ class Engine:
                     req.timing.mark_prompt_start(t)
         if launched is None:
             return
-        if self.overlap and self.drafter is None and not launched.reads_history:
+        if self.overlap and not launched.reads_history:
             self.inflight = launched
         else:
             self._complete(launched)

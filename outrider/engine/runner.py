@@ -314,10 +314,6 @@ class ModelRunner:
                                        for p, tok in enumerate(tokens[r], start=step.starts[r])]
         return out
 
-    def execute(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None) -> StepOutput:
-        """launch + collect: one synchronous step."""
-        return self.collect(self.launch(plan, draft_probs))
-
     def row_specs(self, sampled: list[ScheduledRequest]) -> SamplingRows:
         """The sampling rows of these (sampling) requests, one per logits row (the last known token's, then one
         per draft token): the request's parameter slot, the output index sampled (the RNG counter) and, when a
@@ -359,5 +355,5 @@ def _penalty_window(req: Request) -> list[int]:
     p = req.params
     if not p.penalized:
         return []
-    n = req.num_tokens
+    n = req.num_tokens - req.num_pending  # the known tokens (a pending one is still on the device)
     return req.token_slice(0 if p.repeat_last_n < 0 else max(0, n - p.repeat_last_n), n)
