@@ -101,8 +101,8 @@ class _Flag:
 
     GREEDY = 1  # temperature <= 0
     DEVICE_GREEDY = 2  # the float32 temperature (what the device tests) <= 0
-    TOP_P = 4  # top_p < 1
-    MIN_P = 8  # min_p > 0
+    TOP_P = 4  # sampled with top_p < 1 (a greedy row ignores every filter)
+    MIN_P = 8  # sampled with min_p > 0
     TYPICAL = 16  # sampled with typical_p < 1
     NO_TOP_K = 32  # sampled with top-k disabled
     PENALIZED = 64
@@ -121,7 +121,6 @@ class ParamTable:
         self.ints = np.zeros((7, size), dtype=np.int64)
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * size  # with the banned ids at -inf
         self._owners: list[object | None] = [None] * size  # the request each slot mirrors
-        self._penalized: set[int] = set()  # slots whose penalties read the history
 
     def sync(self, reqs: Sequence[Request]) -> None:
         """Mirror these running requests at their slots (id_slot)."""
@@ -140,8 +139,8 @@ class ParamTable:
         f[:] = (p.temperature, p.temperature if sampled else 1.0, p.top_p, p.min_p, p.typical_p, p.repeat_penalty,
                 p.presence_penalty, p.frequency_penalty)
         bias = (*p.logit_bias, *((tok, -math.inf) for tok in banned))
-        flags = {_Flag.GREEDY: not sampled, _Flag.DEVICE_GREEDY: f[_TEMPERATURE] <= 0, _Flag.TOP_P: f[_TOP_P] < 1.0,
-                 _Flag.MIN_P: f[_MIN_P] > 0.0, _Flag.TYPICAL: sampled and f[_TYPICAL_P] < 1.0,
+        flags = {_Flag.GREEDY: not sampled, _Flag.DEVICE_GREEDY: f[_TEMPERATURE] <= 0, _Flag.TOP_P: sampled and f[_TOP_P] < 1.0,
+                 _Flag.MIN_P: sampled and f[_MIN_P] > 0.0, _Flag.TYPICAL: sampled and f[_TYPICAL_P] < 1.0,
                  _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.penalized, _Flag.BIASED: bool(bias),
                  _Flag.LOGPROBS: p.n_probs > 0}
         self.ints[:, slot] = (
@@ -155,14 +154,10 @@ class ParamTable:
         )
         self.logit_bias[slot] = bias
         self._owners[slot] = owner
-        if p.penalized:
-            self._penalized.add(slot)
-        else:
-            self._penalized.discard(slot)
 
     def penalized(self, slots: Sequence[int]) -> bool:
         """True when a penalty reads the history of a row at these slots."""
-        return bool(self._penalized) and not self._penalized.isdisjoint(slots)
+        return bool(np.bitwise_or.reduce(self.ints[_FLAGS, slots]) & _Flag.PENALIZED) if len(slots) else False
 
     def _grow(self, size: int) -> None:
         old = len(self._owners)
@@ -248,7 +243,7 @@ class Sampler:
         self.device = torch.device(device)
         # On CUDA the ~30 integer ops of the noise hash fuse into one kernel; eager elsewhere.
         self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
-        self._range = torch.arange(vocab_size, device=self.device)  # see _arange
+        self._rank = torch.arange(vocab_size, device=self.device)  # candidate ranks: a view launches nothing
         self._neg_inf = torch.tensor(-math.inf, device=self.device)
         # EOG ids as given, those the logits cover, and those on the device
         self._eog: tuple[Sequence[int], list[int], torch.Tensor] | None = None
@@ -328,12 +323,6 @@ class Sampler:
                 vals += [-math.inf] * len(eog)
         return [(at, np.int64), (toks, np.int64), (vals, np.float32)] if toks else None
 
-    def _arange(self, n: int) -> torch.Tensor:
-        """0..n-1 on the device: a view of a range kept across steps (a view launches nothing)."""
-        if len(self._range) < n:
-            self._range = torch.arange(max(n, 2 * len(self._range)), device=self.device)
-        return self._range[:n]
-
     def _eog_ids(self, eog_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """The end-of-generation ids the logits cover, on the host and on the device (uploaded once)."""
         if self._eog is None or self._eog[0] != eog_ids:
@@ -387,7 +376,7 @@ class Sampler:
         # Best first. A full sort beats topk when every column is kept (some row has no top-k).
         full = batch.width == adjusted.shape[-1]
         vals, ids = adjusted.sort(dim=-1, descending=True) if full else adjusted.topk(batch.width, dim=-1)
-        rank = self._arange(batch.width)
+        rank = self._rank[: batch.width]
         # Each filter narrows `keep`, the candidates still in (None: all of them); filters no row uses are skipped.
         keep = rank[None, :] < batch.top_k[:, None] if batch.top_k is not None else None
         if batch.typical_p is not None:
