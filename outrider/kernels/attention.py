@@ -22,7 +22,7 @@ import triton.language as tl
 
 from outrider.attention import AttentionMetadata
 from outrider.kernels.fused import pdl_enter
-from outrider.kernels.ops import pdl_kwargs, use_pdl
+from outrider.kernels.ops import pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
 # Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial
@@ -198,6 +198,9 @@ def _arrival_counters(device: torch.device, num_sms: int) -> torch.Tensor:
     device must therefore not run concurrently on different streams."""
     counters = _ARRIVALS.get(device)
     if counters is None:
+        # Allocated inside a capture, they would live in the graph's private pool, free for other tensors later.
+        # The graph runners warm up eagerly before capturing, so the first split launch is never a captured one.
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "first split launch in capture"
         counters = _ARRIVALS[device] = torch.zeros(_PROGRAMS_PER_SM * num_sms, dtype=torch.int32, device=device)
     return counters
 
@@ -261,14 +264,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         merge_rows = min(16, max(4, triton.next_power_of_2(meta.max_query_len * group)))
     else:  # unused by the kernel when SPLIT is off
         part_o, part_lse, arrivals, merge_rows = out, out, out, 16
-    pdl = use_pdl(q)
     _attn_kernel[(meta.num_seqs, n_kv, plan.m_blocks * splits)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         scale * _LOG2E, splits, t, meta.block_tables.stride(0),
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
-        MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision, USE_PDL=pdl,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_kwargs(pdl),
+        MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(use_pdl(q)),
     )
     return out

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.ops import pdl_kwargs, use_pdl
+from outrider.kernels.ops import pdl_args, use_pdl
 
 
 @triton.jit
@@ -54,11 +54,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     r2 = residual.reshape(-1, n) if residual is not None else x2
     s2 = summed if summed is not None else out
     block = triton.next_power_of_2(n)
-    pdl = use_pdl(x)
     _rms_norm_kernel[(x2.shape[0],)](
         x2, r2, weight, out, s2, x2.stride(0), r2.stride(0), out.stride(0), s2.stride(0), eps,
-        N=n, BLOCK=block, ADD=residual is not None, USE_PDL=pdl, num_warps=min(16, max(1, block // 256)),
-        **pdl_kwargs(pdl),
+        N=n, BLOCK=block, ADD=residual is not None, num_warps=min(16, max(1, block // 256)),
+        **pdl_args(use_pdl(x)),
     )
     return out.view(shape), (summed.view(shape) if summed is not None else None)
 
@@ -90,10 +89,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
-    pdl = use_pdl(gate)
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](
-        g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, USE_PDL=pdl, num_warps=4,
-        **pdl_kwargs(pdl),
+        g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4, **pdl_args(use_pdl(gate)),
     )
     return out.view(gate.shape)
 
@@ -194,13 +191,12 @@ def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_w
     # Pointers a variant never reads are stand-ins (any tensor does).
     v, v_out, slot_mapping = (v, v_out, slot_mapping) if store else (k, k_out, positions)
     q_weight, k_weight = (q_weight, k_weight) if norm else (q, k)
-    pdl = use_pdl(q)
     _qk_norm_rope_kernel[(t,)](
         q, k, v, q_out, k_out, v_out, q_weight, k_weight, positions, inv_freq, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
         HQ=hq, HK=hk, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
         HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, STORE_KV=store,
-        USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl),
+        num_warps=4, **pdl_args(use_pdl(q)),
     )
 
 

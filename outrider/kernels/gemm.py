@@ -30,7 +30,7 @@ import triton.language as tl
 
 from outrider.kernels.fused import pdl_enter, silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
-from outrider.kernels.ops import pdl_kwargs
+from outrider.kernels.ops import pdl_args
 
 
 @dataclass(frozen=True)
@@ -175,5 +175,5 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     args = (x, weight, b, y, r, nw, s, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps)
     _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
                       BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                      USE_PDL=pdl, num_warps=cfg.num_warps, **pdl_kwargs(pdl))
+                      num_warps=cfg.num_warps, **pdl_args(pdl))
     return y

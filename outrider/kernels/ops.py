@@ -50,9 +50,10 @@ def use_pdl(x: torch.Tensor) -> bool:
     return _pdl_capable[index]
 
 
-def pdl_kwargs(pdl: bool) -> dict:
-    """The launch keyword a Triton kernel launched with PDL takes (empty otherwise: older Tritons lack it)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(pdl: bool) -> dict:
+    """A PDL-aware Triton kernel's launch keywords: its USE_PDL flag (fused.pdl_enter), and launch_pdl only when
+    set (older Tritons lack the keyword)."""
+    return {"USE_PDL": pdl, "launch_pdl": True} if pdl else {"USE_PDL": False}
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -151,9 +152,9 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     if _use_skinny_gemm(x, weight) and (residual is None or residual.is_contiguous()):
         from outrider.kernels import gemm
 
-        summed = torch.empty_like(x) if residual is not None else x
-        norm = gemm.RowNorm(norm_weight, eps, residual, summed if residual is not None else None)
-        return gemm.skinny_gemm(x, weight, bias, norm=norm, pdl=use_pdl(x)), summed
+        summed = None if residual is None else torch.empty_like(x)
+        norm = gemm.RowNorm(norm_weight, eps, residual, summed)
+        return gemm.skinny_gemm(x, weight, bias, norm=norm, pdl=use_pdl(x)), (x if summed is None else summed)
     normed, summed = rms_norm(x, norm_weight, eps, residual)
     y = linear(normed, weight, bias)
     return y, (summed if summed is not None else x)
