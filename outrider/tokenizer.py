@@ -336,6 +336,11 @@ class Detokenizer:
         else:
             before = self._decode(window[:self._read])
         after = self._decode(window)
+        if after == before:
+            # The new ids add nothing (skipped specials, ids the vocabulary lacks): drop them, or a long run of
+            # them would make every later decode longer.
+            self._window = window[:self._read]
+            return ""
         if after.endswith("\ufffd") and not final:
             return ""
         new = after[len(before):]

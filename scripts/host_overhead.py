@@ -35,12 +35,12 @@ from outrider.testing.checkpoints import write_tiny_checkpoint
 VOCAB = 500  # prompts draw ids below this (the tiny tokenizer's vocabulary is larger)
 
 
-def stub_engine(ckpt: Path, prefix_caching: bool, max_num_seqs: int, max_model_len: int) -> Engine:
+def stub_engine(ckpt: Path, prefix_caching: bool, max_num_seqs: int, max_model_len: int, bank_rows: int) -> Engine:
     engine = Engine(EngineConfig(model=str(ckpt), device="cpu", max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  max_num_batched_tokens=16384, enable_prefix_caching=prefix_caching,
                                  num_kv_blocks=max_num_seqs * -(-max_model_len // 16) + 1))
     hidden = engine.model_config.hidden_size
-    bank = torch.randn(8192, engine.model_config.vocab_size, generator=torch.Generator().manual_seed(0))
+    bank = torch.randn(bank_rows, engine.model_config.vocab_size, generator=torch.Generator().manual_seed(0))
     engine.runner.forward_eager = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
 
     def logits(h: torch.Tensor) -> torch.Tensor:  # rows of the bank in turn: cheap and deterministic
@@ -140,15 +140,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per scenario; the fastest is reported")
     ap.add_argument("--profile", help="cProfile this scenario and print the top functions")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--vocab", type=int, help="the model's vocabulary, e.g. 151936 as `bench --random-weights` "
+                    "has (ids past the tiny tokenizer's decode to nothing there too); default: the tokenizer's")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", hidden_size=32, layers=1)
+    ckpt = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", hidden_size=32, layers=1, vocab_size=args.vocab)
     engines: dict[int, Engine] = {}
     for name, (seqs, reqs) in scenarios().items():
         if args.only and name != args.only:
             continue
         if seqs not in engines:
-            engines[seqs] = stub_engine(ckpt, not args.no_prefix_caching, seqs, 2 * 1024 + 16)
+            # (a smaller logits bank for a large vocabulary: it is vocab x rows float32)
+            engines[seqs] = stub_engine(ckpt, not args.no_prefix_caching, seqs, 2 * 1024 + 16,
+                                        8192 if not args.vocab else max(512, 2**28 // (4 * args.vocab)))
         engine = engines[seqs]
         runs = []
         for _ in range(args.repeat):

@@ -23,15 +23,16 @@ def run(args, reporter: Reporter) -> None:
             for _ in range(args.num_requests)]
     run_batch(engine, [[rng.randrange(cfg.vocab_size) for _ in range(16)]], 8)  # warm-up
 
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n_in)] for n_in, _ in lens]  # the client's work
     steps0 = engine.counters["steps"]
     produced = [0]
+    log = StepLog(engine)
     t0 = time.perf_counter()
-    for n_in, n_out in lens:
-        ids = [rng.randrange(cfg.vocab_size) for _ in range(n_in)]
+    for ids, (_, n_out) in zip(prompts, lens):
         params = SamplingParams(max_tokens=n_out, temperature=0.6, ignore_eos=True)
         engine.add_request(Request(ids, params), lambda out: produced.__setitem__(0, produced[0] + len(out.new_token_ids)))
     while engine.has_work():
-        engine.step()
+        log.step()
     elapsed = time.perf_counter() - t0
     steps = engine.counters["steps"] - steps0
     # Bytes: every step streams the weights; every generated token reads its sequence's KV so far.
@@ -40,3 +41,57 @@ def run(args, reporter: Reporter) -> None:
     reporter.line(f"throughput {name} n={args.num_requests} len=[{args.min_len},{args.max_len}]",
                   f"{produced[0] / elapsed:.0f} output tok/s ({produced[0]} tokens in {elapsed:.2f} s, {steps} steps)",
                   moved, elapsed, tok_s=produced[0] / elapsed, steps=steps)
+    print(log.summary(), flush=True)
+
+
+class StepLog:
+    """Wall time of each engine.step call, by what the step it launched carried: prompt tokens (prefill), or
+    only decodes (by batch size). With overlap scheduling a call's time is mostly the previous step's GPU work,
+    so the split is approximate by one step; it adds no synchronisation."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.rows: list[tuple[float, int, int]] = []  # (seconds, prompt tokens fed, sequences)
+        self._plan = None
+        schedule = engine.scheduler.schedule
+
+        def logged(*args, **kwargs):
+            self._plan = schedule(*args, **kwargs)
+            return self._plan
+
+        engine.scheduler.schedule = logged
+        self.waited = 0.0  # in runner.collect: the host blocked on the GPU's tokens
+        collect = engine.runner.collect
+
+        def timed_collect(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return collect(*args, **kwargs)
+            finally:
+                self.waited += time.perf_counter() - t0
+
+        engine.runner.collect = timed_collect
+
+    def step(self) -> None:
+        self._plan = None
+        t0 = time.perf_counter()
+        self.engine.step()
+        dt = time.perf_counter() - t0
+        plan = self._plan
+        if plan is not None and plan.scheduled:
+            prompt = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1 or not s.samples)
+            self.rows.append((dt, prompt, len(plan.scheduled)))
+
+    def summary(self) -> str:
+        prefill = [r for r in self.rows if r[1]]
+        parts = [f"steps with prompt tokens: {len(prefill)} ({sum(r[1] for r in prefill)} tokens) in "
+                 f"{sum(r[0] for r in prefill):.2f} s"]
+        decode = [r for r in self.rows if not r[1]]
+        for lo, hi in ((1, 64), (65, 128), (129, 192), (193, 1 << 30)):
+            rows = [r for r in decode if lo <= r[2] <= hi]
+            if rows:
+                t = sum(r[0] for r in rows)
+                parts.append(f"decode bs {lo}-{min(hi, max(r[2] for r in rows))}: {len(rows)} steps in {t:.2f} s "
+                             f"({1e3 * t / len(rows):.2f} ms/step)")
+        parts.append(f"host blocked on the GPU's tokens {self.waited:.2f} s of {sum(r[0] for r in self.rows):.2f}")
+        return "throughput steps: " + "; ".join(parts)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from outrider.attention import AttentionMetadata
-from outrider.kernels.fused import pdl_enter
+from outrider.kernels.fused import pdl_enter, prefetch_l2
 from outrider.kernels.ops import pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -76,9 +76,8 @@ def _attn_kernel(
     GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, MERGE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    KEY_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
     # Every tensor is contiguous (the wrapper guarantees it), so strides follow from the shapes: fewer
     # launch arguments, which is most of Triton's per-launch host cost.
     stride_qt = N_KV * GROUP * HEAD_DIM  # q, out: [T, Hq, D]; part_o: [S, T, Hq, D]; part_lse: [S, T, Hq]
@@ -89,7 +88,9 @@ def _attn_kernel(
     m_block = tl.program_id(2) // num_splits
     split = tl.program_id(2) % num_splits
 
-    # The three metadata loads are independent: issued together, they cost one memory round trip.
+    # The three metadata loads are independent: issued together, they cost one memory round trip. Under PDL
+    # they come before the wait on the previous kernel: metadata is copied in before a graph replays, and no
+    # kernel of the step writes it.
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -98,8 +99,7 @@ def _attn_kernel(
     # a padding row with seq_len 0 still gets its zeros written, by split 0).
     per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     n_live = tl.maximum(tl.cdiv(seq_len, per_split), 1)
-    if (m_block * BLOCK_M >= n_rows) | (split >= n_live):
-        return
+    idle = (m_block * BLOCK_M >= n_rows) | (split >= n_live)
     ctx_start = seq_len - q_len  # absolute position of this sequence's first query token
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -109,9 +109,6 @@ def _attn_kernel(
     q_pos = ctx_start + tok
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
     # Keys this tile can see: the whole context, or (causal) up to its last query token's position.
     if CAUSAL:
         last_tok = (tl.minimum(m_block * BLOCK_M + BLOCK_M, n_rows) - 1) // GROUP  # tile's last query token
@@ -120,12 +117,30 @@ def _attn_kernel(
         kv_end = seq_len
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kv_end)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if USE_PDL:
+        # The keys before this step's are in the cache already (L2 is coherent, so prefetching the newest ones
+        # early is harmless too): bring this program's first tile of K and V into L2 while the previous kernel
+        # finishes. Positions and in-key offsets are clamped: every prefetched address is valid.
+        if idle == 0:
+            p_pos = tl.minimum(lo + tl.arange(0, BLOCK_N), tl.maximum(hi - 1, 0))
+            p_blk = tl.load(bt_row + p_pos // PAGE).to(tl.int64)
+            p_off = p_blk * stride_kb + (p_pos % PAGE) * stride_ks + kvh * HEAD_DIM
+            p_off = p_off[:, None] + tl.minimum(tl.arange(0, KEY_LINES) * LINE, HEAD_DIM - 1)[None, :]
+            prefetch_l2(k_ptr + p_off)
+            prefetch_l2(v_ptr + p_off)
+    # Idle programs wait too: were all of a grid's programs to leave early, it could finish before the kernel
+    # it depends on, and the next kernel's wait on this one would no longer cover that one.
+    pdl_enter(USE_PDL)
+    if idle:
+        return
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Finite start value: a row masked over a whole tile then gives p = 0 and alpha = 1 instead of NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < hi
@@ -252,6 +267,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if t == 0 or meta.max_query_len == 0:
         return out
     num_sms = _num_sms(q.device)
+    pdl = use_pdl(q)
     plan = plan_launch(meta.num_seqs, n_kv, group, meta.max_query_len, meta.max_seq_len, num_sms)
     splits = plan.splits
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -271,6 +287,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
         MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(use_pdl(q)),
+        KEY_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
+        LINE=128 // k_cache.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     return out

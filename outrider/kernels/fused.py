@@ -25,6 +25,15 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask for the 128-byte lines at `ptrs` to be brought into L2, without waiting for them: a hint that cannot
+    fault on a valid address and returns nothing useful. GPU only (PTX): kernels issue it before pdl_enter, for
+    data no earlier kernel of the step writes, so their memory latency overlaps the previous kernel."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, stride_o, stride_s, eps,
                      N: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)

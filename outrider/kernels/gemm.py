@@ -28,9 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fused import pdl_enter, silu_mul_tile
+from outrider.kernels.fused import pdl_enter, prefetch_l2, silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
-from outrider.kernels.ops import pdl_args
+from outrider.kernels.ops import GEMM_PREFETCH_BYTES, pdl_args
 
 
 @dataclass(frozen=True)
@@ -108,9 +108,15 @@ def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt: tl.constexpr, HAS_BIAS: 
 def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
+                PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
+    if USE_PDL and PREFETCH_LINES > 0:
+        # W is never written during a step: bring this program's first PREFETCH_LINES lines of each of its rows
+        # into L2 while the previous kernel still runs (indices clamped into W: a prefetch must be valid).
+        w_rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        w_cols = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+        prefetch_l2(w_ptr + w_rows[:, None] * stride_wn + w_cols[None, :])
+    pdl_enter(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None]
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
@@ -173,7 +179,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     r, s = (norm.residual, norm.summed) if add else (weight, weight)
     nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
     args = (x, weight, b, y, r, nw, s, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps)
+    line = 128 // weight.element_size()  # elements per 128-byte line
+    # A weight that fits the budget is prefetched whole, a larger one its first BLOCK_K columns (what the
+    # pipeline's first step loads): the budget is L2 space, shared with the previous kernel's working set.
+    k_prefetch = k if n * k * weight.element_size() <= GEMM_PREFETCH_BYTES else min(k, cfg.block_k)
+    lines = triton.next_power_of_2(triton.cdiv(k_prefetch, line)) if pdl and GEMM_PREFETCH_BYTES >= 0 else 0
     _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
                       BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+                      PREFETCH_LINES=lines, LINE=line,
                       num_warps=cfg.num_warps, **pdl_args(pdl))
     return y

@@ -237,6 +237,34 @@ def test_split_launch_replays_identically(device, half):
     _assert_counters_rearmed(device)
 
 
+@pytest.mark.cuda_only
+def test_pdl_launch_with_kv_prefetch_equals_eager():
+    """Captured under ops.graph_capture (PDL on Hopper: metadata read and K/V prefetched before the wait), a
+    decode launch over split and unsplit sequences, and padding, gives the eager result."""
+    from outrider.kernels import ops
+    from outrider.kernels.attention import paged_attention
+
+    gen = torch.Generator().manual_seed(6)
+    meta, t = make_meta([1] * 5, [700, 40, 0, 129, 1], 16, 80, torch.device("cuda"), gen=gen,
+                        max_seq_len=CAPTURE_MAX_SEQ_LEN)
+    kc = torch.randn(80, 16, 2, 128, generator=gen).to(torch.bfloat16).cuda()
+    vc = torch.randn(80, 16, 2, 128, generator=gen).to(torch.bfloat16).cuda()
+    q = torch.randn(t, 8, 128, generator=gen).to(torch.bfloat16).cuda()
+    eager = paged_attention(q, kc, vc, meta, 0.125)
+    out = torch.empty_like(eager)
+    with ops.graph_capture():
+        paged_attention(q, kc, vc, meta, 0.125, out=out)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            paged_attention(q, kc, vc, meta, 0.125, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    _assert_counters_rearmed(torch.device("cuda"))
+
+
 def test_plan_launch_grid_stays_within_the_counters():
     from outrider.kernels.attention import _PROGRAMS_PER_SM, plan_launch
 

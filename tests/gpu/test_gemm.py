@@ -225,6 +225,37 @@ def test_cuda_graph_replay_equals_eager():
 
 
 @pytest.mark.cuda_only
+@pytest.mark.parametrize("budget", [-1, 0, 1 << 30], ids=["no-prefetch", "first-tile", "whole"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_pdl_launch_with_weight_prefetch_equals_eager(budget, norm, monkeypatch):
+    """Captured with PDL (Hopper), each variant of the weight prefetch before the wait gives the eager result."""
+    from outrider.kernels import gemm
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9")
+    monkeypatch.setattr(gemm, "GEMM_PREFETCH_BYTES", budget)
+    x, w, b = _inputs(2, 1000, 768, torch.bfloat16, True, "cuda")
+    r = torch.randn_like(x)
+    nw = torch.rand(768, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def run(pdl):
+        row_norm = gemm.RowNorm(nw, 1e-6, r, torch.empty_like(x)) if norm else None
+        return gemm.skinny_gemm(x, w, b, norm=row_norm, pdl=pdl), row_norm
+
+    eager, eager_norm = run(False)
+    run(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, row_norm = run(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, eager)
+    if norm:
+        assert torch.equal(row_norm.summed, eager_norm.summed)
+
+
+@pytest.mark.cuda_only
 def test_model_with_skinny_gemm_equals_cpu_reference(tiny_checkpoint, monkeypatch):
     """Greedy tokens of a tiny model through CUDA graphs with every projection on the kernel match the CPU."""
     from outrider.llm import LLM
