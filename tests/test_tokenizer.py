@@ -259,6 +259,21 @@ def test_special_tokens_skipped_or_kept(tok):
     assert "".join(stream(tok, ids, skip_special_tokens=False)[0]) == f"hi{EOS_TOKEN}"
 
 
+def test_ids_that_add_no_text_do_not_grow_the_decode_window(tok, spm_tok):
+    """A long run of skipped specials (or ids past the vocabulary) between text leaves the text as a whole decode
+    gives it, and each push decodes a window of a token or two, not the run so far."""
+    for t in (tok, spm_tok):
+        eos = next(iter(t.eos_token_ids))
+        a, b = t.encode("hello", add_special=False), t.encode(" there 中", add_special=False)
+        ids = a + [eos] * 300 + [t.vocab_size + 7] * 50 + b
+        detok = Detokenizer(t)
+        text = ""
+        for i in ids:
+            text += detok.push([i])[0]
+            assert len(detok._window) <= 4
+        assert text + detok.flush() == t.decode(ids, skip_special_tokens=True)
+
+
 def test_context_keeps_output_as_it_reads_mid_text(tok):
     prompt, out = tok.encode("say", add_special=False), tok.encode(" hello there", add_special=False)
     detok = Detokenizer(tok, context=prompt[-4:])
