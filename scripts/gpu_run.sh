@@ -41,6 +41,10 @@ if [ "$MODE" != throughput ]; then
   bench kernels
   bench latency --random-weights qwen3-8b --compare hf --profile
   bench latency --random-weights qwen3-0.6b --profile
+  # experiments behind a switch, same machine: decode attention that prepares q/k and stores K/V itself
+  echo "== OUTRIDER_DECODE_PREP_IN_ATTENTION=1" | tee -a "$OUT/bench.log"
+  OUTRIDER_DECODE_PREP_IN_ATTENTION=1 bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
+  OUTRIDER_DECODE_PREP_IN_ATTENTION=1 bench latency --random-weights qwen3-8b --ttft-prompt-len 0
 fi
 if [ "$MODE" = full ] || [ "$MODE" = throughput ]; then
   bench throughput --random-weights qwen3-0.6b
@@ -50,5 +54,5 @@ if [ "$MODE" = full ] || [ "$MODE" = throughput ]; then
     --steps 32 --top 15 2>&1 | grep -v 'capturing CUDA graphs' | tee "$OUT/profile_throughput.log"
   bench latency --random-weights qwen3-8b --batch 32 --ttft-prompt-len 0
 fi
-echo "== summary"; grep -E '^(latency|ttft|hf-|throughput|kernel|profile)' "$OUT/bench.log"
+echo "== summary"; grep -E '^(==|latency|ttft|hf-|throughput|kernel|profile)' "$OUT/bench.log"
 if [ -f "$OUT/tests.log" ]; then tail -3 "$OUT/tests.log"; fi

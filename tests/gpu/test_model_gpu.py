@@ -45,6 +45,15 @@ def test_graphs_without_pdl_equal_graphs_with_it(tiny, monkeypatch):
     assert _greedy(tiny, device="cuda", dtype="bfloat16") == with_pdl
 
 
+def test_decode_prep_in_attention_equals_the_cpu_reference(tiny, monkeypatch):
+    """With decode attention preparing q/k and storing K/V itself (one kernel fewer per layer), greedy tokens
+    through CUDA graphs still equal the CPU reference."""
+    from outrider.kernels import ops
+
+    monkeypatch.setattr(ops, "DECODE_PREP_IN_ATTENTION", True)
+    assert _greedy(tiny, device="cuda", dtype="float32") == _greedy(tiny, device="cpu", dtype="float32")
+
+
 def test_bf16_forward_close_to_cpu_fp32(tiny):
     from outrider.attention import KVCache, get_backend
     from outrider.engine.runner import build_metadata
