@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -95,6 +94,7 @@ class Tokenizer:
         # Cached per instance: the Detokenizer asks for nearly every token it pushes, and a hit is far cheaper than
         # a decode.
         self.whole_text = functools.cache(self.whole_text)
+        self._alone: tuple[dict[int, str], dict[int, str]] = ({}, {})  # decode_one's, by skip_special_tokens
 
     @classmethod
     def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -157,7 +157,15 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (invalid UTF-8 becomes U+FFFD; ids outside the vocabulary are ignored)."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(ids if isinstance(ids, list) else list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """decode([token_id]), cached."""
+        cache = self._alone[skip_special_tokens]
+        text = cache.get(token_id)
+        if text is None:
+            text = cache[token_id] = self.decode([token_id], skip_special_tokens)
+        return text
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a piece of a multi-byte character for byte tokens)."""
@@ -182,7 +190,7 @@ class Tokenizer:
         characters. "" otherwise (decode with the neighbours)."""
         if not self._concatenates or token_id in self._added:
             return ""
-        text = self._tok.decode([token_id])
+        text = self.decode_one(token_id)
         return "" if "\ufffd" in text else text
 
     def token_piece(self, token_id: int) -> str:
@@ -270,11 +278,6 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"invalid chat template: {e}") from e
 
 
-# Per tokenizer, (skip_special_tokens=False, True) -> {id: text of that id decoded alone}: the Detokenizer
-# needs one for nearly every token it pushes, and a dict hit is far cheaper than a decode call.
-_SINGLE_IDS: weakref.WeakKeyDictionary[Tokenizer, tuple[dict[int, str], dict[int, str]]] = weakref.WeakKeyDictionary()
-
-
 class Detokenizer:
     """Incremental detokenizer for one request: emits complete UTF-8 only and cuts stop strings exactly.
 
@@ -286,8 +289,9 @@ class Detokenizer:
                  context: Sequence[int] = ()):
         """`context`: the last few prompt ids, so the first output token decodes as it would mid-text
         (SentencePiece decoders drop the leading space of whatever token starts a decode)."""
-        # HF's decode itself (Tokenizer.decode's copy of the ids is not needed: the window is a list already).
-        self._decode = functools.partial(tokenizer._tok.decode, skip_special_tokens=skip_special_tokens)
+        self._skip = skip_special_tokens
+        self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+        self._decode_one = tokenizer.decode_one
         self._stop = tuple(s for s in stop if s)
         # Decode window: ids from the last emitted boundary; the first _read of them are decoded already.
         self._window: list[int] = list(context)
@@ -298,7 +302,6 @@ class Detokenizer:
         self._stop_tail = re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})\\Z") if prefixes else None
         self._chunks: list[str] = []
         self.stop_word: str | None = None
-        self._singles = _SINGLE_IDS.setdefault(tokenizer, ({}, {}))[skip_special_tokens]
         self._whole = tokenizer.whole_text
 
     @property
@@ -330,9 +333,7 @@ class Detokenizer:
         """Text added by the unread ids; "" while it ends in U+FFFD (a character still split across tokens)."""
         window = self._window
         if self._read == 1:  # the decoded part is the previous token
-            before = self._singles.get(window[0])
-            if before is None:
-                before = self._singles[window[0]] = self._decode(window[:1])
+            before = self._decode_one(window[0], self._skip)
         else:
             before = self._decode(window[:self._read])
         after = self._decode(window)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -146,8 +147,8 @@ def test_logit_bias_and_bans():
     logits = torch.zeros(64, V)
     logits[:, 4] = 10.0
     sampler = Sampler(V, "cpu")
-    params = plain(logit_bias=((4, -math.inf), (9, 2.0)))
-    rows = [RowSpec(params, seed=7, step=i, banned=[11]) for i in range(64)]
+    params = plain(logit_bias=((4, -math.inf), (9, 2.0), (11, -math.inf)))
+    rows = [RowSpec(params, seed=7, step=i) for i in range(64)]
     batch = sampler.prepare(rows)
     toks = sampler.sample(logits, batch).token_ids
     assert not ((toks == 4) | (toks == 11)).any()
@@ -165,7 +166,8 @@ def running(params: list[SamplingParams]) -> list[SimpleNamespace]:
 
 @pytest.mark.parametrize("steps", [[5, 1, 0], [5, 4, 3]], ids=["every row banned", "some rows banned"])
 def test_eog_bans_by_rule_match_explicit_bans(steps):
-    """The runner's rows ban EOG ids by rule (ignore_eos, or short of min_tokens) as if each row listed them."""
+    """The runner's rows ban EOG ids by rule (ignore_eos, or short of min_tokens) as a logit bias of -inf on them
+    would."""
     eog = (7, 30)
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(8))
     logits[:, 7] = 20.0
@@ -174,8 +176,9 @@ def test_eog_bans_by_rule_match_explicit_bans(steps):
     table = ParamTable()
     table.sync(running(params))
     by_rule = sampler.prepare(SamplingRows(table, np.arange(3), np.array(steps), eog_ids=eog))
-    explicit = sampler.prepare([RowSpec(p, i, step, banned=eog if p.ignore_eos or step < p.min_tokens else ())
-                                for i, (p, step) in enumerate(zip(params, steps))])
+    biased = [dataclasses.replace(p, logit_bias=tuple((tok, -math.inf) for tok in eog))
+              if p.ignore_eos or step < p.min_tokens else p for p, step in zip(params, steps)]
+    explicit = sampler.prepare([RowSpec(p, i, step) for i, (p, step) in enumerate(zip(biased, steps))])
     got, want = sampler.sample(logits, by_rule), sampler.sample(logits, explicit)
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.top_logprobs, want.top_logprobs)
     assert torch.equal(sampler.process(logits, by_rule), sampler.process(logits, explicit))

@@ -87,7 +87,6 @@ class RowSpec:
     seed: int
     step: int  # index of the output token this row samples: the RNG counter
     history: Sequence[int] = ()  # tokens before this row's position (prompt, outputs, earlier drafts)
-    banned: Sequence[int] = ()  # ids this row may not sample: bias -inf
 
 
 # ParamTable columns: its float32 rows, then its int64 rows.
@@ -106,7 +105,7 @@ class _Flag:
     TYPICAL = 16  # sampled with typical_p < 1
     NO_TOP_K = 32  # sampled with top-k disabled
     PENALIZED = 64
-    BIASED = 128  # a logit bias, or banned ids
+    BIASED = 128  # a logit bias
     LOGPROBS = 256  # n_probs > 0
 
 
@@ -119,7 +118,7 @@ class ParamTable:
     def __init__(self, size: int = 0) -> None:
         self.floats = np.zeros((8, size), dtype=np.float32)
         self.ints = np.zeros((7, size), dtype=np.int64)
-        self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * size  # with the banned ids at -inf
+        self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * size
         self._owners: list[object | None] = [None] * size  # the request each slot mirrors
 
     def sync(self, reqs: Sequence[Request]) -> None:
@@ -129,16 +128,15 @@ class ParamTable:
             if slot >= len(self._owners) or self._owners[slot] is not req:
                 self.write(slot, req.params, req.seed, owner=req)
 
-    def write(self, slot: int, params: SamplingParams, seed: int, banned: Sequence[int] = (),
-              owner: object | None = None) -> None:
-        """Set a slot's parameters and seed, with `banned` ids biased -inf, for `owner` (the request it mirrors)."""
+    def write(self, slot: int, params: SamplingParams, seed: int, owner: object | None = None) -> None:
+        """Set a slot's parameters and seed, for `owner` (the request it mirrors)."""
         if slot >= len(self._owners):
             self._grow(slot + 1)
         p, sampled = params, not params.greedy
         f = self.floats[:, slot]
         f[:] = (p.temperature, p.temperature if sampled else 1.0, p.top_p, p.min_p, p.typical_p, p.repeat_penalty,
                 p.presence_penalty, p.frequency_penalty)
-        bias = (*p.logit_bias, *((tok, -math.inf) for tok in banned))
+        bias = p.logit_bias
         flags = {_Flag.GREEDY: not sampled, _Flag.DEVICE_GREEDY: f[_TEMPERATURE] <= 0, _Flag.TOP_P: sampled and f[_TOP_P] < 1.0,
                  _Flag.MIN_P: sampled and f[_MIN_P] > 0.0, _Flag.TYPICAL: sampled and f[_TYPICAL_P] < 1.0,
                  _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.penalized, _Flag.BIASED: bool(bias),
@@ -184,7 +182,7 @@ class SamplingRows:
         """The rows of these specs, each with its own table slot."""
         table = ParamTable(len(specs))
         for i, r in enumerate(specs):
-            table.write(i, r.params, r.seed, r.banned)
+            table.write(i, r.params, r.seed)
         return cls(table, np.arange(len(specs)), np.array([r.step for r in specs], dtype=np.int64),
                    [r.history for r in specs])
 
@@ -210,7 +208,10 @@ class SamplingBatch:
     n_probs: int  # max n_probs over the rows (0 = no log-probs)
     all_greedy: bool
     some_top_p_off: bool = False  # some rows disable top-p while others use it
-    eog_ban: torch.Tensor | None = None  # [E] EOG ids that no row may sample (else bans are in `bias`)
+    # EOG bans, added to the logits at columns eog_ids [E]: -inf for every row (a 0-dim tensor) or per row ([N, 1]:
+    # -inf or 0); None when no row bans them.
+    eog_ban: torch.Tensor | None = None
+    eog_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -245,8 +246,8 @@ class Sampler:
         self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
         self._rank = torch.arange(vocab_size, device=self.device)  # candidate ranks: a view launches nothing
         self._neg_inf = torch.tensor(-math.inf, device=self.device)
-        # EOG ids as given, those the logits cover, and those on the device
-        self._eog: tuple[Sequence[int], list[int], torch.Tensor] | None = None
+        # EOG ids as given, and those the logits cover on the device
+        self._eog: tuple[Sequence[int], torch.Tensor] | None = None
 
     # --- building the step's tensors (host side, once per step) ---
     def prepare(self, rows: SamplingRows | Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
@@ -257,11 +258,14 @@ class Sampler:
             rows = SamplingRows.of(rows)
         floats, ints = rows.table.floats[:, rows.slots], rows.table.ints[:, rows.slots]
         some, every = int(np.bitwise_or.reduce(ints[_FLAGS])), int(np.bitwise_and.reduce(ints[_FLAGS]))
-        banned = np.flatnonzero(rows.steps < ints[_EOG_BANNED_UNTIL]) if rows.eog_ids else ()
-        ban_every_row = 0 < len(banned) == len(rows.slots)  # (the usual case, ignore_eos: nothing to upload)
-        bias = self._bias(rows, ints, some, () if ban_every_row else banned)
+        banned = rows.steps < ints[_EOG_BANNED_UNTIL] if rows.eog_ids else None
+        some_banned = banned is not None and banned.any()
+        ban_every_row = some_banned and banned.all()  # (the usual case, ignore_eos: nothing to upload)
+        bias = self._bias(rows, ints, some)
         penalties = self._penalties(rows, floats, ints) if some & _Flag.PENALIZED else None
         parts: list[tuple] = [*(bias or ()), *(penalties or ())]
+        if some_banned and not ban_every_row:
+            parts.append((np.where(banned, -np.inf, 0.0), np.float32))
         all_greedy = bool(every & _Flag.GREEDY)
         filters = not (all_greedy and sample_only)
         if filters:
@@ -276,11 +280,17 @@ class Sampler:
         if penalties:
             (at, toks, coef), dev = dev[:3], dev[3:]
             penalties = (at, toks, coef[0], coef[1], coef[2])
-        eog_ban = self._eog_ids(rows.eog_ids)[1] if ban_every_row else None
+        eog_ban = eog_ids = None
+        if some_banned:
+            eog_ids = self._eog_ids(rows.eog_ids)
+            if ban_every_row:
+                eog_ban = self._neg_inf
+            else:
+                eog_ban, dev = dev[0][:, None], dev[1:]
         n_probs = int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0
         if not filters:
             return SamplingBatch(len(rows.slots), None, None, None, None, None, None, None, self.vocab_size, bias,
-                                 penalties, n_probs, True, eog_ban=eog_ban)
+                                 penalties, n_probs, True, eog_ban=eog_ban, eog_ids=eog_ids)
         filt, top_k_dev, keys_dev = dev
         return SamplingBatch(
             num_rows=len(rows.slots),
@@ -298,11 +308,11 @@ class Sampler:
             all_greedy=all_greedy,
             some_top_p_off=not every & _Flag.TOP_P,
             eog_ban=eog_ban,
+            eog_ids=eog_ids,
         )
 
-    def _bias(self, rows: SamplingRows, ints: np.ndarray, flags: int, banned: Sequence[int]) -> list[tuple] | None:
-        """Upload parts for (rows, token ids, values) of the logit bias and the EOG bans of rows `banned` (-inf);
-        None if none."""
+    def _bias(self, rows: SamplingRows, ints: np.ndarray, flags: int) -> list[tuple] | None:
+        """Upload parts for (rows, token ids, values) of the logit bias; None if none."""
         at: list[int] = []
         toks: list[int] = []
         vals: list[float] = []
@@ -315,20 +325,14 @@ class Sampler:
             if toks and (min(toks) < 0 or max(toks) >= self.vocab_size):  # llama-server ignores bad ids too
                 keep = [j for j, tok in enumerate(toks) if 0 <= tok < self.vocab_size]
                 at, toks, vals = [at[j] for j in keep], [toks[j] for j in keep], [vals[j] for j in keep]
-        if len(banned):
-            eog = self._eog_ids(rows.eog_ids)[0]
-            for r in banned.tolist():
-                at += [r] * len(eog)
-                toks += eog
-                vals += [-math.inf] * len(eog)
         return [(at, np.int64), (toks, np.int64), (vals, np.float32)] if toks else None
 
-    def _eog_ids(self, eog_ids: Sequence[int]) -> tuple[list[int], torch.Tensor]:
-        """The end-of-generation ids the logits cover, on the host and on the device (uploaded once)."""
+    def _eog_ids(self, eog_ids: Sequence[int]) -> torch.Tensor:
+        """The end-of-generation ids the logits cover, on the device (uploaded once)."""
         if self._eog is None or self._eog[0] != eog_ids:
             valid = [i for i in eog_ids if 0 <= i < self.vocab_size]
-            self._eog = (eog_ids, valid, torch.tensor(valid, dtype=torch.int64, device=self.device))
-        return self._eog[1:]
+            self._eog = (eog_ids, torch.tensor(valid, dtype=torch.int64, device=self.device))
+        return self._eog[1]
 
     def _penalties(self, rows: SamplingRows, floats: np.ndarray, ints: np.ndarray) -> list[tuple] | None:
         """Upload parts for (rows, token ids: one entry per occurrence in the window, [3, N] repeat, presence and
@@ -356,8 +360,8 @@ class Sampler:
             rows, toks, vals = batch.bias
             out.index_put_((rows, toks), vals, accumulate=True)
         if batch.eog_ban is not None:  # (added, as a bias of -inf is)
-            eog = batch.eog_ban
-            out.index_add_(1, eog, self._neg_inf.expand(len(out), len(eog)))
+            eog = batch.eog_ids
+            out.index_add_(1, eog, batch.eog_ban.expand(len(out), len(eog)))
         if batch.penalties is not None:
             rows, toks, repeat, presence, frequency = batch.penalties
             counts = torch.zeros_like(out)
