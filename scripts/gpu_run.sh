@@ -37,7 +37,8 @@ if [ "$MODE" = ab ]; then
 fi
 
 if [ "$MODE" != throughput ]; then
-  timeout 420 $PY -m pytest tests/gpu -q -rs 2>&1 | tee "$OUT/tests.log"
+  # tests/gpu, plus the speculative engine tests, which run on the GPU when there is one (verify graphs)
+  timeout 480 $PY -m pytest tests/gpu tests/test_spec_engine.py -q -rs 2>&1 | tee "$OUT/tests.log"
   bench kernels
   bench latency --random-weights qwen3-8b --compare hf --profile
   bench latency --random-weights qwen3-0.6b --profile

@@ -52,3 +52,43 @@ def test_block_tables_follow_appends_and_new_lists():
     c = Request([3], SamplingParams())
     c.id_slot, c.block_ids = 3, [1, 2]  # b's slot, reused by another request
     assert tables.gather([a, c]).tolist() == [[5, 6, 9], [1, 2, 0]]
+
+
+class _FakeGraphs:
+    """A captured-graph stand-in: replays steps of q tokens per sequence, returning `outputs`."""
+
+    def __init__(self, q: int, outputs):
+        self.q, self.outputs, self.replays = q, outputs, 0
+
+    def can_run(self, meta) -> bool:
+        return meta.max_query_len == self.q and meta.slot_mapping.shape[0] == meta.num_seqs * self.q
+
+    def run(self, input_ids, positions, meta):
+        self.replays += 1
+        return self.outputs
+
+
+def test_forward_replays_the_graph_that_fits_and_unpacks_its_outputs():
+    """Decode graphs return (hidden, [aux], logits), verify graphs (hidden, [aux]); steps no graph fits run eager."""
+    from types import SimpleNamespace
+
+    from outrider.engine.runner import ModelRunner, StepBatch
+
+    hidden, aux, logits = torch.zeros(2, 4), torch.ones(2, 8), torch.full((2, 16), 2.0)
+    for with_aux in (False, True):
+        model = SimpleNamespace(aux_layer_ids=(1,) if with_aux else (), aux_hidden=aux)
+        runner = ModelRunner.__new__(ModelRunner)
+        runner.model, runner.kv_cache, runner.backend = model, None, None
+        model_out = (hidden + 5,) + ((aux,) if with_aux else ())
+        runner.forward_eager = lambda ids, pos, meta: model_out if with_aux else model_out[0]
+        decode = _FakeGraphs(1, (hidden, *((aux,) if with_aux else ()), logits))
+        verify = _FakeGraphs(3, (hidden, aux) if with_aux else hidden)
+        runner.graphs = [decode, verify]
+        for q_lens, fits in (([1, 1], decode), ([3], verify), ([2, 1], None)):
+            meta, pos = build_metadata([([1], 0, n) for n in q_lens], BS, torch.device("cpu"))
+            ids = torch.zeros(sum(q_lens), dtype=torch.int64)
+            h, a, lg = runner.forward(StepBatch(ids, pos, meta, [], None))
+            assert torch.equal(h, hidden if fits else hidden + 5)
+            assert (a is aux) if with_aux else a is None
+            assert (lg is logits) if fits is decode else lg is None
+        assert decode.replays == verify.replays == 1

@@ -122,11 +122,25 @@ class CudaGraphRunner:
         return outs[0] if self._single else outs
 
 
-def capture_decode_graphs(runner, max_batch: int, max_model_len: int, progress: bool = True) -> CudaGraphRunner:
-    """Decode graphs (one token per sequence) over a ModelRunner's model, KV cache and attention backend."""
-    graphs = CudaGraphRunner(
-        runner.forward_decode,
-        max_batch=max_batch, max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size),
-        max_seq_len=max_model_len, device=runner.device)
-    graphs.capture(progress)
+# Batch sizes captured for verify steps: speculation pays at small batches, and each (batch, k) pair is a graph.
+VERIFY_BUCKETS = (1, 2, 4, 8)
+
+
+def capture_step_graphs(runner, max_batch: int, max_model_len: int, verify_lens: Sequence[int] = (),
+                        progress: bool = True) -> list[CudaGraphRunner]:
+    """Graphs over a ModelRunner's model, KV cache and attention backend, in one memory pool: decode (one token
+    per sequence; the LM head inside, as every row samples) and, per q in verify_lens, verify steps of q tokens
+    per sequence (a decode token and q - 1 drafts). A verify graph stops at the hidden states: the runner
+    applies the LM head to the rows it needs, so that no graph keeps a [batch * q, vocab] logits buffer alive."""
+    common = dict(max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size), max_seq_len=max_model_len,
+                  device=runner.device)
+    decode = CudaGraphRunner(runner.forward_decode, max_batch=max_batch, **common)
+    decode.capture(progress)
+    graphs = [decode]
+    for q in verify_lens:
+        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
+        verify = CudaGraphRunner(runner.forward_eager, max_batch=buckets[-1], tokens_per_seq=q, buckets=buckets,
+                                 pool=decode.pool, **common)
+        verify.capture(progress)
+        graphs.append(verify)
     return graphs

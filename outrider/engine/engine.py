@@ -93,9 +93,11 @@ class Engine:
         if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)
             self.config = config = replace(config, spec_draft_n_max=self.policy.n_max if self.policy else DEFAULT_N_MAX)
         if self.device.type == "cuda" and not config.enforce_eager:
-            from outrider.engine.cuda_graphs import capture_decode_graphs
+            from outrider.engine.cuda_graphs import capture_step_graphs
 
-            self.runner.graphs = capture_decode_graphs(self.runner, config.max_num_seqs, self.max_model_len)
+            # A verify step feeds k + 1 tokens per sequence, k up to the drafter's longest draft.
+            verify = range(2, self.drafter.max_draft + 2) if self.drafter is not None else ()
+            self.runner.graphs = capture_step_graphs(self.runner, config.max_num_seqs, self.max_model_len, verify)
         self.live: dict[int, _Live] = {}
         # Overlap scheduling needs no drafter: proposing reads the committed tokens (docs/architecture.md).
         overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"

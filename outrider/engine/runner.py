@@ -165,7 +165,7 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device)
         self.block_tables = BlockTables()
         self.sampling_table = ParamTable()  # by scheduler slot, like block_tables
-        self.graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine on CUDA
+        self.graphs: list[CudaGraphRunner] = []  # decode, then verify CUDA graphs: set by the engine on CUDA
         self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
@@ -225,12 +225,15 @@ class ModelRunner:
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(hidden [T, H] pre-norm, aux_hidden [T, A] or None, logits [T, V] or None): a captured decode graph
-        also computes every row's logits; an eager step leaves them to the caller (it may need only some rows)."""
-        if self.graphs is not None and self.graphs.can_run(batch.meta):
-            out = self.graphs.run(batch.input_ids, batch.positions, batch.meta)
-            return out[0], (out[1] if len(out) == 3 else None), out[-1]
-        out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
-        return (out, None, None) if isinstance(out, torch.Tensor) else (*out, None)
+        also computes every row's logits; other steps leave them to the caller (it may need only some rows)."""
+        graph = next((g for g in self.graphs if g.can_run(batch.meta)), None)
+        if graph is not None:
+            out = graph.run(batch.input_ids, batch.positions, batch.meta)
+        else:
+            out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
+        out = (out,) if isinstance(out, torch.Tensor) else out
+        with_aux = bool(self.model.aux_layer_ids)
+        return out[0], (out[1] if with_aux else None), (out[1 + with_aux] if len(out) > 1 + with_aux else None)
 
     def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The model call: the hidden states, plus aux_hidden when a drafter reads them."""

@@ -54,6 +54,26 @@ def test_decode_prep_in_attention_equals_the_cpu_reference(tiny, monkeypatch):
     assert _greedy(tiny, device="cuda", dtype="float32") == _greedy(tiny, device="cpu", dtype="float32")
 
 
+def test_verify_graphs_replay_and_equal_eager(tiny, tmp_path, monkeypatch):
+    """Speculative steps of one or two sequences replay captured verify graphs (k + 1 tokens per sequence), and
+    greedy output equals the eager engine's, which equals plain decoding's (lossless)."""
+    from outrider.engine.cuda_graphs import CudaGraphRunner
+
+    draft = write_tiny_checkpoint(tmp_path / "draft", "qwen3", hidden_size=64, layers=1, heads=4, kv_heads=2,
+                                  head_dim=16, dtype=torch.float32, seed=3)
+    replays: list[int] = []
+    run = CudaGraphRunner.run
+    monkeypatch.setattr(CudaGraphRunner, "run", lambda self, *a: replays.append(self.q) or run(self, *a))
+    spec = dict(device="cuda", dtype="float32", draft_model=str(draft), spec_draft_n_max=3)
+    prompts = PROMPTS[:2]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    graphs = [c.token_ids for c in LLM(str(tiny), block_size=16, **spec).generate(prompts, params)]
+    assert any(q > 1 for q in replays)
+    eager = [c.token_ids for c in LLM(str(tiny), block_size=16, enforce_eager=True, **spec).generate(prompts, params)]
+    plain = [c.token_ids for c in LLM(str(tiny), block_size=16, device="cuda", dtype="float32").generate(prompts, params)]
+    assert graphs == eager == plain
+
+
 def test_bf16_forward_close_to_cpu_fp32(tiny):
     from outrider.attention import KVCache, get_backend
     from outrider.engine.runner import build_metadata
