@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# GPU tests + benchmarks on the device machine. Usage: scripts/gpu_run.sh [quick|throughput|full|ab]; logs land
-# in $OUT.
-# quick: kernel/model tests, kernel micro-benchmarks, batch-1 latency (8B vs HF, 0.6B).
+# GPU tests + benchmarks on the device machine. Usage: scripts/gpu_run.sh MODE; logs land in $OUT. One device
+# call runs at most 10 minutes, so each mode below fits one call; `full` (all of them) does not.
+# tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
+# latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles) and the experiments behind switches, ~6 min.
+# kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
-# full: quick + throughput, which can outlast one 10-minute device call (the tests alone took ~3 min in run F):
-#     run quick and throughput as two calls.
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
-MODE=${1:-full}
+MODE=${1:?usage: scripts/gpu_run.sh tests|latency|kernels|throughput|full|ab}
 OUT=$(realpath -m "${OUT:-.out}")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,18 +36,27 @@ if [ "$MODE" = ab ]; then
   exit 0
 fi
 
-if [ "$MODE" != throughput ]; then
+run() { [ "$MODE" = full ] || [ "$MODE" = "$1" ]; }
+if run tests; then
   # tests/gpu, plus the speculative engine tests, which run on the GPU when there is one (verify graphs)
   timeout 480 $PY -m pytest tests/gpu tests/test_spec_engine.py -q -rs 2>&1 | tee "$OUT/tests.log"
+fi
+if run kernels; then
   bench kernels
+fi
+if run latency; then
   bench latency --random-weights qwen3-8b --compare hf --profile
   bench latency --random-weights qwen3-0.6b --profile
   # experiments behind a switch, same machine: decode attention that prepares q/k and stores K/V itself
   echo "== OUTRIDER_DECODE_PREP_IN_ATTENTION=1" | tee -a "$OUT/bench.log"
   OUTRIDER_DECODE_PREP_IN_ATTENTION=1 bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
   OUTRIDER_DECODE_PREP_IN_ATTENTION=1 bench latency --random-weights qwen3-8b --ttft-prompt-len 0
+  # ... and a decode split of at least 256 keys (a context of up to 256 is then one program, no merge)
+  echo "== OUTRIDER_MIN_SPLIT_KEYS=256" | tee -a "$OUT/bench.log"
+  OUTRIDER_MIN_SPLIT_KEYS=256 bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
+  OUTRIDER_MIN_SPLIT_KEYS=256 bench latency --random-weights qwen3-8b --ttft-prompt-len 0
 fi
-if [ "$MODE" = full ] || [ "$MODE" = throughput ]; then
+if run throughput; then
   bench throughput --random-weights qwen3-0.6b
   bench throughput --random-weights qwen3-8b
   # where a throughput-sized decode step goes (batch and context near the workload's average, T=0.6)

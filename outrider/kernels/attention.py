@@ -14,6 +14,7 @@ last split of a tile to finish (an arrival counter) merges them, so no second ke
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -27,7 +28,8 @@ from outrider.kernels.ops import pdl_args, use_pdl
 _LOG2E = 1.4426950408889634
 # Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial
 # reads); two 64-key tiles cost about as much, so a context of up to 128 keys is one program and no merge.
-MIN_SPLIT_KEYS = 128
+# (OUTRIDER_MIN_SPLIT_KEYS, a power of two >= 128, for A/B runs: 256 would keep a 256-key context one program.)
+MIN_SPLIT_KEYS = int(os.environ.get("OUTRIDER_MIN_SPLIT_KEYS", "128"))
 # A split launch has at most this many programs per SM, so that many arrival counters per SM suffice.
 _PROGRAMS_PER_SM = 4
 
@@ -144,10 +146,11 @@ def _attn_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
         # The keys before this step's are in the cache already (L2 is coherent, so prefetching the newest ones
-        # early is harmless too): bring this program's first tile of K and V into L2 while the previous kernel
-        # finishes. Positions and in-key offsets are clamped: every prefetched address is valid.
+        # early is harmless too): bring this program's first MIN_SPLIT keys (all of a decode split's, usually) of
+        # K and V into L2 while the previous kernel finishes. Positions and in-key offsets are clamped: every
+        # prefetched address is valid.
         if idle == 0:
-            p_pos = tl.minimum(lo + tl.arange(0, BLOCK_N), tl.maximum(hi - 1, 0))
+            p_pos = tl.minimum(lo + tl.arange(0, MIN_SPLIT), tl.maximum(hi - 1, 0))
             p_blk = tl.load(bt_row + p_pos // PAGE).to(tl.int64)
             p_off = p_blk * stride_kb + (p_pos % PAGE) * stride_ks + kvh * HEAD_DIM
             p_off = p_off[:, None] + tl.minimum(tl.arange(0, KEY_LINES) * LINE, HEAD_DIM - 1)[None, :]
