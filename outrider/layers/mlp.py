@@ -7,6 +7,7 @@ from torch import nn
 
 from outrider.kernels import ops
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
+from outrider.layers.norm import RMSNorm
 
 
 class GatedMLP(nn.Module):
@@ -16,8 +17,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up) from gate_up_proj's output: the decoder layer runs gate_up_proj itself, with
-        its norm fused into that GEMM."""
-        # The activation goes into down_proj's GEMM (one launch fewer at decode); weight and bias stay down_proj's.
-        return ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm SwiGLU of the stream x + residual (residual None: x alone) -> (down_proj's output, x +
+        residual). The residual add and `norm` go into gate_up_proj's GEMM, the activation into down_proj's
+        (two kernels at decode)."""
+        gate_up, residual = norm.forward_linear(x, residual, self.gate_up_proj)
+        return ops.silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias), residual

@@ -62,14 +62,16 @@ class Attention(nn.Module):
         q, k = self.rope(positions, rotary).apply(q, k)
         return q, k, v
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Attention and o_proj from qkv_proj's output: the decoder layer runs qkv_proj itself, with its norm
-        fused into that GEMM."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
+                rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm attention of the stream x + residual (residual None: x alone) -> (o_proj's output, x +
+        residual). The residual add and `norm` go into qkv_proj's GEMM (one kernel at decode)."""
+        qkv, residual = norm.forward_linear(x, residual, self.qkv_proj)
         # The backend prepares q/k itself, so it can fuse that with the KV store (one kernel on Triton).
         q, k, v = self.split_qkv(qkv)
         o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary))
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o.flatten(1)), residual
 
 
 class DecoderLayer(nn.Module):
@@ -92,11 +94,10 @@ class DecoderLayer(nn.Module):
         """The residual stream as (h, residual), whose sum is the stream (residual None: it is h alone).
 
         Returns the pair after this layer unsummed, so the next layer's norm fuses the add into its kernel. Each
-        norm goes with the projection after it (at decode, one GEMM kernel does add, norm and projection)."""
-        qkv, residual = self.input_layernorm.forward_linear(h, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(qkv, positions, rotary, kv_cache, meta, backend)
-        gate_up, residual = self.post_attention_layernorm.forward_linear(x, residual, self.mlp.gate_up_proj)
-        return self.mlp(gate_up), residual
+        norm goes to the block it precedes, which fuses it with its first projection (at decode, one GEMM kernel
+        does add, norm and projection)."""
+        x, residual = self.self_attn(h, residual, self.input_layernorm, positions, rotary, kv_cache, meta, backend)
+        return self.mlp(x, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):
