@@ -151,3 +151,23 @@ def test_default_draft_length_is_the_drafters(families, kind):
     want = drafter.block - 1 if kind == "dflash" else 4
     assert drafter.max_draft == llm.engine.policy.n_max == llm.engine.config.spec_draft_n_max == want
     assert family_llm(families, kind).engine.policy.n_max == 3
+
+
+@pytest.mark.parametrize("kind", list(SETUPS))
+def test_one_memory_budget_sizes_the_target_and_drafter_pools(ckpts, kind):
+    """The drafter's KV pool has as many blocks as the target's, so the budget is split over both: together
+    they fit it (sized before either loads), and neither pool alone is sized for the whole budget."""
+    target, kwargs = SETUPS[kind]
+    budget_gib = 1 / 256
+    llm = LLM(ckpts[target], max_num_seqs=64, max_model_len=2048, kv_cache_memory_gib=budget_gib, **kwargs(ckpts))
+    engine = llm.engine
+
+    def pool_bytes(kv):
+        return sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
+
+    target_bytes, draft_bytes = pool_bytes(engine.kv_cache), pool_bytes(engine.drafter.kv)
+    blocks = engine.kv_cache.num_blocks
+    per_block = (target_bytes + draft_bytes) // blocks
+    assert engine.drafter.kv.num_blocks == blocks
+    assert blocks == int(budget_gib * 2**30 // per_block)  # the budget binds, not the limits
+    assert target_bytes + draft_bytes <= budget_gib * 2**30 < target_bytes + draft_bytes + per_block

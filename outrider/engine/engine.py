@@ -30,7 +30,7 @@ from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
-from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
+from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, drafter_kv_shape, load_drafter
 from outrider.spec.drafter import DEFAULT_N_MAX
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
@@ -56,9 +56,10 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kv_block_bytes(model_config, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_config.num_hidden_layers * block_size * model_config.num_key_value_heads * model_config.head_dim * elem
+def kv_block_bytes(shape: tuple[int, int, int], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of a KV pool of `shape` (layers, KV heads, head dim): its K and V."""
+    layers, kv_heads, head_dim = shape
+    return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class Engine:
@@ -77,8 +78,14 @@ class Engine:
         if config.chat_template:
             self.tokenizer.chat_template = config.chat_template
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        num_blocks = self._num_kv_blocks()
         mc = self.model_config
+        # A drafter's KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
+        spec_kind = self._spec_kind()
+        draft_shape = self._drafter_kv_shape(spec_kind) if spec_kind else None
+        if spec_kind and draft_shape is None:
+            spec_kind = None  # (logged: serve without speculation)
+        pools = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim), *([draft_shape] if draft_shape else [])]
+        num_blocks = self._num_kv_blocks(sum(kv_block_bytes(p, config.block_size, self.dtype) for p in pools))
         self.kv_cache = KVCache.allocate(mc.num_hidden_layers, num_blocks, config.block_size,
                                          mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -89,7 +96,7 @@ class Engine:
         log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
                  num_blocks, config.block_size, (now() - t0) * 1e3)
         # The drafter loads now, beside the target, never lazily inside a request (no request pays for it).
-        self.drafter, self.policy = self._load_drafter(num_blocks)
+        self.drafter, self.policy = self._load_drafter(spec_kind, num_blocks) if spec_kind else (None, None)
         if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)
             self.config = config = replace(config, spec_draft_n_max=self.policy.n_max if self.policy else DEFAULT_N_MAX)
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -139,19 +146,25 @@ class Engine:
         while self.has_work():
             self.step()
 
-    def _load_drafter(self, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
-        """The configured (or detected) drafter; on failure, log why and serve without speculation."""
+    def _spec_kind(self) -> str | None:
+        """The configured (or detected) drafter kind; None: no speculation."""
         cfg = self.config
-        kind = cfg.spec_type
-        if kind == "none":
-            return None, None
-        if kind is None:
-            if cfg.draft_model:
-                kind = detect_kind(cfg.draft_model, str(self.model_path))
-            elif self.model_config.mtp_num_hidden_layers > 0:
-                kind = "mtp"
-            else:
-                return None, None
+        if cfg.spec_type is not None:
+            return None if cfg.spec_type == "none" else cfg.spec_type
+        if cfg.draft_model:
+            return detect_kind(cfg.draft_model, str(self.model_path))
+        return "mtp" if self.model_config.mtp_num_hidden_layers > 0 else None
+
+    def _drafter_kv_shape(self, kind: str) -> tuple[int, int, int] | None:
+        try:
+            return drafter_kv_shape(kind, self.model_config, str(self.model_path), self.config.draft_model)
+        except Exception as exc:
+            log.error("drafter (kind=%s) cannot be read, serving without speculative decoding: %s", kind, exc)
+            return None
+
+    def _load_drafter(self, kind: str, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
+        """The drafter of this kind; on failure, log why and serve without speculation."""
+        cfg = self.config
         t0 = now()
         asked = cfg.spec_draft_n_max  # None: the drafter's own default (an explicit 0 stays 0)
         try:
@@ -172,9 +185,10 @@ class Engine:
     def drafter_kind(self) -> str | None:
         return self.drafter.kind if self.drafter is not None else None
 
-    def _num_kv_blocks(self) -> int:
+    def _num_kv_blocks(self, per_block: int) -> int:
+        """Blocks for the KV pools (`per_block` bytes a block across them): what the limits can use, within the
+        memory budget."""
         cfg = self.config
-        per_block = kv_block_bytes(self.model_config, cfg.block_size, self.dtype)
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks

@@ -50,15 +50,20 @@ class DFlashModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def dflash_config(path: str | Path) -> tuple[ModelConfig, dict]:
+    """(the drafter's decoder layers as a ModelConfig, its raw config.json) of a DFlash checkpoint."""
+    raw = json.loads((Path(path) / "config.json").read_text())
+    # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
+    return ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]}), raw
+
+
 class DFlashDrafter:
     kind = "dflash"
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
     def __init__(self, target: nn.Module, target_cfg: ModelConfig, path: str, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        raw = json.loads((Path(path) / "config.json").read_text())
-        # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
-        cfg = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})
+        cfg, raw = dflash_config(path)
         dflash = raw.get("dflash_config") or {}
         self.mask_token_id = int(dflash["mask_token_id"])
         taps = dflash.get("target_layer_ids") or default_target_layers(
