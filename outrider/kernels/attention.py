@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from outrider.attention import AttentionMetadata, QKNormRope
-from outrider.kernels.fused import pdl_enter, prefetch_l2
+from outrider.kernels.fused import head_rms_norm, pdl_enter, prefetch_l2, rope_halves
 from outrider.kernels.ops import pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -73,20 +73,19 @@ def _merge_rows(out_ptr, part_o_ptr, part_lse_ptr, first_row, n_rows, q_start, k
 def _prepared(ptr, ok, w_ptr, d, d_ok, cos, sin, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
               dt: tl.constexpr):
     """Heads at row pointers ptr [R, 1] (+ d; rows where ok [R, 1] is false read as 0): per-head RMSNorm * w
-    (NORM), then rotate-half RoPE, rounded to dt where the Hugging Face modules round (as
-    fused._qk_norm_rope_kernel, each element paired with its partner in the other half)."""
+    (NORM), then rotate-half RoPE, rounded as fused._qk_norm_rope_kernel rounds. That kernel holds a head as
+    its two halves; here it is whole, with a copy in which each element faces its partner in the other half."""
     partner = (d + HEAD_DIM // 2) % HEAD_DIM
     mask = ok & d_ok[None, :]
     x = tl.load(ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.math.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+    if NORM:  # (x and xp hold the same squares: their mean over 2 * HEAD_DIM is the head's)
         w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        x = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xp = (wp * (xp * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    rot = (xp * sin).to(dt).to(tl.float32)
-    return ((x * cos).to(dt).to(tl.float32) + tl.where((d < HEAD_DIM // 2)[None, :], -rot, rot)).to(dt)
+        x, xp = head_rms_norm(x, xp, w, wp, eps, HEAD_DIM, dt)
+    first, _ = rope_halves(x, xp, cos, sin, dt)  # right for the first half: x * cos - partner * sin
+    _, second = rope_halves(xp, x, cos, sin, dt)  # right for the second: x * cos + partner * sin
+    return tl.where((d < HEAD_DIM // 2)[None, :], first, second)
 
 
 # Per-step ints are not specialised on: a new batch width or token count must never trigger a recompile.

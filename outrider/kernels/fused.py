@@ -132,8 +132,9 @@ def _store_halves(x1, x2, out_ptr, row, N_HEADS: tl.constexpr, BLOCK_H: tl.const
 
 
 @triton.jit
-def _head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, dt: tl.constexpr):
-    """Per-head RMSNorm * weight of the halves, rounded to dt where the HF module rounds."""
+def head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, dt: tl.constexpr):
+    """Per-head RMSNorm * weight of the halves, rounded to dt where the HF module rounds (also used on a whole
+    head and a copy, with HALF the head dim: kernels/attention.py)."""
     rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
     x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
@@ -141,7 +142,7 @@ def _head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
-def _rope(x1, x2, cos, sin, dt: tl.constexpr):
+def rope_halves(x1, x2, cos, sin, dt: tl.constexpr):
     """Rotate-half RoPE [x1, x2] -> [x1*c - x2*s, x2*c + x1*s], each product and the result rounded to dt as
     in HF."""
     o1 = (x1 * cos).to(dt).to(tl.float32) - (x2 * sin).to(dt).to(tl.float32)
@@ -177,13 +178,13 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw
         # A weight is one "head" of [1, HALF] halves.
         qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
         kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
-        q1, q2 = _head_rms_norm(q1, q2, qw1, qw2, eps, HALF, dt)
-        k1, k2 = _head_rms_norm(k1, k2, kw1, kw2, eps, HALF, dt)
+        q1, q2 = head_rms_norm(q1, q2, qw1, qw2, eps, HALF, dt)
+        k1, k2 = head_rms_norm(k1, k2, kw1, kw2, eps, HALF, dt)
     freqs = pos * inv_freq
     cos = tl.cos(freqs).to(dt).to(tl.float32)  # HF casts cos/sin to the model dtype before use
     sin = tl.sin(freqs).to(dt).to(tl.float32)
-    q1, q2 = _rope(q1, q2, cos, sin, dt)
-    k1, k2 = _rope(k1, k2, cos, sin, dt)
+    q1, q2 = rope_halves(q1, q2, cos, sin, dt)
+    k1, k2 = rope_halves(k1, k2, cos, sin, dt)
     _store_halves(q1, q2, qo_ptr, t, HQ, BLOCK_HQ, HALF, BLOCK_HALF)
     _store_halves(k1, k2, ko_ptr, kv_row, HK, BLOCK_HK, HALF, BLOCK_HALF)
     if STORE_KV:
