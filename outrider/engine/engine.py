@@ -80,10 +80,7 @@ class Engine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         mc = self.model_config
         # A drafter's KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
-        spec_kind = self._spec_kind()
-        draft_shape = self._drafter_kv_shape(spec_kind) if spec_kind else None
-        if spec_kind and draft_shape is None:
-            spec_kind = None  # (logged: serve without speculation)
+        spec_kind, draft_shape = self._drafter_plan()
         pools = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim), *([draft_shape] if draft_shape else [])]
         num_blocks = self._num_kv_blocks(sum(kv_block_bytes(p, config.block_size, self.dtype) for p in pools))
         self.kv_cache = KVCache.allocate(mc.num_hidden_layers, num_blocks, config.block_size,
@@ -146,21 +143,23 @@ class Engine:
         while self.has_work():
             self.step()
 
-    def _spec_kind(self) -> str | None:
-        """The configured (or detected) drafter kind; None: no speculation."""
+    def _drafter_plan(self) -> tuple[str | None, tuple[int, int, int] | None]:
+        """The configured (or detected) drafter kind and the shape of its KV pool; (None, None): no speculation
+        (when the drafter's config cannot be read, logged)."""
         cfg = self.config
         if cfg.spec_type is not None:
-            return None if cfg.spec_type == "none" else cfg.spec_type
-        if cfg.draft_model:
-            return detect_kind(cfg.draft_model, str(self.model_path))
-        return "mtp" if self.model_config.mtp_num_hidden_layers > 0 else None
-
-    def _drafter_kv_shape(self, kind: str) -> tuple[int, int, int] | None:
+            kind = None if cfg.spec_type == "none" else cfg.spec_type
+        elif cfg.draft_model:
+            kind = detect_kind(cfg.draft_model, str(self.model_path))
+        else:
+            kind = "mtp" if self.model_config.mtp_num_hidden_layers > 0 else None
+        if kind is None:
+            return None, None
         try:
-            return drafter_kv_shape(kind, self.model_config, str(self.model_path), self.config.draft_model)
+            return kind, drafter_kv_shape(kind, self.model_config, str(self.model_path), cfg.draft_model)
         except Exception as exc:
             log.error("drafter (kind=%s) cannot be read, serving without speculative decoding: %s", kind, exc)
-            return None
+            return None, None
 
     def _load_drafter(self, kind: str, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
         """The drafter of this kind; on failure, log why and serve without speculation."""
