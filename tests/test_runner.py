@@ -92,3 +92,21 @@ def test_forward_replays_the_graph_that_fits_and_unpacks_its_outputs():
             assert (a is aux) if with_aux else a is None
             assert (lg is logits) if fits is decode else lg is None
         assert decode.replays == verify.replays == 1
+
+
+def test_forward_decode_writes_logits_into_the_shared_buffer(tmp_path):
+    """With decode_logits set (as capture_step_graphs sets it), decode logits land in its first rows: every decode
+    graph shares that one buffer. The values are compute_logits' own."""
+    from outrider import LLM
+    from outrider.testing.checkpoints import write_tiny_checkpoint
+
+    runner = LLM(str(write_tiny_checkpoint(tmp_path / "tiny")), device="cpu").engine.runner
+    meta, pos = build_metadata([([1], 3, 1), ([2], 5, 1)], 16, torch.device("cpu"))
+    ids = torch.tensor([7, 9])
+    with torch.inference_mode():
+        hidden, logits = runner.forward_decode(ids, pos, meta)
+        runner.decode_logits = torch.full((4, logits.shape[1]), float("nan"))
+        hidden2, shared = runner.forward_decode(ids, pos, meta)
+    assert shared.data_ptr() == runner.decode_logits.data_ptr() and shared.shape == logits.shape
+    assert torch.equal(shared, logits) and torch.equal(hidden2, hidden)
+    assert runner.decode_logits[2:].isnan().all()

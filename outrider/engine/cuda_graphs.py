@@ -134,6 +134,10 @@ def capture_step_graphs(runner, max_batch: int, max_model_len: int, verify_lens:
     applies the LM head to the rows it needs, so that no graph keeps a [batch * q, vocab] logits buffer alive."""
     common = dict(max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size), max_seq_len=max_model_len,
                   device=runner.device)
+    # One logits buffer for every decode bucket (a buffer per bucket would hold sum(buckets) x vocab floats:
+    # 1.3 GB at 256 sequences for Qwen3's vocabulary).
+    runner.decode_logits = torch.empty((max_batch, runner.sampler.vocab_size), dtype=torch.float32,
+                                       device=runner.device)
     decode = CudaGraphRunner(runner.forward_decode, max_batch=max_batch, **common)
     decode.capture(progress)
     graphs = [decode]

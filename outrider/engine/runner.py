@@ -166,6 +166,9 @@ class ModelRunner:
         self.block_tables = BlockTables()
         self.sampling_table = ParamTable()  # by scheduler slot, like block_tables
         self.graphs: list[CudaGraphRunner] = []  # decode, then verify CUDA graphs: set by the engine on CUDA
+        # [max batch, V] float32 that forward_decode writes logits into when set (by capture_step_graphs): every
+        # decode graph's logits are rows of this one buffer, not a buffer per captured batch size.
+        self.decode_logits: torch.Tensor | None = None
         self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
@@ -246,7 +249,8 @@ class ModelRunner:
         every row), so the final norm and LM head launch inside the graph too."""
         out = self.forward_eager(input_ids, positions, meta)
         out = (out,) if isinstance(out, torch.Tensor) else out
-        return (*out, self.model.compute_logits(out[0]))
+        into = self.decode_logits[: input_ids.shape[0]] if self.decode_logits is not None else None
+        return (*out, self.model.compute_logits(out[0], out=into))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None,

@@ -157,20 +157,23 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: GemmConfig | None = None, silu_mul: bool = False, norm: RowNorm | None = None,
-                out_dtype: torch.dtype | None = None, pdl: bool = False) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's); M <= MAX_M, row-major x and
     weight.
 
     silu_mul: x is a packed [M, 2K] = [gate | up] and the product uses silu(gate) * up as x (ops.silu_mul_linear).
     norm: the product uses RMSNorm(x [+ norm.residual]) * norm.weight as x, and stores x + residual to norm.summed
     (ops.rms_norm_linear). config: None picks from DEFAULT_TABLE (benchmarks pass their own). pdl: launch as a
-    programmatic dependent launch (ops.use_pdl). No host syncs: safe in CUDA graphs."""
+    programmatic dependent launch (ops.use_pdl). out: a row-major [M, N] tensor of out_dtype to write y into.
+    No host syncs: safe in CUDA graphs."""
     m = x.shape[0]
     n, k = weight.shape
     assert 0 < m <= MAX_M and x.shape[1] == (2 * k if silu_mul else k) and weight.dtype == x.dtype
     assert x.stride(1) == 1 and weight.stride(1) == 1 and not (silu_mul and norm)
     cfg = config or default_config(n)
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if out is not None:
+        assert out.shape == (m, n) and out.dtype == (out_dtype or x.dtype) and out.stride(1) == 1
+    y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n),)
     b = bias if bias is not None else weight  # any pointer: unread without HAS_BIAS (nor r/nw/s without NORM)
     add = norm is not None and norm.residual is not None

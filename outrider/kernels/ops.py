@@ -137,14 +137,16 @@ def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) (then cast to out_dtype: LM heads ask float32), on the Triton skinny GEMM where
-    _use_skinny_gemm says so."""
+    _use_skinny_gemm says so. `out`: a row-major [M, N] tensor of out_dtype to write the result into."""
     if _use_skinny_gemm(x, weight):
         from outrider.kernels import gemm
 
-        return gemm.skinny_gemm(x, weight, bias, out_dtype=out_dtype, pdl=use_pdl(x))
+        return gemm.skinny_gemm(x, weight, bias, out_dtype=out_dtype, pdl=use_pdl(x), out=out)
     y = F.linear(x, weight, bias)
+    if out is not None:
+        return out.copy_(y)  # (the cast to out's dtype is this copy: no extra kernel)
     return y if out_dtype is None else y.to(out_dtype)
 
 

@@ -142,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
         return h + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head -> float32 logits (the LM head's GEMM writes them directly at decode)."""
-        return ops.linear(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head -> float32 logits (the LM head's GEMM writes them directly at decode), into
+        `out` [T, V] when given."""
+        return ops.linear(self.model.norm(hidden), self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32,
+                          out=out)

@@ -95,6 +95,9 @@ def test_skinny_gemm_float32_output_is_the_rounded_result(device):
     assert y.dtype == torch.float32
     assert torch.equal(y.to(torch.float16).float(), y)  # representable in fp16: rounded once, then widened
     _check(y.to(torch.float16), x, w, None)
+    buffer = torch.full((4, 300), float("nan"), device=device)  # out=: the first rows of a larger buffer
+    into = gemm.skinny_gemm(x, w, out_dtype=torch.float32, out=buffer[:2])
+    assert into.data_ptr() == buffer.data_ptr() and torch.equal(into, y) and buffer[2:].isnan().all()
 
 
 @pytest.mark.parametrize("residual", [False, True])
