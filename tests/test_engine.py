@@ -223,3 +223,18 @@ def test_warm_up_runs_each_attention_tile_height_alone_and_leaves_the_engine_cle
     for q_len in (q for q in (1, 2, 4, 8, 16, 32, 64) if q * group <= 64):
         assert (1, q_len, False) in steps and (1, q_len, True) in steps, (q_len, steps)
     assert engine.pool.num_used == 0 and engine.pool.hits == 0 and not any(engine.counters.values())
+
+
+def test_a_failed_step_measurement_falls_back_to_the_old_reserve(caplog):
+    """measure_step_reserve runs on CUDA; when it cannot measure (here it cannot even start), the server still starts
+    with the reserve it assumed before measuring, and says so."""
+    import logging
+
+    import torch
+
+    from outrider.engine import memory
+
+    with caplog.at_level(logging.WARNING, logger="outrider.engine"):
+        got = memory.measure_step_reserve(torch.nn.Identity(), None, tokens=4, rows=1, block_size=16,
+                                          dtype=torch.float32, device=torch.device("cpu"))
+    assert got == memory.FALLBACK_RESERVE and "could not measure" in caplog.text

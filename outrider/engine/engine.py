@@ -25,6 +25,7 @@ import torch
 from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
+from outrider.engine.memory import cuda_budget, kv_block_bytes, measure_step_reserve, num_kv_blocks
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
@@ -56,12 +57,6 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kv_block_bytes(shape: tuple[int, int, int], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block of a KV pool of `shape` (layers, KV heads, head dim): its K and V."""
-    layers, kv_heads, head_dim = shape
-    return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 class Engine:
     def __init__(self, config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelConfig] | None = None):
         """`preloaded`: a (model, config) already on the device (benchmarks with random weights)."""
@@ -82,7 +77,8 @@ class Engine:
         # A drafter's KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
         spec_kind, draft_shape = self._drafter_plan()
         pools = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim), *([draft_shape] if draft_shape else [])]
-        num_blocks = self._num_kv_blocks(sum(kv_block_bytes(p, config.block_size, self.dtype) for p in pools))
+        num_blocks = self._num_kv_blocks(sum(kv_block_bytes(p, config.block_size, self.dtype) for p in pools),
+                                         drafting=spec_kind is not None)
         self.kv_cache = KVCache.allocate(mc.num_hidden_layers, num_blocks, config.block_size,
                                          mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -184,19 +180,22 @@ class Engine:
     def drafter_kind(self) -> str | None:
         return self.drafter.kind if self.drafter is not None else None
 
-    def _num_kv_blocks(self, per_block: int) -> int:
+    def _num_kv_blocks(self, per_block: int, drafting: bool) -> int:
         """Blocks for the KV pools (`per_block` bytes a block across them): what the limits can use, within the
-        memory budget."""
+        memory budget (engine/memory.py)."""
         cfg = self.config
-        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * cfg.gpu_memory_utilization - 1.5 * 2**30  # leave room for activations
-        else:
-            budget = cfg.kv_cache_memory_gib * 2**30
-        return max(2, min(wanted, int(budget // per_block)))
+        wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        if self.device.type != "cuda":
+            return num_kv_blocks(per_block, wanted, cfg.kv_cache_memory_gib * 2**30)
+        # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
+        tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
+        rows = min(tokens, max(cfg.max_num_seqs, DraftPolicy.max_verify_tokens if drafting else 0))
+        reserve = measure_step_reserve(self.model, self.model_config, tokens=tokens, rows=rows,
+                                       block_size=cfg.block_size, dtype=self.dtype, device=self.device)
+        log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
+        return num_kv_blocks(per_block, wanted, cuda_budget(self.device, cfg.gpu_memory_utilization, reserve))
 
     # --- requests ---
     def add_request(self, req: Request, on_output: OutputCallback) -> None:

@@ -74,6 +74,23 @@ def test_verify_graphs_replay_and_equal_eager(tiny, tmp_path, monkeypatch):
     assert graphs == eager == plain
 
 
+def test_step_reserve_is_measured_and_sizes_the_pool(tiny):
+    """The KV pool is sized from the free memory less a measured step (engine/memory.py): the measurement is a
+    real peak (more than the logits of its rows alone), and the pool then fits the budget."""
+    from outrider.engine import memory
+    from outrider.models import load_model
+
+    model, cfg = load_model(tiny, dtype=torch.bfloat16, device="cuda")
+    rows = 64
+    reserve = memory.measure_step_reserve(model, cfg, tokens=2048, rows=rows, block_size=16, dtype=torch.bfloat16,
+                                          device=torch.device("cuda"))
+    assert rows * cfg.vocab_size * 4 < reserve < memory.FALLBACK_RESERVE
+    llm = LLM(str(tiny), device="cuda", dtype="bfloat16", max_num_seqs=rows, max_model_len=2048,
+              gpu_memory_utilization=0.05)
+    free, total = torch.cuda.mem_get_info()
+    assert llm.engine.kv_cache.num_blocks > 2 and free > 0
+
+
 def test_bf16_forward_close_to_cpu_fp32(tiny):
     from outrider.attention import KVCache, get_backend
     from outrider.engine.runner import build_metadata

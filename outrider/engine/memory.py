@@ -1,0 +1,76 @@
+"""How many KV blocks to allocate: the memory budget, less what a step needs beyond the weights.
+
+On CUDA the budget is the free memory times --gpu-memory-utilization, and what a step needs is measured before
+the pool exists: one forward over a full step budget of prompt tokens, then the sampler's worst case (every
+running sequence sampling with top-k off, which sorts the whole vocabulary per row). On the CPU the budget is
+kv_cache_memory_gib and steps take what they take.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from outrider.attention import KVCache, get_backend
+from outrider.params import SamplingParams
+
+log = logging.getLogger("outrider.engine")
+
+# If the measurement fails: what a step was assumed to need before it was measured.
+FALLBACK_RESERVE = int(1.5 * 2**30)
+# Beside the measured step: the CUDA graphs' pool (intermediates of the largest decode batch, one logits buffer,
+# small per-graph outputs) and the allocator's fragmentation.
+GRAPH_RESERVE = 512 * 2**20
+
+
+def kv_block_bytes(shape: tuple[int, int, int], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block of a KV pool of `shape` (layers, KV heads, head dim): its K and V."""
+    layers, kv_heads, head_dim = shape
+    return 2 * layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def num_kv_blocks(per_block: int, wanted: int, budget: float) -> int:
+    """Blocks of `per_block` bytes (across the pools) within `budget`, and no more than the limits use."""
+    return max(2, min(wanted, int(budget // per_block)))
+
+
+def cuda_budget(device: torch.device, utilization: float, reserve: int) -> float:
+    """Bytes for the KV pools on a CUDA device: its free memory times `utilization`, less `reserve`."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return free * utilization - reserve - GRAPH_RESERVE
+
+
+@torch.inference_mode()
+def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, rows: int, block_size: int,
+                         dtype: torch.dtype, device: torch.device) -> int:
+    """Peak bytes a step allocates beyond what is allocated now (CUDA): a forward over `tokens` prompt tokens
+    (one sequence, over a scratch pool just big enough), and sampling `rows` of its logits with top-k off.
+    FALLBACK_RESERVE when the measurement fails (logged)."""
+    from outrider.engine.runner import build_metadata
+    from outrider.engine.sampler import RowSpec, Sampler
+
+    mc = model_config
+    try:
+        blocks = -(-tokens // block_size)
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        cache = KVCache.allocate(mc.num_hidden_layers, blocks + 1, block_size, mc.num_key_value_heads, mc.head_dim,
+                                 dtype, device)
+        scratch = torch.cuda.memory_allocated(device) - base  # the scratch pool: not part of a step
+        torch.cuda.reset_peak_memory_stats(device)
+        meta, positions = build_metadata([(list(range(1, blocks + 1)), 0, tokens)], block_size, device)
+        hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device), positions, cache, meta,
+                       get_backend(device))
+        logits = model.compute_logits(hidden[-rows:])
+        sampler = Sampler(mc.vocab_size, device)
+        spec = RowSpec(SamplingParams(temperature=1.0, top_k=0, top_p=0.95, min_p=0.05, seed=0), seed=0, step=0)
+        sampler.sample(logits, sampler.prepare([spec] * rows))
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base - scratch
+        del cache, meta, positions, hidden, logits
+        return max(0, peak)
+    except Exception as exc:  # a failed measurement must not stop the server: assume what was assumed before
+        log.warning("could not measure a step's memory (%s); reserving %.1f GiB", exc, FALLBACK_RESERVE / 2**30)
+        return FALLBACK_RESERVE
