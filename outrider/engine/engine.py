@@ -195,7 +195,8 @@ class Engine:
         reserve = measure_step_reserve(self.model, self.model_config, tokens=tokens, rows=rows,
                                        block_size=cfg.block_size, dtype=self.dtype, device=self.device)
         log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
-        return num_kv_blocks(per_block, wanted, cuda_budget(self.device, cfg.gpu_memory_utilization, reserve))
+        graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs * self.model_config.vocab_size * 4  # decode logits
+        return num_kv_blocks(per_block, wanted, cuda_budget(self.device, cfg.gpu_memory_utilization, reserve + graphs))
 
     # --- requests ---
     def add_request(self, req: Request, on_output: OutputCallback) -> None:

@@ -19,8 +19,8 @@ log = logging.getLogger("outrider.engine")
 
 # If the measurement fails: what a step was assumed to need before it was measured.
 FALLBACK_RESERVE = int(1.5 * 2**30)
-# Beside the measured step: the CUDA graphs' pool (intermediates of the largest decode batch, one logits buffer,
-# small per-graph outputs) and the allocator's fragmentation.
+# Beside the measured step and the decode graphs' logits buffer (the engine adds it): the graphs' pool
+# (intermediates of the largest decode batch, small per-graph outputs) and the allocator's fragmentation.
 GRAPH_RESERVE = 512 * 2**20
 
 
