@@ -214,3 +214,35 @@ def test_mtp_fusion_order_follows_the_checkpoint_layout(ckpts, layout, hidden_ha
     emb, hid = torch.randn(3, h), torch.randn(3, h)
     torch.testing.assert_close(head.fuse(emb, hid), head.fuse(emb, torch.randn(3, h)))
     assert not torch.allclose(head.fuse(emb, hid), head.fuse(torch.randn(3, h), hid))
+
+
+def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
+    """A draft model's uniform steps (one token per request) go to its CUDA graphs when captured (a stand-in
+    here: graphs need CUDA); other steps, and a drafter without graphs, run eager. Drafts are the same."""
+    import torch
+
+    from outrider.engine.request import Request
+    from outrider.params import SamplingParams
+    from outrider.spec.draft_model import DraftModelDrafter
+    from outrider.testing.checkpoints import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "draft", hidden_size=32, layers=1, seed=6)
+    drafter = DraftModelDrafter(str(path), 512, num_blocks=16, block_size=16, dtype=torch.float32, device="cpu")
+    req = Request(list(range(3, 20)), SamplingParams())
+    req.block_ids = [1, 2]
+    eager = drafter.propose([req], [3]).tokens
+    drafter.release(req.request_id)
+
+    class Replays:  # what CudaGraphRunner offers: can_run, run
+        calls = 0
+
+        def can_run(self, meta):
+            return meta.max_query_len == 1
+
+        def run(self, ids, pos, meta):
+            Replays.calls += 1
+            return drafter._decode_logits(ids, pos, meta)
+
+    drafter.graphs = Replays()
+    assert drafter.propose([req], [3]).tokens == eager
+    assert Replays.calls == 2  # drafts 2 and 3; the first fed the whole prompt (eager)

@@ -98,6 +98,8 @@ class Engine:
             # A verify step feeds k + 1 tokens per sequence, k up to the drafter's longest draft.
             verify = range(2, self.drafter.max_draft + 2) if self.drafter is not None else ()
             self.runner.graphs = capture_step_graphs(self.runner, config.max_num_seqs, self.max_model_len, verify)
+            if self.drafter is not None:  # (the policy drafts for at most policy.max_batch sequences)
+                self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len)
         self.live: dict[int, _Live] = {}
         # Overlap scheduling needs no drafter: proposing reads the committed tokens (docs/architecture.md).
         overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"

@@ -128,3 +128,6 @@ class DFlashDrafter:
 
     def release(self, request_id: int) -> None:
         """Nothing per request: the context lives in the request's own blocks."""
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Nothing captured: its forwards run eager (docs/speculative.md)."""

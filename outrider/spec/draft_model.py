@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from outrider.attention import KVCache, get_backend
+from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.engine.runner import build_metadata
 from outrider.models import load_model
@@ -34,6 +35,7 @@ class DraftModelDrafter:
         self.vocab_size = vocab_size  # the target's: drafts outside it are never proposed
         self.max_draft = max_draft
         self.backend = get_backend(self.device)
+        self.graphs: CudaGraphRunner | None = None  # decode steps (one token per sequence), on CUDA
         self._computed: dict[int, int] = {}  # request id -> leading positions whose draft KV is valid
         self._pending: dict[int, tuple[int, list[int]]] = {}  # request id -> (position, drafts fed there on)
 
@@ -62,9 +64,13 @@ class DraftModelDrafter:
                 input_ids = tokens.index_select(0, keep)
                 seqs = [(requests[i].block_ids, requests[i].num_tokens - 1 + j, 1) for i in rows]
             meta, positions = build_metadata(seqs, self.block_size, self.device)
-            hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
-            last = torch.tensor(meta.query_start_loc_host[1:]).to(self.device, non_blocking=True) - 1
-            tokens, conf = greedy_drafts(self.model.compute_logits(hidden.index_select(0, last)), self.vocab_size)
+            if self.graphs is not None and self.graphs.can_run(meta):  # one token per row: every row is last
+                logits = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+                last = torch.tensor(meta.query_start_loc_host[1:]).to(self.device, non_blocking=True) - 1
+                logits = self.model.compute_logits(hidden.index_select(0, last))
+            tokens, conf = greedy_drafts(logits, self.vocab_size)
             steps.append((rows, tokens, conf))
             prev_rows = rows
         out = collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
@@ -78,6 +84,17 @@ class DraftModelDrafter:
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         for c in commits:
             self._settle(c.request)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """The draft model's decode steps (drafts after the first, and catch-ups of one token per request) as
+        CUDA graphs: one eager forward of even a small model costs a launch per kernel, tens of them per layer."""
+        self.graphs = CudaGraphRunner(self._decode_logits, max_batch=max_batch,
+                                      max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                      max_seq_len=max_model_len, device=self.device)
+        self.graphs.capture()
+
+    def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv, meta, self.backend))
 
     def _settle(self, req: Request) -> None:
         """Keep the speculative KV of drafts that the target accepted (they match committed tokens)."""

@@ -59,6 +59,10 @@ class Drafter(Protocol):
     def release(self, request_id: int) -> None:
         """Forget a request whose blocks were freed (finish, abort, preemption)."""
 
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """CUDA: capture graphs for the drafter's own uniform forwards, up to max_batch sequences (the engine
+        calls it once at start-up, after the target's graphs). A drafter may have none to capture."""
+
 
 DEFAULT_N_MAX = 4  # drafts per round when neither the server nor the drafter says otherwise
 

@@ -137,6 +137,9 @@ class MTPDrafter:
     def release(self, request_id: int) -> None:
         self._last.pop(request_id, None)
 
+    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Nothing captured: its forwards run eager (docs/speculative.md)."""
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - r.num_tokens + 2)

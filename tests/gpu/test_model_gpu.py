@@ -55,8 +55,9 @@ def test_decode_prep_in_attention_equals_the_cpu_reference(tiny, monkeypatch):
 
 
 def test_verify_graphs_replay_and_equal_eager(tiny, tmp_path, monkeypatch):
-    """Speculative steps of one or two sequences replay captured verify graphs (k + 1 tokens per sequence), and
-    greedy output equals the eager engine's, which equals plain decoding's (lossless)."""
+    """Speculative steps of one or two sequences replay captured verify graphs (k + 1 tokens per sequence) and
+    the draft model its decode graphs, and greedy output equals the eager engine's, which equals plain
+    decoding's (lossless)."""
     from outrider.engine.cuda_graphs import CudaGraphRunner
 
     draft = write_tiny_checkpoint(tmp_path / "draft", "qwen3", hidden_size=64, layers=1, heads=4, kv_heads=2,
