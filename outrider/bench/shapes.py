@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from outrider.config import ModelConfig
+from outrider.engine.memory import kv_block_bytes
 
 _QWEN3 = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, num_key_value_heads=8,
               head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
@@ -44,8 +45,7 @@ def config_weight_bytes(cfg: ModelConfig, elem: int) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    return kv_block_bytes((cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim), 1, dtype)
 
 
 def random_model(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
