@@ -38,8 +38,10 @@ class Loop:
         self.drafter = None
         if kind is not None:
             self.drafter = load_drafter(kind, target=self.model, target_cfg=c, target_path=str(target_path),
-                                        draft_path=str(draft_path) if draft_path else None, num_blocks=NUM_BLOCKS,
+                                        draft_path=str(draft_path) if draft_path else None,
                                         block_size=BLOCK, dtype=torch.float32, device="cpu")
+            self.drafter.kv = KVCache.allocate(self.drafter.kv_shape[0], NUM_BLOCKS, BLOCK, *self.drafter.kv_shape[1:],
+                                               torch.float32, "cpu")
             self.model.aux_layer_ids = self.drafter.aux_layer_ids
         self.rounds: list[tuple[int, int]] = []  # (proposed, accepted)
         self.force = None  # test hook: f(k) -> m overrides the verdict, committing d[:m] + a target token
@@ -227,7 +229,8 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
     from outrider.testing.checkpoints import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "draft", hidden_size=32, layers=1, seed=6)
-    drafter = DraftModelDrafter(str(path), 512, num_blocks=16, block_size=16, dtype=torch.float32, device="cpu")
+    drafter = DraftModelDrafter(str(path), 512, block_size=16, dtype=torch.float32, device="cpu")
+    drafter.kv = KVCache.allocate(drafter.kv_shape[0], 16, 16, *drafter.kv_shape[1:], torch.float32, "cpu")
     req = Request(list(range(3, 20)), SamplingParams())
     req.block_ids = [1, 2]
     eager = drafter.propose([req], [3]).tokens

@@ -25,13 +25,13 @@ import torch
 from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
-from outrider.engine.memory import cuda_budget, kv_block_bytes, measure_step_reserve, num_kv_blocks
+from outrider.engine.memory import cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve, num_kv_blocks
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
-from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, drafter_kv_shape, load_drafter
+from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.spec.drafter import DEFAULT_N_MAX
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
@@ -74,13 +74,18 @@ class Engine:
             self.tokenizer.chat_template = config.chat_template
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         mc = self.model_config
-        # A drafter's KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
-        spec_kind, draft_shape = self._drafter_plan()
-        pools = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim), *([draft_shape] if draft_shape else [])]
-        num_blocks = self._num_kv_blocks(sum(kv_block_bytes(p, config.block_size, self.dtype) for p in pools),
-                                         drafting=spec_kind is not None)
-        self.kv_cache = KVCache.allocate(mc.num_hidden_layers, num_blocks, config.block_size,
-                                         mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+        # The drafter loads now, beside the target, never lazily inside a request (no request pays for it), and
+        # before the KV pools are sized: its weights and the target rows it reads then count in the budget.
+        spec_kind = self._spec_kind()
+        self.drafter, self.policy = self._load_drafter(spec_kind) if spec_kind else (None, None)
+        # Its KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
+        shapes = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)]
+        shapes += [self.drafter.kv_shape] if self.drafter is not None else []
+        num_blocks = self._num_kv_blocks(sum(kv_block_bytes(p, config.block_size, self.dtype) for p in shapes))
+        self.kv_cache, *drafter_kv = [KVCache.allocate(layers, num_blocks, config.block_size, kv_heads, head_dim,
+                                                       self.dtype, self.device) for layers, kv_heads, head_dim in shapes]
+        if self.drafter is not None:
+            self.drafter.kv = drafter_kv[0]
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
@@ -88,18 +93,18 @@ class Engine:
         self.runner.eog_ids = tuple(sorted(self.eos_ids))
         log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
                  num_blocks, config.block_size, (now() - t0) * 1e3)
-        # The drafter loads now, beside the target, never lazily inside a request (no request pays for it).
-        self.drafter, self.policy = self._load_drafter(spec_kind, num_blocks) if spec_kind else (None, None)
         if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)
             self.config = config = replace(config, spec_draft_n_max=self.policy.n_max if self.policy else DEFAULT_N_MAX)
         if self.device.type == "cuda" and not config.enforce_eager:
             from outrider.engine.cuda_graphs import capture_step_graphs
 
-            # A verify step feeds k + 1 tokens per sequence, k up to the drafter's longest draft.
-            verify = range(2, self.drafter.max_draft + 2) if self.drafter is not None else ()
+            # A verify step feeds k + 1 tokens per sequence, k up to the server's draft length (requests asking
+            # for more verify eager).
+            verify = range(2, self.policy.n_max + 2) if self.policy is not None else ()
             self.runner.graphs = capture_step_graphs(self.runner, config.max_num_seqs, self.max_model_len, verify)
             if self.drafter is not None:  # (the policy drafts for at most policy.max_batch sequences)
-                self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len)
+                self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len,
+                                            self.runner.graphs[0].pool)
         self.live: dict[int, _Live] = {}
         # Overlap scheduling needs no drafter: proposing reads the committed tokens (docs/architecture.md).
         overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
@@ -141,33 +146,25 @@ class Engine:
         while self.has_work():
             self.step()
 
-    def _drafter_plan(self) -> tuple[str | None, tuple[int, int, int] | None]:
-        """The configured (or detected) drafter kind and the shape of its KV pool; (None, None): no speculation
-        (when the drafter's config cannot be read, logged)."""
+    def _spec_kind(self) -> str | None:
+        """The configured (or detected) drafter kind; None: no speculation."""
         cfg = self.config
         if cfg.spec_type is not None:
-            kind = None if cfg.spec_type == "none" else cfg.spec_type
-        elif cfg.draft_model:
-            kind = detect_kind(cfg.draft_model, str(self.model_path))
-        else:
-            kind = "mtp" if self.model_config.mtp_num_hidden_layers > 0 else None
-        if kind is None:
-            return None, None
-        try:
-            return kind, drafter_kv_shape(kind, self.model_config, str(self.model_path), cfg.draft_model)
-        except Exception as exc:
-            log.error("drafter (kind=%s) cannot be read, serving without speculative decoding: %s", kind, exc)
-            return None, None
+            return None if cfg.spec_type == "none" else cfg.spec_type
+        if cfg.draft_model:
+            return detect_kind(cfg.draft_model, str(self.model_path))
+        return "mtp" if self.model_config.mtp_num_hidden_layers > 0 else None
 
-    def _load_drafter(self, kind: str, num_blocks: int) -> tuple[Drafter | None, DraftPolicy | None]:
-        """The drafter of this kind; on failure, log why and serve without speculation."""
+    def _load_drafter(self, kind: str) -> tuple[Drafter | None, DraftPolicy | None]:
+        """The drafter of this kind, weights loaded (the engine allocates its KV pool); on failure, log why and
+        serve without speculation."""
         cfg = self.config
         t0 = now()
         asked = cfg.spec_draft_n_max  # None: the drafter's own default (an explicit 0 stays 0)
         try:
             drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
                                    target_path=str(self.model_path), draft_path=cfg.draft_model,
-                                   num_blocks=num_blocks, block_size=cfg.block_size, dtype=self.dtype,
+                                   block_size=cfg.block_size, dtype=self.dtype,
                                    device=self.device, max_draft=max(asked if asked is not None else DEFAULT_N_MAX, 1))
         except Exception as exc:
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
@@ -182,7 +179,7 @@ class Engine:
     def drafter_kind(self) -> str | None:
         return self.drafter.kind if self.drafter is not None else None
 
-    def _num_kv_blocks(self, per_block: int, drafting: bool) -> int:
+    def _num_kv_blocks(self, per_block: int) -> int:
         """Blocks for the KV pools (`per_block` bytes a block across them): what the limits can use, within the
         memory budget (engine/memory.py)."""
         cfg = self.config
@@ -193,11 +190,12 @@ class Engine:
             return num_kv_blocks(per_block, wanted, cfg.kv_cache_memory_gib * 2**30)
         # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
         tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
-        rows = min(tokens, max(cfg.max_num_seqs, DraftPolicy.max_verify_tokens if drafting else 0))
+        rows = min(tokens, max(cfg.max_num_seqs, self.policy.max_verify_tokens if self.policy is not None else 0))
         reserve = measure_step_reserve(self.model, self.model_config, tokens=tokens, rows=rows,
                                        block_size=cfg.block_size, dtype=self.dtype, device=self.device)
         log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
-        graphs = 0 if cfg.enforce_eager else cfg.max_num_seqs * self.model_config.vocab_size * 4  # decode logits
+        graphs = graph_reserve(cfg.max_num_seqs, self.model_config.vocab_size, drafted=self.drafter is not None,
+                               eager=cfg.enforce_eager)
         return num_kv_blocks(per_block, wanted, cuda_budget(self.device, cfg.gpu_memory_utilization, reserve + graphs))
 
     # --- requests ---

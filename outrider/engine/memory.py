@@ -19,9 +19,10 @@ log = logging.getLogger("outrider.engine")
 
 # If the measurement fails: what a step was assumed to need before it was measured.
 FALLBACK_RESERVE = int(1.5 * 2**30)
-# Beside the measured step and the decode graphs' logits buffer (the engine adds it): the graphs' pool
-# (intermediates of the largest decode batch, small per-graph outputs) and the allocator's fragmentation.
+# Beside the measured step and the graphs' logits buffers: the graphs' pool (intermediates of the largest decode
+# batch, small per-graph outputs) and the allocator's fragmentation.
 GRAPH_RESERVE = 512 * 2**20
+DRAFT_GRAPH_BATCH = 64  # the draft model's graphs go up to this batch (DraftPolicy.max_batch's default)
 
 
 def kv_block_bytes(shape: tuple[int, int, int], block_size: int, dtype: torch.dtype) -> int:
@@ -35,11 +36,20 @@ def num_kv_blocks(per_block: int, wanted: int, budget: float) -> int:
     return max(2, min(wanted, int(budget // per_block)))
 
 
+def graph_reserve(max_num_seqs: int, vocab_size: int, drafted: bool, eager: bool) -> int:
+    """Bytes the CUDA graphs captured after the KV pools take: their pool, and the float32 logits buffers of the
+    decode graphs (one row per sequence) and of a draft model's (an upper bound: the target's vocabulary)."""
+    if eager:
+        return 0
+    rows = max_num_seqs + (min(max_num_seqs, DRAFT_GRAPH_BATCH) if drafted else 0)
+    return GRAPH_RESERVE + rows * vocab_size * 4
+
+
 def cuda_budget(device: torch.device, utilization: float, reserve: int) -> float:
     """Bytes for the KV pools on a CUDA device: its free memory times `utilization`, less `reserve`."""
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    return free * utilization - reserve - GRAPH_RESERVE
+    return free * utilization - reserve
 
 
 @torch.inference_mode()

@@ -30,32 +30,12 @@ def detect_kind(draft_path: str, target_path: str | None = None) -> str:
     return "draft"
 
 
-def drafter_kv_shape(kind: str, target_cfg: ModelConfig, target_path: str,
-                     draft_path: str | None) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of the KV pool a drafter of this kind allocates beside the target's, with
-    as many blocks: the engine sizes both pools together from one memory budget, before loading either."""
-    if kind == "draft":
-        if draft_path is None:
-            raise ValueError("a draft model needs a checkpoint path (--model-draft)")
-        cfg = ModelConfig.from_path(resolve_model_path(draft_path))
-    elif kind == "dflash":
-        from outrider.spec.dflash import dflash_config
-
-        if draft_path is None:
-            raise ValueError("DFlash needs its drafter checkpoint path (--model-draft)")
-        cfg = dflash_config(resolve_model_path(draft_path))[0]
-    elif kind == "mtp":  # one layer of the target's shape
-        return 1, target_cfg.num_key_value_heads, target_cfg.head_dim
-    else:
-        raise ValueError(f"unknown speculative kind {kind!r}; one of {', '.join(KINDS)}")
-    return cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-
-
 def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, target_path: str,
-                 draft_path: str | None, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 draft_path: str | None, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, max_draft: int = 16) -> Drafter:
-    """Build a drafter whose KV pools share the target's block ids (num_blocks, block_size)."""
-    pool = dict(num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+    """Build a drafter, weights loaded; its KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids
+    and block count) is the caller's to allocate, once the memory budget is known."""
+    pool = dict(block_size=block_size, dtype=dtype, device=device)
     if kind == "draft":
         from outrider.spec.draft_model import DraftModelDrafter
 
@@ -77,4 +57,4 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
 
 
 # `verify` is not re-exported: the name would shadow the outrider.spec.verify module.
-__all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "Proposals", "detect_kind", "drafter_kv_shape", "load_drafter"]
+__all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "Proposals", "detect_kind", "load_drafter"]

@@ -50,20 +50,15 @@ class DFlashModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def dflash_config(path: str | Path) -> tuple[ModelConfig, dict]:
-    """(the drafter's decoder layers as a ModelConfig, its raw config.json) of a DFlash checkpoint."""
-    raw = json.loads((Path(path) / "config.json").read_text())
-    # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
-    return ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]}), raw
-
-
 class DFlashDrafter:
     kind = "dflash"
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
-    def __init__(self, target: nn.Module, target_cfg: ModelConfig, path: str, num_blocks: int, block_size: int,
+    def __init__(self, target: nn.Module, target_cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        cfg, raw = dflash_config(path)
+        raw = json.loads((Path(path) / "config.json").read_text())
+        # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
+        cfg = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})
         dflash = raw.get("dflash_config") or {}
         self.mask_token_id = int(dflash["mask_token_id"])
         taps = dflash.get("target_layer_ids") or default_target_layers(
@@ -79,8 +74,8 @@ class DFlashDrafter:
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings).to(self.device)
-        self.kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                                   cfg.head_dim, dtype, self.device)
+        self.kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
         self.block_size = block_size
         self.vocab_size = target_cfg.vocab_size
         self.backend = get_backend(self.device)
@@ -129,5 +124,5 @@ class DFlashDrafter:
     def release(self, request_id: int) -> None:
         """Nothing per request: the context lives in the request's own blocks."""
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
         """Nothing captured: its forwards run eager (docs/speculative.md)."""

@@ -24,18 +24,19 @@ class DraftModelDrafter:
     aux_layer_ids: tuple[int, ...] = ()
     step_cost = 0.1  # [est] a draft model ~10x smaller than the target
 
-    def __init__(self, path: str, vocab_size: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+    def __init__(self, path: str, vocab_size: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, max_draft: int = 16) -> None:
         self.device = torch.device(device)
         self.model, self.config = load_model(path, dtype, self.device)
         cfg = self.config
-        self.kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads,
-                                   cfg.head_dim, dtype, self.device)
+        self.kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
         self.block_size = block_size
         self.vocab_size = vocab_size  # the target's: drafts outside it are never proposed
         self.max_draft = max_draft
         self.backend = get_backend(self.device)
         self.graphs: CudaGraphRunner | None = None  # decode steps (one token per sequence), on CUDA
+        self._logits: torch.Tensor | None = None  # [max batch, V] float32 the graphs write their logits into
         self._computed: dict[int, int] = {}  # request id -> leading positions whose draft KV is valid
         self._pending: dict[int, tuple[int, list[int]]] = {}  # request id -> (position, drafts fed there on)
 
@@ -85,16 +86,20 @@ class DraftModelDrafter:
         for c in commits:
             self._settle(c.request)
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
         """The draft model's decode steps (drafts after the first, and catch-ups of one token per request) as
-        CUDA graphs: one eager forward of even a small model costs a launch per kernel, tens of them per layer."""
+        CUDA graphs: one eager forward of even a small model costs a launch per kernel, tens of them per layer.
+        Every graph writes its logits into one buffer, as the target's decode graphs do."""
+        self._logits = torch.empty((max_batch, self.config.vocab_size), dtype=torch.float32, device=self.device)
         self.graphs = CudaGraphRunner(self._decode_logits, max_batch=max_batch,
                                       max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                      max_seq_len=max_model_len, device=self.device)
+                                      max_seq_len=max_model_len, device=self.device, pool=pool)
         self.graphs.capture()
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv, meta, self.backend))
+        hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+        into = self._logits[: input_ids.shape[0]] if self._logits is not None else None
+        return self.model.compute_logits(hidden, out=into)
 
     def _settle(self, req: Request) -> None:
         """Keep the speculative KV of drafts that the target accepted (they match committed tokens)."""

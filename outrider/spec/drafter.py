@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from outrider.attention import KVCache
 from outrider.engine.request import Request
 
 
@@ -46,6 +47,8 @@ class Drafter(Protocol):
     aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads: set model.aux_layer_ids
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
+    kv_shape: tuple[int, int, int]  # (layers, KV heads, head dim) of its own KV pool
+    kv: KVCache | None  # that pool, with the target's block ids and count: allocated by the engine after loading
 
     def lookahead(self, k: int) -> int:
         """KV positions from the last committed token on that proposing k tokens writes (blocks must exist)."""
@@ -59,9 +62,10 @@ class Drafter(Protocol):
     def release(self, request_id: int) -> None:
         """Forget a request whose blocks were freed (finish, abort, preemption)."""
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """CUDA: capture graphs for the drafter's own uniform forwards, up to max_batch sequences (the engine
-        calls it once at start-up, after the target's graphs). A drafter may have none to capture."""
+    def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
+        """CUDA: capture graphs for the drafter's own uniform forwards, up to max_batch sequences, into the
+        target graphs' memory pool (the engine calls it once at start-up, after the target's graphs; their
+        replays never interleave). A drafter may have none to capture."""
 
 
 DEFAULT_N_MAX = 4  # drafts per round when neither the server nor the drafter says otherwise

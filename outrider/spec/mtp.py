@@ -96,13 +96,13 @@ class MTPDrafter:
     aux_layer_ids: tuple[int, ...] = ()
     step_cost = 0.05  # [est] one decoder layer of the target per drafted token
 
-    def __init__(self, target: nn.Module, cfg: ModelConfig, path: str, num_blocks: int, block_size: int,
+    def __init__(self, target: nn.Module, cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
         self.device = torch.device(device)
         self.target = target
         self.layout, self.head = load_mtp_head(path, cfg, dtype, self.device)
-        self.kv = KVCache.allocate(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype,
-                                   self.device)
+        self.kv_shape = (1, cfg.num_key_value_heads, cfg.head_dim)  # one decoder layer of the target's shape
+        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.max_draft = max_draft
@@ -137,7 +137,7 @@ class MTPDrafter:
     def release(self, request_id: int) -> None:
         self._last.pop(request_id, None)
 
-    def capture_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
         """Nothing captured: its forwards run eager (docs/speculative.md)."""
 
     @torch.inference_mode()
