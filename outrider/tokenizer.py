@@ -345,9 +345,8 @@ class Detokenizer:
         if after.endswith("\ufffd") and not final:
             return ""
         new = after[len(before):]
-        # Keep only the ids since the last boundary, so the window is a token or two, never the whole output;
-        # but never start it on ids that decode to nothing (skipped specials): SentencePiece decoders would then
-        # strip the leading space of the next token, which mid-text they keep.
+        # Keep only the ids since the last boundary, so the window is a token or two, never the whole output
+        # (unless the new ids only rewrote earlier text, leaving nothing new: then they stay for the next decode).
         if new:
             self._window = window[self._read:]
         self._read = len(self._window)

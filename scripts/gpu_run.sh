@@ -8,7 +8,12 @@
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
-MODE=${1:?usage: scripts/gpu_run.sh tests|latency|kernels|throughput|full|ab}
+MODE=${1:-}
+case "$MODE" in
+  tests|latency|kernels|throughput|full) ;;
+  ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
+  *) echo "usage: scripts/gpu_run.sh tests|latency|kernels|throughput|full|ab" >&2; exit 2 ;;
+esac
 OUT=$(realpath -m "${OUT:-.out}")
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -6,6 +6,7 @@
 # that travels there is stale, and a checkout there restores old code (docs/benchmarks.md, run F).
 set -euo pipefail
 rev=$1 dir=$2
+case "$dir" in .snap*) ;; *) echo "snapshot.sh: the tree goes to a .snap* directory (it is emptied first)" >&2; exit 2 ;; esac
 grep -qx "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude
 rm -rf "$dir" && mkdir -p "$dir"
 git archive "$rev" outrider tests scripts pyproject.toml | tar -x -C "$dir"

@@ -41,7 +41,7 @@ def profiled(engine):
     targets = [(engine, "step", "step (all)"), (engine.scheduler, "schedule", "schedule"),
                (runner, "prepare", "prepare inputs"), (runner.model, "compute_logits", "logits (eager steps)"),
                (runner.sampler, "prepare", "sampler prepare"), (runner.sampler, "sample", "sample")]
-    targets += [(graphs, "run", GRAPH_FORWARD) for graphs in runner.graphs]
+    targets += [(graphs, "run", GRAPH_FORWARD if graphs.q == 1 else "verify forward (graph)") for graphs in runner.graphs]
     saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in targets]
     for obj, attr, label in targets:
         timer.wrap(obj, attr, label)

@@ -104,8 +104,8 @@ class CudaGraphRunner:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """Copy the step into the static buffers, pad, replay; returns views of the real rows (valid until
-        the next replay of this runner)."""
+        """Copy the step into the static buffers, pad, replay; returns views of the real rows, valid until the
+        next replay of any graph in this memory pool (the engine's graphs share one)."""
         n_seq = meta.num_seqs
         n_tok = n_seq * self.q
         bs = self.bucket_for(n_seq)

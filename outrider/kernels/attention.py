@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from outrider.attention import AttentionMetadata, QKNormRope
-from outrider.kernels.fused import head_rms_norm, pdl_enter, prefetch_l2, rope_halves
+from outrider.kernels.fused import head_rms_norm, pdl_enter, prefetch_l2, rope_cos_sin, rope_halves
 from outrider.kernels.ops import pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -30,6 +30,8 @@ _LOG2E = 1.4426950408889634
 # reads); two 64-key tiles cost about as much, so a context of up to 128 keys is one program and no merge.
 # (OUTRIDER_MIN_SPLIT_KEYS, a power of two >= 128, for A/B runs: 256 would keep a 256-key context one program.)
 MIN_SPLIT_KEYS = int(os.environ.get("OUTRIDER_MIN_SPLIT_KEYS", "128"))
+if MIN_SPLIT_KEYS < 128 or MIN_SPLIT_KEYS & (MIN_SPLIT_KEYS - 1):
+    raise ValueError(f"OUTRIDER_MIN_SPLIT_KEYS must be a power of two >= 128, not {MIN_SPLIT_KEYS}")
 # A split launch has at most this many programs per SM, so that many arrival counters per SM suffice.
 _PROGRAMS_PER_SM = 4
 
@@ -163,10 +165,8 @@ def _attn_kernel(
     q_row = q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qin + head[:, None] * HEAD_DIM
     dt = out_ptr.dtype.element_ty
     if PREP:
-        freqs = tl.load(pos_ptr + q_start).to(tl.float32) * tl.load(inv_freq_ptr + d % (HEAD_DIM // 2), mask=d_ok,
-                                                                     other=0.0)
-        cos = tl.cos(freqs).to(dt).to(tl.float32)[None, :]  # HF casts cos/sin to the model dtype before use
-        sin = tl.sin(freqs).to(dt).to(tl.float32)[None, :]
+        inv_freq = tl.load(inv_freq_ptr + d % (HEAD_DIM // 2), mask=d_ok, other=0.0)[None, :]
+        cos, sin = rope_cos_sin(tl.load(pos_ptr + q_start), inv_freq, dt)
         q = _prepared(q_row, row_ok[:, None], qw_ptr, d, d_ok, cos, sin, eps, HEAD_DIM, NORM, dt)
         # The new token's key is the sequence's last: the split whose range ends there attends it from
         # registers (so none reads it from the cache this kernel writes it to) and stores k and v.
@@ -324,7 +324,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: QK
     D], k and v [T, Hkv, D] raw (rows may be strided views of a packed QKV output), prepared as rope.apply does;
     k and v are stored at meta.slot_mapping (-1: skip), then q attends its context -> out [T, Hq, D]. At batch 1
     this saves the q/k preparation kernel (fused.qk_norm_rope_store_kv) and its gap: a third of the decoder
-    layer's launches outside the GEMMs."""
+    layer's launches outside the GEMMs. Heads must be adjacent within a row (stride(1) == head dim)."""
     assert meta.max_query_len == 1 and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
     return _attend(q, k_cache, v_cache, meta, scale, None, (k, v, rope))
 

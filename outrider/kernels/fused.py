@@ -16,9 +16,9 @@ from outrider.kernels.ops import pdl_args, use_pdl
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """A kernel's first step when launched with PDL (ops.use_pdl): wait until the previous kernel has finished
-    and its writes are visible (nothing may be read or written before), then let the next kernel's blocks be
-    scheduled early; they wait the same way."""
+    """Where a kernel launched with PDL (ops.use_pdl) waits until the previous kernel has finished and its writes
+    are visible (nothing an earlier kernel of the step writes may be read, and nothing written, before), then
+    lets the next kernel's blocks be scheduled early; they wait the same way."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -142,6 +142,13 @@ def head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, dt: tl.constexpr):
 
 
 @triton.jit
+def rope_cos_sin(pos, inv_freq, dt: tl.constexpr):
+    """cos and sin of pos * inv_freq, in float32 holding dt values: HF casts them to the model dtype before use."""
+    freqs = pos.to(tl.float32) * inv_freq
+    return tl.cos(freqs).to(dt).to(tl.float32), tl.sin(freqs).to(dt).to(tl.float32)
+
+
+@triton.jit
 def rope_halves(x1, x2, cos, sin, dt: tl.constexpr):
     """Rotate-half RoPE [x1, x2] -> [x1*c - x2*s, x2*c + x1*s], each product and the result rounded to dt as
     in HF."""
@@ -180,9 +187,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw
         kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
         q1, q2 = head_rms_norm(q1, q2, qw1, qw2, eps, HALF, dt)
         k1, k2 = head_rms_norm(k1, k2, kw1, kw2, eps, HALF, dt)
-    freqs = pos * inv_freq
-    cos = tl.cos(freqs).to(dt).to(tl.float32)  # HF casts cos/sin to the model dtype before use
-    sin = tl.sin(freqs).to(dt).to(tl.float32)
+    cos, sin = rope_cos_sin(pos, inv_freq, dt)
     q1, q2 = rope_halves(q1, q2, cos, sin, dt)
     k1, k2 = rope_halves(k1, k2, cos, sin, dt)
     _store_halves(q1, q2, qo_ptr, t, HQ, BLOCK_HQ, HALF, BLOCK_HALF)

@@ -22,6 +22,7 @@ shape class, and `bench kernels` times CANDIDATES against cuBLAS to re-tune it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,12 @@ import triton.language as tl
 
 from outrider.kernels.fused import pdl_enter, prefetch_l2, silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
-from outrider.kernels.ops import GEMM_PREFETCH_BYTES, pdl_args
+from outrider.kernels.ops import pdl_args
+
+# Under PDL, a skinny GEMM prefetches its whole weight into L2 before waiting on the previous kernel when the
+# weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch). 16 MB
+# measured best of 16/40 on an H200 (docs/benchmarks.md, run G).
+GEMM_PREFETCH_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_PREFETCH_MB", "16")) * 2**20)
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,6 @@ SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is
 # the gap between dependent kernels of a decode step. Measured within noise so far (docs/benchmarks.md, run F):
 # the gain needs work moved before the wait (weight prefetch). OUTRIDER_PDL=0 turns it off.
 PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
-# Under PDL, a skinny GEMM prefetches its whole weight into L2 before waiting on the previous kernel when the
-# weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch).
-GEMM_PREFETCH_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_PREFETCH_MB", "16")) * 2**20)
 # Decode attention does q/k-norm + RoPE + the KV store itself (kernels/attention.decode_attention): one kernel
 # fewer per layer. Off until measured on the GPU (CPU-interpreter tests check its values):
 # OUTRIDER_DECODE_PREP_IN_ATTENTION=1 turns it on.
