@@ -172,16 +172,17 @@ def test_eog_bans_by_rule_match_explicit_bans(steps):
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(8))
     logits[:, 7] = 20.0
     params = [plain(ignore_eos=True, n_probs=3), plain(temperature=0.0, min_tokens=4), plain(min_tokens=1)]
-    sampler = Sampler(V, "cpu")
+    sampler, unaware = Sampler(V, "cpu"), Sampler(V, "cpu")  # the second knows no EOG ids
     table = ParamTable()
     table.sync(running(params))
-    by_rule = sampler.prepare(SamplingRows(table, np.arange(3), np.array(steps), eog_ids=eog))
+    sampler.set_eog_ids(eog)
+    by_rule = sampler.prepare(SamplingRows(table, np.arange(3), np.array(steps)))
     biased = [dataclasses.replace(p, logit_bias=tuple((tok, -math.inf) for tok in eog))
               if p.ignore_eos or step < p.min_tokens else p for p, step in zip(params, steps)]
-    explicit = sampler.prepare([RowSpec(p, i, step) for i, (p, step) in enumerate(zip(biased, steps))])
-    got, want = sampler.sample(logits, by_rule), sampler.sample(logits, explicit)
+    explicit = unaware.prepare([RowSpec(p, i, step) for i, (p, step) in enumerate(zip(biased, steps))])
+    got, want = sampler.sample(logits, by_rule), unaware.sample(logits, explicit)
     assert torch.equal(got.token_ids, want.token_ids) and torch.equal(got.top_logprobs, want.top_logprobs)
-    assert torch.equal(sampler.process(logits, by_rule), sampler.process(logits, explicit))
+    assert torch.equal(sampler.process(logits, by_rule), unaware.process(logits, explicit))
     assert (got.token_ids == 7).tolist() == [False, steps[1] >= 4, steps[2] >= 1]
 
 

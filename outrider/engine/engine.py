@@ -90,7 +90,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
-        self.runner.eog_ids = tuple(sorted(self.eos_ids))
+        self.runner.sampler.set_eog_ids(self.eos_ids)
         log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
                  num_blocks, config.block_size, (now() - t0) * 1e3)
         if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)

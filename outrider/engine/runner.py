@@ -169,7 +169,6 @@ class ModelRunner:
         # [max batch, V] float32 that forward_decode writes logits into when set (by capture_step_graphs): every
         # decode graph's logits are rows of this one buffer, not a buffer per captured batch size.
         self.decode_logits: torch.Tensor | None = None
-        self.eog_ids: tuple[int, ...] = ()  # end-of-generation ids, banned by ignore_eos / min_tokens
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
 
@@ -341,7 +340,7 @@ class ModelRunner:
             for s in sampled:
                 window = _penalty_window(s.request)
                 histories += [window + s.draft_tokens[:j] for j in range(len(s.draft_tokens) + 1)]
-        return SamplingRows(self.sampling_table, slots, steps, histories, self.eog_ids)
+        return SamplingRows(self.sampling_table, slots, steps, histories)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -175,7 +175,6 @@ class SamplingRows:
     slots: np.ndarray  # [N] int64
     steps: np.ndarray  # [N] int64
     histories: Sequence[Sequence[int]] | None = None  # per row, the tokens before it (None: no row is penalised)
-    eog_ids: Sequence[int] = ()  # end-of-generation ids: banned (llama-server) with ignore_eos, or before min_tokens
 
     @classmethod
     def of(cls, specs: Sequence[RowSpec]) -> SamplingRows:
@@ -246,8 +245,9 @@ class Sampler:
         self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
         self._rank = torch.arange(vocab_size, device=self.device)  # candidate ranks: a view launches nothing
         self._neg_inf = torch.tensor(-math.inf, device=self.device)
-        # EOG ids as given, and those the logits cover on the device
-        self._eog: tuple[Sequence[int], torch.Tensor] | None = None
+        # End-of-generation ids the logits cover, on the device (None: none): banned, as llama-server does, for
+        # rows with ignore_eos or short of min_tokens.
+        self.eog_ids: torch.Tensor | None = None
 
     # --- building the step's tensors (host side, once per step) ---
     def prepare(self, rows: SamplingRows | Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
@@ -258,7 +258,7 @@ class Sampler:
             rows = SamplingRows.of(rows)
         floats, ints = rows.table.floats[:, rows.slots], rows.table.ints[:, rows.slots]
         some, every = int(np.bitwise_or.reduce(ints[_FLAGS])), int(np.bitwise_and.reduce(ints[_FLAGS]))
-        banned = rows.steps < ints[_EOG_BANNED_UNTIL] if rows.eog_ids else None
+        banned = rows.steps < ints[_EOG_BANNED_UNTIL] if self.eog_ids is not None else None
         some_banned = banned is not None and banned.any()
         ban_every_row = some_banned and banned.all()  # (the usual case, ignore_eos: nothing to upload)
         bias = self._bias(rows, ints, some)
@@ -280,9 +280,8 @@ class Sampler:
         if penalties:
             (at, toks, coef), dev = dev[:3], dev[3:]
             penalties = (at, toks, coef[0], coef[1], coef[2])
-        eog_ban = eog_ids = None
+        eog_ban = None
         if some_banned:
-            eog_ids = self._eog_ids(rows.eog_ids)
             if ban_every_row:
                 eog_ban = self._neg_inf
             else:
@@ -290,7 +289,7 @@ class Sampler:
         n_probs = int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0
         if not filters:
             return SamplingBatch(len(rows.slots), None, None, None, None, None, None, None, self.vocab_size, bias,
-                                 penalties, n_probs, True, eog_ban=eog_ban, eog_ids=eog_ids)
+                                 penalties, n_probs, True, eog_ban=eog_ban, eog_ids=self.eog_ids)
         filt, top_k_dev, keys_dev = dev
         return SamplingBatch(
             num_rows=len(rows.slots),
@@ -308,7 +307,7 @@ class Sampler:
             all_greedy=all_greedy,
             some_top_p_off=not every & _Flag.TOP_P,
             eog_ban=eog_ban,
-            eog_ids=eog_ids,
+            eog_ids=self.eog_ids,
         )
 
     def _bias(self, rows: SamplingRows, ints: np.ndarray, flags: int) -> list[tuple] | None:
@@ -327,12 +326,10 @@ class Sampler:
                 at, toks, vals = [at[j] for j in keep], [toks[j] for j in keep], [vals[j] for j in keep]
         return [(at, np.int64), (toks, np.int64), (vals, np.float32)] if toks else None
 
-    def _eog_ids(self, eog_ids: Sequence[int]) -> torch.Tensor:
-        """The end-of-generation ids the logits cover, on the device (uploaded once)."""
-        if self._eog is None or self._eog[0] != eog_ids:
-            valid = [i for i in eog_ids if 0 <= i < self.vocab_size]
-            self._eog = (eog_ids, torch.tensor(valid, dtype=torch.int64, device=self.device))
-        return self._eog[1]
+    def set_eog_ids(self, eog_ids: Sequence[int]) -> None:
+        """The model's end-of-generation ids (once, at start-up); those outside the logits are ignored."""
+        valid = sorted({i for i in eog_ids if 0 <= i < self.vocab_size})
+        self.eog_ids = torch.tensor(valid, dtype=torch.int64, device=self.device) if valid else None
 
     def _penalties(self, rows: SamplingRows, floats: np.ndarray, ints: np.ndarray) -> list[tuple] | None:
         """Upload parts for (rows, token ids: one entry per occurrence in the window, [3, N] repeat, presence and
