@@ -14,8 +14,10 @@ from outrider.spec.drafter import DraftPolicy, Proposals, expected_tokens
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 
 
-def req(**params) -> Request:
-    return Request([1, 2, 3], SamplingParams(**{"max_tokens": 100, **params}))
+def req(prompt=(1, 2, 3), max_model_len=50, **params) -> Request:
+    r = Request(list(prompt), SamplingParams(**{"max_tokens": 100, **params}))
+    r.limit_outputs(max_model_len)  # (as the engine does when it takes the request)
+    return r
 
 
 def test_expected_tokens():
@@ -25,12 +27,12 @@ def test_expected_tokens():
 
 
 def test_caps():
-    policy = DraftPolicy(n_max=4, max_model_len=50, prior_alpha=0.99)
+    policy = DraftPolicy(n_max=4, prior_alpha=0.99)  # requests in a 50-token context (req)
     assert policy.draft_lengths([req()], DRAFTER) == [4]
     assert policy.draft_lengths([req(spec_n_max=6)], DRAFTER) == [6]
     assert policy.draft_lengths([req(spec_n_max=20)], DRAFTER) == [8]  # the drafter's own limit
     assert policy.draft_lengths([req(max_tokens=3)], DRAFTER) == [2]  # the bonus token is free
-    long = Request(list(range(47)), SamplingParams(max_tokens=-1))
+    long = req(range(47), max_tokens=-1)
     assert policy.draft_lengths([long], DRAFTER) == [2]  # context: 3 tokens left
     assert DraftPolicy(n_max=4, max_verify_tokens=12).draft_lengths([req()] * 4, DRAFTER) == [2] * 4
     assert DraftPolicy(max_batch=2).draft_lengths([req()] * 3, DRAFTER) == [0] * 3

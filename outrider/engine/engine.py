@@ -171,7 +171,7 @@ class Engine:
             return None, None
         self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
         policy = DraftPolicy(n_max=drafter.max_draft if asked is None else asked, n_min=cfg.spec_draft_n_min,
-                             p_min=cfg.draft_p_min, max_model_len=self.max_model_len)
+                             p_min=cfg.draft_p_min)
         log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
         return drafter, policy
 
@@ -212,9 +212,7 @@ class Engine:
         if not req.prompt_ids or req.num_prompt >= self.max_model_len:
             self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")
             return
-        context_left = self.max_model_len - req.num_prompt
-        max_tokens = req.params.max_tokens
-        req.max_output_tokens = context_left if max_tokens < 0 else min(max_tokens, context_left)
+        req.limit_outputs(self.max_model_len)
         self.live[req.request_id] = live
         self.scheduler.add(req)
 

@@ -99,6 +99,12 @@ class Request:
         """Sequence length, counting a pending token (token_slice and all_ids hold only the known ones)."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
 
+    def limit_outputs(self, max_model_len: int) -> None:
+        """Set max_output_tokens: max_tokens (-1: no limit), capped by what fits in a context of max_model_len."""
+        context_left = max_model_len - self.num_prompt
+        max_tokens = self.params.max_tokens
+        self.max_output_tokens = context_left if max_tokens < 0 else min(max_tokens, context_left)
+
     def limit_reason(self, num_outputs: int) -> FinishReason:
         """Which limit num_outputs (>= max_output_tokens) reached: max_tokens (LENGTH), else the context."""
         return FinishReason.LENGTH if 0 <= self.params.max_tokens <= num_outputs else FinishReason.CONTEXT

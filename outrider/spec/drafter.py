@@ -95,7 +95,6 @@ class DraftPolicy:
     n_max: int = DEFAULT_N_MAX  # server default for SamplingParams.spec_n_max (--draft-max)
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
     p_min: float = 0.0  # drafting stops at the first token the drafter gives less than this (--draft-p-min)
-    max_model_len: int = 1 << 30
     max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
     max_batch: int = 64  # no drafting above this many decoding requests
     prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
@@ -112,9 +111,7 @@ class DraftPolicy:
 
     def _length(self, req: Request, cap: int, step_cost: float) -> int:
         p = req.params
-        left = self.max_model_len - req.num_tokens
-        if p.max_tokens >= 0:
-            left = min(left, p.max_tokens - len(req.output_ids))
+        left = req.max_output_tokens - len(req.output_ids)  # (no token is pending: drafting turns overlap off)
         cap = min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1)  # +1 bonus token
         if cap <= 0:
             return 0
