@@ -98,9 +98,9 @@ class EngineConfig:
     max_num_seqs: int = 16  # concurrent sequences (llama-server: --parallel)
     max_num_batched_tokens: int = 2048  # token budget of one step (llama-server: --batch-size)
     block_size: int = 16
-    num_kv_blocks: int = 0  # 0 = size from memory (gpu_memory_utilization or kv_cache_memory_gib)
-    kv_cache_memory_gib: float = 1.0  # CPU: memory for the KV pool when num_kv_blocks == 0
-    gpu_memory_utilization: float = 0.90
+    num_kv_blocks: int = 0  # 0 = size from memory (kv_cache_memory_gib, else gpu_memory_utilization on CUDA)
+    kv_cache_memory_gib: float = 0.0  # memory for the KV pools when num_kv_blocks == 0 (0 = CPU: 1 GiB; CUDA: below)
+    gpu_memory_utilization: float = 0.90  # CUDA without kv_cache_memory_gib: this share of free memory, less a step
     enable_prefix_caching: bool = True
     seed: int = -1  # default seed for requests that give none (-1 = random per request)
     enforce_eager: bool = False  # GPU: disable CUDA graphs
@@ -124,5 +124,7 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
+        if self.kv_cache_memory_gib < 0 or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("need kv_cache_memory_gib >= 0 and 0 < gpu_memory_utilization <= 1")
         if not 0 <= self.spec_draft_n_min <= (self.spec_draft_n_max if self.spec_draft_n_max is not None else 1 << 30):
             raise ValueError("need 0 <= spec_draft_n_min <= spec_draft_n_max")

@@ -8,6 +8,7 @@ bound the attention kernels size their split-KV grid from, so any shorter contex
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Callable, Sequence
 
@@ -66,8 +67,17 @@ class CudaGraphRunner:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
         todo = sorted(self.buckets, reverse=True)
-        with ops.graph_capture():
-            self._capture(todo, progress)
+        # A collection during capture can free a dead engine's graphs, and destroying a graph while this stream
+        # captures invalidates the capture (torch.cuda.graph no longer collects first): collect now, not then.
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with ops.graph_capture():
+                self._capture(todo, progress)
+        finally:
+            if collecting:
+                gc.enable()
 
     def _capture(self, todo: list[int], progress: bool) -> None:
         for i, bs in enumerate(todo):

@@ -25,7 +25,7 @@ import torch
 from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
-from outrider.engine.memory import cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve, num_kv_blocks
+from outrider.engine.memory import CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve, num_kv_blocks
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
@@ -186,8 +186,8 @@ class Engine:
         if cfg.num_kv_blocks:
             return cfg.num_kv_blocks
         wanted = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
-        if self.device.type != "cuda":
-            return num_kv_blocks(per_block, wanted, cfg.kv_cache_memory_gib * 2**30)
+        if cfg.kv_cache_memory_gib or self.device.type != "cuda":
+            return num_kv_blocks(per_block, wanted, (cfg.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30)
         # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
         tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
         rows = min(tokens, max(cfg.max_num_seqs, self.policy.max_verify_tokens if self.policy is not None else 0))

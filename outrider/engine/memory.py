@@ -1,9 +1,9 @@
 """How many KV blocks to allocate: the memory budget, less what a step needs beyond the weights.
 
-On CUDA the budget is the free memory times --gpu-memory-utilization, and what a step needs is measured before
-the pool exists: one forward over a full step budget of prompt tokens, then the sampler's worst case (every
-running sequence sampling with top-k off, which sorts the whole vocabulary per row). On the CPU the budget is
-kv_cache_memory_gib and steps take what they take.
+A budget given (kv_cache_memory_gib, --kv-cache-gib) is used as it is, on any device. Otherwise, on the CPU it
+is CPU_KV_CACHE_GIB; on CUDA it is the free memory times --gpu-memory-utilization, less what a step needs,
+measured before the pool exists: one forward over a full step budget of prompt tokens, then the sampler's worst
+case (every running sequence sampling with top-k off, which sorts the whole vocabulary per row).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from outrider.params import SamplingParams
 
 log = logging.getLogger("outrider.engine")
 
+CPU_KV_CACHE_GIB = 1.0  # the CPU's KV budget when none is given
 # If the measurement fails: what a step was assumed to need before it was measured.
 FALLBACK_RESERVE = int(1.5 * 2**30)
 # Beside the measured step and the graphs' logits buffers: the graphs' pool (intermediates of the largest decode

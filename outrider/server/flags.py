@@ -67,7 +67,7 @@ MODEL = [
     Opt(("--tokenizer",), "tokenizer", None, help="tokenizer directory (default: the model's)"),
     Opt(("--block-size",), "block_size", None, int, None, "KV block size in tokens"),
     Opt(("--num-kv-blocks",), "num_kv_blocks", None, int, None, "KV blocks (default: sized from memory)"),
-    Opt(("--kv-cache-gib",), "kv_cache_gib", None, float, None, "CPU: memory for the KV cache"),
+    Opt(("--kv-cache-gib",), "kv_cache_gib", None, float, None, "memory for the KV cache (default: CPU 1 GiB; GPU from --gpu-memory-utilization)"),
     Opt(("--gpu-memory-utilization",), "gpu_memory_utilization", None, float, None, "GPU: fraction of the free memory for the KV pools, after a measured step's needs"),
     Opt(("--enforce-eager",), "enforce_eager", None, None, False, "GPU: no CUDA graphs"),
     Opt(("--no-overlap-schedule",), "no_overlap_schedule", None, None, False,
