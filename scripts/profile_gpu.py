@@ -2,9 +2,11 @@
 
 For each --random-weights shape and batch size, runs `--steps` decode steps of the real engine (CUDA graphs on,
 unless --eager) under torch.profiler and prints: wall ms/step, GPU-busy ms/step (sum of kernel and copy times),
-the gap between the two (host work the GPU waits for), and the kernels by total time.
+the gap between the two (host work the GPU waits for), and the kernels by total time. --timeline N lists the
+last step's first N GPU events in start order, each with its start, duration and the gap since the previous
+one ended (negative: they overlapped, as PDL allows).
 
-    python scripts/profile_gpu.py --model qwen3-0.6b --batch 1 [--eager] [--top 25]
+    python scripts/profile_gpu.py --model qwen3-0.6b --batch 1 [--eager] [--top 25] [--timeline 30]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--no-overlap", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--timeline", type=int, default=0, metavar="N")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
@@ -54,18 +57,33 @@ def main() -> None:
         wall = (time.perf_counter() - t0) / a.steps
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     busy = 0.0
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
-            by_name[ev.name][0] += t
-            by_name[ev.name][1] += 1
-            busy += t
+    gpu_events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    for ev in gpu_events:
+        t = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+        by_name[ev.name][0] += t
+        by_name[ev.name][1] += 1
+        busy += t
     busy_ms = busy / 1e3 / a.steps
     print(f"== {a.model} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall {wall * 1e3:.3f} "
           f"ms/step, GPU busy {busy_ms:.3f} ms/step, host gap {wall * 1e3 - busy_ms:.3f} ms/step")
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
     for name, (tot, cnt) in rows:
         print(f"  {tot / 1e3 / a.steps:8.4f} ms/step  {cnt / a.steps:6.1f}/step  {tot / max(cnt, 1):8.2f} us/call  {name[:110]}")
+    if a.timeline:
+        timeline(gpu_events, a.steps, a.timeline)
+
+
+def timeline(events, steps: int, n: int) -> None:
+    """The first n GPU events of the last profiled step (events split evenly over the steps), in start order."""
+    events = sorted(events, key=lambda ev: ev.time_range.start)
+    last = events[len(events) - len(events) // steps:][:n]
+    print(f"== timeline of the last step's first {len(last)} GPU events (us: start, duration, gap since the "
+          "previous one ended)")
+    t0 = prev_end = last[0].time_range.start
+    for ev in last:
+        start, end = ev.time_range.start, ev.time_range.end
+        print(f"  {start - t0:9.2f} {end - start:8.2f} {start - prev_end:+8.2f}  {ev.name[:90]}")
+        prev_end = max(prev_end, end)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,11 @@ CANDIDATES: tuple[GemmConfig, ...] = (
     GemmConfig(block_n=8, block_k=1024, num_warps=8),
     GemmConfig(block_n=16, block_k=256),
     GemmConfig(block_n=4, block_k=256, num_warps=8),
+    GemmConfig(block_n=4, block_k=512),
+    GemmConfig(block_n=2, block_k=2048),
+    GemmConfig(block_n=8, block_k=256, num_stages=4),
+    GemmConfig(block_n=16, block_k=512, num_warps=8),
+    GemmConfig(block_n=8, block_k=512, num_warps=8, num_stages=4),
 )
 
 
