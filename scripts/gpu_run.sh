@@ -2,7 +2,7 @@
 # GPU tests + benchmarks on the device machine. Usage: scripts/gpu_run.sh MODE; logs land in $OUT. One device
 # call runs at most 10 minutes, so each mode below fits one call; `full` (all of them) does not.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
-# latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles) and the experiments behind switches, ~6 min.
+# latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles).
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
@@ -52,14 +52,6 @@ fi
 if run latency; then
   bench latency --random-weights qwen3-8b --compare hf --profile
   bench latency --random-weights qwen3-0.6b --profile
-  # experiments behind a switch, same machine: decode attention that prepares q/k and stores K/V itself
-  echo "== OUTRIDER_DECODE_PREP_IN_ATTENTION=1" | tee -a "$OUT/bench.log"
-  OUTRIDER_DECODE_PREP_IN_ATTENTION=1 bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
-  OUTRIDER_DECODE_PREP_IN_ATTENTION=1 bench latency --random-weights qwen3-8b --ttft-prompt-len 0
-  # ... and a decode split of at least 256 keys (a context of up to 256 is then one program, no merge)
-  echo "== OUTRIDER_MIN_SPLIT_KEYS=256" | tee -a "$OUT/bench.log"
-  OUTRIDER_MIN_SPLIT_KEYS=256 bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
-  OUTRIDER_MIN_SPLIT_KEYS=256 bench latency --random-weights qwen3-8b --ttft-prompt-len 0
 fi
 if run throughput; then
   bench throughput --random-weights qwen3-0.6b

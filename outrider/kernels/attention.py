@@ -14,24 +14,21 @@ last split of a tile to finish (an arrival counter) merges them, so no second ke
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from outrider.attention import AttentionMetadata, QKNormRope
-from outrider.kernels.fused import head_rms_norm, pdl_enter, prefetch_l2, rope_cos_sin, rope_halves
+from outrider.attention import AttentionMetadata
+from outrider.kernels.fused import pdl_enter, prefetch_l2
 from outrider.kernels.ops import pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
 # Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial
 # reads); two 64-key tiles cost about as much, so a context of up to 128 keys is one program and no merge.
-# (OUTRIDER_MIN_SPLIT_KEYS, a power of two >= 128, for A/B runs: 256 would keep a 256-key context one program.)
-MIN_SPLIT_KEYS = int(os.environ.get("OUTRIDER_MIN_SPLIT_KEYS", "128"))
-if MIN_SPLIT_KEYS < 128 or MIN_SPLIT_KEYS & (MIN_SPLIT_KEYS - 1):
-    raise ValueError(f"OUTRIDER_MIN_SPLIT_KEYS must be a power of two >= 128, not {MIN_SPLIT_KEYS}")
+# 256 (a 256-key context one program) measured no faster on an H200: Qwen3-0.6B batch 1, 1068 vs 1076 tok/s.
+MIN_SPLIT_KEYS = 128
 # A split launch has at most this many programs per SM, so that many arrival counters per SM suffice.
 _PROGRAMS_PER_SM = 4
 
@@ -71,43 +68,20 @@ def _merge_rows(out_ptr, part_o_ptr, part_lse_ptr, first_row, n_rows, q_start, k
     tl.store(out_ptr + o_off, res.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
-def _prepared(ptr, ok, w_ptr, d, d_ok, cos, sin, eps, HEAD_DIM: tl.constexpr, NORM: tl.constexpr,
-              dt: tl.constexpr):
-    """Heads at row pointers ptr [R, 1] (+ d; rows where ok [R, 1] is false read as 0): per-head RMSNorm * w
-    (NORM), then rotate-half RoPE, rounded as fused._qk_norm_rope_kernel rounds. That kernel holds a head as
-    its two halves; here it is whole, with a copy in which each element faces its partner in the other half."""
-    partner = (d + HEAD_DIM // 2) % HEAD_DIM
-    mask = ok & d_ok[None, :]
-    x = tl.load(ptr + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(ptr + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM:  # (x and xp hold the same squares: their mean over 2 * HEAD_DIM is the head's)
-        w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        x, xp = head_rms_norm(x, xp, w, wp, eps, HEAD_DIM, dt)
-    first, _ = rope_halves(x, xp, cos, sin, dt)  # right for the first half: x * cos - partner * sin
-    _, second = rope_halves(xp, x, cos, sin, dt)  # right for the second: x * cos + partner * sin
-    return tl.where((d < HEAD_DIM // 2)[None, :], first, second)
-
-
 # Per-step ints are not specialised on: a new batch width or token count must never trigger a recompile.
 @triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_bt"])
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, arrivals_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    k_new_ptr, v_new_ptr, pos_ptr, inv_freq_ptr, qw_ptr, kw_ptr, slot_ptr,
-    scale_log2, num_splits, num_tokens, stride_bt, stride_qin, stride_kn, stride_vn, eps,
+    scale_log2, num_splits, num_tokens, stride_bt,
     GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, MERGE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    KEY_LINES: tl.constexpr, LINE: tl.constexpr, PREP: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr,
+    KEY_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # PREP (decode: one query token per sequence): q, k and v arrive raw (rows of stride stride_qin / kn / vn),
-    # and this kernel does what fused.qk_norm_rope_store_kv does otherwise: q/k norm (NORM) and RoPE, and the
-    # store of the new k and v at slot_ptr. The new key is attended from registers by the split that owns it.
     # Every tensor is contiguous (the wrapper guarantees it), so strides follow from the shapes: fewer
     # launch arguments, which is most of Triton's per-launch host cost.
-    stride_qt = N_KV * GROUP * HEAD_DIM  # out: [T, Hq, D]; part_o: [S, T, Hq, D]; part_lse: [S, T, Hq] (q: stride_qin)
+    stride_qt = N_KV * GROUP * HEAD_DIM  # q, out: [T, Hq, D]; part_o: [S, T, Hq, D]; part_lse: [S, T, Hq]
     stride_ks = N_KV * HEAD_DIM  # k/v cache: [NB, PAGE, Hkv, D]
     stride_kb = PAGE * stride_ks
     seq = tl.program_id(0)
@@ -162,27 +136,16 @@ def _attn_kernel(
     pdl_enter(USE_PDL)
     if idle:
         return
-    q_row = q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qin + head[:, None] * HEAD_DIM
-    dt = out_ptr.dtype.element_ty
-    if PREP:
-        inv_freq = tl.load(inv_freq_ptr + d % (HEAD_DIM // 2), mask=d_ok, other=0.0)[None, :]
-        cos, sin = rope_cos_sin(tl.load(pos_ptr + q_start), inv_freq, dt)
-        q = _prepared(q_row, row_ok[:, None], qw_ptr, d, d_ok, cos, sin, eps, HEAD_DIM, NORM, dt)
-        # The new token's key is the sequence's last: the split whose range ends there attends it from
-        # registers (so none reads it from the cache this kernel writes it to) and stores k and v.
-        owns_new = (split == n_live - 1) & (seq_len > 0)
-        hi_cached = tl.minimum(hi, seq_len - 1)
-    else:
-        q = tl.load(q_row + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        hi_cached = hi
+    q_off = (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     # Finite start value: a row masked over a whole tile then gives p = 0 and alpha = 1 instead of NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi_cached, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < hi_cached
+        k_ok = k_pos < hi
         blk = tl.load(bt_row + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
         page_off = k_pos % PAGE
         kv_off = blk * stride_kb + page_off * stride_ks + kvh * HEAD_DIM
@@ -200,26 +163,6 @@ def _attn_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
         m_i = m_new
-
-    if PREP:
-        if owns_new:
-            kv_row = kvh * HEAD_DIM
-            one = tl.full([1, 1], 1, tl.int1)
-            k_new = _prepared(k_new_ptr + (q_start.to(tl.int64) * stride_kn + kv_row) + tl.zeros([1, 1], tl.int64),
-                              one, kw_ptr, d, d_ok, cos, sin, eps, HEAD_DIM, NORM, dt)  # [1, BLOCK_D]
-            v_new = tl.load(v_new_ptr + q_start.to(tl.int64) * stride_vn + kv_row + d, mask=d_ok, other=0.0)
-            slot = tl.load(slot_ptr + q_start)
-            if slot >= 0:
-                tl.store(k_ptr + slot * stride_ks + kv_row + d[None, :], k_new, mask=d_ok[None, :])
-                tl.store(v_ptr + slot * stride_ks + kv_row + d, v_new, mask=d_ok)
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale_log2
-            s_new = tl.where(row_ok, s_new, float("-inf"))
-            m_new = tl.maximum(m_i, s_new)
-            p_new = tl.math.exp2(s_new - m_new)
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
 
     # Rows that saw no key (padding: seq_len 0) come out as zeros, never NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -315,22 +258,7 @@ def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] over the paged cache [NB, page, Hkv, D] -> out [T, Hq, D] (q's dtype)."""
-    return _attend(q.contiguous(), k_cache, v_cache, meta, scale, out, None)
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: QKNormRope, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query token per sequence (meta.max_query_len == 1), all of a layer's attention in one launch: q [T, Hq,
-    D], k and v [T, Hkv, D] raw (rows may be strided views of a packed QKV output), prepared as rope.apply does;
-    k and v are stored at meta.slot_mapping (-1: skip), then q attends its context -> out [T, Hq, D]. At batch 1
-    this saves the q/k preparation kernel (fused.qk_norm_rope_store_kv) and its gap: a third of the decoder
-    layer's launches outside the GEMMs. Heads must be adjacent within a row (stride(1) == head dim)."""
-    assert meta.max_query_len == 1 and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k, v))
-    return _attend(q, k_cache, v_cache, meta, scale, None, (k, v, rope))
-
-
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            out: torch.Tensor | None, prep: tuple[torch.Tensor, torch.Tensor, QKNormRope] | None) -> torch.Tensor:
+    q = q.contiguous()  # no-op for the usual [T, Hq, D] projection output
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged KV cache must be contiguous [num_blocks, page, n_kv_heads, head_dim]")
     t, n_heads, head_dim = q.shape
@@ -354,23 +282,14 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         merge_rows = min(16, max(4, triton.next_power_of_2(meta.max_query_len * group)))
     else:  # unused by the kernel when SPLIT is off
         part_o, part_lse, arrivals, merge_rows = out, out, out, 16
-    if prep is not None:
-        k_new, v_new, rope = prep
-        norm = rope.q_weight is not None
-        prep_args = (k_new, v_new, rope.positions, rope.inv_freq, rope.q_weight if norm else q,
-                     rope.k_weight if norm else q, meta.slot_mapping)
-        strides = (k_new.stride(0), v_new.stride(0), rope.eps)
-    else:  # unread without PREP: any tensor will do
-        norm, prep_args, strides = False, (q,) * 7, (0, 0, 0.0)
     _attn_kernel[(meta.num_seqs, n_kv, plan.m_blocks * splits)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, *prep_args,
-        scale * _LOG2E, splits, t, meta.block_tables.stride(0), q.stride(0), *strides,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        scale * _LOG2E, splits, t, meta.block_tables.stride(0),
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
         MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
         KEY_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
-        LINE=128 // k_cache.element_size(), PREP=prep is not None, NORM=norm,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
+        LINE=128 // k_cache.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
     )
     return out

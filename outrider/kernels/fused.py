@@ -15,12 +15,21 @@ from outrider.kernels.ops import pdl_args, use_pdl
 
 
 @triton.jit
-def pdl_enter(USE_PDL: tl.constexpr):
+def pdl_enter(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     """Where a kernel launched with PDL (ops.use_pdl) waits until the previous kernel has finished and its writes
     are visible (nothing an earlier kernel of the step writes may be read, and nothing written, before), then
-    lets the next kernel's blocks be scheduled early; they wait the same way."""
+    (RELEASE) lets the next kernel's blocks be scheduled early; they wait the same way. A kernel that passes
+    RELEASE=False calls pdl_release itself, later."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        if RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """Lets the next kernel's blocks be scheduled (they still wait for this kernel to finish)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -133,8 +142,7 @@ def _store_halves(x1, x2, out_ptr, row, N_HEADS: tl.constexpr, BLOCK_H: tl.const
 
 @triton.jit
 def head_rms_norm(x1, x2, w1, w2, eps, HALF: tl.constexpr, dt: tl.constexpr):
-    """Per-head RMSNorm * weight of the halves, rounded to dt where the HF module rounds (also used on a whole
-    head and a copy, with HALF the head dim: kernels/attention.py)."""
+    """Per-head RMSNorm * weight of the halves, rounded to dt where the HF module rounds."""
     rstd = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
     x1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     x2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fused import pdl_enter, prefetch_l2, silu_mul_tile
+from outrider.kernels.fused import pdl_enter, pdl_release, prefetch_l2, silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
 from outrider.kernels.ops import pdl_args
 
@@ -37,6 +37,12 @@ from outrider.kernels.ops import pdl_args
 # weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch). 16 MB
 # measured best of 16/40 on an H200 (docs/benchmarks.md, run G).
 GEMM_PREFETCH_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_PREFETCH_MB", "16")) * 2**20)
+# Under PDL, a GEMM whose weight is bigger than this lets the next kernel's blocks be scheduled only after its
+# main loop, not at its start (negative: always at the start): OUTRIDER_GEMM_LATE_RELEASE_MB. Released early,
+# the next big GEMM's blocks take the SMs this one's blocks vacate first, unevenly, and then stream their
+# weight from fewer SMs (H200, Qwen3-8B: down_proj after gate_up 25 -> 30 us). Late release above 16 MB took
+# the 8B at batch 1 from 221 to 233 tok/s (PDL off: 229) and left the 0.6B as it was (docs/benchmarks.md, run H).
+GEMM_LATE_RELEASE_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_LATE_RELEASE_MB", "16")) * 2**20)
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,8 @@ def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt: tl.constexpr, HAS_BIAS: 
 def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
                 HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr):
+                PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+                LATE_RELEASE: tl.constexpr):
     pid = tl.program_id(0)
     if USE_PDL and PREFETCH_LINES > 0:
         # W is never written during a step: bring this program's first PREFETCH_LINES lines of each of its rows
@@ -127,7 +134,7 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
         w_rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
         w_cols = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
         prefetch_l2(w_ptr + w_rows[:, None] * stride_wn + w_cols[None, :])
-    pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL, RELEASE=not LATE_RELEASE)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None]
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
@@ -152,6 +159,8 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
         acc += x.to(tl.float32) * w.to(tl.float32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if LATE_RELEASE:
+        pdl_release(USE_PDL)
     y = tl.sum(acc, axis=2)
     if NORM:  # every program walked all of K, so it has the rows' whole sums of squares
         y *= tl.math.rsqrt(tl.sum(sq, axis=2) / K + eps)
@@ -201,5 +210,6 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
                       BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                       PREFETCH_LINES=lines, LINE=line,
+                      LATE_RELEASE=0 <= GEMM_LATE_RELEASE_BYTES < n * k * weight.element_size(),
                       num_warps=cfg.num_warps, **pdl_args(pdl))
     return y

@@ -25,10 +25,6 @@ SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is
 # the gap between dependent kernels of a decode step. Measured within noise so far (docs/benchmarks.md, run F):
 # the gain needs work moved before the wait (weight prefetch). OUTRIDER_PDL=0 turns it off.
 PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
-# Decode attention does q/k-norm + RoPE + the KV store itself (kernels/attention.decode_attention): one kernel
-# fewer per layer. Off until measured on the GPU (CPU-interpreter tests check its values):
-# OUTRIDER_DECODE_PREP_IN_ATTENTION=1 turns it on.
-DECODE_PREP_IN_ATTENTION = os.environ.get("OUTRIDER_DECODE_PREP_IN_ATTENTION", "0") == "1"
 _in_graph_capture = False
 _pdl_capable: dict[int, bool] = {}
 

@@ -151,47 +151,6 @@ def test_backends_agree_on_prepare_store_attend(device, half):
     assert torch.equal(caches[1].v[0].cpu(), caches[0].v[0])
 
 
-@pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("max_seq_len", [None, CAPTURE_MAX_SEQ_LEN], ids=["fit", "capture-sized"])
-def test_decode_attention_prepares_stores_and_attends_in_one_launch(norm, max_seq_len, device, half):
-    """kernels.attention.decode_attention against the reference backend: raw q/k/v as strided views of a packed
-    QKV output, Qwen3 q/k norm or none, one-split and split contexts (capture-sized), and a padding row (seq_len 0,
-    slot -1, which must write nothing): same outputs for the real rows, same caches."""
-    from outrider.kernels.attention import decode_attention
-
-    gen = torch.Generator().manual_seed(8)
-    hq, hk, d, seq_lens = 16, 8, 128, [1, 9, 300, 0, 129]
-    t = len(seq_lens)
-    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(half)
-    qw, kw = (torch.randn(d, generator=gen).to(half) if norm else None for _ in range(2))
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2).float() / d))
-    pos = torch.tensor([max(n - 1, 0) for n in seq_lens])
-    num_blocks = 40
-    hist_k = torch.randn(num_blocks, 16, hk, d, generator=gen).to(half)
-    hist_v = torch.randn(num_blocks, 16, hk, d, generator=gen).to(half)
-    outs, caches = [], []
-    for oracle, dev in ((True, torch.device("cpu")), (False, device)):
-        meta, _ = make_meta([1] * t, seq_lens, 16, num_blocks, dev, gen=torch.Generator().manual_seed(1),
-                            max_seq_len=max_seq_len)
-        packed = qkv.to(dev)
-        q, k, v = (x.view(t, -1, d) for x in packed.split([hq * d, hk * d, hk * d], dim=-1))
-        rope = QKNormRope(pos.to(dev), inv_freq.to(dev), qw.to(dev) if norm else None, kw.to(dev) if norm else None,
-                          1e-6)
-        cache = KVCache(k=[hist_k.clone().to(dev)], v=[hist_v.clone().to(dev)])
-        if oracle:  # in the model dtype, so that q and k round as the kernel's do
-            out = TorchReferenceBackend().forward(q, k, v, cache, 0, meta, d ** -0.5, rope)
-        else:
-            out = decode_attention(q, k, v, rope, cache.k[0], cache.v[0], meta, d ** -0.5)
-        outs.append(out.float().cpu())
-        caches.append(cache)
-    real = [i for i, n in enumerate(seq_lens) if n > 0]
-    assert _rel_err(outs[1][real], outs[0][real]) < 1e-2
-    assert _rel_err(caches[1].k[0].float().cpu(), caches[0].k[0].float()) < 1e-2
-    assert torch.equal(caches[1].v[0].cpu(), caches[0].v[0])
-    if device.type == "cuda":
-        _assert_counters_rearmed(device)
-
-
 def _live_splits(seq_len: int, num_splits: int) -> int:
     """How many splits the kernel gives keys to (its per-sequence split rule, restated)."""
     from outrider.kernels.attention import MIN_SPLIT_KEYS

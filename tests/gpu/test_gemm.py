@@ -230,13 +230,16 @@ def test_cuda_graph_replay_equals_eager():
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("budget", [-1, 0, 1 << 30], ids=["no-prefetch", "first-tile", "whole"])
 @pytest.mark.parametrize("norm", [False, True])
-def test_pdl_launch_with_weight_prefetch_equals_eager(budget, norm, monkeypatch):
-    """Captured with PDL (Hopper), each variant of the weight prefetch before the wait gives the eager result."""
+@pytest.mark.parametrize("late", [False, True], ids=["early-release", "late-release"])
+def test_pdl_launch_with_weight_prefetch_equals_eager(budget, norm, late, monkeypatch):
+    """Captured with PDL (Hopper), each variant of the weight prefetch before the wait, with the next kernel
+    released at the start or after the main loop, gives the eager result."""
     from outrider.kernels import gemm
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9")
     monkeypatch.setattr(gemm, "GEMM_PREFETCH_BYTES", budget)
+    monkeypatch.setattr(gemm, "GEMM_LATE_RELEASE_BYTES", 0 if late else -1)
     x, w, b = _inputs(2, 1000, 768, torch.bfloat16, True, "cuda")
     r = torch.randn_like(x)
     nw = torch.rand(768, device="cuda", dtype=torch.bfloat16) + 0.5
