@@ -13,43 +13,57 @@ from contextlib import contextmanager
 import torch
 
 GRAPH_FORWARD = "forward + logits (graph)"  # a decode graph's replay: it computes the logits too
+_UNSET = object()
+
+
+@contextmanager
+def patched(*targets):
+    """For the duration of the block, obj.attr is wrap(obj.attr) for each (obj, attr, wrap); then the originals
+    come back (an attribute the instance did not hold itself, e.g. a method, is deleted again)."""
+    saved = [(obj, attr, obj.__dict__.get(attr, _UNSET)) for obj, attr, _ in targets]
+    for obj, attr, wrap in targets:
+        setattr(obj, attr, wrap(getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is _UNSET:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    """Seconds per label, summed over the calls of the functions wrapped by timed(label) (on a CUDA device,
+    synchronised before and after each call)."""
+
+    def __init__(self, device: torch.device) -> None:
         self.total: dict[str, float] = defaultdict(float)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def wrap(self, obj, attr: str, label: str) -> None:
-        fn = getattr(obj, attr)
+    def timed(self, label: str):
+        def wrap(fn):
+            def timed_call(*args, **kwargs):
+                self.sync()
+                t0 = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.sync()
+                self.total[label] += time.perf_counter() - t0
+                return out
 
-        def timed(*args, **kwargs):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            torch.cuda.synchronize()
-            self.total[label] += time.perf_counter() - t0
-            return out
+            return timed_call
 
-        setattr(obj, attr, timed)
+        return wrap
 
 
 @contextmanager
 def profiled(engine):
     """Instrument one engine's phases for the duration of the block; yields the PhaseTimer."""
-    timer = PhaseTimer()
+    timer = PhaseTimer(engine.device)
     runner = engine.runner
-    targets = [(engine, "step", "step (all)"), (engine.scheduler, "schedule", "schedule"),
-               (runner, "prepare", "prepare inputs"), (runner.model, "compute_logits", "logits (eager steps)"),
-               (runner.sampler, "prepare", "sampler prepare"), (runner.sampler, "sample", "sample")]
-    targets += [(graphs, "run", GRAPH_FORWARD if graphs.q == 1 else "verify forward (graph)") for graphs in runner.graphs]
-    saved = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in targets]
-    for obj, attr, label in targets:
-        timer.wrap(obj, attr, label)
-    try:
+    phases = [(engine, "step", "step (all)"), (engine.scheduler, "schedule", "schedule"),
+              (runner, "prepare", "prepare inputs"), (runner.model, "compute_logits", "logits (eager steps)"),
+              (runner.sampler, "prepare", "sampler prepare"), (runner.sampler, "sample", "sample")]
+    phases += [(graphs, "run", GRAPH_FORWARD if graphs.q == 1 else "verify forward (graph)") for graphs in runner.graphs]
+    with patched(*((obj, attr, timer.timed(label)) for obj, attr, label in phases)):
         yield timer
-    finally:
-        for obj, attr, old in saved:
-            if old is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, old)

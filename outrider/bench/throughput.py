@@ -7,6 +7,7 @@ import time
 
 from outrider.bench.engine_setup import build_engine
 from outrider.bench.latency import run_batch
+from outrider.bench.profile import patched
 from outrider.bench.report import Reporter
 from outrider.bench.shapes import config_weight_bytes, kv_bytes_per_token
 from outrider.engine.request import Request
@@ -27,13 +28,15 @@ def run(args, reporter: Reporter) -> None:
     steps0 = engine.counters["steps"]
     produced = [0]
     log = StepLog(engine)
-    t0 = time.perf_counter()
-    for ids, (_, n_out) in zip(prompts, lens):
-        params = SamplingParams(max_tokens=n_out, temperature=0.6, ignore_eos=True)
-        engine.add_request(Request(ids, params), lambda out: produced.__setitem__(0, produced[0] + len(out.new_token_ids)))
-    while engine.has_work():
-        log.step()
-    elapsed = time.perf_counter() - t0
+    with log.instrumented():
+        t0 = time.perf_counter()
+        for ids, (_, n_out) in zip(prompts, lens):
+            params = SamplingParams(max_tokens=n_out, temperature=0.6, ignore_eos=True)
+            engine.add_request(Request(ids, params),
+                               lambda out: produced.__setitem__(0, produced[0] + len(out.new_token_ids)))
+        while engine.has_work():
+            log.step()
+        elapsed = time.perf_counter() - t0
     steps = engine.counters["steps"] - steps0
     # Bytes: every step streams the weights; every generated token reads its sequence's KV so far.
     kv_reads = sum(n_out * n_in + n_out * (n_out - 1) / 2 for n_in, n_out in lens) * kv_bytes_per_token(cfg, engine.dtype)
@@ -52,25 +55,27 @@ class StepLog:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.rows: list[tuple[float, int, int]] = []  # (seconds, prompt tokens fed, sequences)
-        self._plan = None
-        schedule = engine.scheduler.schedule
-
-        def logged(*args, **kwargs):
-            self._plan = schedule(*args, **kwargs)
-            return self._plan
-
-        engine.scheduler.schedule = logged
         self.waited = 0.0  # in runner.collect: the host blocked on the GPU's tokens
-        collect = engine.runner.collect
+        self._plan = None
 
-        def timed_collect(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return collect(*args, **kwargs)
-            finally:
-                self.waited += time.perf_counter() - t0
+    def instrumented(self):
+        """While active, the scheduler's plans are kept for step() and runner.collect is timed."""
+        def keep_plan(schedule):
+            def logged(*args, **kwargs):
+                self._plan = schedule(*args, **kwargs)
+                return self._plan
+            return logged
 
-        engine.runner.collect = timed_collect
+        def time_collect(collect):
+            def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return collect(*args, **kwargs)
+                finally:
+                    self.waited += time.perf_counter() - t0
+            return timed
+
+        return patched((self.engine.scheduler, "schedule", keep_plan), (self.engine.runner, "collect", time_collect))
 
     def step(self) -> None:
         self._plan = None

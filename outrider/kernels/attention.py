@@ -22,7 +22,7 @@ import triton.language as tl
 
 from outrider.attention import AttentionMetadata
 from outrider.kernels.fused import pdl_enter, prefetch_l2
-from outrider.kernels.ops import pdl_args, use_pdl
+from outrider.kernels.ops import cuda_properties, pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
 # Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial
@@ -194,16 +194,7 @@ def _attn_kernel(
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":  # Triton's CPU interpreter (tests): pretend to be an H200
         return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SM_CACHE: dict[int, int] = {}
-
-
-def _sm_count(index: int) -> int:
-    if index not in _SM_CACHE:
-        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_CACHE[index]
+    return cuda_properties(device).multi_processor_count
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}

@@ -8,6 +8,7 @@ Safe to import on CPU: Triton is imported only when a CUDA tensor arrives.
 
 from __future__ import annotations
 
+import functools
 import os
 from contextlib import contextmanager
 
@@ -22,11 +23,21 @@ SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
 SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is as good beyond
 # Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
 # kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), to hide
-# the gap between dependent kernels of a decode step. Measured within noise so far (docs/benchmarks.md, run F):
-# the gain needs work moved before the wait (weight prefetch). OUTRIDER_PDL=0 turns it off.
+# the gap between dependent kernels of a decode step, and to prefetch weights and K/V into L2 before the wait.
+# On an H200 (docs/benchmarks.md, runs G and H): Qwen3-0.6B batch 1 +4% with the prefetch, Qwen3-8B 229 -> 233
+# tok/s with big GEMMs releasing late (kernels/gemm.py). OUTRIDER_PDL=0 turns it off.
 PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
 _in_graph_capture = False
-_pdl_capable: dict[int, bool] = {}
+
+
+@functools.cache
+def _cuda_properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def cuda_properties(device: torch.device):
+    """A CUDA device's properties, queried once per device (a driver call each time otherwise)."""
+    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @contextmanager
@@ -42,12 +53,7 @@ def graph_capture():
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Whether Triton kernels on x's device launch with PDL now: inside graph capture, on compute capability 9+."""
-    if not (PDL and _in_graph_capture and x.is_cuda):
-        return False
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _pdl_capable:
-        _pdl_capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _pdl_capable[index]
+    return PDL and _in_graph_capture and x.is_cuda and cuda_properties(x.device).major >= 9
 
 
 def pdl_args(pdl: bool) -> dict:

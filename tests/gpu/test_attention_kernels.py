@@ -151,21 +151,22 @@ def test_backends_agree_on_prepare_store_attend(device, half):
     assert torch.equal(caches[1].v[0].cpu(), caches[0].v[0])
 
 
-def _live_splits(seq_len: int, num_splits: int) -> int:
-    """How many splits the kernel gives keys to (its per-sequence split rule, restated)."""
+def _live_splits(seq_len: int, plan) -> int:
+    """How many of a launch's splits the kernel gives keys to (its per-sequence split rule, restated): whole
+    tiles of plan.block_n keys, at least MIN_SPLIT_KEYS a split."""
     from outrider.kernels.attention import MIN_SPLIT_KEYS
 
     def cdiv(a, b):
         return -(-a // b)
 
-    per_split = max(cdiv(cdiv(seq_len, num_splits), 64) * 64, MIN_SPLIT_KEYS)  # whole 64-key tiles
+    per_split = max(cdiv(cdiv(seq_len, plan.splits), plan.block_n) * plan.block_n, MIN_SPLIT_KEYS)
     return max(cdiv(seq_len, per_split), 1)
 
 
-def _capture_splits(num_seqs, n_kv=2, q_len=1, group=4) -> int:
+def _capture_plan(num_seqs, n_kv=2, q_len=1, group=4):
     from outrider.kernels.attention import plan_launch
 
-    return plan_launch(num_seqs, n_kv, group, q_len, CAPTURE_MAX_SEQ_LEN, 132).splits
+    return plan_launch(num_seqs, n_kv, group, q_len, CAPTURE_MAX_SEQ_LEN, 132)
 
 
 def _assert_counters_rearmed(device):
@@ -180,9 +181,9 @@ def test_short_and_long_contexts_share_a_capture_sized_launch(device, half):
     # One batch under a capture-sized grid: contexts that fit one split (written directly, no merge) next to
     # ones spread over a few splits and one over every split (merged by the last split to finish).
     seq_lens = [1, 100, 128, 129, 300, 5000]
-    splits = _capture_splits(len(seq_lens))
-    assert splits == 32
-    assert [_live_splits(n, splits) for n in seq_lens] == [1, 1, 1, 2, 3, 27]
+    plan = _capture_plan(len(seq_lens))
+    assert (plan.splits, plan.block_n) == (32, 128)
+    assert [_live_splits(n, plan) for n in seq_lens] == [1, 1, 1, 2, 3, 20]
     out, ref, *_ = _run_both([1] * len(seq_lens), seq_lens, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
                              device=device)
     assert torch.isfinite(out).all()
@@ -193,9 +194,10 @@ def test_short_and_long_contexts_share_a_capture_sized_launch(device, half):
 @pytest.mark.parametrize("seq_len", [127, 128, 129, 32 * 128, 32 * 128 + 1])
 def test_split_boundaries(seq_len, device, half):
     # Around MIN_SPLIT_KEYS (one split -> two) and where all 32 splits are live (4096 keys) until one more key
-    # makes each split a tile longer and fewer of them live (4097: 22 splits of 192).
-    assert _capture_splits(2) == 32
-    assert [_live_splits(n, 32) for n in (127, 128, 129, 4096, 4097)] == [1, 1, 2, 32, 22]
+    # makes each split a tile longer and fewer of them live (4097: 17 splits of 256).
+    plan = _capture_plan(2)
+    assert (plan.splits, plan.block_n) == (32, 128)
+    assert [_live_splits(n, plan) for n in (127, 128, 129, 4096, 4097)] == [1, 1, 2, 32, 17]
     out, ref, *_ = _run_both([1, 1], [seq_len, 3], max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half, device=device,
                              head_dim=32, n_heads=4, n_kv=2)
     assert _rel_err(out, ref) < 1e-2
@@ -207,7 +209,7 @@ def test_verify_shape_split_matches_reference(q_len, device, half):
     # q_len * group rows > 16: the merge runs over several 16-row slices of the tile. With 129 keys the last
     # split holds only the last query token's key, so the other tokens' rows see none there (lse = -inf).
     seq_lens = [q_len, 129, 700, 3000]
-    assert _capture_splits(len(seq_lens), q_len=q_len) > 1
+    assert _capture_plan(len(seq_lens), q_len=q_len).splits > 1
     out, ref, *_ = _run_both([q_len] * len(seq_lens), seq_lens, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
                              device=device)
     assert _rel_err(out, ref) < 1e-2
