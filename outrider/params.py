@@ -47,10 +47,6 @@ class SamplingParams:
                 raise ValueError(f"invalid value for '{name}'")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
     def penalized(self) -> bool:
         """True when repeat/presence/frequency penalties apply (they read the recent tokens on the host)."""
         return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0

@@ -120,6 +120,21 @@ def test_greedy_is_argmax_and_one_hot():
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), V).float())
 
 
+def test_a_temperature_that_rounds_to_zero_on_the_device_is_greedy():
+    """1e-50 > 0, but the device holds temperatures as float32, where it is 0: such a row is greedy everywhere
+    (no division by a zero temperature), alone and beside sampled rows."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(V, "cpu")
+    for temps in ([1e-50] * 4, [1e-50, 1.0, 1e-50, 0.7]):
+        batch = sampler.prepare([RowSpec(plain(temperature=t), seed=i, step=0) for i, t in enumerate(temps)])
+        tokens = sampler.sample(logits, batch).token_ids
+        probs = sampler.process(logits, batch).exp()
+        for i, t in enumerate(temps):
+            if t < 1e-40:
+                assert tokens[i] == logits[i].argmax() and probs[i, logits[i].argmax()] == 1.0
+        assert torch.isfinite(probs).all()
+
+
 def test_penalties_match_reference():
     history = [3, 3, 7, 1, 3, 9, 9, 30]
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(3)) * 3

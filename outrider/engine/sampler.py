@@ -98,15 +98,14 @@ _NO_LIMIT = np.iinfo(np.int64).max
 class _Flag:
     """A slot's flags, what its rows need: a batch ORs them (some row needs it) and ANDs them (every row does)."""
 
-    GREEDY = 1  # temperature <= 0
-    DEVICE_GREEDY = 2  # the float32 temperature (what the device tests) <= 0
-    TOP_P = 4  # sampled with top_p < 1 (a greedy row ignores every filter)
-    MIN_P = 8  # sampled with min_p > 0
-    TYPICAL = 16  # sampled with typical_p < 1
-    NO_TOP_K = 32  # sampled with top-k disabled
-    PENALIZED = 64
-    BIASED = 128  # a logit bias
-    LOGPROBS = 256  # n_probs > 0
+    GREEDY = 1  # temperature <= 0 as float32 (what the device holds: a positive one that rounds to 0 is greedy)
+    TOP_P = 2  # sampled with top_p < 1 (a greedy row ignores every filter)
+    MIN_P = 4  # sampled with min_p > 0
+    TYPICAL = 8  # sampled with typical_p < 1
+    NO_TOP_K = 16  # sampled with top-k disabled
+    PENALIZED = 32
+    BIASED = 64  # a logit bias
+    LOGPROBS = 128  # n_probs > 0
 
 
 class ParamTable:
@@ -132,12 +131,13 @@ class ParamTable:
         """Set a slot's parameters and seed, for `owner` (the request it mirrors)."""
         if slot >= len(self._owners):
             self._grow(slot + 1)
-        p, sampled = params, not params.greedy
-        f = self.floats[:, slot]
+        p, f = params, self.floats[:, slot]
+        f[_TEMPERATURE] = p.temperature
+        sampled = bool(f[_TEMPERATURE] > 0)
         f[:] = (p.temperature, p.temperature if sampled else 1.0, p.top_p, p.min_p, p.typical_p, p.repeat_penalty,
                 p.presence_penalty, p.frequency_penalty)
         bias = p.logit_bias
-        flags = {_Flag.GREEDY: not sampled, _Flag.DEVICE_GREEDY: f[_TEMPERATURE] <= 0, _Flag.TOP_P: sampled and f[_TOP_P] < 1.0,
+        flags = {_Flag.GREEDY: not sampled, _Flag.TOP_P: sampled and f[_TOP_P] < 1.0,
                  _Flag.MIN_P: sampled and f[_MIN_P] > 0.0, _Flag.TYPICAL: sampled and f[_TYPICAL_P] < 1.0,
                  _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.penalized, _Flag.BIASED: bool(bias),
                  _Flag.LOGPROBS: p.n_probs > 0}
@@ -192,25 +192,25 @@ class SamplingBatch:
     (every step pays a few microseconds of host time per device op it launches)."""
 
     num_rows: int
-    # The filter tensors are all None in an all-greedy batch prepared with sample_only.
-    greedy: torch.Tensor | None  # [N] bool; None: no row is greedy
-    temperature: torch.Tensor | None  # [N] float32 (1 for greedy rows, never used there)
-    top_k: torch.Tensor | None  # [N] int64, `width` when disabled; None: every row keeps `width`
-    top_p: torch.Tensor | None  # [N] float32; None: every row disables top-p (1.0)
-    min_p: torch.Tensor | None  # None: every row disables min-p (0.0)
-    typical_p: torch.Tensor | None  # None: no sampled row uses typical sampling
-    stream_keys: torch.Tensor | None  # [S, N] int64: hash of (seed, step, stream); S = 1 with sample_only
     width: int  # candidate columns kept after top-k (the vocab when some sampled row disables top-k)
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, token ids, values
-    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # ^ rows, token ids (one entry per occurrence), repeat, presence, frequency [N]
     n_probs: int  # max n_probs over the rows (0 = no log-probs)
     all_greedy: bool
-    some_top_p_off: bool = False  # some rows disable top-p while others use it
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
+    penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # ^ rows, token ids (one entry per occurrence), repeat, presence, frequency [N]
     # EOG bans, added to the logits at columns eog_ids [E]: -inf for every row (a 0-dim tensor) or per row ([N, 1]:
     # -inf or 0); None when no row bans them.
     eog_ban: torch.Tensor | None = None
     eog_ids: torch.Tensor | None = None
+    # The filters and the noise keys: all None in an all-greedy batch prepared with sample_only.
+    greedy: torch.Tensor | None = None  # [N] bool; None: no row is greedy
+    temperature: torch.Tensor | None = None  # [N] float32 (1 for greedy rows, never used there)
+    top_k: torch.Tensor | None = None  # [N] int64, `width` when disabled; None: every row keeps `width`
+    top_p: torch.Tensor | None = None  # [N] float32; None: every row disables top-p (1.0)
+    min_p: torch.Tensor | None = None  # None: every row disables min-p (0.0)
+    typical_p: torch.Tensor | None = None  # None: no sampled row uses typical sampling
+    stream_keys: torch.Tensor | None = None  # [S, N] int64: hash of (seed, step, stream); S = 1 with sample_only
+    some_top_p_off: bool = False  # some rows disable top-p while others use it
 
 
 @dataclass
@@ -286,28 +286,23 @@ class Sampler:
                 eog_ban = self._neg_inf
             else:
                 eog_ban, dev = dev[0][:, None], dev[1:]
-        n_probs = int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0
+        common = dict(num_rows=len(rows.slots), n_probs=int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0,
+                      bias=bias, penalties=penalties, eog_ban=eog_ban, eog_ids=self.eog_ids)
         if not filters:
-            return SamplingBatch(len(rows.slots), None, None, None, None, None, None, None, self.vocab_size, bias,
-                                 penalties, n_probs, True, eog_ban=eog_ban, eog_ids=self.eog_ids)
+            return SamplingBatch(width=self.vocab_size, all_greedy=True, **common)
         filt, top_k_dev, keys_dev = dev
         return SamplingBatch(
-            num_rows=len(rows.slots),
-            greedy=filt[_TEMPERATURE] <= 0 if some & _Flag.DEVICE_GREEDY else None,
+            width=width,
+            all_greedy=all_greedy,
+            greedy=filt[_TEMPERATURE] <= 0 if some & _Flag.GREEDY else None,
             temperature=filt[_DIVISOR],
             top_k=top_k_dev if top_k.min() < width else None,
             top_p=filt[_TOP_P] if some & _Flag.TOP_P else None,
             min_p=filt[_MIN_P] if some & _Flag.MIN_P else None,
             typical_p=filt[_TYPICAL_P] if some & _Flag.TYPICAL else None,
             stream_keys=keys_dev,
-            width=width,
-            bias=bias,
-            penalties=penalties,
-            n_probs=n_probs,
-            all_greedy=all_greedy,
             some_top_p_off=not every & _Flag.TOP_P,
-            eog_ban=eog_ban,
-            eog_ids=self.eog_ids,
+            **common,
         )
 
     def _bias(self, rows: SamplingRows, ints: np.ndarray, flags: int) -> list[tuple] | None:
