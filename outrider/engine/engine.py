@@ -25,7 +25,8 @@ import torch
 from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
-from outrider.engine.memory import CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve, num_kv_blocks
+from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
+                                    num_kv_blocks)
 from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan

@@ -198,10 +198,9 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # ^ rows, token ids (one entry per occurrence), repeat, presence, frequency [N]
-    # EOG bans, added to the logits at columns eog_ids [E]: -inf for every row (a 0-dim tensor) or per row ([N, 1]:
-    # -inf or 0); None when no row bans them.
+    # EOG bans, added to the logits at the sampler's eog_ids [E]: -inf for every row (a 0-dim tensor) or per row
+    # ([N, 1]: -inf or 0); None when no row bans them.
     eog_ban: torch.Tensor | None = None
-    eog_ids: torch.Tensor | None = None
     # The filters and the noise keys: all None in an all-greedy batch prepared with sample_only.
     greedy: torch.Tensor | None = None  # [N] bool; None: no row is greedy
     temperature: torch.Tensor | None = None  # [N] float32 (1 for greedy rows, never used there)
@@ -287,7 +286,7 @@ class Sampler:
             else:
                 eog_ban, dev = dev[0][:, None], dev[1:]
         common = dict(num_rows=len(rows.slots), n_probs=int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0,
-                      bias=bias, penalties=penalties, eog_ban=eog_ban, eog_ids=self.eog_ids)
+                      bias=bias, penalties=penalties, eog_ban=eog_ban)
         if not filters:
             return SamplingBatch(width=self.vocab_size, all_greedy=True, **common)
         filt, top_k_dev, keys_dev = dev
@@ -352,7 +351,7 @@ class Sampler:
             rows, toks, vals = batch.bias
             out.index_put_((rows, toks), vals, accumulate=True)
         if batch.eog_ban is not None:  # (added, as a bias of -inf is)
-            eog = batch.eog_ids
+            eog = self.eog_ids
             out.index_add_(1, eog, batch.eog_ban.expand(len(out), len(eog)))
         if batch.penalties is not None:
             rows, toks, repeat, presence, frequency = batch.penalties

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from outrider.attention import AttentionMetadata
-from outrider.kernels.fused import pdl_enter, prefetch_l2
+from outrider.kernels.fused import PREFETCH_LINE_BYTES, pdl_enter, prefetch_l2
 from outrider.kernels.ops import cuda_properties, pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
@@ -280,7 +280,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
         MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
-        KEY_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), 128)),
-        LINE=128 // k_cache.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_args(pdl),
+        KEY_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), PREFETCH_LINE_BYTES)),
+        LINE=PREFETCH_LINE_BYTES // k_cache.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **pdl_args(pdl),
     )
     return out

@@ -33,6 +33,9 @@ def pdl_release(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+PREFETCH_LINE_BYTES = 128  # what one prefetch_l2 address brings in: kernels space their addresses by it
+
+
 @triton.jit
 def prefetch_l2(ptrs):
     """Ask for the 128-byte lines at `ptrs` to be brought into L2, without waiting for them: a hint that cannot

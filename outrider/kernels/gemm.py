@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fused import pdl_enter, pdl_release, prefetch_l2, silu_mul_tile
+from outrider.kernels.fused import PREFETCH_LINE_BYTES, pdl_enter, pdl_release, prefetch_l2, silu_mul_tile
 from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
 from outrider.kernels.ops import pdl_args
 
@@ -202,14 +202,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     r, s = (norm.residual, norm.summed) if add else (weight, weight)
     nw, eps = (norm.weight, norm.eps) if norm is not None else (weight, 0.0)
     args = (x, weight, b, y, r, nw, s, m, n, k, x.stride(0), weight.stride(0), y.stride(0), eps)
-    line = 128 // weight.element_size()  # elements per 128-byte line
+    line = PREFETCH_LINE_BYTES // weight.element_size()  # elements per prefetched line
+    w_bytes = n * k * weight.element_size()
     # A weight that fits the budget is prefetched whole, a larger one its first BLOCK_K columns (what the
     # pipeline's first step loads): the budget is L2 space, shared with the previous kernel's working set.
-    k_prefetch = k if n * k * weight.element_size() <= GEMM_PREFETCH_BYTES else min(k, cfg.block_k)
+    k_prefetch = k if w_bytes <= GEMM_PREFETCH_BYTES else min(k, cfg.block_k)
     lines = triton.next_power_of_2(triton.cdiv(k_prefetch, line)) if pdl and GEMM_PREFETCH_BYTES >= 0 else 0
     _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
                       BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
                       PREFETCH_LINES=lines, LINE=line,
-                      LATE_RELEASE=0 <= GEMM_LATE_RELEASE_BYTES < n * k * weight.element_size(),
+                      LATE_RELEASE=0 <= GEMM_LATE_RELEASE_BYTES < w_bytes,
                       num_warps=cfg.num_warps, **pdl_args(pdl))
     return y
