@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outrider.engine.request import Request
-from outrider.engine.runner import BlockTables, build_metadata
+from outrider.attention.metadata import build_metadata
+from outrider.engine.runner import BlockTables
 from outrider.engine.upload import to_device
 from outrider.params import SamplingParams
 

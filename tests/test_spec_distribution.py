@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from scipy import stats
 
-import outrider.spec.verify as verify_mod
+import outrider.speculative.verify as verify_mod
 from outrider import LLM, SamplingParams
 from spec_helpers import SETUPS, write_families
 

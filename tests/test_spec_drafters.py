@@ -10,12 +10,12 @@ import torch
 
 from outrider.attention import KVCache, get_backend
 from outrider.engine.request import Request
-from outrider.engine.runner import build_metadata
+from outrider.attention.metadata import build_metadata
 from outrider.engine.sampler import RowSpec, Sampler
 from outrider.models import load_model
 from outrider.params import SamplingParams
-from outrider.spec import Commit, detect_kind, load_drafter
-from outrider.spec.verify import verify
+from outrider.speculative import Commit, detect_kind, load_drafter
+from outrider.speculative.verify import verify
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
 
@@ -205,7 +205,7 @@ def test_dflash_block_attention_is_not_causal(ckpts):
 @pytest.mark.parametrize("layout,hidden_half", [("qwen", 1), ("mimo", 0)])
 def test_mtp_fusion_order_follows_the_checkpoint_layout(ckpts, layout, hidden_half):
     """Qwen's fc reads [embedding, hidden]; MiMo's input_proj reads [hidden, embedding]."""
-    from outrider.spec.mtp import load_mtp_head
+    from outrider.speculative.mtp import load_mtp_head
 
     path = ckpts[f"mtp_{layout}"]
     _, head = load_mtp_head(str(path), load_model(path)[1], torch.float32, torch.device("cpu"))
@@ -225,7 +225,7 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
 
     from outrider.engine.request import Request
     from outrider.params import SamplingParams
-    from outrider.spec.draft_model import DraftModelDrafter
+    from outrider.speculative.draft_model import DraftModelDrafter
     from outrider.testing.checkpoints import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "draft", hidden_size=32, layers=1, seed=6)

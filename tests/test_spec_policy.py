@@ -9,7 +9,7 @@ import torch
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.spec.drafter import DraftPolicy, Proposals, expected_tokens
+from outrider.speculative.drafter import DraftPolicy, Proposals, expected_tokens
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 

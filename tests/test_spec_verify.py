@@ -9,10 +9,10 @@ import pytest
 import torch
 from scipy import stats
 
-import outrider.spec.verify as verify_mod
+import outrider.speculative.verify as verify_mod
 from outrider.engine.sampler import RowSpec, Sampler
 from outrider.params import SamplingParams
-from outrider.spec.verify import verify
+from outrider.speculative.verify import verify
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0)

@@ -32,8 +32,8 @@ from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
-from outrider.spec import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
-from outrider.spec.drafter import DEFAULT_N_MAX
+from outrider.speculative import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
+from outrider.speculative.drafter import DEFAULT_N_MAX
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
 

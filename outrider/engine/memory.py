@@ -59,7 +59,7 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
     """Peak bytes a step allocates beyond what is allocated now (CUDA): a forward over `tokens` prompt tokens
     (one sequence, over a scratch pool just big enough), and sampling `rows` of its logits with top-k off.
     FALLBACK_RESERVE when the measurement fails (logged)."""
-    from outrider.engine.runner import build_metadata
+    from outrider.attention.metadata import build_metadata
     from outrider.engine.sampler import RowSpec, Sampler
 
     mc = model_config

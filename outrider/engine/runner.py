@@ -7,8 +7,6 @@ commits tokens (engine.py).
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,11 +15,12 @@ import numpy as np
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
+from outrider.attention.metadata import batch_layout, metadata_over
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.sampler import ParamTable, Sampler, SamplingRows
 from outrider.engine.upload import to_device
 from outrider.engine.request import Request, TokenLogprob
-from outrider.spec.verify import verify
+from outrider.speculative.verify import verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
 
 
@@ -63,45 +62,6 @@ class StepBatch:
     # Flat rows whose logits are needed, in plan order (the last known token of each sampling request, then
     # one per draft token); None when that is every row in order (a pure decode step: no gather needed).
     logits_rows: torch.Tensor | None
-
-
-def _layout(starts: list[int], qsl: list[int], table: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, slot mapping) of a ragged batch, in bulk: sequence i feeds the tokens qsl[i]:qsl[i+1] from
-    position starts[i], through its block table row table[i]."""
-    start = np.array(starts, dtype=np.int64)
-    num_seqs, num_tokens = len(starts), qsl[-1]
-    if num_tokens == num_seqs:  # one token per sequence (decode)
-        seq, positions = np.arange(num_seqs), start
-    else:
-        count = np.diff(qsl)
-        seq = np.repeat(np.arange(num_seqs), count)
-        positions = np.arange(num_tokens, dtype=np.int64) + np.repeat(start - qsl[:-1], count)
-    block, offset = np.divmod(positions, block_size)
-    return positions, table[seq, block] * block_size + offset  # (slots: int64 by promotion)
-
-
-def _metadata(qsl: list[int], lens: list[int], dev: list[torch.Tensor], causal: bool) -> AttentionMetadata:
-    """AttentionMetadata over device tensors dev = [slot mapping, query start offsets, seq lens, block tables]."""
-    return AttentionMetadata(
-        slot_mapping=dev[0], query_start_loc=dev[1], seq_lens=dev[2], block_tables=dev[3],
-        max_query_len=max(map(operator.sub, qsl[1:], qsl), default=0), max_seq_len=max(lens, default=0),
-        causal=causal, query_start_loc_host=qsl, seq_lens_host=lens)
-
-
-def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int, device: torch.device,
-                   causal: bool = True) -> tuple[AttentionMetadata, torch.Tensor]:
-    """seqs: (block table, tokens already cached, query tokens this step) per sequence -> (meta, positions)."""
-    width = max((len(b) for b, _, _ in seqs), default=1) or 1
-    table = np.zeros((len(seqs), width), dtype=np.int32)  # padding entries are 0 and never read
-    for i, (blocks, _, _) in enumerate(seqs):
-        table[i, : len(blocks)] = blocks
-    starts = [s for _, s, _ in seqs]
-    qsl = list(itertools.accumulate((n for _, _, n in seqs), initial=0))
-    lens = [s + n for _, s, n in seqs]
-    positions, slots = _layout(starts, qsl, table, block_size)
-    dev = to_device([(positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32), (table, np.int32)],
-                    torch.device(device))
-    return _metadata(qsl, lens, dev[1:], causal), dev[0]
 
 
 class BlockTables:
@@ -209,7 +169,7 @@ class ModelRunner:
             qsl.append(total)
             lens.append(start + count)
         table = self.block_tables.gather([s.request for s in plan.scheduled])
-        positions, slots = _layout(starts, qsl, table, self.block_size)
+        positions, slots = batch_layout(starts, qsl, table, self.block_size)
         every_row = len(rows) == len(ids)  # rows ascend, so this means rows == range(T)
         parts = [(ids, np.int64), (positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32),
                  (table, np.int32)]
@@ -222,7 +182,7 @@ class ModelRunner:
         input_ids = dev[0]
         if dst:
             input_ids.index_copy_(0, dev[6], feed.token_ids.index_select(0, dev[7]))
-        meta = _metadata(qsl, lens, dev[2:6], causal=True)
+        meta = metadata_over(qsl, lens, dev[2:6], causal=True)
         return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1])
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -8,7 +8,7 @@ penalties, and its processed distribution is one-hot.
 
 Randomness is counter-based: the noise for (seed, step, stream, token id) is a murmur-style hash computed
 with integer tensor ops, and tokens are drawn by Gumbel-max over the processed log-probs. A seeded row
-therefore draws the same tokens whatever else shares its batch. Stream 0 is plain sampling; spec/verify.py
+therefore draws the same tokens whatever else shares its batch. Stream 0 is plain sampling; speculative/verify.py
 draws on streams 1 and 2.
 
 Usage, once per step (no host sync until the runner copies `token_ids` back):
@@ -16,7 +16,7 @@ Usage, once per step (no host sync until the runner copies `token_ids` back):
     out = sampler.sample(logits, batch)  # out.token_ids [N] int64 on the logits' device
 The runner passes SamplingRows instead: the same rows by column, over a ParamTable it keeps across steps, so a
 step's host work is a gather rather than a pass over every row's parameters.
-Speculative verification (spec/verify.py) uses `processed` (the sparse processed distribution), `uniform`
+Speculative verification (speculative/verify.py) uses `processed` (the sparse processed distribution), `uniform`
 and `gumbel_argmax` on its own streams, and `with_logprobs` for the tokens it commits.
 
 Log-probs reported for n_probs (`top_logprobs`, `chosen_logprob`) are log_softmax of the logits after logit
@@ -40,7 +40,7 @@ from outrider.params import SamplingParams
 if TYPE_CHECKING:
     from outrider.engine.request import Request
 
-# Independent noise streams per (seed, step): plain draws, and speculative verification's two (spec/verify.py).
+# Independent noise streams per (seed, step): plain draws, and speculative verification's two (speculative/verify.py).
 STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
 NUM_STREAMS = 3
 

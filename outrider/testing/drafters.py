@@ -42,7 +42,7 @@ def random_params(module: nn.Module, prefix: str = "", seed: int = 0) -> dict[st
 
 def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 0, **kwargs: Any) -> Path:
     """A target checkpoint (write_tiny_checkpoint kwargs) with a random MTP head in `layout` ("qwen" | "mimo")."""
-    from outrider.spec.mtp import LAYOUTS
+    from outrider.speculative.mtp import LAYOUTS
 
     arch, key = _MTP[layout]
     kwargs = {"arch": arch, **kwargs, "extra_config": {**kwargs.get("extra_config", {}), key: 1}}
@@ -60,7 +60,7 @@ def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int
     """A DFlash drafter for the target checkpoint at `target`: its hidden size, heads and vocabulary."""
     from safetensors.torch import save_file
 
-    from outrider.spec.dflash import DFlashModel, default_target_layers
+    from outrider.speculative.dflash import DFlashModel, default_target_layers
 
     tcfg = json.loads((Path(target) / "config.json").read_text())
     n_target = tcfg["num_hidden_layers"]

@@ -88,7 +88,7 @@ def test_step_reserve_is_measured_and_sizes_the_pool(tiny):
 
 def test_bf16_forward_close_to_cpu_fp32(tiny):
     from outrider.attention import KVCache, get_backend
-    from outrider.engine.runner import build_metadata
+    from outrider.attention.metadata import build_metadata
     from outrider.models import load_model
 
     ids = PROMPTS[1]

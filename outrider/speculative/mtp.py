@@ -19,12 +19,12 @@ from torch import nn
 from outrider.attention import AttentionBackend, AttentionMetadata, KVCache, get_backend
 from outrider.config import ModelConfig
 from outrider.engine.request import Request
-from outrider.engine.runner import build_metadata
+from outrider.attention.metadata import build_metadata
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.spec.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+from outrider.speculative.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
 
 
 class QwenMTP(nn.Module):

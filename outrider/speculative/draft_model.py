@@ -14,9 +14,9 @@ import torch
 from outrider.attention import KVCache, get_backend
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.request import Request
-from outrider.engine.runner import build_metadata
+from outrider.attention.metadata import build_metadata
 from outrider.models import load_model
-from outrider.spec.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+from outrider.speculative.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
 
 
 class DraftModelDrafter:

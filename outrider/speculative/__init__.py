@@ -13,7 +13,7 @@ from torch import nn
 
 from outrider.config import ModelConfig
 from outrider.models import resolve_model_path
-from outrider.spec.drafter import Commit, DraftPolicy, Drafter, Proposals
+from outrider.speculative.drafter import Commit, DraftPolicy, Drafter, Proposals
 
 KINDS = ("draft", "mtp", "dflash")
 
@@ -37,18 +37,18 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
     and block count) is the caller's to allocate, once the memory budget is known."""
     pool = dict(block_size=block_size, dtype=dtype, device=device)
     if kind == "draft":
-        from outrider.spec.draft_model import DraftModelDrafter
+        from outrider.speculative.draft_model import DraftModelDrafter
 
         if draft_path is None:
             raise ValueError("a draft model needs a checkpoint path (--model-draft)")
         return DraftModelDrafter(draft_path, target_cfg.vocab_size, max_draft=max_draft, **pool)
     if kind == "mtp":
-        from outrider.spec.mtp import MTPDrafter
+        from outrider.speculative.mtp import MTPDrafter
 
         return MTPDrafter(target, target_cfg, str(resolve_model_path(draft_path or target_path)),
                           max_draft=max_draft, **pool)
     if kind == "dflash":
-        from outrider.spec.dflash import DFlashDrafter
+        from outrider.speculative.dflash import DFlashDrafter
 
         if draft_path is None:
             raise ValueError("DFlash needs its drafter checkpoint path (--model-draft)")
@@ -56,5 +56,5 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
     raise ValueError(f"unknown speculative kind {kind!r}; one of {', '.join(KINDS)}")
 
 
-# `verify` is not re-exported: the name would shadow the outrider.spec.verify module.
+# `verify` is not re-exported: the name would shadow the outrider.speculative.verify module.
 __all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "Proposals", "detect_kind", "load_drafter"]
