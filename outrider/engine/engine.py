@@ -375,8 +375,10 @@ class Engine:
             self.pool.commit_full_blocks(req, req.num_computed)
             kept = tokens if n == len(tokens) else tokens[:n]  # (the step's lists are not reused: no copy needed)
             logprobs = out.logprobs[i][:n] or None
-            emits.append((live, RequestOutput(req.request_id, kept, text, reason is not None, reason, stop_type, word,
-                                              logprobs, req.timing)))
+            emits.append((live, RequestOutput(req.request_id, kept, text, finished=reason is not None,
+                                              finish_reason=reason, stop_type=stop_type, stopping_word=word,
+                                              logprobs=logprobs, accepted_drafts=min(accepted, n),
+                                              timing=req.timing)))
         self.counters["predicted_tokens"] += predicted
         return emits
 
@@ -404,8 +406,9 @@ class Engine:
                 word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
         self._retire(live, reason)
         req = live.request
-        live.on_output(RequestOutput(req.request_id, tokens, text, True, reason, stop_type, word, logprobs,
-                                     req.timing, error))
+        live.on_output(RequestOutput(req.request_id, tokens, text, finished=True, finish_reason=reason,
+                                     stop_type=stop_type, stopping_word=word, logprobs=logprobs, timing=req.timing,
+                                     error=error))
 
     def _retire(self, live: _Live, reason: FinishReason) -> None:
         """Take a finished request out: status, timing, scheduler (blocks and slot), drafter state."""

@@ -46,6 +46,9 @@ class RequestOutput:
     stop_type: str = "none"  # llama-server: none | eos | word | limit
     stopping_word: str = ""
     logprobs: list[TokenLogprob] | None = None
+    # How many of new_token_ids, from the first, are drafts the target accepted; the rest are the target's own
+    # tokens (a correction or the bonus token). 0 without speculation.
+    accepted_drafts: int = 0
     # The request's live record (AsyncEngine hands its consumers a snapshot as of this output); render with
     # to_timings().
     timing: RequestTiming | None = None
