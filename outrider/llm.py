@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from outrider.config import EngineConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import FinishReason, Request, RequestOutput
 from outrider.params import SamplingParams
-from outrider.timing import RequestTiming
+from outrider.timing import RequestTiming, now
 
 
 @dataclass
@@ -22,8 +23,9 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str, **engine_kwargs):
-        self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs))
+    def __init__(self, model: str, clock: Callable[[], float] = now, **engine_kwargs):
+        """engine_kwargs: EngineConfig fields; clock: what the engine's timing stamps read."""
+        self.engine = Engine(EngineConfig(model=str(model), **engine_kwargs), clock=clock)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],

@@ -6,7 +6,17 @@ llama-server b10406+:
   prompt_ms    = t_first_token - t_prompt_start   (prompt processing up to the first sampled token)
   predicted_ms = t_last_token  - t_first_token    (>= 1 us once a token exists; excludes the first token)
   per-token rates for the prediction are taken over (predicted_n - 1) and are 0 when predicted_n <= 1.
-Queue wait (t_prompt_start - t_arrival) is not part of `timings`; it feeds a /metrics histogram.
+
+The rule (docs/architecture.md, "Timings"):
+- t_prompt_start is the moment the engine launches the step holding the request's first prefill work (with
+  overlap scheduling the device may still be finishing the step in flight: that wait counts, it is part of
+  serving this prompt). A preemption before the first token discards that prefill; the next admission starts the
+  prompt again, with its own prompt_n and cache_n, and everything before it (waiting and the discarded work) is
+  queue wait.
+- t_first_token is read when the first sampled token reaches the host, before any drafter work on the request.
+- A preemption after the first token keeps the prompt figures; its wait and recomputation stall the stream, so
+  they lie inside predicted_ms, and the wait is also added to the queue wait.
+Queue wait is not part of `timings`; it feeds a /metrics histogram.
 """
 
 from __future__ import annotations
@@ -21,10 +31,12 @@ now = time.perf_counter  # the one monotonic clock every stamp uses
 @dataclass
 class RequestTiming:
     t_arrival: float = field(default_factory=now)
-    t_prompt_start: float | None = None  # first prompt chunk scheduled
+    t_prompt_start: float | None = None  # the step with the (last started) prefill was launched
     t_first_token: float | None = None  # first token sampled and on the host
     t_last_token: float | None = None  # latest committed token on the host
     t_finish: float | None = None
+    t_preempted: float | None = None  # preempted after its first token, not yet running again
+    requeue_s: float = 0.0  # waits after preemptions that came after the first token
     prompt_n: int = 0  # prompt tokens computed (excluding the cache)
     cache_n: int = 0  # prompt tokens reused from the prefix cache
     predicted_n: int = 0  # tokens generated, the first one included
@@ -36,9 +48,18 @@ class RequestTiming:
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = accepted drafts at depth i
 
     # --- stamps (called from the engine thread only) ---
-    def mark_prompt_start(self, t: float | None = None) -> None:
-        if self.t_prompt_start is None:
-            self.t_prompt_start = now() if t is None else t
+    def mark_admitted(self, t: float, cache_n: int, prompt_n: int) -> None:
+        """The request was admitted and its first step launched at t, reusing cache_n prompt tokens. Before the
+        first token this (re)starts the prompt; after it, it ends a wait that a preemption began."""
+        if self.t_first_token is None:
+            self.t_prompt_start, self.cache_n, self.prompt_n = t, cache_n, prompt_n
+        elif self.t_preempted is not None:
+            self.requeue_s += max(0.0, t - self.t_preempted)
+            self.t_preempted = None
+
+    def mark_preempted(self, t: float) -> None:
+        if self.t_first_token is not None:
+            self.t_preempted = t
 
     def mark_tokens(self, n: int, t: float | None = None) -> None:
         """n tokens were committed in one step, the clock read after they reached the host."""
@@ -75,7 +96,9 @@ class RequestTiming:
     # --- derived figures ---
     @property
     def queue_ms(self) -> float:
-        return 0.0 if self.t_prompt_start is None else (self.t_prompt_start - self.t_arrival) * 1e3
+        """Waiting for a slot: before the prompt started, and after any preemption past the first token."""
+        first = 0.0 if self.t_prompt_start is None else self.t_prompt_start - self.t_arrival
+        return (first + self.requeue_s) * 1e3
 
     @property
     def prompt_ms(self) -> float:

@@ -673,3 +673,20 @@ def test_greedy_http_equals_outrider_generate(ckpt, client):
     assert offline.endswith("\n")
     assert complete(client, prompt=prompt, n_predict=32, **GREEDY)["content"] == offline[:-1]
     assert "predicted: 32 tokens" in proc.stderr.decode()
+
+
+@pytest.mark.parametrize("stream_mode", [False, True], ids=["body", "stream"])
+def test_a_call_of_several_choices_reports_choice_0s_timings(client, stream_mode):
+    """A prompt array makes one call of several requests: streamed or not, `timings` is choice 0's (its prompt
+    is the short one; choice 1 finishes last in the same step)."""
+    short, long = random_prompt(5, 901), random_prompt(40, 902)
+    body = {"prompt": [short, long], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    if stream_mode:
+        events = stream(client, "/v1/completions", {**body, "stream": True})
+        timings = next(e["timings"] for e in events if isinstance(e, dict) and "timings" in e)
+    else:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        timings = r.json()["timings"]
+    assert timings["prompt_n"] + timings["cache_n"] == len(short)
+    assert timings["predicted_n"] == 4

@@ -105,8 +105,7 @@ def test_make_requests_seeds_and_context():
 
 def _timing(prompt_n=10, cache_n=6, predicted=5, rounds=()):
     t = RequestTiming(t_arrival=0.0)
-    t.prompt_n, t.cache_n = prompt_n, cache_n
-    t.mark_prompt_start(0.5)
+    t.mark_admitted(0.5, cache_n=cache_n, prompt_n=prompt_n)
     t.mark_tokens(1, 1.0)
     for proposed, accepted in rounds:
         t.mark_draft_round(proposed, accepted)

@@ -14,8 +14,7 @@ from outrider.timing import RequestTiming
 )
 def test_formulas(prompt_s, gaps, per, prompt_n, cache_n):
     t = RequestTiming(t_arrival=0.0)
-    t.prompt_n, t.cache_n = prompt_n, cache_n
-    t.mark_prompt_start(0.5)
+    t.mark_admitted(0.5, cache_n=cache_n, prompt_n=prompt_n)
     clock = 0.5 + prompt_s
     t.mark_tokens(1, clock)
     for g in gaps:
@@ -44,7 +43,7 @@ def test_no_tokens_yet_is_all_zero():
 
 def test_draft_keys_only_when_drafted():
     t = RequestTiming(t_arrival=0.0)
-    t.mark_prompt_start(0.0)
+    t.mark_admitted(0.0, cache_n=0, prompt_n=1)
     t.mark_tokens(1, 0.1)
     t.mark_draft_round(0, 0)
     assert "draft_n" not in t.to_timings()
@@ -59,20 +58,34 @@ def test_draft_keys_only_when_drafted():
     assert out["predicted_n"] == 5
 
 
-def test_stamps_are_idempotent_where_they_must_be():
+def test_an_admission_before_the_first_token_restarts_the_prompt():
     t = RequestTiming(t_arrival=0.0)
-    t.mark_prompt_start(1.0)
-    t.mark_prompt_start(2.0)  # a resume after preemption does not move the prompt start
+    t.mark_admitted(1.0, cache_n=0, prompt_n=40)
+    t.mark_preempted(1.5)  # before any token: the prefill is discarded
+    t.mark_admitted(2.0, cache_n=16, prompt_n=24)
     t.mark_tokens(1, 3.0)
     t.mark_tokens(0, 9.0)  # a step that commits nothing stamps nothing
-    assert t.prompt_ms == 2000.0 and t.t_last_token == 3.0
-    assert t.queue_ms == 1000.0
+    assert (t.prompt_ms, t.prompt_n, t.cache_n) == (1000.0, 24, 16)
+    assert t.t_last_token == 3.0
+    assert t.queue_ms == 2000.0  # the wait and the discarded work
+
+
+def test_a_preemption_after_the_first_token_keeps_the_prompt_and_adds_its_wait_to_the_queue():
+    t = RequestTiming(t_arrival=0.0)
+    t.mark_admitted(1.0, cache_n=0, prompt_n=40)
+    t.mark_tokens(1, 2.0)
+    t.mark_preempted(2.5)
+    t.mark_admitted(4.0, cache_n=0, prompt_n=99)  # a resume: recomputes, but the prompt figures stay
+    t.mark_tokens(1, 4.5)
+    assert (t.prompt_ms, t.prompt_n, t.cache_n) == (1000.0, 40, 0)
+    assert t.predicted_ms == 2500.0  # the stall is in the stream
+    assert t.queue_ms == 1000.0 + 1500.0
 
 
 def test_snapshot_keeps_the_figures_of_its_moment():
     """A streamed frame renders a snapshot: later stamps on the live record never reach it."""
     t = RequestTiming(t_arrival=0.0)
-    t.mark_prompt_start(1.0)
+    t.mark_admitted(1.0, cache_n=0, prompt_n=1)
     t.mark_tokens(1, 2.0)
     snap = t.snapshot()
     before = snap.to_timings()

@@ -59,9 +59,12 @@ def pick_device(name: str) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelConfig] | None = None):
-        """`preloaded`: a (model, config) already on the device (benchmarks with random weights)."""
+    def __init__(self, config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelConfig] | None = None,
+                 clock: Callable[[], float] = now):
+        """`preloaded`: a (model, config) already on the device (benchmarks with random weights). `clock`: what
+        every timing stamp reads (tests inject one that advances by chosen phase times)."""
         self.config = config
+        self.clock = clock
         self.device = pick_device(config.device)
         if self.device.type == "cpu" and config.cpu_threads > 0:
             torch.set_num_threads(config.cpu_threads)
@@ -231,12 +234,7 @@ class Engine:
         prev, self.inflight = self.inflight, None
         launched = self._launch(prev)
         if prev is not None:
-            t = self._complete(prev)
-            if launched is not None:
-                # The GPU starts the new step once the previous one is done: that is when newly admitted
-                # requests begin prompt processing (llama-server starts a slot after the running batch).
-                for req in launched.plan.admitted:
-                    req.timing.mark_prompt_start(t)
+            self._complete(prev)
         if launched is None:
             return
         if self.overlap and not launched.reads_history:
@@ -253,14 +251,14 @@ class Engine:
             log.error("drafter failed to propose: %s\n%s", exc, traceback.format_exc())
             drafts, draft_probs = {}, {}
         plan = self.scheduler.schedule(drafts)
+        t = self.clock()  # the step is launched now: its prompts' processing starts (docs/architecture.md)
         for req in plan.preempted:
+            req.timing.mark_preempted(t)
             self._release_drafter_state(req.request_id)
         if not plan.scheduled:
             return None
-        if feed is None:  # nothing in flight: the GPU starts this step now (else: when `feed` completes, in step)
-            t = now()
-            for req in plan.admitted:
-                req.timing.mark_prompt_start(t)
+        for req in plan.admitted:
+            req.timing.mark_admitted(t, cache_n=req.num_computed, prompt_n=req.num_prompt - req.num_computed)
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
@@ -281,24 +279,26 @@ class Engine:
             if live is not None:
                 self._finish(live, FinishReason.ERROR, [], "", error=f"internal error: {exc}")
 
-    def _complete(self, launched: LaunchedStep) -> float:
-        """Collect a launched step's tokens, commit them, let drafters learn, deliver; returns the time the
-        tokens reached the host."""
+    def _complete(self, launched: LaunchedStep) -> None:
+        """Collect a launched step's tokens, commit and deliver them, then let the drafter learn the step (the
+        tokens never wait for it), then release what finished."""
         plan = launched.plan
         try:
             out = self.runner.collect(launched)
         except Exception as exc:
             self._fail(plan, exc)
-            return now()
-        t = now()
+            return
+        t = self.clock()
         emits = self._commit(plan, out, t)
-        if self.drafter is not None:
-            self._learn(plan, out)
         for live, output in emits:
             if output.finished:
-                self._retire(live, output.finish_reason)
+                self._mark_finished(live, output.finish_reason, t)
             live.on_output(output)
-        return t
+        if self.drafter is not None:
+            self._learn(plan, out)  # (before finished requests release their blocks: they may serve prefix hits)
+        for live, output in emits:
+            if output.finished:
+                self._release(live)
 
     def _learn(self, plan: StepPlan, out: StepOutput) -> None:
         """Let the drafter learn every committed row (finishing requests too: their blocks may serve prefix hits)."""
@@ -411,11 +411,19 @@ class Engine:
                                      error=error))
 
     def _retire(self, live: _Live, reason: FinishReason) -> None:
-        """Take a finished request out: status, timing, scheduler (blocks and slot), drafter state."""
+        self._mark_finished(live, reason, self.clock())
+        self._release(live)
+
+    @staticmethod
+    def _mark_finished(live: _Live, reason: FinishReason, t: float) -> None:
         req = live.request
         req.status = Status.FINISHED
         req.finish_reason = reason
-        req.timing.mark_finished()
+        req.timing.mark_finished(t)
+
+    def _release(self, live: _Live) -> None:
+        """Take a finished request out: scheduler (blocks and slot), drafter state."""
+        req = live.request
         self.scheduler.remove(req)
         self._release_drafter_state(req.request_id)
         self.live.pop(req.request_id, None)

@@ -67,7 +67,6 @@ class Request:
     # Sampled tokens not yet on the host. With overlap scheduling the next step is launched (feeding the
     # pending token from device memory) before the previous step's token arrives, so briefly there are two.
     num_pending: int = 0
-    num_cached: int = 0  # of the prompt, tokens reused from the prefix cache at admission
     # Outputs the request may produce: max_tokens, capped by what fits in the context (set by Engine.add_request).
     # Commit stops a request when its outputs reach it; the scheduler, when its outputs and pending token do.
     max_output_tokens: int = sys.maxsize

@@ -32,7 +32,7 @@ class ScheduledRequest:
 class StepPlan:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
-    admitted: list[Request] = field(default_factory=list)  # first admissions: their prompt processing starts
+    admitted: list[Request] = field(default_factory=list)  # admissions (first, or a resume after preemption)
 
     @property
     def num_tokens(self) -> int:
@@ -107,11 +107,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.id_slot = self.free_slots.pop(0)
-            if req.num_preemptions == 0:  # first admission (not a resume after preemption)
-                req.num_cached = req.num_computed
-                req.timing.cache_n = req.num_computed
-                req.timing.prompt_n = req.num_prompt - req.num_computed
-                admitted.append(req)
+            admitted.append(req)
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, req.num_computed + n == req.num_tokens))
             budget -= n

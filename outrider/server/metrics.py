@@ -47,7 +47,7 @@ class Metrics:
         self.ttft = Histogram("outrider_time_to_first_token_seconds", "Arrival to first token, queue included.",
                               registry=self.registry,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.queue_wait = Histogram("outrider_queue_wait_seconds", "Arrival to the first prompt chunk scheduled.",
+        self.queue_wait = Histogram("outrider_queue_wait_seconds", "Arrival to the prompt's start, plus waits after preemptions.",
                                     registry=self.registry,
                                     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60))
         self.decode_rate = Histogram("outrider_decode_tokens_per_second", "Per-request predicted_per_second.",

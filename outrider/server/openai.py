@@ -78,6 +78,7 @@ async def _respond(request: Request, call: Call, gen: Generation, choice, chunks
         return sse_response(chunks(gen), done=True, ping_interval=call.ping_interval)
     results = await until_disconnected(request, gen.collect())
     choices = [choice(i, outs) for i, outs in enumerate(results)]
+    # A call of several choices (`n` > 1, a prompt array) reports choice 0's timings, streamed or not.
     return JSON(call.body(choices, usage=call.usage(gen), timings=results[0][-1].timing.to_timings()))
 
 
@@ -119,7 +120,7 @@ async def completions(request: Request):
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
-        remaining = len(gen.requests)
+        finals: dict[int, RequestOutput] = {}
         async for i, out in gen.outputs():
             text = prefixes[i] + out.text
             prefixes[i] = ""
@@ -127,9 +128,9 @@ async def completions(request: Request):
                                 "finish_reason": _finish_reason(out)}])
             sent[i] += len(out.text)
             if out.finished:
-                remaining -= 1
-            if not remaining:  # the last chunk carries usage and timings
-                chunk.update(usage=call.usage(gen), timings=out.timing.to_timings())
+                finals[i] = out
+            if len(finals) == len(gen.requests):  # the last chunk carries usage and timings
+                chunk.update(usage=call.usage(gen), timings=finals[0].timing.to_timings())
             elif call.timings_per_token:
                 chunk["timings"] = out.timing.to_timings()
             yield chunk
@@ -165,7 +166,7 @@ async def chat_completions(request: Request):
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
         started: set[int] = set()
-        remaining = len(gen.requests)
+        finals: dict[int, RequestOutput] = {}
         async for i, out in gen.outputs():
             if i not in started:
                 started.add(i)
@@ -179,15 +180,15 @@ async def chat_completions(request: Request):
                 yield chunk
             if not out.finished:
                 continue
-            remaining -= 1
+            finals[i] = out
             final = call.body([{"finish_reason": _finish_reason(out), "index": i, "delta": {}}], obj)
-            if remaining:
+            if len(finals) < len(gen.requests):
                 yield final
             elif call.include_usage:  # timings go on the very last chunk: the usage one
                 yield final
-                yield call.body([], obj, usage=call.usage(gen), timings=out.timing.to_timings())
+                yield call.body([], obj, usage=call.usage(gen), timings=finals[0].timing.to_timings())
             else:
-                yield {**final, "timings": out.timing.to_timings()}
+                yield {**final, "timings": finals[0].timing.to_timings()}
 
     return await _respond(request, call, gen, choice, chunks)
 
