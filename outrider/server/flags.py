@@ -159,7 +159,8 @@ IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider neve
 # Flags for features outrider lacks: an error that says so.
 REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
            ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",
-           ("--rerank", "--reranking"): "reranking is not supported"}
+           ("--rerank", "--reranking"): "reranking is not supported",
+           ("--pooling",): "pooling is for embeddings, which are not supported"}
 REMOVED = ("--draft", "--draft-n", "--draft-max", "--draft-min")
 REMOVED_ENV = ("LLAMA_ARG_DRAFT_MAX", "LLAMA_ARG_DRAFT_MIN")
 
@@ -204,7 +205,8 @@ def add_options(parser: argparse.ArgumentParser, opts: list[Opt]) -> None:
 
 def add_llama_compat(parser: argparse.ArgumentParser) -> None:
     for flags, takes_value in GGML_ONLY.items():
-        parser.add_argument(*flags, action=_GgmlOnly, nargs=1 if takes_value else 0, help=argparse.SUPPRESS)
+        # (a value is optional: llama.cpp's docs write a bare `-fa` from when it was a switch)
+        parser.add_argument(*flags, action=_GgmlOnly, nargs="?" if takes_value else 0, help=argparse.SUPPRESS)
     parser.add_argument(*REMOVED, action=_Removed, nargs="?", help=argparse.SUPPRESS)
     for names in REFUSED:
         parser.add_argument(*names, action=_Refused, nargs="?", help=argparse.SUPPRESS)
