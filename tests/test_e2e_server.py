@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = ServerProcess(["-m", str(ckpt), "-c", str(N_CTX), "-np", str(N_SLOTS), "--max-queue", str(MAX_QUEUE),
+    srv = ServerProcess(["-m", str(ckpt), "-c", str(N_CTX), "-np", str(N_SLOTS), "-kvu", "--max-queue", str(MAX_QUEUE),
                          "--metrics", "--props", "--alias", "tiny-b,tiny-a",
                          "-ngl", "99", "-fa", "on", "--mlock"],  # GGML-only flags: accepted with a warning
                         env={"LLAMA_ARG_BATCH": "512"})

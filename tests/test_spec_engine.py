@@ -62,7 +62,7 @@ def test_greedy_output_is_identical_with_and_without_drafter(ckpts, kind):
         if p.spec_n_max == 0:
             assert "draft_n" not in t
         else:
-            assert t["draft_kind"] == spec.engine.drafter_kind and t["draft_rounds"] > 0
+            assert o.timing.draft_kind == spec.engine.drafter_kind and t["draft_rounds"] > 0
             assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
             # Every round commits accepted + 1 tokens; the first token came from the prefill.
             assert t["predicted_n"] <= 1 + t["draft_n_accepted"] + (o.timing.predicted_n - 1)
