@@ -231,7 +231,7 @@ def test_logit_bias_bans_and_forms(client):
     oai_form = complete(client, prompt="bias", n_predict=1, return_tokens=True, logit_bias={str(first): -1e9},
                         **GREEDY)
     assert banned["tokens"][0] != first and oai_form["tokens"] == banned["tokens"]
-    assert banned["generation_settings"]["logit_bias"] == [{"bias": None, "token": first}]
+    assert banned["generation_settings"]["logit_bias"][0] == {"bias": None, "token": first}  # then EOG (ignore_eos)
 
 
 def test_seeded_sampling_is_reproducible(client):
