@@ -300,3 +300,20 @@ def test_server_without_a_drafter(families, monkeypatch, caplog, why):
             assert not any(k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total") for k in m)
     finally:
         srv.stop()
+
+
+def test_streams_one_frame_per_token_while_speculating(spec_server):
+    """llama-server streams a frame per token; a speculative round commits several, which share its timings."""
+    _, _, srv, _, client = spec_server
+    body = {"prompt": [52, 53, 54, 55], "n_predict": 16, "n_probs": 2, "return_tokens": True, **GREEDY}
+    whole = client.post("/completion", json=body).json()
+    with client.stream("POST", "/completion", json={**body, "stream": True, "timings_per_token": True}) as r:
+        *frames, final = sse_events(r.iter_lines())
+    assert [f["tokens_predicted"] for f in frames] == list(range(1, 17)) and final["tokens_predicted"] == 16
+    assert [f["tokens"] for f in frames] == [[t] for t in whole["tokens"]]
+    assert [f["completion_probabilities"] for f in frames] == [[p] for p in whole["completion_probabilities"]]
+    assert "".join(f["content"] for f in frames) == whole["content"]
+    assert all(f["timings"]["predicted_n"] >= f["tokens_predicted"] for f in frames)
+    # Some round committed several tokens: its first frame already shows the round's count.
+    assert any(f["timings"]["predicted_n"] > f["tokens_predicted"] for f in frames)
+    assert final["timings"]["draft_n_accepted"] > 0
