@@ -301,3 +301,28 @@ def test_llama_server_readme_command_lines(line, capsys):
         cli.server_config(ns, cfg.model)
         assert cfg.max_num_seqs == want.get("slots", cli.AUTO_SLOTS)
         assert cfg.max_model_len == want.get("context", 0)
+
+
+def test_logging_flags(tmp_path):
+    import logging
+
+    from outrider.server.run import configure_logging
+    from outrider.server.settings import ServerConfig
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    log_file = tmp_path / "server.log"
+    try:
+        configure_logging(ServerConfig(model_name="m", verbose=True, log_file=str(log_file)))
+        logging.getLogger("outrider.test").debug("deep detail")
+        configure_logging(ServerConfig(model_name="m", log_file=str(log_file)))
+        logging.getLogger("outrider.test").debug("hidden without -v")
+        configure_logging(ServerConfig(model_name="m", log_disable=True, log_file=str(log_file)))
+        logging.getLogger("outrider.test").error("silenced")
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    text = log_file.read_text()
+    assert "deep detail" in text and "hidden without -v" not in text and "silenced" not in text
