@@ -276,7 +276,8 @@ README_LINES = {
     "-m models/7B/ggml-model.gguf -c 512 --host 0.0.0.0 --port 8080": dict(host="0.0.0.0", context=512),
     "-m models/7B/ggml-model.gguf -c 512 --host 0.0.0.0 --port 8080 --n-gpu-layers 99": dict(port=8080, context=512),
     "--jinja -fa -m model.gguf": dict(model="model.gguf", jinja=True),
-    "--jinja -fa -hf bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M": dict(hf_repo="bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M"),
+    "--jinja -fa -hf bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M":
+        dict(hf_repo="bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M", jinja=True),
     "--jinja -fa -hf bartowski/Llama-3.3-70B-Instruct-GGUF:Q4_K_M": dict(jinja=True),
     "--jinja -fa -hf bartowski/phi-4-GGUF:Q4_0": dict(hf_repo="bartowski/phi-4-GGUF:Q4_0"),
     "-hf ggml-org/gemma-3-4b-it-GGUF": dict(hf_repo="ggml-org/gemma-3-4b-it-GGUF"),

@@ -21,10 +21,9 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 def server(tmp_path_factory):
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("compat") / "tiny", "qwen3", hidden_size=64, layers=2,
                                  seed=3, max_position_embeddings=4096)
-    srv = ServerProcess(["-m", str(ckpt), "-c", str(N_CTX), "-np", str(N_SLOTS), "-b", "64", "--props",
-                         "--cors-origins", "localhost,https://app.example", "--tags", "chat,tiny"])
-    yield srv
-    srv.stop()
+    with ServerProcess(["-m", str(ckpt), "-c", str(N_CTX), "-np", str(N_SLOTS), "-b", "64", "--props",
+                        "--cors-origins", "localhost,https://app.example", "--tags", "chat,tiny"]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ MODEL = [
     Opt(("--dtype",), "dtype", "OUTRIDER_DTYPE", str, "auto", "auto | float32 | float16 | bfloat16"),
     Opt(("-dev", "--device"), "device", "OUTRIDER_DEVICE", str, "auto",
         "auto | cpu | cuda[:N], or llama-server's names: none (the CPU), CUDA0, CUDA1, ..."),
-    Opt(("--rope-scaling",), "rope_scaling", "LLAMA_ARG_ROPE_SCALING_TYPE", help="none | linear (default: the model's)"),
+    Opt(("--rope-scaling",), "rope_scaling", "LLAMA_ARG_ROPE_SCALING_TYPE",
+        help="none | linear (default: the model's)"),
     Opt(("--rope-scale",), "rope_scale", "LLAMA_ARG_ROPE_SCALE", float, None,
         "linear RoPE scaling: context expanded by this factor"),
     Opt(("--rope-freq-scale",), "rope_freq_scale", "LLAMA_ARG_ROPE_FREQ_SCALE", float, None,
@@ -154,8 +155,9 @@ GGML_ONLY = {
     ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False,
 }
 # Why a flag is ignored, where "only applies to GGML backends" is not the reason.
+ON_DEVICE = "outrider always samples on the device"
 IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider never does",
-                   "-bs": "outrider always samples on the device", "--backend-sampling": "outrider always samples on the device"}
+                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE}
 # Flags for features outrider lacks: an error that says so.
 REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
            ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",
