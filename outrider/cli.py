@@ -11,17 +11,12 @@ import sys
 from pathlib import Path
 
 from outrider import __version__
-from outrider.config import EngineConfig
+from outrider.chat_templates import BUILTIN_TEMPLATES
+from outrider.config import EngineConfig, ModelConfig, RopeOverride
 from outrider.params import SamplingParams
+from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server import flags
 from outrider.server.settings import ServerConfig, default_params
-
-CHATML = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' ~ message.role ~ '\\n' ~ message.content ~ '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
 # llama-server's --spec-type names -> EngineConfig.spec_type
 SPEC_TYPES = {"draft-simple": "draft", "draft-mtp": "mtp", "draft-dflash": "dflash",
               "draft": "draft", "mtp": "mtp", "dflash": "dflash"}
@@ -31,12 +26,19 @@ def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider 
           description: str = "") -> argparse.Namespace:
     """Flags (llama-server spellings), then LLAMA_ARG_* variables, then defaults. Without a model, the bundled
     demo family is used (with the drafter --demo-draft names)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False)
+    parser = flags.Parser(prog=prog, description=description, allow_abbrev=False)
     for opts in groups:
         flags.add_options(parser, opts)
     flags.add_llama_compat(parser)
     ns = parser.parse_args(argv)
     flags.apply_env_and_defaults(parser, ns, [o for g in groups for o in g])
+    if ns.context_shift:
+        parser.error("--context-shift: outrider does not shift the context; a request stops when its context is "
+                     "full (stop_type limit, truncated true)")
+    if ns.embedding:
+        parser.error("--embedding: embeddings are not supported by outrider")
+    if ns.hf_token:  # every hub download of this process (model, drafter, tokenizer) reads it
+        os.environ["HF_TOKEN"] = ns.hf_token
     if not ns.model and not ns.hf_repo:
         _use_demo(parser, ns)
     return ns
@@ -74,12 +76,8 @@ def _chat_template(ns: argparse.Namespace) -> str | None:
         print("warning: --no-jinja: chat templates are always rendered with Jinja", file=sys.stderr)
     if ns.chat_template_file:
         return Path(ns.chat_template_file).read_text(encoding="utf-8")
-    source = ns.chat_template
-    if source is None or "{{" in source or "{%" in source:
-        return source
-    if source == "chatml":
-        return CHATML
-    raise SystemExit(f"error: --chat-template {source!r}: give Jinja source or 'chatml' (the one built-in name)")
+    # As llama-server: a built-in name picks that template; anything else is Jinja source.
+    return BUILTIN_TEMPLATES.get(ns.chat_template, ns.chat_template)
 
 
 def _spec_type(ns: argparse.Namespace) -> tuple[str | None, str | None]:
@@ -94,14 +92,72 @@ def _spec_type(ns: argparse.Namespace) -> tuple[str | None, str | None]:
     return SPEC_TYPES[ns.spec_type], ns.model_draft
 
 
+AUTO_SLOTS = 4  # llama-server's -np auto
+
+
+def slots_and_context(ns: argparse.Namespace, model: str) -> tuple[int, int]:
+    """(slots, context of each sequence) as llama-server derives them from -np, -c and --kv-unified: -np auto is
+    4 slots with a unified KV cache; a unified cache lets every sequence use the whole -c, otherwise -c is split
+    evenly across the slots (-c 0: the model's training context). A context of 0 leaves it to the engine (the
+    model's)."""
+    if ns.parallel == 0 or ns.parallel < -1:
+        raise SystemExit(f"error: -np {ns.parallel}: give a number of slots >= 1, or -1 (auto)")
+    auto = ns.parallel == -1
+    slots = AUTO_SLOTS if auto else ns.parallel
+    unified = auto if ns.kv_unified is None else ns.kv_unified
+    if unified or slots == 1:
+        return slots, ns.ctx_size
+    n_ctx = ns.ctx_size or ModelConfig.from_path(_local_path(model)).max_position_embeddings
+    if n_ctx < slots:
+        raise SystemExit(f"error: -c {n_ctx} is smaller than -np {slots}: each slot needs a context")
+    return slots, n_ctx // slots
+
+
+def _local_path(model: str) -> Path:
+    from outrider.models import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+def _device(name: str) -> str:
+    """llama-server's device names (none, CUDA0, ...) or ours (auto, cpu, cuda, cuda:N)."""
+    if name in ("auto", "cpu", "cuda") or name.startswith("cuda:"):
+        return name
+    if name == "none":
+        return "cpu"
+    if "," in name:
+        raise SystemExit(f"error: --device {name!r}: outrider runs on one device")
+    if name.upper().startswith("CUDA") and name[4:].isdigit():
+        return f"cuda:{name[4:]}"
+    raise SystemExit(f"error: --device {name!r}: one of auto, cpu, cuda, cuda:N, none, CUDA<N>")
+
+
+def _rope(ns: argparse.Namespace) -> RopeOverride | None:
+    """--rope-scaling/--rope-scale/--rope-freq-scale/--rope-freq-base over the checkpoint's RoPE."""
+    if ns.rope_scaling not in (None, "none", "linear"):
+        raise SystemExit(f"error: --rope-scaling {ns.rope_scaling!r}: outrider supports none and linear")
+    factor = ns.rope_scale or (1 / ns.rope_freq_scale if ns.rope_freq_scale else None)
+    if factor is not None and factor <= 0:
+        raise SystemExit("error: --rope-scale/--rope-freq-scale must be > 0")
+    if ns.rope_scaling is None and factor is None and ns.rope_freq_base is None:
+        return None
+    try:
+        return RopeOverride(scaling=ns.rope_scaling or ("linear" if factor else None), factor=factor,
+                            freq_base=ns.rope_freq_base)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+
+
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     """The flags' EngineConfig fields (those left at None keep EngineConfig's defaults)."""
     spec_type, draft = _spec_type(ns)
+    model = model_path(ns)
+    slots, context = slots_and_context(ns, model)
     kwargs = dict(
-        model=model_path(ns), dtype=ns.dtype, device=ns.device, max_model_len=ns.ctx_size, seed=ns.seed,
+        model=model, dtype=ns.dtype, device=_device(ns.device), max_model_len=context, seed=ns.seed,
         enable_prefix_caching=ns.cache_prompt, enforce_eager=ns.enforce_eager, draft_model=draft,
         spec_type=spec_type, chat_template=_chat_template(ns), tokenizer=ns.tokenizer,
-        max_num_seqs=ns.parallel if ns.parallel > 0 else None, max_num_batched_tokens=ns.batch_size,
+        max_num_seqs=slots, max_num_batched_tokens=ns.batch_size, rope=_rope(ns),
         block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gib=ns.kv_cache_gib,
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
         spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min,
@@ -113,11 +169,19 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def sampling_defaults(ns: argparse.Namespace) -> SamplingParams:
-    return default_params(max_tokens=ns.n_predict, temperature=ns.temp, top_k=ns.top_k, top_p=ns.top_p,
-                          min_p=ns.min_p, typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
-                          repeat_last_n=ns.repeat_last_n, presence_penalty=ns.presence_penalty,
-                          frequency_penalty=ns.frequency_penalty, ignore_eos=ns.ignore_eos,
-                          cache_prompt=ns.cache_prompt)
+    params = default_params(max_tokens=ns.n_predict, temperature=ns.temp, top_k=ns.top_k, top_p=ns.top_p,
+                            min_p=ns.min_p, typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
+                            repeat_last_n=ns.repeat_last_n, presence_penalty=ns.presence_penalty,
+                            frequency_penalty=ns.frequency_penalty, ignore_eos=ns.ignore_eos,
+                            cache_prompt=ns.cache_prompt)
+    try:
+        if ns.samplers is not None:
+            return restrict(params, parse_names([n for n in ns.samplers.split(";") if n]))
+        if ns.sampling_seq is not None:
+            return restrict(params, parse_chars(ns.sampling_seq))
+    except SamplerChainError as e:
+        raise SystemExit(f"error: {'--samplers' if ns.samplers is not None else '--sampling-seq'}: {e}") from e
+    return params
 
 
 def api_keys(ns: argparse.Namespace) -> tuple[str, ...]:
@@ -140,7 +204,17 @@ def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
         host=ns.host, port=ns.port, api_keys=api_keys(ns), endpoint_metrics=ns.metrics, endpoint_slots=ns.slots,
         endpoint_props=ns.props, timeout=ns.timeout, sse_ping_interval=ns.sse_ping_interval,
         max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns),
+        cors_origins=_cors_origins(ns.cors_origins), tags=tuple(t for t in (ns.tags or "").split(",") if t),
+        prefill_assistant=ns.prefill_assistant, verbose=ns.verbose, log_disable=ns.log_disable,
+        log_file=ns.log_file,
     )
+
+
+def _cors_origins(value: str) -> tuple[str, ...]:
+    origins = tuple(o.strip().rstrip("/") for o in value.split(",") if o.strip())
+    if not origins:
+        raise SystemExit("error: --cors-origins: give *, localhost, or origins such as https://app.example")
+    return origins
 
 
 # --- subcommands ---

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,32 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
+class RopeOverride:
+    """llama-server's --rope-* flags over the checkpoint's RoPE: scaling "none" (plain RoPE) or "linear" (None:
+    the checkpoint's), the linear factor, and the base frequency (None: the checkpoint's)."""
+
+    scaling: str | None = None
+    factor: float | None = None
+    freq_base: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.scaling not in (None, "none", "linear"):
+            raise ValueError(f"RoPE scaling {self.scaling!r}: supported are none and linear")
+        if self.scaling == "linear" and not (self.factor and self.factor > 0):
+            raise ValueError("linear RoPE scaling needs a factor > 0 (--rope-scale N or --rope-freq-scale 1/N)")
+
+    def apply(self, cfg: ModelConfig) -> ModelConfig:
+        changes: dict[str, Any] = {}
+        if self.freq_base is not None:
+            changes["rope_theta"] = self.freq_base
+        if self.scaling == "none":
+            changes["rope_scaling"] = None
+        elif self.scaling == "linear":
+            changes["rope_scaling"] = {"rope_type": "linear", "factor": self.factor}
+        return replace(cfg, **changes)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Limits and knobs of one engine instance. Built from the CLI in one place (cli.py)."""
 
@@ -116,6 +142,7 @@ class EngineConfig:
     draft_p_min: float = 0.0
     tokenizer: str | None = None  # defaults to the model directory
     chat_template: str | None = None  # overrides the checkpoint's template (jinja source)
+    rope: RopeOverride | None = None  # overrides the checkpoint's RoPE
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -29,6 +29,8 @@ class SamplingParams:
     spec_n_min: int | None = None
     spec_p_min: float | None = None
     cache_prompt: bool = True  # reuse cached prompt prefixes (llama-server `cache_prompt`)
+    # llama-server's `samplers` as given (sampler_chain.py; the ones left out are switched off above); () = all
+    samplers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [

@@ -113,6 +113,7 @@ class RequestTiming:
         return max(1e-3, (self.t_last_token - self.t_first_token) * 1e3)
 
     def to_timings(self) -> dict:
+        """llama-server's `timings`: numbers only (the drafter kind is rendered beside it, as `draft_kind`)."""
         prompt_ms, predicted_ms = self.prompt_ms, self.predicted_ms
         n_rate = self.predicted_n - 1
         out = {
@@ -131,6 +132,5 @@ class RequestTiming:
                 draft_n=self.draft_n,
                 draft_n_accepted=self.draft_n_accepted,
                 draft_rounds=self.draft_rounds,
-                draft_kind=self.draft_kind,
             )
         return out

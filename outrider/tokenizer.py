@@ -216,11 +216,17 @@ class Tokenizer:
         return prompt
 
 
+def content_text(content: Any) -> Any:
+    """A message's content as templates take it: a list of text parts joined with a blank line (as llama-server
+    does); a string or None as is."""
+    return "\n\n".join(_part_text(p) for p in content) if isinstance(content, list) else content
+
+
 def _normalize_message(message: Mapping) -> dict:
     """An OpenAI message as HF templates expect: text parts joined, tool-call arguments as objects."""
     msg = dict(message)
-    if isinstance(msg.get("content"), list):
-        msg["content"] = "\n".join(_part_text(p) for p in msg["content"])
+    if "content" in msg:
+        msg["content"] = content_text(msg["content"])
     if msg.get("tool_calls"):
         msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
     return msg

@@ -56,6 +56,12 @@ class ServerProcess:
             time.sleep(0.1)
         raise TimeoutError("server never became ready:\n" + "".join(self.stderr))
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self.proc.terminate()
         try:

@@ -34,13 +34,12 @@ def test_llama_server_spellings_build_the_engine_config():
                   "--draft-p-min", "0.5", "--no-cache-prompt", "--block-size", "32", "--device", "cpu")
     cfg = EngineConfig(**cli.engine_kwargs(ns))
     assert (cfg.model, cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.seed) == \
-        ("/models/x", 1024, 3, 256, 7)
+        ("/models/x", 1024 // 3, 3, 256, 7)
     assert (cfg.draft_model, cfg.spec_type, cfg.spec_draft_n_max, cfg.spec_draft_n_min, cfg.draft_p_min) == \
         ("/models/draft", "draft", 6, 1, 0.5)
     assert cfg.enable_prefix_caching is False and cfg.block_size == 32 and cfg.device == "cpu"
-    defaults = EngineConfig(model="m")
     plain = EngineConfig(**cli.engine_kwargs(serve_ns()))
-    assert plain.max_num_seqs == defaults.max_num_seqs and plain.spec_draft_n_max == defaults.spec_draft_n_max
+    assert plain.max_num_seqs == cli.AUTO_SLOTS and plain.spec_draft_n_max == EngineConfig(model="m").spec_draft_n_max
 
 
 def test_env_vars_fill_what_flags_leave_and_flags_win(monkeypatch):
@@ -119,14 +118,17 @@ def test_server_config(tmp_path, monkeypatch):
 
 
 def test_chat_template_sources(tmp_path):
-    assert cli.engine_kwargs(serve_ns("--chat-template", "chatml"))["chat_template"] == cli.CHATML
+    from outrider.chat_templates import BUILTIN_TEMPLATES
+
+    for name in ("chatml", "llama3", "gemma", "mistral-v7", "phi3", "command-r", "deepseek3"):
+        assert cli.engine_kwargs(serve_ns("--chat-template", name))["chat_template"] == BUILTIN_TEMPLATES[name]
     source = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert cli.engine_kwargs(serve_ns("--chat-template", source))["chat_template"] == source
     f = tmp_path / "t.jinja"
     f.write_text(source)
     assert cli.engine_kwargs(serve_ns("--chat-template-file", str(f)))["chat_template"] == source
-    with pytest.raises(SystemExit, match="chatml"):
-        cli.engine_kwargs(serve_ns("--chat-template", "llama3"))
+    # Anything that is not a built-in name is Jinja source, as in llama-server.
+    assert cli.engine_kwargs(serve_ns("--chat-template", "plain text"))["chat_template"] == "plain text"
 
 
 def test_without_a_model_the_demo_family_is_served(capsys, monkeypatch):
@@ -163,7 +165,165 @@ def test_outrider_server_builds_both_configs_and_runs(monkeypatch):
 
     seen = {}
     monkeypatch.setattr(run, "run_server", lambda engine, server: seen.update(engine=engine, server=server) or 0)
-    assert cli.server_main(["-m", "/models/x", "-np", "2", "--port", "0", "--no-cache-prompt", "-n", "9"]) == 0
+    assert cli.server_main(["-m", "/models/x", "-c", "512", "-np", "2", "--port", "0", "--no-cache-prompt",
+                            "-n", "9"]) == 0
     engine, server = seen["engine"], seen["server"]
-    assert isinstance(engine, EngineConfig) and engine.max_num_seqs == 2 and engine.enable_prefix_caching is False
+    assert isinstance(engine, EngineConfig) and (engine.max_num_seqs, engine.max_model_len) == (2, 256)
+    assert engine.enable_prefix_caching is False
     assert server.port == 0 and server.defaults.max_tokens == 9 and server.defaults.cache_prompt is False
+
+
+@pytest.mark.parametrize("argv, slots, context", [
+    (["-c", "8192", "-np", "4"], 4, 2048),  # split across the slots
+    (["-c", "8192", "-np", "4", "-kvu"], 4, 8192),  # unified: every slot may use it all
+    (["-c", "8192", "-np", "4", "--kv-unified"], 4, 8192),
+    (["-c", "8192"], 4, 8192),  # -np auto: 4 slots, unified
+    (["-c", "8192", "-np", "-1", "--no-kv-unified"], 4, 2048),
+    (["-c", "8192", "-np", "-1", "-no-kvu"], 4, 2048),
+    (["-c", "4096", "-np", "1"], 1, 4096),
+    (["-c", "1000", "-np", "3"], 3, 333),
+    ([], 4, 0),  # 0: the engine takes the model's context, for every slot
+])
+def test_context_per_slot_follows_llama_server(argv, slots, context):
+    cfg = EngineConfig(**cli.engine_kwargs(serve_ns(*argv)))
+    assert (cfg.max_num_seqs, cfg.max_model_len) == (slots, context)
+
+
+def test_context_per_slot_from_the_model_and_the_environment(tiny_checkpoint, monkeypatch):
+    ckpt = str(tiny_checkpoint("qwen3", max_position_embeddings=1024))
+    cfg = EngineConfig(**cli.engine_kwargs(cli.parse(SERVE, ["-m", ckpt, "-np", "4"])))
+    assert (cfg.max_num_seqs, cfg.max_model_len) == (4, 256)  # -c 0: the model's 1024, split
+    monkeypatch.setenv("LLAMA_ARG_KV_UNIFIED", "1")
+    assert EngineConfig(**cli.engine_kwargs(serve_ns("-c", "800", "-np", "2"))).max_model_len == 800
+    for bad in (["-np", "0"], ["-c", "3", "-np", "4", "--no-kv-unified"]):
+        monkeypatch.delenv("LLAMA_ARG_KV_UNIFIED", raising=False)
+        with pytest.raises(SystemExit):
+            cli.engine_kwargs(serve_ns(*bad))
+
+
+def test_single_dash_flags_are_matched_exactly(capsys):
+    assert cli.engine_kwargs(serve_ns("-dev", "CUDA0"))["device"] == "cuda:0"
+    assert cli.engine_kwargs(serve_ns("-dev", "none"))["device"] == "cpu"
+    assert cli.engine_kwargs(serve_ns("--device", "cpu"))["device"] == "cpu"
+    assert "-devd" not in capsys.readouterr().err  # -dev was never taken for -devd
+    for argv in (["-de", "x"], ["-ng", "99"], ["-dev"], ["--cache-typ", "q8_0"]):
+        with pytest.raises(SystemExit) as e:
+            serve_ns(*argv)
+        assert e.value.code == 2
+    with pytest.raises(SystemExit, match="one device"):
+        cli.engine_kwargs(serve_ns("-dev", "CUDA0,CUDA1"))
+
+
+def test_flags_llama_server_has_are_applied(monkeypatch, tmp_path):
+    ns = serve_ns("-v", "--log-file", str(tmp_path / "log.txt"), "--cors-origins", "localhost,https://app.example/",
+                  "--tags", "chat,small", "--samplers", "penalties;top_k;temperature", "--no-prefill-assistant")
+    cfg = cli.server_config(ns, "/models/x")
+    assert cfg.verbose and cfg.log_file == str(tmp_path / "log.txt") and not cfg.log_disable
+    assert cfg.cors_origins == ("localhost", "https://app.example") and cfg.tags == ("chat", "small")
+    assert cfg.prefill_assistant is False
+    d = cfg.defaults
+    assert d.samplers == ("penalties", "top_k", "temperature")
+    assert (d.top_p, d.min_p, d.typical_p, d.top_k) == (1.0, 0.0, 1.0, 40)  # the samplers left out are off
+    assert cli.server_config(serve_ns("--log-disable"), "/m").log_disable
+    assert cli.server_config(serve_ns("--sampling-seq", "kt"), "/m").defaults.samplers == ("top_k", "temperature")
+    with pytest.raises(SystemExit, match="order"):
+        cli.server_config(serve_ns("--samplers", "temperature;top_k"), "/m")
+    with pytest.raises(SystemExit, match="unknown sampler"):
+        cli.server_config(serve_ns("--samplers", "top_k;mirostat"), "/m")
+    rope = EngineConfig(**cli.engine_kwargs(serve_ns("--rope-scaling", "linear", "--rope-scale", "4",
+                                                     "--rope-freq-base", "500000"))).rope
+    assert (rope.scaling, rope.factor, rope.freq_base) == ("linear", 4, 500000)
+    assert cli.engine_kwargs(serve_ns("--rope-freq-scale", "0.5"))["rope"].factor == 2
+    with pytest.raises(SystemExit, match="none and linear"):
+        cli.engine_kwargs(serve_ns("--rope-scaling", "yarn"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    serve_ns("-hft", "hf_secret")
+    assert os.environ.pop("HF_TOKEN") == "hf_secret"
+
+
+def test_flags_for_features_we_lack_say_why(capsys):
+    for argv, why in ((["--context-shift"], "does not shift the context"), (["--embedding"], "embeddings"),
+                      (["--lora", "a.gguf"], "LoRA"), (["--reranking"], "reranking"),
+                      (["--pooling", "cls"], "embeddings"), (["--mmproj", "p.gguf"], "multimodal")):
+        with pytest.raises(SystemExit) as e:
+            serve_ns(*argv)
+        assert e.value.code == 2 and why in capsys.readouterr().err
+    serve_ns("--no-context-shift", "--keep", "16", "--backend-sampling")  # what we do anyway: accepted
+    err = capsys.readouterr().err
+    assert "--keep only applies to context shift" in err and "always samples on the device" in err
+
+
+def test_rope_overrides_change_the_loaded_model(tiny_checkpoint):
+    import torch
+
+    from outrider.config import RopeOverride
+    from outrider.models import load_model
+
+    ckpt = tiny_checkpoint("qwen3")
+    plain = load_model(ckpt)[0].model.rotary_emb.inv_freq
+    _, cfg = load_model(ckpt, rope=RopeOverride(scaling="linear", factor=4.0, freq_base=20000.0))
+    assert cfg.rope_theta == 20000.0 and cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    model = load_model(ckpt, rope=RopeOverride(scaling="linear", factor=4.0))[0]
+    assert torch.allclose(model.model.rotary_emb.inv_freq, plain / 4)
+
+
+# Command lines copied verbatim from llama.cpp's README and tools/server/README.md (after `llama-server`).
+README_LINES = {
+    "-m model.gguf --port 8080": dict(model="model.gguf", port=8080),
+    "-m model.gguf -c 16384 -np 4": dict(slots=4, context=4096),  # "up to 4 concurrent requests, each 4096"
+    "-m model.gguf -md draft.gguf": dict(model_draft="draft.gguf"),
+    "-m models/7B/ggml-model.gguf -c 2048": dict(slots=4, context=2048),
+    "-m models/7B/ggml-model.gguf -c 512 --host 0.0.0.0 --port 8080": dict(host="0.0.0.0", context=512),
+    "-m models/7B/ggml-model.gguf -c 512 --host 0.0.0.0 --port 8080 --n-gpu-layers 99": dict(port=8080, context=512),
+    "--jinja -fa -m model.gguf": dict(model="model.gguf", jinja=True),
+    "--jinja -fa -hf bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M":
+        dict(hf_repo="bartowski/Qwen2.5-7B-Instruct-GGUF:Q4_K_M", jinja=True),
+    "--jinja -fa -hf bartowski/Llama-3.3-70B-Instruct-GGUF:Q4_K_M": dict(jinja=True),
+    "--jinja -fa -hf bartowski/phi-4-GGUF:Q4_0": dict(hf_repo="bartowski/phi-4-GGUF:Q4_0"),
+    "-hf ggml-org/gemma-3-4b-it-GGUF": dict(hf_repo="ggml-org/gemma-3-4b-it-GGUF"),
+    "-m model.gguf --embedding --pooling cls -ub 8192": "embeddings",
+    "-m model.gguf --reranking": "reranking",
+}
+
+
+@pytest.mark.parametrize("line", README_LINES)
+def test_llama_server_readme_command_lines(line, capsys):
+    want = README_LINES[line]
+    if isinstance(want, str):  # a feature we lack: exit 2 with the reason
+        with pytest.raises(SystemExit) as e:
+            cli.parse(SERVE, line.split())
+        assert e.value.code == 2 and want in capsys.readouterr().err
+        return
+    ns = cli.parse(SERVE, line.split())
+    got = {k: getattr(ns, k) for k in want if k not in ("slots", "context")}
+    assert got == {k: v for k, v in want.items() if k not in ("slots", "context")}
+    if ns.hf_repo is None:  # (-hf would download; the rest builds both configs without touching the disk)
+        cfg = EngineConfig(**cli.engine_kwargs(ns))
+        cli.server_config(ns, cfg.model)
+        assert cfg.max_num_seqs == want.get("slots", cli.AUTO_SLOTS)
+        assert cfg.max_model_len == want.get("context", 0)
+
+
+def test_logging_flags(tmp_path):
+    import logging
+
+    from outrider.server.run import configure_logging
+    from outrider.server.settings import ServerConfig
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    log_file = tmp_path / "server.log"
+    try:
+        configure_logging(ServerConfig(model_name="m", verbose=True, log_file=str(log_file)))
+        logging.getLogger("outrider.test").debug("deep detail")
+        configure_logging(ServerConfig(model_name="m", log_file=str(log_file)))
+        logging.getLogger("outrider.test").debug("hidden without -v")
+        configure_logging(ServerConfig(model_name="m", log_disable=True, log_file=str(log_file)))
+        logging.getLogger("outrider.test").error("silenced")
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    text = log_file.read_text()
+    assert "deep detail" in text and "hidden without -v" not in text and "silenced" not in text

@@ -39,7 +39,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    srv = ServerProcess(["-m", str(ckpt), "-c", str(N_CTX), "-np", str(N_SLOTS), "--max-queue", str(MAX_QUEUE),
+    srv = ServerProcess(["-m", str(ckpt), "-c", str(N_CTX), "-np", str(N_SLOTS), "-kvu", "--max-queue", str(MAX_QUEUE),
                          "--metrics", "--props", "--alias", "tiny-b,tiny-a",
                          "-ngl", "99", "-fa", "on", "--mlock"],  # GGML-only flags: accepted with a warning
                         env={"LLAMA_ARG_BATCH": "512"})
@@ -231,7 +231,7 @@ def test_logit_bias_bans_and_forms(client):
     oai_form = complete(client, prompt="bias", n_predict=1, return_tokens=True, logit_bias={str(first): -1e9},
                         **GREEDY)
     assert banned["tokens"][0] != first and oai_form["tokens"] == banned["tokens"]
-    assert banned["generation_settings"]["logit_bias"] == [{"bias": None, "token": first}]
+    assert banned["generation_settings"]["logit_bias"][0] == {"bias": None, "token": first}  # then EOG (ignore_eos)
 
 
 def test_seeded_sampling_is_reproducible(client):

@@ -40,6 +40,27 @@ SETUPS = {  # name -> (target, engine kwargs)
 }
 
 
+def test_each_token_carries_its_own_piece_of_the_text(ckpts):
+    """A round's text splits exactly into its tokens' texts, across characters split between tokens and text held
+    back while it may start a stop string."""
+    from outrider.engine.request import Request
+
+    spec = LLM(ckpts["target"], max_num_seqs=8, spec_draft_n_max=4, spec_type="draft", draft_model=str(ckpts["self"]))
+    outputs: dict[int, list] = {}
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(max_tokens=40, temperature=1.2, top_k=0, top_p=1.0, min_p=0.0, seed=i,
+                                ignore_eos=True, stop=("\n\n\n", "é\u00ff"))
+        req = Request(prompt, params)
+        outputs[req.request_id] = []
+        spec.engine.add_request(req, outputs[req.request_id].append)
+    while spec.engine.has_work():
+        spec.engine.step()
+    rounds = [o for outs in outputs.values() for o in outs if o.new_token_ids]
+    assert all(len(o.token_texts) == len(o.new_token_ids) and "".join(o.token_texts) == o.text for o in rounds)
+    assert any(len(o.new_token_ids) > 1 for o in rounds)  # the oracle drafter's rounds commit several tokens
+    assert any(piece == "" for o in rounds for piece in o.token_texts)  # a token whose text comes later
+
+
 def greedy(n=20, **kw):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
@@ -62,7 +83,7 @@ def test_greedy_output_is_identical_with_and_without_drafter(ckpts, kind):
         if p.spec_n_max == 0:
             assert "draft_n" not in t
         else:
-            assert t["draft_kind"] == spec.engine.drafter_kind and t["draft_rounds"] > 0
+            assert o.timing.draft_kind == spec.engine.drafter_kind and t["draft_rounds"] > 0
             assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
             # Every round commits accepted + 1 tokens; the first token came from the prefill.
             assert t["predicted_n"] <= 1 + t["draft_n_accepted"] + (o.timing.predicted_n - 1)

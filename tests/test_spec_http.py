@@ -5,7 +5,8 @@ reach the engine's step hook and its loader):
   total of the steps after the first token, for the first request after start and later ones, one at a time
   and four at once, streamed and not; a drafter that is slow to load keeps /health at 503 and shows in no
   request's timings;
-- counters: `timings` carries draft_n, draft_n_accepted, draft_rounds and draft_kind exactly for the requests
+- counters: `timings` carries draft_n, draft_n_accepted and draft_rounds (and `draft_kind` sits beside it, since
+  `timings` holds numbers only) exactly for the requests
   that drafted, and the /metrics `llamacpp:spec_decode_*` counters, the per-position accepted counter and the
   accepted-length histogram add up to the per-request counters, for every drafter kind;
 - /props and /slots report the drafter kind.
@@ -32,7 +33,7 @@ from outrider.server.run import bind
 from outrider.server.settings import ServerConfig
 from spec_helpers import LLAMA_SPEC_TYPES, SETUPS, StepClock, write_families
 
-DRAFT_KEYS = ("draft_n", "draft_n_accepted", "draft_rounds", "draft_kind")
+DRAFT_KEYS = ("draft_n", "draft_n_accepted", "draft_rounds")
 GREEDY = {"temperature": 0, "ignore_eos": True}
 SAMPLED = {"temperature": 0.8, "top_k": 0, "top_p": 0.9, "min_p": 0.0, "ignore_eos": True}
 P_S, R_S = 0.30, 0.06  # the step clock: a step that prefills lasts P, any other R
@@ -228,9 +229,10 @@ def test_draft_counters_in_timings_and_metrics(spec_server):
     results += post_all(srv.url, requests2)
     timings = [final["timings"] for final, _ in results]
     drafted = [True, True, False, False, True, False, True]
-    for t, expect, (path, body) in zip(timings, drafted, requests + requests2):
+    for (final, _), t, expect, (path, body) in zip(results, timings, drafted, requests + requests2):
+        assert all(isinstance(v, (int, float)) for v in t.values()), t  # clients read a map of numbers
+        assert final.get("draft_kind") == (reported if expect else None), (path, body, final)
         if expect:
-            assert t["draft_kind"] == reported, (path, body, t)
             assert t["draft_rounds"] > 0 and 0 <= t["draft_n_accepted"] <= t["draft_n"], t
             assert t["draft_n"] <= 3 * t["draft_rounds"]  # k <= --spec-draft-n-max
             # Every round commits its accepted drafts plus one token; the prefill gave the first.
@@ -298,3 +300,20 @@ def test_server_without_a_drafter(families, monkeypatch, caplog, why):
             assert not any(k.startswith("llamacpp:spec_decode_num_accepted_tokens_per_pos_total") for k in m)
     finally:
         srv.stop()
+
+
+def test_streams_one_frame_per_token_while_speculating(spec_server):
+    """llama-server streams a frame per token; a speculative round commits several, which share its timings."""
+    _, _, srv, _, client = spec_server
+    body = {"prompt": [52, 53, 54, 55], "n_predict": 16, "n_probs": 2, "return_tokens": True, **GREEDY}
+    whole = client.post("/completion", json=body).json()
+    with client.stream("POST", "/completion", json={**body, "stream": True, "timings_per_token": True}) as r:
+        *frames, final = sse_events(r.iter_lines())
+    assert [f["tokens_predicted"] for f in frames] == list(range(1, 17)) and final["tokens_predicted"] == 16
+    assert [f["tokens"] for f in frames] == [[t] for t in whole["tokens"]]
+    assert [f["completion_probabilities"] for f in frames] == [[p] for p in whole["completion_probabilities"]]
+    assert "".join(f["content"] for f in frames) == whole["content"]
+    assert all(f["timings"]["predicted_n"] >= f["tokens_predicted"] for f in frames)
+    # Some round committed several tokens: its first frame already shows the round's count.
+    assert any(f["timings"]["predicted_n"] > f["tokens_predicted"] for f in frames)
+    assert final["timings"]["draft_n_accepted"] > 0

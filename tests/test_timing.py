@@ -53,7 +53,8 @@ def test_draft_keys_only_when_drafted():
     t.mark_draft_round(3, 0)
     t.mark_tokens(1, 0.3)
     out = t.to_timings()
-    assert (out["draft_n"], out["draft_n_accepted"], out["draft_rounds"], out["draft_kind"]) == (6, 2, 2, "mtp")
+    assert (out["draft_n"], out["draft_n_accepted"], out["draft_rounds"]) == (6, 2, 2)
+    assert all(isinstance(v, (int, float)) for v in out.values())  # numbers only: the kind is rendered beside it
     assert t.accepted_per_position == [1, 1, 0]
     assert out["predicted_n"] == 5
 

@@ -163,7 +163,7 @@ def test_chat_template_renders(tok):
 
 def test_chat_template_flattens_text_parts_and_parses_tool_arguments(tok):
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
-    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "a\nb"}])
+    assert tok.apply_chat_template(parts) == tok.apply_chat_template([{"role": "user", "content": "a\n\nb"}])
     call = {"type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
     out = tok.apply_chat_template([{"role": "assistant", "content": None, "tool_calls": [call]}])
     assert '{"name": "f", "arguments": {"x": 1}}' in out

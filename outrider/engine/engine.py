@@ -27,7 +27,7 @@ from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
-from outrider.engine.request import FinishReason, Request, RequestOutput, Status, TokenLogprob
+from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status, TokenLogprob
 from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
@@ -71,7 +71,8 @@ class Engine:
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
         t0 = now()
         self.model_path = resolve_model_path(config.model)
-        self.model, self.model_config = preloaded or load_model(self.model_path, dtype=dtype, device=self.device)
+        self.model, self.model_config = preloaded or load_model(self.model_path, dtype=dtype, device=self.device,
+                                                                            rope=config.rope)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         if config.chat_template:
@@ -209,7 +210,7 @@ class Engine:
         elif self.config.seed >= 0:
             req.seed = self.config.seed
         else:
-            req.seed = secrets.randbits(63)
+            req.seed = secrets.randbits(32)  # llama-server's seeds are uint32
         detok = Detokenizer(self.tokenizer, req.params.stop, context=req.prompt_ids[-4:])
         stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
         live = _Live(req, on_output, detok, stop_ids)
@@ -259,6 +260,10 @@ class Engine:
             return None
         for req in plan.admitted:
             req.timing.mark_admitted(t, cache_n=req.num_computed, prompt_n=req.num_prompt - req.num_computed)
+            if req.return_progress and req.timing.t_first_token is None:
+                # llama-server's first progress report: before any prompt work, the cache only
+                self.live[req.request_id].on_output(RequestOutput(
+                    req.request_id, [], "", progress=self._progress(req, req.num_computed), timing=req.timing))
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
@@ -360,10 +365,15 @@ class Engine:
             accepted = out.accepted[i]
             req.num_computed += accepted  # (the fed tokens were counted at launch)
             tokens = out.tokens[i]
-            if not tokens:
-                continue  # a prefill chunk that does not reach the end of the prompt yet
+            # Prefill reports: each chunk, and the first token's step (the whole prompt processed).
+            progress = self._progress(req) if req.return_progress and not req.output_ids else None
+            if not tokens:  # a prefill chunk that does not reach the end of the prompt yet
+                if progress is not None:
+                    emits.append((live, RequestOutput(req.request_id, [], "", progress=progress, timing=req.timing)))
+                continue
             req.num_pending -= 1  # (the launch of the next step may have added another)
-            n, text, reason, stop_type, word = self._append(live, tokens)
+            n, pieces, reason, stop_type, word = self._append(live, tokens)
+            text = "".join(pieces)
             if s.draft_tokens:  # count only accepted drafts that were committed (a stop can cut a round short)
                 self.policy.record(req.request_id, len(s.draft_tokens), accepted)
                 req.timing.draft_kind = self.drafter.kind
@@ -378,29 +388,36 @@ class Engine:
             emits.append((live, RequestOutput(req.request_id, kept, text, finished=reason is not None,
                                               finish_reason=reason, stop_type=stop_type, stopping_word=word,
                                               logprobs=logprobs, accepted_drafts=min(accepted, n),
-                                              timing=req.timing)))
+                                              timing=req.timing, token_texts=pieces, progress=progress)))
         self.counters["predicted_tokens"] += predicted
         return emits
 
+    def _progress(self, req: Request, processed: int | None = None) -> PromptProgress:
+        """The request's prefill progress now: `processed` prompt tokens (default: those scheduled so far)."""
+        done = min(req.num_computed, req.num_prompt) if processed is None else processed
+        return PromptProgress(total=req.num_prompt, cache=req.timing.cache_n, processed=done, t=self.clock())
+
     @staticmethod
-    def _append(live: _Live, tokens: list[int]) -> tuple[int, str, FinishReason | None, str, str]:
-        """Append a step's tokens to the request's outputs up to the first stop: (tokens kept, their text, finish
-        reason, stop type, stop word)."""
+    def _append(live: _Live, tokens: list[int]) -> tuple[int, list[str], FinishReason | None, str, str]:
+        """Append a step's tokens to the request's outputs up to the first stop: (tokens kept, the text each of
+        them added, finish reason, stop type, stop word)."""
         req, detok = live.request, live.detok
         output_ids, min_tokens = req.output_ids, req.params.min_tokens
-        text = ""  # (usually one token's piece: no list to join)
+        pieces: list[str] = []
         for n, tok in enumerate(tokens, start=1):
             output_ids.append(tok)
             num_outputs = len(output_ids)
             if tok in live.stop_ids and num_outputs > min_tokens:
-                return n, text + detok.flush(), FinishReason.STOP, "eos", ""
+                pieces.append(detok.flush())
+                return n, pieces, FinishReason.STOP, "eos", ""
             piece, word = detok.push((tok,))
-            text += piece
+            pieces.append(piece)
             if word is not None:
-                return n, text, FinishReason.STOP, "word", word
+                return n, pieces, FinishReason.STOP, "word", word
             if num_outputs >= req.max_output_tokens:
-                return n, text + detok.flush(), req.limit_reason(num_outputs), "limit", ""
-        return n, text, None, "none", ""
+                pieces[-1] += detok.flush()
+                return n, pieces, req.limit_reason(num_outputs), "limit", ""
+        return n, pieces, None, "none", ""
 
     def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], text: str, stop_type: str = "none",
                 word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:

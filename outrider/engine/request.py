@@ -34,6 +34,17 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
+@dataclass(frozen=True)
+class PromptProgress:
+    """Prefill progress (llama-server's `prompt_progress`): prompt tokens in all, from the cache, and scheduled
+    so far (the cached ones included), at time `t` (timing.now)."""
+
+    total: int
+    cache: int
+    processed: int
+    t: float
+
+
 @dataclass
 class RequestOutput:
     """What one engine step tells the owner of a request (delivered in order, one per commit)."""
@@ -53,6 +64,9 @@ class RequestOutput:
     # to_timings().
     timing: RequestTiming | None = None
     error: str | None = None
+    # The text each of new_token_ids added, in order: "".join(token_texts) == text (empty when there are no tokens).
+    token_texts: list[str] = field(default_factory=list)
+    progress: PromptProgress | None = None  # on prefill reports of a request with return_progress
 
 
 @dataclass(eq=False)  # identity: the scheduler's queue operations compare requests, never their contents
@@ -76,6 +90,8 @@ class Request:
     seed: int = 0  # resolved seed (engine fills it when params.seed is None)
     num_preemptions: int = 0
     id_slot: int = -1  # llama-server slot id that serves this request (set by the engine)
+    slot_wanted: int = -1  # llama-server `id_slot`: the only slot this request may run in (-1: any)
+    return_progress: bool = False  # report prefill progress (outputs with `progress`, and no tokens until the first)
     # Prefix-cache publishing progress (BlockPool.commit_full_blocks): leading blocks already walked, the chain
     # hash of the last of them, and blocks whose hash another block held (published once that one is gone).
     num_hashed_blocks: int = 0

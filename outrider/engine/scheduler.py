@@ -99,19 +99,31 @@ class Scheduler:
                 scheduled.append(ScheduledRequest(req, n, n == todo, draft))
                 budget -= n + len(draft)
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+        passed = 0  # waiting requests passed over because the slot they asked for (id_slot) is busy
+        while len(self.waiting) > passed and budget > 0 and self.free_slots and not preempted:
+            req = self.waiting[passed]
+            slot = self._slot_for(req)
+            if slot is None:
+                passed += 1  # it keeps its place; later requests may take other slots
+                continue
             n = self.pool.admit(req, budget)
             if not n:
                 break
-            self.waiting.popleft()
+            del self.waiting[passed]
             req.status = Status.RUNNING
-            req.id_slot = self.free_slots.pop(0)
+            self.free_slots.remove(slot)
+            req.id_slot = slot
             admitted.append(req)
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n, req.num_computed + n == req.num_tokens))
             budget -= n
         return StepPlan(scheduled, preempted, admitted)
+
+    def _slot_for(self, req: Request) -> int | None:
+        """The free slot `req` would take (the one it asked for, else the lowest), or None."""
+        if req.slot_wanted < 0:
+            return self.free_slots[0]
+        return req.slot_wanted if req.slot_wanted in self.free_slots else None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from outrider.config import ModelConfig
+from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
 from outrider.models.registry import model_class
 
@@ -96,13 +96,16 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
     return layout
 
 
-def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the model for the checkpoint's architecture and load its weights strictly, in eval mode."""
+def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               rope: RopeOverride | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+    """Build the model for the checkpoint's architecture and load its weights strictly, in eval mode; `rope`
+    overrides the checkpoint's RoPE settings."""
     from safetensors import safe_open
 
     path = resolve_model_path(path_or_repo)
     cfg = ModelConfig.from_path(path)
+    if rope is not None:
+        cfg = rope.apply(cfg)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint

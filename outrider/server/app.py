@@ -67,7 +67,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     # add_middleware wraps: the last added runs first.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(Gate, engine=engine, api_keys=config.api_keys)
-    app.add_middleware(CORS)
+    app.add_middleware(CORS, origins=config.cors_origins)
     return app
 
 

@@ -37,10 +37,15 @@ MODEL = [
     Opt(("-m", "--model"), "model", "LLAMA_ARG_MODEL", help="checkpoint directory (HF safetensors) or hub repo id"),
     Opt(("-hf", "-hfr", "--hf-repo"), "hf_repo", "LLAMA_ARG_HF_REPO", help="Hugging Face repo id to load"),
     Opt(("-hff", "--hf-file"), "hf_file", "LLAMA_ARG_HF_FILE", help="ignored: outrider loads the repo's safetensors"),
+    Opt(("-hft", "--hf-token"), "hf_token", "HF_TOKEN", help="Hugging Face access token for every hub download"),
     Opt(("--offline",), "offline", "LLAMA_OFFLINE", None, False, "use the local hub cache only"),
     Opt(("-c", "--ctx-size"), "ctx_size", "LLAMA_ARG_CTX_SIZE", int, 0,
         "context length of each sequence (0 = the model's)"),
-    Opt(("-np", "--parallel"), "parallel", "LLAMA_ARG_N_PARALLEL", int, -1, "sequences decoded together (-1 = auto)"),
+    Opt(("-np", "--parallel"), "parallel", "LLAMA_ARG_N_PARALLEL", int, -1,
+        "slots: sequences decoded together (-1 = auto: 4, with a unified KV cache)"),
+    Opt(("-kvu", "--kv-unified"), "kv_unified", "LLAMA_ARG_KV_UNIFIED", None, None,
+        "every slot may use the whole -c (default: on when -np is auto; off: -c is split across the slots)",
+        negative=("-no-kvu", "--no-kv-unified")),
     Opt(("-t", "--threads"), "threads", "LLAMA_ARG_THREADS", int, -1,
         "CPU device: compute threads (-1 = all cores but one, which the HTTP side keeps)"),
     Opt(("-b", "--batch-size"), "batch_size", "LLAMA_ARG_BATCH", int, None, "token budget of one step"),
@@ -57,13 +62,27 @@ MODEL = [
     Opt(("--spec-draft-n-min",), "spec_draft_n_min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, None, "min drafted tokens"),
     Opt(("--spec-draft-p-min", "--draft-p-min"), "draft_p_min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, None,
         "min draft probability to keep drafting"),
-    Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE", help="Jinja template source, or chatml"),
+    Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",
+        help="a built-in template name (llama-server's: chatml, llama3, gemma, ...) or Jinja source"),
     Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", help="Jinja template file"),
     Opt(("--jinja",), "jinja", "LLAMA_ARG_JINJA", None, True, "templates are always Jinja (--no-jinja is ignored)",
         negative=("--no-jinja",)),
     # outrider's own
     Opt(("--dtype",), "dtype", "OUTRIDER_DTYPE", str, "auto", "auto | float32 | float16 | bfloat16"),
-    Opt(("--device",), "device", "OUTRIDER_DEVICE", str, "auto", "auto | cpu | cuda"),
+    Opt(("-dev", "--device"), "device", "OUTRIDER_DEVICE", str, "auto",
+        "auto | cpu | cuda[:N], or llama-server's names: none (the CPU), CUDA0, CUDA1, ..."),
+    Opt(("--rope-scaling",), "rope_scaling", "LLAMA_ARG_ROPE_SCALING_TYPE",
+        help="none | linear (default: the model's)"),
+    Opt(("--rope-scale",), "rope_scale", "LLAMA_ARG_ROPE_SCALE", float, None,
+        "linear RoPE scaling: context expanded by this factor"),
+    Opt(("--rope-freq-scale",), "rope_freq_scale", "LLAMA_ARG_ROPE_FREQ_SCALE", float, None,
+        "linear RoPE scaling: context expanded by 1/this"),
+    Opt(("--rope-freq-base",), "rope_freq_base", "LLAMA_ARG_ROPE_FREQ_BASE", float, None,
+        "RoPE base frequency (default: the model's)"),
+    Opt(("--context-shift",), "context_shift", "LLAMA_ARG_CONTEXT_SHIFT", None, False,
+        "refused: outrider stops a request when its context is full", negative=("--no-context-shift",)),
+    Opt(("--embedding", "--embeddings"), "embedding", "LLAMA_ARG_EMBEDDINGS", None, False,
+        "refused: outrider serves no embeddings"),
     Opt(("--tokenizer",), "tokenizer", None, help="tokenizer directory (default: the model's)"),
     Opt(("--block-size",), "block_size", None, int, None, "KV block size in tokens"),
     Opt(("--num-kv-blocks",), "num_kv_blocks", None, int, None, "KV blocks (default: sized from memory)"),
@@ -87,6 +106,10 @@ SAMPLING = [
     Opt(("--presence-penalty",), "presence_penalty", None, float, 0.0, "presence penalty"),
     Opt(("--frequency-penalty",), "frequency_penalty", None, float, 0.0, "frequency penalty"),
     Opt(("--ignore-eos",), "ignore_eos", None, None, False, "keep generating after end-of-generation tokens"),
+    Opt(("--samplers",), "samplers", None, str, None,
+        "samplers in order, ';'-separated: a subset of penalties;top_k;typ_p;top_p;min_p;temperature in this order"),
+    Opt(("--sampling-seq", "--sampler-seq"), "sampling_seq", None, str, None,
+        "--samplers as letters: e (penalties), k, y (typ_p), p, m, t"),
 ]
 
 SERVER = [
@@ -101,6 +124,15 @@ SERVER = [
     Opt(("-to", "--timeout"), "timeout", "LLAMA_ARG_TIMEOUT", int, 3600, "idle connection timeout, seconds"),
     Opt(("--sse-ping-interval",), "sse_ping_interval", "LLAMA_ARG_SSE_PING_INTERVAL", float, 30.0,
         "seconds of stream silence before a keep-alive comment (-1 = off)"),
+    Opt(("--cors-origins",), "cors_origins", "LLAMA_ARG_CORS_ORIGINS", str, "*",
+        "origins allowed by CORS, comma-separated: * (any), localhost (loopback, any port), or URLs"),
+    Opt(("--tags",), "tags", "LLAMA_ARG_TAGS", help="model tags /models lists, comma-separated"),
+    Opt(("--prefill-assistant",), "prefill_assistant", "LLAMA_ARG_PREFILL_ASSISTANT", None, True,
+        "a final assistant message is a prefill the reply continues", negative=("--no-prefill-assistant",)),
+    Opt(("-v", "--verbose", "--log-verbose"), "verbose", None, None, False,
+        "debug logging, and `__verbose` in every response"),
+    Opt(("--log-disable",), "log_disable", None, None, False, "no log output"),
+    Opt(("--log-file",), "log_file", None, help="log to this file too"),
     Opt(("--max-queue",), "max_queue", "OUTRIDER_MAX_QUEUE", int, 256,
         "requests that may wait for a slot; more get 503"),
     Opt(("--max-body-size",), "max_body_size", "OUTRIDER_MAX_BODY_SIZE", int, 32 << 20, "request body limit, bytes"),
@@ -114,22 +146,45 @@ GGML_ONLY = {
     ("-ts", "--tensor-split"): True, ("-mg", "--main-gpu"): True,
     ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"): True, ("-devd", "--device-draft"): True,
     ("-ctkd", "--cache-type-k-draft"): True, ("-ctvd", "--cache-type-v-draft"): True, ("--numa",): True,
-    ("-cram", "--cache-ram"): True, ("--threads-http",): True, ("-C", "--cpu-mask"): True,
+    ("--keep",): True, ("-cram", "--cache-ram"): True, ("--threads-http",): True, ("-C", "--cpu-mask"): True,
     ("-Cr", "--cpu-range"): True, ("--prio",): True, ("--poll",): True, ("-ot", "--override-tensor"): True,
     ("--cache-reuse",): True, ("-cd", "--ctx-size-draft"): True,
     ("--mlock",): False, ("--no-mmap",): False, ("--mmap",): False, ("-cb", "--cont-batching"): False,
-    ("-nocb", "--no-cont-batching"): False, ("-kvu", "--kv-unified"): False, ("--no-kv-unified",): False,
+    ("-nocb", "--no-cont-batching"): False, ("-bs", "--backend-sampling"): False,
     ("-nkvo", "--no-kv-offload"): False, ("--no-warmup",): False, ("--warmup",): False, ("--swa-full",): False,
     ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False,
-    ("--no-context-shift",): False,
 }
+# Why a flag is ignored, where "only applies to GGML backends" is not the reason.
+ON_DEVICE = "outrider always samples on the device"
+IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider never does",
+                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE}
+# Flags for features outrider lacks: an error that says so.
+REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
+           ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",
+           ("--rerank", "--reranking"): "reranking is not supported",
+           ("--pooling",): "pooling is for embeddings, which are not supported"}
 REMOVED = ("--draft", "--draft-n", "--draft-max", "--draft-min")
 REMOVED_ENV = ("LLAMA_ARG_DRAFT_MAX", "LLAMA_ARG_DRAFT_MIN")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without prefix matching, for single-dash flags too (llama-server matches flags exactly: `-dev`
+    must never become `-devd`)."""
+
+    def _get_option_tuples(self, option_string):
+        return []
+
+
 class _GgmlOnly(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"warning: {option_string} only applies to GGML backends; ignored", file=sys.stderr)
+        why = IGNORED_BECAUSE.get(option_string, "only applies to GGML backends")
+        print(f"warning: {option_string} {why}; ignored", file=sys.stderr)
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        why = next(reason for names, reason in REFUSED.items() if option_string in names)
+        parser.error(f"{option_string}: {why} by outrider")
 
 
 class _Removed(argparse.Action):
@@ -152,8 +207,11 @@ def add_options(parser: argparse.ArgumentParser, opts: list[Opt]) -> None:
 
 def add_llama_compat(parser: argparse.ArgumentParser) -> None:
     for flags, takes_value in GGML_ONLY.items():
-        parser.add_argument(*flags, action=_GgmlOnly, nargs=1 if takes_value else 0, help=argparse.SUPPRESS)
+        # (a value is optional: llama.cpp's docs write a bare `-fa` from when it was a switch)
+        parser.add_argument(*flags, action=_GgmlOnly, nargs="?" if takes_value else 0, help=argparse.SUPPRESS)
     parser.add_argument(*REMOVED, action=_Removed, nargs="?", help=argparse.SUPPRESS)
+    for names in REFUSED:
+        parser.add_argument(*names, action=_Refused, nargs="?", help=argparse.SUPPRESS)
 
 
 def apply_env_and_defaults(parser: argparse.ArgumentParser, ns: argparse.Namespace, opts: list[Opt]) -> None:

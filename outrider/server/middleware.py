@@ -4,6 +4,7 @@ loading), API keys (401), request body limit (413)."""
 from __future__ import annotations
 
 import hmac
+from urllib.parse import urlsplit
 
 from outrider.server.errors import ApiError, body_too_large, loading, unauthorized
 from outrider.server.render import dumps
@@ -23,18 +24,38 @@ async def _send_error(send, error: ApiError, headers: list[tuple[bytes, bytes]] 
     await send({"type": "http.response.body", "body": body})
 
 
-class CORS:
-    """llama-server's CORS: echo the Origin, allow credentials, any header; OPTIONS never reaches auth."""
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
-    def __init__(self, app):
+
+class CORS:
+    """llama-server's CORS: an allowed Origin is echoed, with credentials and any header; OPTIONS never reaches
+    auth. `origins` (--cors-origins): "*" allows any, "localhost" the loopback hosts on any port and scheme, and
+    any other entry that exact origin. A request from another origin gets no Access-Control-Allow-Origin, so the
+    browser keeps the answer from the page."""
+
+    def __init__(self, app, origins: tuple[str, ...] = ("*",)):
         self.app = app
+        self.any = "*" in origins
+        self.loopback = "localhost" in origins
+        self.exact = frozenset(o.encode() for o in origins)
+
+    def allows(self, origin: bytes) -> bool:
+        if self.any or origin in self.exact:
+            return True
+        if not self.loopback:
+            return False
+        try:
+            url = urlsplit(origin.decode("latin-1"))
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            return False
+        return url.scheme in ("http", "https") and url.hostname in LOOPBACK_HOSTS
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         origin = _header(scope, b"origin")
         allow = [(b"access-control-allow-origin", origin), (b"access-control-allow-credentials", b"true")] \
-            if origin else []
+            if origin and self.allows(origin) else []
         if scope["method"] == "OPTIONS":
             await send({"type": "http.response.start", "status": 200, "headers": [
                 *allow, (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),

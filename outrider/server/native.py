@@ -9,11 +9,11 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
+from outrider.engine.request import FinishReason, RequestOutput, TokenLogprob
 from outrider.engine.request import Request as EngineRequest
-from outrider.engine.request import RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
-from outrider.server.render import JSON, generation_settings, token_probs
+from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
 from outrider.server.transport import read_json, sse_response, until_disconnected
@@ -39,7 +39,6 @@ class NativeOptions:
     @classmethod
     def parse(cls, body: dict, state: ServerState) -> NativeOptions:
         fields = proto.get_str_list(body, "response_fields") or []
-        proto.get_int(body, "id_slot", -1, lo=-1, hi=state.n_slots - 1)  # validated; the scheduler picks slots
         return cls(
             stream=proto.get_bool(body, "stream", False),
             timings_per_token=proto.get_bool(body, "timings_per_token", False),
@@ -60,7 +59,8 @@ async def completion(request: Request):
     params = proto.sampling_params(body, state.config.defaults, tok)
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)
     opts = NativeOptions.parse(body, state)
-    gen = state.admit(proto.make_requests(prompts, params, n, state.n_ctx))
+    options = proto.RequestOptions.parse(body, state.n_slots, state.config.verbose)
+    gen = state.admit(proto.make_requests(prompts, params, n, state.n_ctx, options))
     if opts.stream:
         return sse_response(_stream(state, gen, opts), done=False, ping_interval=opts.ping_interval)
     results = await until_disconnected(request, gen.collect())
@@ -72,6 +72,15 @@ async def completion(request: Request):
 def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], opts: NativeOptions, index: int,
            streamed: bool) -> dict[str, Any]:
     """The complete result object (non-streamed body, or the last SSE frame with the text already sent)."""
+    result = native_result(state, req, outs, index, streamed, stream=opts.stream, return_tokens=opts.return_tokens,
+                           timings_per_token=opts.timings_per_token, post_sampling_probs=opts.post_sampling_probs)
+    return _project(result, opts.response_fields) if opts.response_fields else result
+
+
+def native_result(state: ServerState, req: EngineRequest, outs: list[RequestOutput], index: int, streamed: bool,
+                  stream: bool = False, return_tokens: bool = False, timings_per_token: bool = False,
+                  post_sampling_probs: bool = False) -> dict[str, Any]:
+    """llama-server's result object of one request (also the OpenAI routes' `__verbose`)."""
     last = outs[-1]
     text = "".join(o.text for o in outs)
     ids = [t for o in outs for t in o.new_token_ids]
@@ -79,29 +88,27 @@ def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], op
     result = {
         "index": index,
         "content": "" if streamed else text,
-        "tokens": ids if opts.return_tokens and not streamed else [],
+        "tokens": ids if return_tokens and not streamed else [],
         "id_slot": req.id_slot,
         "stop": True,
         "model": state.config.model_alias,
         "tokens_predicted": len(ids),
         "tokens_evaluated": req.num_prompt,
-        "generation_settings": generation_settings(params, state.engine.config, req.seed, stream=opts.stream,
-                                                   timings_per_token=opts.timings_per_token,
-                                                   post_sampling_probs=opts.post_sampling_probs,
-                                                   drafter_kind=state.engine.drafter_kind),
+        "generation_settings": state.generation_settings(params, req.seed, stream=stream,
+                                                         timings_per_token=timings_per_token,
+                                                         post_sampling_probs=post_sampling_probs),
         "prompt": state.tokenizer.decode(req.prompt_ids),
         "has_new_line": "\n" in text,
-        "truncated": False,
+        "truncated": last.finish_reason is FinishReason.CONTEXT,  # stopped because the context is full
         "stop_type": last.stop_type,
         "stopping_word": last.stopping_word,
         "tokens_cached": req.num_prompt + max(len(ids) - 1, 0),  # the last sampled token has no K/V yet
-        "timings": last.timing.to_timings(),
+        **timings_fields(last.timing),
     }
     if params.n_probs > 0 and not streamed:
         lps = [lp for o in outs for lp in o.logprobs or ()]
-        result["completion_probabilities"] = token_probs(state.tokenizer, lps, params.n_probs,
-                                                         opts.post_sampling_probs)
-    return _project(result, opts.response_fields) if opts.response_fields else result
+        result["completion_probabilities"] = token_probs(state.tokenizer, lps, params.n_probs, post_sampling_probs)
+    return result
 
 
 def _project(result: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
@@ -118,21 +125,51 @@ def _project(result: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class TokenStep:
+    """One generated token of an engine output, as a per-token frame shows it."""
+
+    token_id: int
+    text: str  # what it added to the text (held-back text arrives with a later token)
+    logprob: TokenLogprob | None
+    drafted: bool  # a draft the target accepted (else the target's own token)
+
+
+def split_by_token(out: RequestOutput) -> list[TokenStep]:
+    """An output's tokens one by one, each with its own text and log-prob: their texts concatenate to out.text.
+    (A speculative round commits several tokens in one output; llama-server streams a frame per token.)"""
+    texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.text]
+    logprobs = out.logprobs or [None] * len(out.new_token_ids)
+    return [TokenStep(tok, text, lp, i < out.accepted_drafts)
+            for i, (tok, text, lp) in enumerate(zip(out.new_token_ids, texts, logprobs))]
+
+
+def progress_fields(out: RequestOutput) -> dict[str, Any]:
+    """llama-server's `prompt_progress` of a prefill report (time_ms: since the prompt's processing started)."""
+    p, t0 = out.progress, out.timing.t_prompt_start
+    return {"prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
+                                "time_ms": max(0.0, (p.t - t0) * 1e3) if t0 is not None else 0.0}}
+
+
 async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> AsyncIterator[dict]:
-    """One frame per engine commit, then the final object per request (the native stream has no [DONE])."""
+    """A frame per prefill report (return_progress) and per generated token, then the final object per request
+    (the native stream has no [DONE]). The tokens of one engine output share its timings."""
     history: list[list[RequestOutput]] = [[] for _ in gen.requests]
     predicted = [0] * len(gen.requests)
     async for index, out in gen.outputs():
         req = gen.requests[index]
         history[index].append(out)
-        predicted[index] += len(out.new_token_ids)
-        if out.new_token_ids:
-            frame = {"index": index, "content": out.text, "tokens": out.new_token_ids, "stop": False,
-                     "id_slot": req.id_slot, "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
-            if opts.timings_per_token:
-                frame["timings"] = out.timing.to_timings()
+        head = {"index": index, "content": "", "tokens": [], "stop": False, "id_slot": req.id_slot,
+                "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
+        timings = timings_fields(out.timing) if opts.timings_per_token else {}
+        if out.progress is not None:
+            yield {**head, **progress_fields(out), **timings}
+        for step in split_by_token(out):
+            predicted[index] += 1
+            frame = {**head, "content": step.text, "tokens": [step.token_id], "tokens_predicted": predicted[index],
+                     **timings}
             if req.params.n_probs > 0:
-                frame["completion_probabilities"] = token_probs(state.tokenizer, out.logprobs, req.params.n_probs,
+                frame["completion_probabilities"] = token_probs(state.tokenizer, [step.logprob], req.params.n_probs,
                                                                 opts.post_sampling_probs)
             yield frame
         if out.finished:
@@ -173,7 +210,8 @@ async def detokenize(request: Request):
 @router.post("/apply-template")
 async def apply_template(request: Request):
     body = await read_json(request)
-    return JSON({"prompt": proto.chat_prompt(body, state_of(request).tokenizer)})
+    state = state_of(request)
+    return JSON({"prompt": proto.chat_prompt(body, state.tokenizer, state.config.prefill_assistant)})
 
 
 # --- server information ---
@@ -190,8 +228,7 @@ async def get_props(request: Request):
     tok = core.tokenizer
     return JSON({
         "default_generation_settings": {
-            "params": generation_settings(cfg.defaults, state.engine.config,
-                                          drafter_kind=state.engine.drafter_kind),
+            "params": state.generation_settings(cfg.defaults),
             "n_ctx": state.n_ctx,
         },
         "total_slots": state.n_slots,
@@ -211,9 +248,13 @@ async def get_props(request: Request):
 
 @router.post("/props")
 async def set_props(request: Request):
+    """llama-server (with --props) answers success and changes nothing: it has no settable property yet. We set
+    what it sets, nothing, and name any property asked for instead of dropping it."""
     if not state_of(request).config.endpoint_props:
         raise ApiError(501, "This server does not support changing global properties. Start it with `--props`")
-    await read_json(request)
+    body = await read_json(request)
+    if body:
+        raise ApiError(400, f"property {sorted(body)[0]!r} cannot be changed: no server property is settable")
     return JSON({"success": True})
 
 
@@ -230,22 +271,24 @@ async def slots(request: Request, fail_on_no_slot: str | None = None):
 
 def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
     """One slot as llama-server shows it, from the engine's snapshot: the request it serves, or (idle) the last
-    one it served."""
+    one it served, with its next-token state reset."""
     view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.drafter_kind is not None,
             "is_processing": snap["is_processing"]}
     req = snap["request"]
     if req is None:
         return view
+    busy = snap["is_processing"]
     n_decoded = snap["n_decoded"]
     tok = state.tokenizer
     generated = tok.decode(req.output_ids[:n_decoded])
+    next_token = {"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}
+    if busy:
+        next_token = {"has_next_token": True, "has_new_line": "\n" in generated,
+                      "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
+                      "n_decoded": n_decoded}
     return {**view, "id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
             "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
-            "params": generation_settings(req.params, state.engine.config, req.seed,
-                                          drafter_kind=state.engine.drafter_kind),
-            "next_token": [{"has_next_token": snap["is_processing"], "has_new_line": "\n" in generated,
-                            "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
-                            "n_decoded": n_decoded}],
+            "params": state.generation_settings(req.params, req.seed), "next_token": [next_token],
             "prompt": tok.decode(req.prompt_ids), "generated": generated}
 
 
@@ -272,7 +315,7 @@ async def models(request: Request):
         "data": [{
             "id": cfg.model_alias,
             "aliases": sorted(cfg.aliases),
-            "tags": [],
+            "tags": list(cfg.tags),
             "object": "model",
             "created": int(state.started),
             "owned_by": "llamacpp",
@@ -281,7 +324,7 @@ async def models(request: Request):
                      "size": size, "ftype": str(core.dtype).removeprefix("torch.")},
         }],
         "models": [{"name": cfg.model_alias, "model": cfg.model_alias, "modified_at": "", "size": str(size),
-                    "digest": "", "type": "model", "description": "", "tags": [""],
+                    "digest": "", "type": "model", "description": "", "tags": list(cfg.tags) or [""],
                     "capabilities": ["completion"], "parameters": "",
                     "details": {"parent_model": "", "format": "safetensors", "family": mc.architecture,
                                 "families": [mc.architecture], "parameter_size": str(n_params),

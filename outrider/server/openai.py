@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
-from outrider.server.native import state_of
-from outrider.server.render import JSON, token_probs
+from outrider.server.native import native_result, progress_fields, state_of
+from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
 from outrider.server.transport import read_json, sse_response, until_disconnected
@@ -35,6 +35,7 @@ class Call:
     n_top: int | None  # top log-probs per token; None = log-probs not requested
     timings_per_token: bool  # llama-server extension: `timings` on every streamed content chunk
     ping_interval: float
+    options: proto.RequestOptions  # id_slot, return_progress, verbose
 
     @classmethod
     def parse(cls, body: dict, state: ServerState, prefix: str, obj: str, n_top: int | None) -> Call:
@@ -46,7 +47,8 @@ class Call:
                    created=int(time.time()), n=proto.get_int(body, "n", 1, lo=1, hi=state.n_slots), stream=stream,
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
                    timings_per_token=proto.get_bool(body, "timings_per_token", False),
-                   ping_interval=state.ping_interval(body))
+                   ping_interval=state.ping_interval(body),
+                   options=proto.RequestOptions.parse(body, state.n_slots, state.config.verbose))
 
     def body(self, choices: list[dict], obj: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"choices": choices, "created": self.created, "model": self.model, "system_fingerprint": BUILD_INFO,
@@ -55,7 +57,7 @@ class Call:
     def submit(self, body: dict, state: ServerState, prompts: list[list[int]]) -> Generation:
         n_probs = 0 if self.n_top is None else max(self.n_top, 1)  # the chosen token's log-prob needs one
         params = proto.sampling_params(body, state.config.defaults, state.tokenizer, n_probs=n_probs)
-        return state.admit(proto.make_requests(prompts, params, self.n, state.n_ctx))
+        return state.admit(proto.make_requests(prompts, params, self.n, state.n_ctx, self.options))
 
     def usage(self, gen: Generation) -> dict[str, Any]:
         """Prompt figures count each prompt once, not once per choice."""
@@ -64,6 +66,19 @@ class Call:
         completion = sum(r.timing.predicted_n for r in gen.requests)
         return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(r.timing.cache_n for r in firsts)}}
+
+
+    def progress_chunk(self, out: RequestOutput, obj: str | None = None) -> dict[str, Any]:
+        """A prefill report (return_progress) as a chunk without choices."""
+        return self.body([], obj, **progress_fields(out))
+
+    def verbose(self, state: ServerState, gen: Generation, index: int, outs: list[RequestOutput]) -> dict:
+        """`__verbose` (with `verbose` or -v): the native result object of one choice (rendered prompt, raw
+        text, settings)."""
+        if not self.options.verbose:
+            return {}
+        return {"__verbose": native_result(state, gen.requests[index], outs, index, streamed=False,
+                                           stream=self.stream)}
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -79,7 +94,8 @@ async def _respond(request: Request, call: Call, gen: Generation, choice, chunks
     results = await until_disconnected(request, gen.collect())
     choices = [choice(i, outs) for i, outs in enumerate(results)]
     # A call of several choices (`n` > 1, a prompt array) reports choice 0's timings, streamed or not.
-    return JSON(call.body(choices, usage=call.usage(gen), timings=results[0][-1].timing.to_timings()))
+    return JSON(call.body(choices, usage=call.usage(gen), **timings_fields(results[0][-1].timing),
+                          **call.verbose(state_of(request), gen, 0, results[0])))
 
 
 # --- /v1/completions ---
@@ -120,19 +136,27 @@ async def completions(request: Request):
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
-        finals: dict[int, RequestOutput] = {}
+        history: list[list[RequestOutput]] = [[] for _ in gen.requests]
+        remaining = len(gen.requests)
         async for i, out in gen.outputs():
+            history[i].append(out)
+            if out.progress is not None:
+                yield call.progress_chunk(out)
+            if not out.new_token_ids and not out.finished:
+                continue
             text = prefixes[i] + out.text
             prefixes[i] = ""
             chunk = call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
                                 "finish_reason": _finish_reason(out)}])
             sent[i] += len(out.text)
             if out.finished:
-                finals[i] = out
-            if len(finals) == len(gen.requests):  # the last chunk carries usage and timings
-                chunk.update(usage=call.usage(gen), timings=finals[0].timing.to_timings())
+                remaining -= 1
+            if out.finished:
+                chunk.update(call.verbose(state, gen, i, history[i]))
+            if not remaining:  # the last chunk carries usage and timings (choice 0's)
+                chunk.update(usage=call.usage(gen), **timings_fields(history[0][-1].timing))
             elif call.timings_per_token:
-                chunk["timings"] = out.timing.to_timings()
+                chunk.update(timings_fields(out.timing))
             yield chunk
 
     return await _respond(request, call, gen, choice, chunks)
@@ -145,7 +169,7 @@ async def chat_completions(request: Request):
     state = state_of(request)
     body = await read_json(request)
     tok = state.tokenizer
-    prompt = _chat_prompt_ids(body, tok)
+    prompt = _chat_prompt_ids(body, tok, state.config.prefill_assistant)
     want_logprobs = proto.get_bool(body, "logprobs", False)
     top = proto.get_int(body, "top_logprobs", 0, lo=0, hi=20)
     if top and not want_logprobs:
@@ -166,8 +190,14 @@ async def chat_completions(request: Request):
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
         started: set[int] = set()
-        finals: dict[int, RequestOutput] = {}
+        history: list[list[RequestOutput]] = [[] for _ in gen.requests]
+        remaining = len(gen.requests)
         async for i, out in gen.outputs():
+            history[i].append(out)
+            if out.progress is not None:
+                yield call.progress_chunk(out, obj)
+            if not out.new_token_ids and not out.finished:
+                continue
             if i not in started:
                 started.add(i)
                 yield call.body([{"finish_reason": None, "index": i,
@@ -176,19 +206,20 @@ async def chat_completions(request: Request):
                 chunk = call.body([{"finish_reason": None, "index": i, "delta": {"content": out.text},
                                     "logprobs": logprobs_of([out])}], obj)
                 if call.timings_per_token:
-                    chunk["timings"] = out.timing.to_timings()
+                    chunk.update(timings_fields(out.timing))
                 yield chunk
             if not out.finished:
                 continue
-            finals[i] = out
-            final = call.body([{"finish_reason": _finish_reason(out), "index": i, "delta": {}}], obj)
-            if len(finals) < len(gen.requests):
+            remaining -= 1
+            final = call.body([{"finish_reason": _finish_reason(out), "index": i, "delta": {}}], obj,
+                              **call.verbose(state, gen, i, history[i]))
+            if remaining:
                 yield final
-            elif call.include_usage:  # timings go on the very last chunk: the usage one
+            elif call.include_usage:  # timings (choice 0's) go on the very last chunk: the usage one
                 yield final
-                yield call.body([], obj, usage=call.usage(gen), timings=finals[0].timing.to_timings())
+                yield call.body([], obj, usage=call.usage(gen), **timings_fields(history[0][-1].timing))
             else:
-                yield {**final, "timings": finals[0].timing.to_timings()}
+                yield {**final, **timings_fields(history[0][-1].timing)}
 
     return await _respond(request, call, gen, choice, chunks)
 
@@ -198,10 +229,11 @@ async def chat_completions(request: Request):
 async def chat_input_tokens(request: Request):
     """The prompt length a chat request would have, rendered and tokenized exactly as the chat route does."""
     body = await read_json(request)
-    return JSON({"input_tokens": len(_chat_prompt_ids(body, state_of(request).tokenizer))})
+    state = state_of(request)
+    return JSON({"input_tokens": len(_chat_prompt_ids(body, state.tokenizer, state.config.prefill_assistant))})
 
 
-def _chat_prompt_ids(body: dict, tok) -> list[int]:
+def _chat_prompt_ids(body: dict, tok, prefill_assistant: bool) -> list[int]:
     """The chat prompt's ids. Chat-only fields that need machinery we lack (constrained decoding) are refused."""
     fmt = body.get("response_format")
     if fmt is not None:
@@ -214,4 +246,4 @@ def _chat_prompt_ids(body: dict, tok) -> list[int]:
         raise ApiError(400, "'tool_choice' other than \"auto\" or \"none\" is not supported by this server")
     if choice == "none":  # the model may not call tools, so the template should not offer them
         body.pop("tools", None)
-    return proto.chat_prompt_ids(body, tok)
+    return proto.chat_prompt_ids(body, tok, prefill_assistant)

@@ -6,13 +6,18 @@ Nothing reaches the engine unless it passed here; every invalid or out-of-range 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import Any
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
+from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server.errors import ApiError, context_exceeded, invalid
-from outrider.tokenizer import ChatTemplateError, Tokenizer
+from outrider.tokenizer import ChatTemplateError, Tokenizer, content_text
+
+log = logging.getLogger("outrider.server")
 
 INT_MAX = 2**31 - 1
 _MISSING = object()
@@ -32,10 +37,38 @@ _INERT = {
     "min_keep": lambda v: v == 0,
     "n_indent": lambda v: v == 0,
     "t_max_predict_ms": lambda v: v == 0,
-    "return_progress": lambda v: not v,
     "lora": lambda v: not v,
     "multimodal_data": lambda v: not v,
+    "n_keep": lambda v: v in (0, -1),  # what to keep on a context shift, which never happens here
+    "n_cache_reuse": lambda v: v == 0,
+    "image_data": lambda v: not v,
+    "best_of": lambda v: v == 1,
+    "functions": lambda v: not v,
+    "parallel_tool_calls": lambda v: not v,
+    "prediction": lambda v: not v,
 }
+# Every request field the generation routes read (or refuse above); any other key is ignored, as llama-server
+# ignores it, and named once in the log.
+KNOWN_FIELDS = frozenset({
+    *_INERT, "prompt", "n_predict", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p",
+    "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
+    "n_probs", "stop", "ignore_eos", "min_tokens", "speculative", "speculative.n_max", "speculative.n_min",
+    "speculative.p_min", "cache_prompt", "samplers", "stream", "stream_options", "timings_per_token",
+    "return_tokens", "return_progress", "post_sampling_probs", "response_fields", "sse_ping_interval", "n_cmpl",
+    "n", "id_slot", "verbose",
+    # samplers we lack, at settings that change nothing while they are off (the web UI sends them)
+    "n_discard", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_threshold",
+    "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "adaptive_decay", "backend_sampling", "preserved_tokens",
+    "chat_format", "reasoning_format",
+    # OpenAI routes
+    "model", "messages", "logprobs", "top_logprobs", "echo", "suffix", "user", "response_format", "tools",
+    "tool_choice", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt", "continue_final_message",
+})
+
+
+@functools.cache
+def _note_unknown(name: str) -> None:
+    log.warning("request field %r is not one this server knows; ignored (as llama-server ignores it)", name)
 
 
 # --- typed field readers: the one place types and ranges are checked ---
@@ -97,6 +130,8 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         value = body.get(name)
         if value is not None and not inert(value):
             raise ApiError(400, f"'{name}' is not supported by this server")
+    for name in body.keys() - KNOWN_FIELDS:
+        _note_unknown(name)
     # llama-server reads flat "speculative.n_max" keys; a nested {"speculative": {...}} object works too
     nested = body.get("speculative") if isinstance(body.get("speculative"), dict) else {}
     spec = {**{f"speculative.{k}": v for k, v in nested.items()}, **body}
@@ -134,9 +169,28 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         cache_prompt=get_bool(body, "cache_prompt", defaults.cache_prompt),
     )
     try:
-        return dataclasses.replace(defaults, **fields)
+        params = dataclasses.replace(defaults, **fields)
     except ValueError as e:  # SamplingParams' own cross-field checks
         raise ApiError(400, str(e)) from e
+    samplers = _samplers(body.get("samplers"))
+    try:
+        return restrict(params, samplers or params.samplers) if samplers or params.samplers else params
+    except SamplerChainError as e:
+        raise invalid("samplers", str(e)) from e
+
+
+def _samplers(value: Any) -> tuple[str, ...] | None:
+    """llama-server's `samplers`: a list of names, or a string of one-letter codes."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, str):
+            return parse_chars(value)
+        if isinstance(value, list):
+            return parse_names(value)
+    except SamplerChainError as e:
+        raise invalid("samplers", str(e)) from e
+    raise invalid("samplers", "expected an array of sampler names or a string of sampler letters")
 
 
 def _logit_bias(value: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...]:
@@ -205,18 +259,30 @@ def tokenize_one(prompt: Any, tokenizer: Tokenizer, field: str, add_special: boo
 
 
 # --- chat ---
-def chat_prompt(body: dict, tokenizer: Tokenizer) -> str:
-    """Render an OpenAI chat body (`messages`, `tools`, `chat_template_kwargs`, ...) with the chat template."""
+def chat_prompt(body: dict, tokenizer: Tokenizer, prefill_assistant: bool = True) -> str:
+    """Render an OpenAI chat body (`messages`, `tools`, `chat_template_kwargs`, ...) with the chat template. A final
+    assistant message is a prefill (as llama-server: unless --no-prefill-assistant, or asked by
+    `continue_final_message`): the prompt opens the assistant's turn and ends with that message's content."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "expected a non-empty array of messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise invalid(f"messages[{i}]", "expected an object with a string 'role'")
+        if not isinstance(m.get("content"), (str, list, type(None))):
+            raise invalid(f"messages[{i}].content", "expected a string or an array of content parts")
     continue_final = get_bool(body, "continue_final_message", False)
     add_generation_prompt = get_bool(body, "add_generation_prompt", not continue_final)
     if continue_final and add_generation_prompt:
         raise ApiError(400, "cannot have both 'add_generation_prompt' and 'continue_final_message'")
+    last = messages[-1]
+    if continue_final and (last["role"] != "assistant" or not last.get("content")):
+        raise ApiError(400, "'continue_final_message' needs a final assistant message with content")
+    prefill = last["role"] == "assistant" and (prefill_assistant or continue_final)
+    if prefill:
+        if len(messages) > 1 and messages[-2]["role"] == "assistant":
+            raise invalid("messages", "cannot have 2 or more assistant messages at the end of the list")
+        messages, add_generation_prompt = messages[:-1], True
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("tools", "expected an array")
@@ -227,27 +293,14 @@ def chat_prompt(body: dict, tokenizer: Tokenizer) -> str:
         kwargs = {"reasoning_effort": body["reasoning_effort"], **kwargs}
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools, **kwargs)
+        return text + (content_text(last.get("content")) or "") if prefill else text
     except ChatTemplateError as e:
         raise ApiError(400, str(e)) from e
-    if continue_final:
-        text = _cut_after_final_message(text, messages[-1])
-    return text
 
 
-def _cut_after_final_message(text: str, last: dict) -> str:
-    """End the prompt right after the final message's content, so the model continues that message."""
-    content = last.get("content")
-    if isinstance(content, list):
-        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    if not content or last.get("role") != "assistant":
-        raise ApiError(400, "'continue_final_message' needs a final assistant message with content")
-    end = text.rfind(content)
-    return text if end < 0 else text[: end + len(content)]
-
-
-def chat_prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_ids(body: dict, tokenizer: Tokenizer, prefill_assistant: bool = True) -> list[int]:
     """Token ids of the rendered chat prompt; BOS is added unless the template already wrote it."""
-    ids = tokenizer.encode(chat_prompt(body, tokenizer), add_special=True)
+    ids = tokenizer.encode(chat_prompt(body, tokenizer, prefill_assistant), add_special=True)
     bos = tokenizer.bos_token_id
     if len(ids) > 1 and bos is not None and ids[0] == ids[1] == bos:
         ids = ids[1:]
@@ -255,7 +308,24 @@ def chat_prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
 
 
 # --- requests ---
-def make_requests(prompts: list[list[int]], params: SamplingParams, n: int, n_ctx: int) -> list[Request]:
+@dataclasses.dataclass(frozen=True)
+class RequestOptions:
+    """Per-request fields every generation route reads that are not sampling: the slot (llama-server `id_slot`,
+    -1: any), prefill progress reports (`return_progress`, streams only) and `verbose` (`__verbose` objects)."""
+
+    id_slot: int = -1
+    return_progress: bool = False
+    verbose: bool = False
+
+    @classmethod
+    def parse(cls, body: dict, n_slots: int, verbose: bool) -> RequestOptions:
+        return cls(id_slot=get_int(body, "id_slot", -1, lo=-1, hi=n_slots - 1),
+                   return_progress=get_bool(body, "return_progress", False) and get_bool(body, "stream", False),
+                   verbose=get_bool(body, "verbose", verbose))
+
+
+def make_requests(prompts: list[list[int]], params: SamplingParams, n: int, n_ctx: int,
+                  options: RequestOptions = RequestOptions()) -> list[Request]:
     """prompts x n choices, in llama-server's index order; a seeded choice i > 0 gets seed + i so they differ."""
     requests = []
     for ids in prompts:
@@ -265,5 +335,6 @@ def make_requests(prompts: list[list[int]], params: SamplingParams, n: int, n_ct
             raise context_exceeded(len(ids), n_ctx)
         for i in range(n):
             p = params if i == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            requests.append(Request(prompt_ids=list(ids), params=p))
+            requests.append(Request(prompt_ids=list(ids), params=p, slot_wanted=options.id_slot,
+                                    return_progress=options.return_progress))
     return requests

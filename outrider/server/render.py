@@ -11,11 +11,12 @@ from fastapi.responses import Response
 from outrider.config import EngineConfig
 from outrider.engine.request import TokenLogprob
 from outrider.params import SamplingParams
+from outrider.sampler_chain import CHAIN
+from outrider.timing import RequestTiming
 from outrider.tokenizer import Tokenizer
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # what llama-server shows for "random seed"
-# Our fixed chain (outrider/engine/sampler.py), in llama-server's sampler names.
-SAMPLERS = ["penalties", "top_k", "typ_p", "top_p", "min_p", "temperature"]
+SAMPLERS = list(CHAIN)  # our fixed chain (engine/sampler.py), in llama-server's sampler names
 # Our drafter kinds by llama-server's --spec-type names: `speculative.types` is a comma-joined string of these
 # ("none" without a drafter), which clients compare and split as a string.
 SPEC_TYPE_NAMES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash"}
@@ -34,13 +35,24 @@ class JSON(Response):
         return dumps(content).encode()
 
 
+def timings_fields(timing: RequestTiming) -> dict[str, Any]:
+    """`timings`, and beside it `draft_kind` (an outrider extension) once the request drafted: clients read
+    `timings` as a map of numbers."""
+    fields: dict[str, Any] = {"timings": timing.to_timings()}
+    if timing.draft_n > 0:
+        fields["draft_kind"] = timing.draft_kind
+    return fields
+
+
 def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int | None = None, *,
-                        stream: bool = False, timings_per_token: bool = False,
-                        post_sampling_probs: bool = False, drafter_kind: str | None = None) -> dict[str, Any]:
-    """llama-server's task params object; features we lack are shown at their "off" values."""
+                        stream: bool = False, timings_per_token: bool = False, post_sampling_probs: bool = False,
+                        drafter_kind: str | None = None, eog_ids: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """llama-server's task params object; features we lack are shown at their "off" values. With ignore_eos the
+    end-of-generation ids are listed in `logit_bias` at -inf (null), as llama-server bans them."""
     if seed is None:
         seed = params.seed if params.seed is not None else (engine.seed if engine.seed >= 0 else LLAMA_DEFAULT_SEED)
-    bias = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in params.logit_bias]
+    banned = [(t, -math.inf) for t in sorted(eog_ids)] if params.ignore_eos else []
+    bias = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in [*params.logit_bias, *banned]]
     return {
         "seed": seed,
         "temperature": params.temperature,
@@ -82,7 +94,7 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
         "chat_format": "Content-only",
         "reasoning_format": "none",
         "reasoning_in_content": False,
-        "samplers": SAMPLERS,
+        "samplers": list(params.samplers) or SAMPLERS,
         "speculative.n_max": engine.spec_draft_n_max if params.spec_n_max is None else params.spec_n_max,
         "speculative.n_min": engine.spec_draft_n_min if params.spec_n_min is None else params.spec_n_min,
         "speculative.p_min": engine.draft_p_min if params.spec_p_min is None else params.spec_p_min,

@@ -53,8 +53,19 @@ async def _serve(engine: AsyncEngine, server: uvicorn.Server, sock: socket.socke
     return watcher.result()
 
 
+def configure_logging(config: ServerConfig) -> None:
+    """-v: debug level; --log-file: a file beside stderr; --log-disable: nothing (the listening line, which scripts
+    wait for, is printed regardless)."""
+    handlers: list[logging.Handler] = [] if config.log_disable else [logging.StreamHandler(sys.stderr)]
+    if config.log_file and not config.log_disable:
+        handlers.append(logging.FileHandler(config.log_file, encoding="utf-8"))
+    logging.basicConfig(level=logging.DEBUG if config.verbose else logging.INFO,
+                        handlers=handlers or [logging.NullHandler()], force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config)
     engine = AsyncEngine(engine_config)
     engine.start()
     sock = bind(config.host, config.port)

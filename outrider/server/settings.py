@@ -32,6 +32,13 @@ class ServerConfig:
     max_queue: int = 256  # requests that may wait for a slot; more get 503 "All slots are busy"
     # Request defaults (cache_prompt included).
     defaults: SamplingParams = field(default_factory=lambda: default_params())
+    # CORS allow-list: "*" (any origin), "localhost" (loopback origins on any port), or exact origins.
+    cors_origins: tuple[str, ...] = ("*",)
+    tags: tuple[str, ...] = ()  # /models lists them
+    prefill_assistant: bool = True  # a final assistant message is continued, not closed (chat routes)
+    verbose: bool = False  # -v: debug logs, and every response carries `__verbose`
+    log_disable: bool = False
+    log_file: str | None = None
 
     @property
     def model_alias(self) -> str:

@@ -12,7 +12,9 @@ from outrider.engine.async_engine import AsyncEngine
 from outrider.engine.request import FinishReason, Request, RequestOutput
 from outrider.server.errors import ApiError, busy, loading
 from outrider.server.metrics import Metrics
+from outrider.params import SamplingParams
 from outrider.server.protocol import get_float
+from outrider.server.render import generation_settings
 from outrider.server.settings import ServerConfig
 
 
@@ -42,6 +44,11 @@ class ServerState:
     @property
     def n_slots(self) -> int:
         return self.engine.config.max_num_seqs
+
+    def generation_settings(self, params: SamplingParams, seed: int | None = None, **switches) -> dict:
+        """llama-server's `generation_settings` of `params` on this server (render.generation_settings)."""
+        return generation_settings(params, self.engine.config, seed, drafter_kind=self.engine.drafter_kind,
+                                   eog_ids=self.core.eos_ids, **switches)
 
     def ping_interval(self, body: dict) -> float:
         """A request's `sse_ping_interval` (<= 0: no keep-alive comments)."""
