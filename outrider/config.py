@@ -140,6 +140,9 @@ class EngineConfig:
     spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: its block - 1), else 4
     spec_draft_n_min: int = 0
     draft_p_min: float = 0.0
+    # Choose draft lengths from measured step costs (None: on for CUDA; on the CPU, where costs vary with the
+    # machine's load, the drafter's fixed cost estimate keeps tests deterministic).
+    spec_measured_costs: bool | None = None
     tokenizer: str | None = None  # defaults to the model directory
     chat_template: str | None = None  # overrides the checkpoint's template (jinja source)
     rope: RopeOverride | None = None  # overrides the checkpoint's RoPE

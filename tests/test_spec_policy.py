@@ -38,14 +38,15 @@ def test_caps():
     assert DraftPolicy(max_batch=2).draft_lengths([req()] * 3, DRAFTER) == [0] * 3
 
 
-def test_low_acceptance_turns_drafting_off_then_probes():
+def test_low_acceptance_turns_drafting_off_then_probes_ever_less_often():
     policy = DraftPolicy(n_max=4, probe_every=5)
     r = req()
     assert policy.draft_lengths([r], DRAFTER) == [4]
     for _ in range(20):
         policy.record(r.request_id, proposed=4, accepted=0)
-    ks = [policy.draft_lengths([r], DRAFTER)[0] for _ in range(10)]
-    assert ks == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    ks = [policy.draft_lengths([r], DRAFTER)[0] for _ in range(5 + 10 + 20)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert probes == [4, 14, 34] and set(ks) == {0, 1}  # after 5, 10, then 20 decisions; one draft each
     for _ in range(20):
         policy.record(r.request_id, proposed=1, accepted=1)
     assert policy.draft_lengths([r], DRAFTER) == [4]
@@ -67,3 +68,35 @@ def test_trim_applies_p_min_and_n_min():
     assert out.tokens == [[1, 2], [], []]
     assert out.probs[0].shape == (2, 10) and out.probs[1] is None and out.probs[2] is None
     assert DraftPolicy(p_min=0.0).trim([req()], Proposals([[1]], [[0.01]])).tokens == [[1]]
+
+
+def test_measured_costs_decide_whether_a_round_pays():
+    """With measured step costs, k maximises expected tokens per second: a round that costs six plain steps does
+    not pay at alpha 0.8, one that costs 1.5 does; unmeasured lengths are priced from the plain step."""
+    r = req()
+    slow, fast = DraftPolicy(n_max=4, measured=True), DraftPolicy(n_max=4, measured=True)
+    for policy, round_s in ((slow, 6e-3), (fast, 1.5e-3)):
+        for _ in range(30):
+            policy.record(r.request_id, proposed=4, accepted=3)  # alpha -> 0.75
+        policy.observe_step(1, 0, 1e-3)
+        for k in range(1, 5):
+            policy.observe_step(1, k, round_s)
+    assert slow.draft_lengths([r], DRAFTER) == [0]
+    assert fast.draft_lengths([r], DRAFTER) == [4]
+    fresh = DraftPolicy(n_max=4, measured=True, prior_alpha=0.99)
+    assert fresh.draft_lengths([r], DRAFTER) == [0]  # a plain step is measured first
+    fresh.observe_step(1, 0, 1e-3)
+    assert fresh.round_seconds(1, 3, step_cost=0.1) == pytest.approx(1.3e-3)  # the drafter's estimate
+    assert fresh.draft_lengths([r], DRAFTER) == [4]
+    fresh.observe_step(1, 4, 5e-3)  # measured: then the lengths between are interpolated
+    assert fresh.round_seconds(1, 2, step_cost=0.1) == pytest.approx(3e-3)
+
+
+def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():
+    policy = DraftPolicy(measured=True)
+    policy.observe_step(3, 2, 2.0)
+    policy.observe_step(4, 2, 4.0)  # same bucket (4): a moving average
+    assert policy.costs.get(4, 2) == pytest.approx(2.5) and policy.costs.get(8, 2) is None
+    fixed = DraftPolicy(measured=False)
+    fixed.observe_step(1, 0, 1.0)
+    assert fixed.costs.get(1, 0) is None

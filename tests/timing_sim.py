@@ -2,7 +2,8 @@
 
 The engine reads `SimulatedDevice` as its clock (`LLM(..., clock=sim)`). `install` wraps the runner: launching a
 step costs the host `launch_s` when it prefills (enqueueing a long prompt's kernels is host work), the device
-runs steps back to back in launch order (a prefill step lasts `prefill_s`, any other `round_s`), and collecting
+runs steps back to back in launch order (a prefill step lasts `prefill_s`, one that verifies drafts `verify_s`,
+any other `round_s`), and collecting
 a step waits until the device has finished it. The real computation still happens (instantly, as far as the
 clock knows), so tokens and stops are real. Every step's device interval is recorded, which gives each request's
 true phase times to check `timings` against."""
@@ -28,6 +29,7 @@ class SimulatedDevice:
     prefill_s: float
     round_s: float
     launch_s: float = 0.0
+    verify_s: float | None = None  # a decode step that verifies drafts (None: round_s)
     t: float = 100.0  # the host clock
     free_at: float = 0.0  # the device is busy until then
     steps: list[SimStep] = field(default_factory=list)
@@ -50,7 +52,8 @@ class SimulatedDevice:
             prefill = plan.has_prefill
             self.t += self.launch_s if prefill else 0.0
             begin = max(self.free_at, launched)  # its first kernel was enqueued when the launch began
-            self.free_at = begin + (self.prefill_s if prefill else self.round_s)
+            verifies = any(s.draft_tokens for s in plan.scheduled) and self.verify_s is not None
+            self.free_at = begin + (self.prefill_s if prefill else self.verify_s if verifies else self.round_s)
             sim = SimStep(launched, begin, self.free_at, prefill, [s.request for s in plan.scheduled],
                           list(plan.admitted), [s.request for s in plan.scheduled if s.samples])
             self.steps.append(sim)

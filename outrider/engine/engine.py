@@ -4,12 +4,13 @@ Everything here runs on one thread (the engine thread of AsyncEngine, or the cal
 Commit is where tokens become visible: stop conditions, incremental detokenization, timing stamps and the
 RequestOutput handed to the request's owner all happen in one place, once per committed token batch.
 
-Overlap scheduling (CUDA, no drafter): each step() schedules and launches step n+1 before it collects and
-commits step n, so the host's work for one step runs while the GPU computes the other. Step n+1 feeds each
-request the token step n sampled straight from device memory (Request.num_pending). A request that stops on step
-n's token wasted one token of compute in step n+1, which is discarded; one whose max_tokens or context is reached
-by its pending token is not scheduled again. A step that samples a penalised request is committed before the
-next one launches: penalties read the recent tokens on the host.
+Overlap scheduling (CUDA): each step() schedules and launches step n+1 before it collects and commits step n, so
+the host's work for one step runs while the GPU computes the other. Step n+1 feeds each request the token step n
+sampled straight from device memory (Request.num_pending). A request that stops on step n's token wasted one token
+of compute in step n+1, which is discarded; one whose max_tokens or context is reached by its pending token is
+not scheduled again. A step that samples a penalised request is committed before the next one launches:
+penalties read the recent tokens on the host. So is a speculative round: drafts follow the committed tokens, and
+verification decides on the host (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
 from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status, TokenLogprob
-from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
+from outrider.engine.runner import LaunchedStep, ModelRunner
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
-from outrider.speculative import Commit, DraftPolicy, Drafter, detect_kind, load_drafter
+from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.speculative.drafter import DEFAULT_N_MAX
+from outrider.speculative.speculator import Drafts, Speculator
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
 
@@ -92,6 +94,7 @@ class Engine:
         if self.drafter is not None:
             self.drafter.kv = drafter_kv[0]
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.speculator = Speculator(self.drafter, self.policy, self.pool) if self.drafter is not None else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
@@ -111,9 +114,8 @@ class Engine:
                 self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len,
                                             self.runner.graphs[0].pool)
         self.live: dict[int, _Live] = {}
-        # Overlap scheduling needs no drafter: proposing reads the committed tokens (docs/architecture.md).
-        overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
-        self.overlap = overlap and self.drafter is None
+        # With a drafter, plain steps overlap and speculative rounds run synchronously (speculative.md).
+        self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
                                        "busy_slots_total"), 0)
@@ -143,9 +145,25 @@ class Engine:
                 self.add_request(Request(prompt, one), lambda out: None)
                 self._run_until_idle()
             q_len *= 2
+        if self.policy is not None and self.policy.measured:
+            self._calibrate_speculation()
         self.pool.reset_prefix_cache()
         self.pool.hits = 0
         self.counters = dict.fromkeys(self.counters, 0)
+
+    def _calibrate_speculation(self) -> None:
+        """Serve a little traffic at every batch bucket and draft length the policy may choose, so its first
+        decisions already rest on this device's measured step costs (every step feeds them, here as later)."""
+        vocab = self.model_config.vocab_size
+        batch = 1
+        while batch <= min(self.config.max_num_seqs, self.policy.max_batch):
+            for k in range(self.policy.n_max + 1):
+                params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, spec_n_max=k)
+                for i in range(batch):
+                    self.add_request(Request([5 + (7 * i + j) % (vocab - 5) for j in range(8)], params),
+                                     lambda out: None)
+                self._run_until_idle()
+            batch *= 2
 
     def _run_until_idle(self) -> None:
         while self.has_work():
@@ -175,8 +193,9 @@ class Engine:
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
             return None, None
         self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
+        measured = cfg.spec_measured_costs if cfg.spec_measured_costs is not None else self.device.type == "cuda"
         policy = DraftPolicy(n_max=drafter.max_draft if asked is None else asked, n_min=cfg.spec_draft_n_min,
-                             p_min=cfg.draft_p_min)
+                             p_min=cfg.draft_p_min, measured=measured)
         log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
         return drafter, policy
 
@@ -232,26 +251,34 @@ class Engine:
     # --- the step ---
     def step(self) -> None:
         """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise)."""
+        t0 = self.clock()
         prev, self.inflight = self.inflight, None
-        launched = self._launch(prev)
+        lengths = self.speculator.draft_lengths(self.scheduler.running) if self.speculator is not None else {}
+        if prev is not None and lengths:
+            self._complete(prev)  # drafts follow the committed tokens: finish the step in flight first
+            prev, t0 = None, self.clock()
+        launched = self._launch(prev, lengths)
         if prev is not None:
             self._complete(prev)
         if launched is None:
             return
-        if self.overlap and not launched.reads_history:
+        if self.overlap and launched.overlappable:
+            if self.speculator is not None:  # the drafter learns this step after the next one has replayed
+                launched.out.keep_hidden()
             self.inflight = launched
+            done = prev
         else:
             self._complete(launched)
+            done = None if prev is not None else launched  # (two steps completed: no one step's time)
+        if done is not None and self.speculator is not None:
+            self.speculator.observe_step(done.plan, self.clock() - t0)
 
-    def _launch(self, feed: LaunchedStep | None) -> LaunchedStep | None:
-        """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight); advances each
-        scheduled request past the tokens it feeds, with one pending token per sampled request."""
-        try:
-            drafts, draft_probs = self._propose()
-        except Exception as exc:  # drafts are only proposals: without them the step is still exact
-            log.error("drafter failed to propose: %s\n%s", exc, traceback.format_exc())
-            drafts, draft_probs = {}, {}
-        plan = self.scheduler.schedule(drafts)
+    def _launch(self, feed: LaunchedStep | None, lengths: dict[int, int]) -> LaunchedStep | None:
+        """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight, and drafts of the
+        decided `lengths`); advances each scheduled request past the tokens it feeds, with one pending token per
+        sampled request."""
+        drafts = self.speculator.propose(self.scheduler.running, lengths) if lengths else Drafts()
+        plan = self.scheduler.schedule(drafts.tokens)
         t = self.clock()  # the step is launched now: its prompts' processing starts (docs/architecture.md)
         for req in plan.preempted:
             req.timing.mark_preempted(t)
@@ -267,7 +294,7 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
-            launched = self.runner.launch(plan, draft_probs, feed)
+            launched = self.runner.launch(plan, drafts.probs, feed)
         except Exception as exc:  # a fault fails this step's requests, never the server
             self._fail(plan, exc)
             return None
@@ -299,58 +326,15 @@ class Engine:
             if output.finished:
                 self._mark_finished(live, output.finish_reason, t)
             live.on_output(output)
-        if self.drafter is not None:
-            self._learn(plan, out)  # (before finished requests release their blocks: they may serve prefix hits)
+        if self.speculator is not None:  # (before finished requests release their blocks: they may serve prefix hits)
+            self.speculator.learn(plan, out.accepted, out.hidden, out.aux_hidden, self.live)
         for live, output in emits:
             if output.finished:
                 self._release(live)
 
-    def _learn(self, plan: StepPlan, out: StepOutput) -> None:
-        """Let the drafter learn every committed row (finishing requests too: their blocks may serve prefix hits)."""
-        commits: list[Commit] = []
-        rows: list[int] = []
-        base = 0
-        for i, s in enumerate(plan.scheduled):
-            if s.request.request_id in self.live:  # (as committed: retiring comes after)
-                # Target rows whose K/V stays valid and whose next token is known (a stop may cut a round).
-                start = s.request.num_computed - s.num_new_tokens - out.accepted[i]
-                count = min(s.num_new_tokens + out.accepted[i], s.request.num_tokens - 1 - start)
-                commits.append(Commit(s.request, start, count))
-                rows.extend(range(base, base + count))
-            base += s.num_query_tokens
-        if not commits:
-            return
-        index = torch.tensor(rows, dtype=torch.int64, device=out.hidden.device)
-        aux = out.aux_hidden.index_select(0, index) if out.aux_hidden is not None else None
-        try:
-            self.drafter.on_commit(commits, out.hidden.index_select(0, index), aux)
-        except Exception as exc:  # a drafter fault costs acceptance, never correctness
-            log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
-
-    def _propose(self) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
-        """Draft for every decoding request the policy gives k > 0, with blocks reserved for what it writes."""
-        if self.drafter is None:
-            return {}, {}
-        decoding = [r for r in self.scheduler.running if r.num_computed == r.num_tokens - 1]
-        if not decoding:
-            return {}, {}
-        ks = self.policy.draft_lengths(decoding, self.drafter)
-        for i, req in enumerate(decoding):
-            if ks[i] and not self.pool.ensure(req, req.num_tokens - 1 + self.drafter.lookahead(ks[i])):
-                ks[i] = 0  # no room to draft: a plain decode step, never a preemption
-        if not any(ks):
-            return {}, {}
-        props = self.policy.trim(decoding, self.drafter.propose(decoding, ks))
-        drafts = {r.request_id: d for r, d in zip(decoding, props.tokens) if d}
-        probs = {}
-        if props.probs is not None:
-            probs = {r.request_id: q for r, q in zip(decoding, props.probs) if q is not None}
-        return drafts, probs
-
     def _release_drafter_state(self, request_id: int) -> None:
-        if self.drafter is not None:
-            self.drafter.release(request_id)
-            self.policy.release(request_id)
+        if self.speculator is not None:
+            self.speculator.release(request_id)
 
     def _commit(self, plan: StepPlan, out: StepOutput, t: float) -> list[tuple[_Live, RequestOutput]]:
         """Apply a step's results to its requests; returns their outputs, delivered (and finished requests
@@ -375,7 +359,7 @@ class Engine:
             n, pieces, reason, stop_type, word = self._append(live, tokens)
             text = "".join(pieces)
             if s.draft_tokens:  # count only accepted drafts that were committed (a stop can cut a round short)
-                self.policy.record(req.request_id, len(s.draft_tokens), accepted)
+                self.speculator.record(req.request_id, len(s.draft_tokens), accepted)
                 req.timing.draft_kind = self.drafter.kind
                 req.timing.mark_draft_round(len(s.draft_tokens), min(accepted, n))
             req.timing.mark_tokens(n, t)

@@ -36,6 +36,12 @@ class StepOutput:
     hidden: torch.Tensor
     aux_hidden: torch.Tensor | None  # [T, A] outputs of model.aux_layer_ids, when a drafter reads them
 
+    def keep_hidden(self) -> None:
+        """Own copies of the hidden rows (device-side, asynchronous), for a reader after the next graph replay."""
+        self.hidden = self.hidden.clone()
+        if self.aux_hidden is not None:
+            self.aux_hidden = self.aux_hidden.clone()
+
 
 @dataclass
 class LaunchedStep:
@@ -51,6 +57,13 @@ class LaunchedStep:
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     # A penalty read a sampled request's recent tokens on the host: the next step needs this one's tokens there.
     reads_history: bool = False
+
+    @property
+    def overlappable(self) -> bool:
+        """May the next step launch before this one is committed? Not when the next step needs this one's tokens
+        on the host (penalties), nor after a verify (its tokens are decided on the host already, not fed from
+        the device)."""
+        return not self.reads_history and self.tokens is None
 
 
 @dataclass

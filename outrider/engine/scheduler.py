@@ -19,6 +19,7 @@ from outrider.engine.request import Request, Status
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
+    start: int  # position of its first fed token (request.num_computed when scheduled)
     num_new_tokens: int  # known tokens fed this step (prompt chunk, or the last sampled token)
     samples: bool  # this step computes the request's last known token, so its logits are sampled
     draft_tokens: list[int] = field(default_factory=list)  # speculative proposals fed after them
@@ -96,7 +97,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n, n == todo, draft))
+                scheduled.append(ScheduledRequest(req, req.num_computed, n, n == todo, draft))
                 budget -= n + len(draft)
 
         passed = 0  # waiting requests passed over because the slot they asked for (id_slot) is busy
@@ -115,7 +116,7 @@ class Scheduler:
             req.id_slot = slot
             admitted.append(req)
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, n, req.num_computed + n == req.num_tokens))
+            scheduled.append(ScheduledRequest(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
             budget -= n
         return StepPlan(scheduled, preempted, admitted)
 

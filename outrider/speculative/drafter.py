@@ -85,47 +85,126 @@ def expected_tokens(alpha: float, k: int) -> float:
 class _Acceptance:
     accepted: float  # decayed counts of accepted drafts and of rounds ending in a rejection:
     rejected: float  # accepted / (accepted + rejected) estimates the per-position acceptance
-    idle: int = 0  # rounds since k was last > 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+def batch_bucket(n: int) -> int:
+    """The power of two at or above n: step costs are measured per bucket of decoding sequences."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclass
+class StepCosts:
+    """Measured seconds of one engine step of pure decoding by batch bucket and draft length (k = 0: a plain
+    step; k > 0: a speculative round with drafts of up to k, drafting, verifying and learning included), as
+    moving averages. The engine feeds it from its clock, at warm-up and while serving."""
+
+    weight: float = 0.25  # of a new measurement
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        key = (batch_bucket(batch), k)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+
+    def get(self, batch: int, k: int) -> float | None:
+        return self.seconds.get((batch_bucket(batch), k))
+
+    def at(self, batch: int) -> dict[int, float]:
+        """Every measured draft length of the batch's bucket, with its seconds."""
+        bucket = batch_bucket(batch)
+        return {k: t for (b, k), t in self.seconds.items() if b == bucket}
+
+
+@dataclass
+class _Probe:
+    """Backoff of exploratory rounds while the measured costs say speculation does not pay at a batch bucket."""
+
+    every: int
+    idle: int = 0
 
 
 @dataclass
 class DraftPolicy:
-    """Draft length per request: request caps, a batch-size cap, and an acceptance-aware online rule."""
+    """Draft lengths: request caps, a batch-size cap, and the k that maximises expected tokens per second.
+
+    Expected tokens of a round come from each request's measured acceptance; a round's seconds come from
+    `costs` (measured, when `measured`), else from the drafter's own estimate of a draft's cost relative to a
+    plain step (`Drafter.step_cost`). k = 0 (a plain step) competes too, so speculation turns itself down or off
+    where it does not pay. While it is off, an exploratory round now and then (with a doubling interval)
+    re-measures acceptance and cost."""
 
     n_max: int = DEFAULT_N_MAX  # server default for SamplingParams.spec_n_max (--draft-max)
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
     p_min: float = 0.0  # drafting stops at the first token the drafter gives less than this (--draft-p-min)
+    measured: bool = False  # choose k from measured step costs (on by default on CUDA: EngineConfig)
     max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
     max_batch: int = 64  # no drafting above this many decoding requests
     prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
     decay: float = 0.9  # weight of the past per round
-    probe_every: int = 16  # while the rule holds k at 0, draft one token this often to re-measure
+    probe_every: int = 32  # first interval (in decisions) of exploratory rounds while k = 0 wins
+    probe_max: int = 2048  # the interval doubles after each probe that changes nothing, up to this
+    costs: StepCosts = field(default_factory=StepCosts)
     _stats: dict[int, _Acceptance] = field(default_factory=dict, repr=False)
+    _probes: dict[int, _Probe] = field(default_factory=dict, repr=False)
 
     def draft_lengths(self, requests: Sequence[Request], drafter: Drafter) -> list[int]:
-        """k for each decoding request this step."""
+        """k for each decoding request this step: one k for the batch, capped per request."""
         if len(requests) > self.max_batch:
             return [0] * len(requests)
-        batch_cap = self.max_verify_tokens // max(len(requests), 1) - 1
-        return [self._length(r, min(batch_cap, drafter.max_draft), drafter.step_cost) for r in requests]
+        batch_cap = min(self.max_verify_tokens // max(len(requests), 1) - 1, drafter.max_draft)
+        caps = [self._cap(r, batch_cap) for r in requests]
+        if max(caps, default=0) <= 0:
+            return [0] * len(requests)
+        alphas = [self._acceptance(r.request_id).alpha for r in requests]
+        k = self._batch_length(len(requests), caps, alphas, drafter.step_cost)
+        return [min(k, c) for c in caps]
 
-    def _length(self, req: Request, cap: int, step_cost: float) -> int:
+    def _cap(self, req: Request, cap: int) -> int:
         p = req.params
-        left = req.max_output_tokens - len(req.output_ids)  # (no token is pending: drafting turns overlap off)
-        cap = min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1)  # +1 bonus token
-        if cap <= 0:
-            return 0
-        st = self._acceptance(req.request_id)
-        alpha = st.accepted / (st.accepted + st.rejected)
-        # Tokens per unit of work: k = 0 costs 1 step for 1 token; each draft adds step_cost.
-        k = max(range(cap + 1), key=lambda n: expected_tokens(alpha, n) / (1.0 + step_cost * n))
-        if k == 0:
-            st.idle += 1
-            if st.idle >= self.probe_every:
-                st.idle, k = 0, 1
+        left = req.max_output_tokens - len(req.output_ids) - req.num_pending
+        return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
+
+    def round_seconds(self, batch: int, k: int, step_cost: float) -> float:
+        """Seconds of a round with drafts of up to k: measured; else interpolated between the measured lengths
+        around k (a round's cost grows about linearly with k); else the drafter's estimate relative to a plain
+        step."""
+        if self.measured:
+            known = self.costs.at(batch)
+            if k in known:
+                return known[k]
+            below = max((n for n in known if n < k), default=None)
+            above = min((n for n in known if n > k), default=None)
+            if below is not None and above is not None:
+                w = (k - below) / (above - below)
+                return known[below] + w * (known[above] - known[below])
+            if below is not None and below > 0:  # extrapolate from the plain step through the longest measured
+                return known[0] + (known[below] - known[0]) * k / below
+            plain = known.get(0, 1.0)
         else:
-            st.idle = 0
-        return k
+            plain = 1.0
+        return plain * (1.0 + step_cost * k)
+
+    def _batch_length(self, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
+        if self.measured and self.costs.get(batch, 0) is None:
+            return 0  # a plain step first: every estimate is relative to it
+        def rate(k: int) -> float:  # expected tokens per second over the batch
+            tokens = sum(expected_tokens(a, min(k, c)) for a, c in zip(alphas, caps))
+            return tokens / self.round_seconds(batch, k, step_cost)
+
+        k = max(range(max(caps) + 1), key=rate)
+        probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
+        if k > 0:
+            probe.every, probe.idle = self.probe_every, 0
+            return k
+        probe.idle += 1
+        if probe.idle < probe.every:
+            return 0
+        probe.idle, probe.every = 0, min(2 * probe.every, self.probe_max)
+        return 1  # the cheapest round re-measures acceptance and cost
 
     def trim(self, requests: Sequence[Request], proposals: Proposals) -> Proposals:
         """Apply each request's confidence stop (p_min) and minimum length (n_min) to fresh proposals."""
@@ -152,6 +231,11 @@ class DraftPolicy:
         st = self._acceptance(request_id)
         st.accepted = self.decay * st.accepted + accepted
         st.rejected = self.decay * st.rejected + (1 if accepted < proposed else 0)
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        """A pure decode step of `batch` sequences with drafts of up to k (0: none) took `seconds`."""
+        if self.measured:
+            self.costs.observe(batch, k, seconds)
 
     def release(self, request_id: int) -> None:
         self._stats.pop(request_id, None)
