@@ -458,7 +458,7 @@ def test_openai_chat(oai, client):
     assert msg.role == "assistant" and r.choices[0].finish_reason == "length" and r.choices[0].logprobs is None
     prompt = client.post("/apply-template", json={"messages": messages}).json()["prompt"]
     assert r.usage.prompt_tokens == len(tokenize(client, prompt)) and r.usage.completion_tokens == 5
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens == r.model_extra["timings"]["cache_n"]
     assert msg.content == complete(client, prompt=prompt, n_predict=5, temperature=0)["content"]
     assert list(r.model_extra["timings"]) == TIMING_KEYS
     chunks = list(oai.chat.completions.create(model="x", messages=messages, max_tokens=5, temperature=0, stream=True))
