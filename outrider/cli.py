@@ -162,6 +162,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
         spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min,
         overlap_schedule=False if ns.no_overlap_schedule else None,
+        spec_measured_costs=False if ns.no_spec_measured_costs else None,
         # Every core computing leaves none for the HTTP side, which on a small box costs more than it gives.
         cpu_threads=ns.threads if ns.threads > 0 else max(1, (os.cpu_count() or 2) - 1),
     )

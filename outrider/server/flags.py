@@ -62,6 +62,8 @@ MODEL = [
     Opt(("--spec-draft-n-min",), "spec_draft_n_min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, None, "min drafted tokens"),
     Opt(("--spec-draft-p-min", "--draft-p-min"), "draft_p_min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, None,
         "min draft probability to keep drafting"),
+    Opt(("--no-spec-measured-costs",), "no_spec_measured_costs", None, None, False,
+        "choose draft lengths from the drafter's fixed cost estimate, not measured step costs (the CPU default)"),
     Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",
         help="a built-in template name (llama-server's: chatml, llama3, gemma, ...) or Jinja source"),
     Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", help="Jinja template file"),
