@@ -13,7 +13,7 @@ from torch import nn
 
 from outrider.config import ModelConfig
 from outrider.models import resolve_model_path
-from outrider.speculative.drafter import Commit, DraftPolicy, Drafter, Proposals
+from outrider.speculative.drafter import Commit, DraftPolicy, Drafter, Proposals, TargetView
 
 KINDS = ("draft", "mtp", "dflash")
 
@@ -42,17 +42,18 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
         if draft_path is None:
             raise ValueError("a draft model needs a checkpoint path (--model-draft)")
         return DraftModelDrafter(draft_path, target_cfg.vocab_size, max_draft=max_draft, **pool)
+    view = TargetView.of(target)
     if kind == "mtp":
         from outrider.speculative.mtp import MTPDrafter
 
-        return MTPDrafter(target, target_cfg, str(resolve_model_path(draft_path or target_path)),
+        return MTPDrafter(view, target_cfg, str(resolve_model_path(draft_path or target_path)),
                           max_draft=max_draft, **pool)
     if kind == "dflash":
         from outrider.speculative.dflash import DFlashDrafter
 
         if draft_path is None:
             raise ValueError("DFlash needs its drafter checkpoint path (--model-draft)")
-        return DFlashDrafter(target, target_cfg, str(resolve_model_path(draft_path)), **pool)
+        return DFlashDrafter(view, target_cfg, str(resolve_model_path(draft_path)), **pool)
     raise ValueError(f"unknown speculative kind {kind!r}; one of {', '.join(KINDS)}")
 
 

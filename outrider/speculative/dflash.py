@@ -27,7 +27,8 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.speculative.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+from outrider.speculative.drafter import (Commit, Proposals, TargetView, block_capacity, collect_drafts,
+                                         greedy_drafts)
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -54,7 +55,7 @@ class DFlashDrafter:
     kind = "dflash"
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
-    def __init__(self, target: nn.Module, target_cfg: ModelConfig, path: str, block_size: int,
+    def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         raw = json.loads((Path(path) / "config.json").read_text())
         # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.

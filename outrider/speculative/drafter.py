@@ -12,7 +12,7 @@ One engine step with a drafter (docs/speculative.md walks it through):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,6 +20,22 @@ import torch
 
 from outrider.attention import KVCache
 from outrider.engine.request import Request
+
+
+@dataclass(frozen=True)
+class TargetView:
+    """What a drafter may use of the target model, and nothing more: its token embedding, final norm, LM head (over
+    normed hidden states) and rotary embedding. MTP heads and DFlash borrow these; they never reach into the
+    target's modules."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]
+    final_norm: Callable[[torch.Tensor], torch.Tensor]
+    lm_head: Callable[[torch.Tensor], torch.Tensor]
+    rotary: torch.nn.Module
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> TargetView:
+        return cls(model.embed, model.model.norm, model.lm_head, model.model.rotary_emb)
 
 
 @dataclass

@@ -24,7 +24,8 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.speculative.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+from outrider.speculative.drafter import (Commit, Proposals, TargetView, block_capacity, collect_drafts,
+                                         greedy_drafts)
 
 
 class QwenMTP(nn.Module):
@@ -96,7 +97,7 @@ class MTPDrafter:
     aux_layer_ids: tuple[int, ...] = ()
     step_cost = 0.05  # [est] one decoder layer of the target per drafted token
 
-    def __init__(self, target: nn.Module, cfg: ModelConfig, path: str, block_size: int,
+    def __init__(self, target: TargetView, cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
         self.device = torch.device(device)
         self.target = target
@@ -116,7 +117,7 @@ class MTPDrafter:
     def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """Head output y for pairs (hidden_i, tokens_i) at the positions `seqs` describe; writes its KV."""
         meta, positions = build_metadata(seqs, self.block_size, self.device)
-        return self.head(self.target.embed(tokens), hidden, positions, self.target.model.rotary_emb, self.kv,
+        return self.head(self.target.embed(tokens), hidden, positions, self.target.rotary, self.kv,
                          meta, self.backend)
 
     @torch.inference_mode()
@@ -126,7 +127,7 @@ class MTPDrafter:
         if len(nxt) != hidden.shape[0]:
             raise ValueError("on_commit needs every committed row's next token in request.all_ids")
         tokens = torch.tensor(nxt, dtype=torch.int64).to(self.device, non_blocking=True)
-        y = self._run(tokens, self.target.model.norm(hidden),
+        y = self._run(tokens, self.target.final_norm(hidden),
                       [(c.request.block_ids, c.start, c.count) for c in commits])
         ends = [n - 1 for n in itertools.accumulate(c.count for c in commits)]
         y_last = y.index_select(0, torch.tensor(ends).to(self.device, non_blocking=True))
