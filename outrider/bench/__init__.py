@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
 from outrider.speculative import KINDS
 
@@ -31,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     lat.add_argument("--gen", type=int, default=256)
     lat.add_argument("--batch", type=int, default=1)
     lat.add_argument("--ttft-prompt-len", type=int, default=1024, help="extra TTFT line at this length (0 = off)")
-    lat.add_argument("--compare", choices=["hf"], help="also run HF transformers on the same weights")
+    lat.add_argument("--compare", choices=["hf"], help="also run HF transformers (same shape and batch, own process)")
+    lat.add_argument("--hf-configs", nargs="+", choices=HF_CONFIGS, default=list(HF_CONFIGS),
+                     help="HF configurations for --compare hf (default: all)")
     lat.add_argument("--profile", action="store_true", help="also print where a step's time goes")
 
     thr = sub.add_parser("throughput", parents=[common], help="nano-vllm workload: output tok/s")
