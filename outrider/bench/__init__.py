@@ -35,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     lat.add_argument("--compare", choices=["hf"], help="also run HF transformers (same shape and batch, own process)")
     lat.add_argument("--hf-configs", nargs="+", choices=HF_CONFIGS, default=list(HF_CONFIGS),
                      help="HF configurations for --compare hf (default: all)")
+    lat.add_argument("--hf-timeout", type=float, default=900, help="seconds an HF configuration may take")
     lat.add_argument("--profile", action="store_true", help="also print where a step's time goes")
 
     thr = sub.add_parser("throughput", parents=[common], help="nano-vllm workload: output tok/s")

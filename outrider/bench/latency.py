@@ -87,4 +87,5 @@ def _compare_hf(args) -> list:
     from outrider.bench.hf import compare
 
     source = ["--model", args.model] if args.model else ["--random-weights", args.random_weights]
-    return compare(source, args.hf_configs, args.device, args.batch, args.prompt_len, args.gen, args.seed)
+    return compare(source, args.hf_configs, args.device, args.batch, args.prompt_len, args.gen, args.seed,
+                   args.hf_timeout)
