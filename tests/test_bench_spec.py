@@ -57,6 +57,18 @@ def test_controlled_acceptance_one_accepts_every_draft_and_zero_none(kind, tmp_p
     assert printed.count(f"spec {kind} bs=") == 4 and printed.count("round ms: draft ") == 4
 
 
+def test_random_weights_commit_the_same_tokens_plain_and_speculative_in_bfloat16(tmp_path):
+    """Random weights leave near-ties that bf16 rounding resolves differently in a verify step than in a plain
+    one; the presets' target has a decisive successor per token, so the recording stays the target's choice."""
+    out = tmp_path / "spec.json"
+    argv = ["spec", "--random-weights", "tiny-qwen3", "--spec-type", "dflash", "--acceptance", "1", "--device", "cpu",
+            "--dtype", "bfloat16", "--batch", "4", "--gen", "33", "--num-requests", "4", "--draft-n-max", "3",
+            "--prompt-len", "16", "--json", str(out)]
+    assert bench.main(argv) == 0
+    (row,) = _results(out)
+    assert row["identical"] == 4 and row["off_script"] == 0 and row["tau"] == 4.0
+
+
 def test_checkpoint_with_its_drafter_on_the_demo_prompts(tmp_path, capsys):
     out = tmp_path / "spec.json"
     argv = ["spec", "--model", str(demo.demo_path("target")), "--draft-model", str(demo.demo_path("draft")),

@@ -94,3 +94,20 @@ def write_random_checkpoint(name: str, path: Path, dtype: torch.dtype, seed: int
     tensors = {n: t.to(dtype).contiguous() for n, t in random_weights(RANDOM_MODELS[name], seed).items()}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def fix_successors(model: torch.nn.Module, seed: int = 0, gain: float = 100.0) -> None:
+    """Make greedy decoding of a random-weights model decisive, in place. Random weights give near-ties between
+    the top tokens, so runs that batch a step differently (a plain and a speculative one, in bf16) soon commit
+    different tokens. Here every token's embedding is scaled up `gain` times, so the last layer's residual stream
+    keeps its direction, and the LM head's row for a fixed successor (a random permutation) is that direction:
+    the greedy next token is the current token's successor, by a margin no rounding flips. Shapes, and so the
+    cost of every step, stay as they were. The LM head must not be tied to the embedding."""
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    if head is emb:
+        raise ValueError("fix_successors needs an LM head of its own (tie_word_embeddings is set)")
+    successor = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+    with torch.no_grad():
+        unit = emb.float() / emb.float().norm(dim=1, keepdim=True)
+        head.index_copy_(0, successor, unit.to(head.dtype))
+        emb.mul_(gain)

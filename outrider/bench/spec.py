@@ -171,7 +171,7 @@ def _setup(args, root: Path) -> Setup:
     device = torch.device(args.device)
     if args.random_weights:
         from outrider.bench.drafter_shapes import preset, write_preset
-        from outrider.bench.shapes import RANDOM_MODELS, random_model
+        from outrider.bench.shapes import RANDOM_MODELS, fix_successors, random_model
         from outrider.config import ModelConfig
 
         name = args.random_weights
@@ -179,6 +179,7 @@ def _setup(args, root: Path) -> Setup:
         shape = preset(name, args.spec_type)
         paths = write_preset(name, shape, root, dtype, args.seed)
         model, cfg = random_model(name, device, dtype, args.seed)
+        fix_successors(model, args.seed)  # plain and speculative runs then commit the same tokens
         rng = random.Random(args.seed)
         count = max(_workload_size(b, args.num_requests) for b in args.batch)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len or 128)] for _ in range(count)]
