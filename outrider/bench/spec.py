@@ -53,14 +53,14 @@ class Pass:
 
 @dataclass(frozen=True)
 class RoundSplit:
-    """The mean ms of one round (an engine step that verifies drafts, no prefill in it), measured with
-    synchronising timers: draft = the drafter's propose and on_commit, verify = the runner's launch and collect,
-    host = the rest of Engine.step."""
+    """The mean ms of one round: an engine step that verifies drafts (for every request of the batch at once; no
+    prefill in it), measured with synchronising timers. draft = the drafter's propose and on_commit, verify = the
+    runner's launch and collect, host = the rest of Engine.step."""
 
     draft_ms: float
     verify_ms: float
     host_ms: float
-    rounds: int
+    steps: int
 
     @property
     def total_ms(self) -> float:
@@ -69,7 +69,7 @@ class RoundSplit:
 
 @dataclass(frozen=True)
 class Rounds:
-    """What the target verified: (drafts k, accepted m) per request per round."""
+    """What the target verified: (drafts k, accepted m) per request and round (a request round)."""
 
     rounds: list[tuple[int, int]]
     undrafted: int  # decode steps of a request that carried no drafts (the policy chose k = 0)
@@ -106,11 +106,11 @@ class SpecResult:
     speedup: float
     plain_step_ms: float  # wall time per engine step of the timed passes
     spec_step_ms: float
-    tau: float  # tokens per round
+    tau: float  # tokens per request round
     tau_theory: float | None  # controlled: E[tau] at alpha for the k each round drafted
     tau_theory_n_max: float | None  # controlled: (1 - alpha^(k+1)) / (1 - alpha) at k = draft_n_max
     mean_k: float
-    rounds: int
+    rounds: int  # request rounds
     undrafted: int
     accepted_by_position: list[float]
     split: RoundSplit
@@ -217,7 +217,8 @@ def _workload(prompts: list[list[int]], batch: int, num_requests: int) -> list[l
     return [prompts[i % len(prompts)] for i in range(_workload_size(batch, num_requests))]
 
 
-def _plain_passes(args, setup: Setup, workloads: dict[int, list[list[int]]], limits: dict) -> dict[int, tuple[Pass, Pass]]:
+def _plain_passes(args, setup: Setup, workloads: dict[int, list[list[int]]],
+                  limits: dict) -> dict[int, tuple[Pass, Pass]]:
     """(recording pass, timed pass) per batch size, from an engine without a drafter."""
     engine = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
     return {b: (_decode(engine, prompts, b, args), _decode(engine, prompts, b, args))
@@ -343,7 +344,7 @@ class RoundProfile:
     def split(self) -> RoundSplit:
         n = len(self.splits)
         mean = [1e3 * sum(x[i] for x in self.splits) / n if n else 0.0 for i in range(3)]
-        return RoundSplit(*mean, rounds=n)
+        return RoundSplit(*mean, steps=n)
 
 
 def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: Pass, spec: Pass, recorded: Pass,
@@ -369,10 +370,11 @@ def report(r: SpecResult) -> str:
         theory = (f" (theory {r.tau_theory:.2f} at the k each round drafted, {r.tau_theory_n_max:.2f} at "
                   f"k={r.draft_n_max}; {r.off_script} requests left the recording)")
     s = r.split
+    by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position)
     return (f"spec {r.kind} bs={r.batch}{alpha}: plain {r.plain_tok_s:.1f} tok/s ({r.plain_step_ms:.2f} ms/step), "
             f"speculative {r.spec_tok_s:.1f} tok/s ({r.spec_step_ms:.2f} ms/step), speedup {r.speedup:.2f}x; "
             f"{r.requests} requests x {r.tokens // r.requests} tokens, output identical {r.identical}/{r.requests}\n"
-            f"  tau {r.tau:.2f}{theory} over {r.rounds} rounds of mean k {r.mean_k:.2f}, {r.undrafted} undrafted "
-            f"decodes; accepted by draft position {' '.join(f'{a:.2f}' for a in r.accepted_by_position)}; "
+            f"  tau {r.tau:.2f}{theory} over {r.rounds} request rounds of mean k {r.mean_k:.2f}, "
+            f"{r.undrafted} undrafted decodes; accepted by draft position {by_position}; "
             f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
-            f"{s.total_ms:.3f} (synchronised, over {s.rounds} rounds)")
+            f"{s.total_ms:.3f} (synchronised, mean of {s.steps} verify steps)")
