@@ -6,7 +6,7 @@
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
 # spec-demo: bench spec on the demo family (draft model, MTP, DFlash) at batch 1, 8, 32 (issue 13's targets).
-# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance (issue 13's targets).
+# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance (issue 13's targets; BENCH_TIMEOUT=500).
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
