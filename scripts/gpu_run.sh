@@ -5,14 +5,16 @@
 # latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles).
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
+# spec-demo: bench spec on the demo family (draft model, MTP, DFlash) at batch 1, 8, 32 (issue 13's targets).
+# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance (issue 13's targets; BENCH_TIMEOUT=500).
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
 MODE=${1:-}
 case "$MODE" in
-  tests|latency|kernels|throughput|full) ;;
+  tests|latency|kernels|throughput|spec-demo|spec-8b|full) ;;
   ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
-  *) echo "usage: scripts/gpu_run.sh tests|latency|kernels|throughput|full|ab" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_run.sh tests|latency|kernels|throughput|spec-demo|spec-8b|full|ab" >&2; exit 2 ;;
 esac
 OUT=$(realpath -m "${OUT:-.out}")
 mkdir -p "$OUT"
@@ -61,5 +63,15 @@ if run throughput; then
     --steps 32 --top 15 2>&1 | grep -v 'capturing CUDA graphs' | tee "$OUT/profile_throughput.log"
   bench latency --random-weights qwen3-8b --batch 32 --ttft-prompt-len 0
 fi
-echo "== summary"; grep -E '^(==|latency|ttft|hf-|throughput|kernel|profile)' "$OUT/bench.log"
+if run spec-demo; then
+  bench spec --model outrider/demo/target --draft-model outrider/demo/dflash --num-requests 64 --json "$OUT/spec-demo-dflash.json"
+  bench spec --model outrider/demo/target --spec-type mtp --num-requests 64 --json "$OUT/spec-demo-mtp.json"
+  bench spec --model outrider/demo/target --draft-model outrider/demo/draft --num-requests 64 --json "$OUT/spec-demo-draft.json"
+fi
+if run spec-8b; then
+  bench spec --random-weights qwen3-8b --spec-type dflash --acceptance 0.86 0.7 0 --json "$OUT/spec-8b-dflash.json"
+  bench spec --random-weights qwen3-8b --spec-type mtp --acceptance 0.7 0 --draft-n-max 3 --json "$OUT/spec-8b-mtp.json"
+  bench spec --random-weights qwen3-8b --spec-type draft --acceptance 0.8 0.7 0 --draft-n-max 4 --json "$OUT/spec-8b-draft.json"
+fi
+echo "== summary"; grep -E '^(==|latency|ttft|hf-|throughput|kernel|profile|spec|  tau)' "$OUT/bench.log"
 if [ -f "$OUT/tests.log" ]; then tail -3 "$OUT/tests.log"; fi

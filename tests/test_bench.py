@@ -1,12 +1,19 @@
-"""`outrider bench latency|throughput` end to end on the CPU, on a tiny checkpoint: every line is printed, the
-JSON rows agree with it, and the throughput run generates exactly the workload's output tokens."""
+"""`outrider bench latency|throughput|serve` end to end on the CPU, on tiny checkpoints: every line is printed, the
+JSON rows agree with it, the throughput run generates exactly the workload's output tokens, TTFT is measured on
+a request of two tokens, `--compare hf` runs transformers in processes of its own at our batch size, and `serve`
+counts tokens, not chunks."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 
-from outrider import bench
+import pytest
+
+from e2e_harness import ServerProcess
+from outrider import bench, demo
+from outrider.bench import hf_worker, latency
 
 
 def _rows(path) -> dict[str, dict]:
@@ -39,3 +46,62 @@ def test_throughput_bench_generates_the_whole_workload(tiny_checkpoint, tmp_path
     assert f"({wanted} tokens in " in printed
     assert _rows(out)["throughput"]["steps"] >= -(-wanted // 4)  # at most 4 sequences a step
     assert "throughput steps: steps with prompt tokens:" in printed
+
+
+def test_ttft_line_measures_a_request_of_two_tokens(tiny_checkpoint, monkeypatch, capsys):
+    """With max_tokens 1 a request ends with its first token, so whatever delays the first token behind the next
+    step (overlap scheduling) would never show in the TTFT line."""
+    calls = []
+    real = latency.run_batch
+
+    def spy(engine, prompts, gen):
+        calls.append((len(prompts[0]), gen))
+        return real(engine, prompts, gen)
+
+    monkeypatch.setattr(latency, "run_batch", spy)
+    argv = ["latency", "--model", str(tiny_checkpoint("qwen3")), "--device", "cpu", "--prompt-len", "8", "--gen", "4",
+            "--ttft-prompt-len", "20"]
+    assert bench.main(argv) == 0
+    assert [gen for n, gen in calls if n == 20] == [2, 2, 2]
+    assert "best of 3, max_tokens 2" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a transformers process starts (imports) on a busy CPU
+def test_compare_hf_runs_transformers_in_a_process_of_its_own_at_our_batch_size(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    argv = ["latency", "--model", str(tiny_checkpoint("qwen3")), "--device", "cpu", "--prompt-len", "8", "--gen", "6",
+            "--batch", "2", "--ttft-prompt-len", "0", "--compare", "hf", "--hf-configs", "generate", "--json", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    ours, hf_row = _rows(out)["latency"], _rows(out)["hf-transformers"]
+    assert hf_row["config"] == "generate" and hf_row["batch"] == 2 and hf_row["tok_s"] > 0
+    assert hf_row["pid"] not in (None, os.getpid())
+    assert hf_row["ratio"] == pytest.approx(2 * ours["tok_s"] / hf_row["tok_s"])
+    assert "hf-transformers generate " in printed and "bs=2" in printed and "sdpa attention, dynamic cache" in printed
+
+
+def test_an_hf_configuration_that_cannot_run_is_reported_by_name_with_its_error(tiny_checkpoint, capsys):
+    argv = ["--model", str(tiny_checkpoint("qwen3")), "--config", "static-compile", "--device", "cpu", "--batch", "2",
+            "--prompt-len", "4", "--gen", "3"]
+    assert hf_worker.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["config"] == "static-compile" and result["batch"] == 2 and result["tok_s"] is None
+    assert result["detail"] == ("RuntimeError: transformers compiled nothing on cpu: it compiles generate on "
+                                "accelerators only")
+
+
+@pytest.mark.slow  # a server process starts
+def test_serve_counts_tokens_not_chunks_when_speculation_sends_several_a_chunk(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    srv = ServerProcess(["-m", str(demo.demo_path("target")), "--model-draft", str(demo.demo_path("draft")),
+                         "-c", "256", "-np", "2", "--spec-draft-n-max", "4"])
+    try:
+        argv = ["serve", "--url", srv.url, "--concurrency", "2", "--num-requests", "4", "--prompt-len", "8", "--gen",
+                "24", "--vocab", "300", "--json", str(out)]
+        assert bench.main(argv) == 0
+    finally:
+        srv.stop()
+    row = _rows(out)["serve"]
+    assert row["tokens"] == 4 * 24  # every request's tokens, however they were framed
+    assert row["chunks"] < row["tokens"]  # some chunks carried several tokens (accepted drafts)
+    assert f"({row['tokens']} tokens in {row['chunks']} chunks)" in capsys.readouterr().out

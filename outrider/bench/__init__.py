@@ -1,34 +1,41 @@
-"""`outrider bench {latency,throughput,serve,kernels}`: speed measurements that each print bandwidth vs roofline."""
+"""`outrider bench {latency,throughput,serve,kernels,spec}`: speed measurements. latency, throughput, serve and
+kernels print bandwidth against the roofline; spec compares speculative with plain decoding."""
 
 from __future__ import annotations
 
 import argparse
 
+from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
+from outrider.speculative import KINDS
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="outrider bench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    src = common.add_mutually_exclusive_group(required=True)
+    engine_opts = argparse.ArgumentParser(add_help=False)
+    src = engine_opts.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory or hub repo id")
     src.add_argument("--random-weights", choices=sorted(RANDOM_MODELS), help="real shape, random bf16 weights")
-    common.add_argument("--dtype", default="auto")
-    common.add_argument("--device", default="cuda")
-    common.add_argument("--eager", action="store_true", help="disable CUDA graphs")
-    common.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
-    common.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    common.add_argument("--seed", type=int, default=0)
+    engine_opts.add_argument("--dtype", default="auto")
+    engine_opts.add_argument("--device", default="cuda")
+    engine_opts.add_argument("--eager", action="store_true", help="disable CUDA graphs")
+    engine_opts.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
+    engine_opts.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine_opts.add_argument("--seed", type=int, default=0)
+    engine_opts.add_argument("--json", help="also write the results to this JSON file")
+    common = argparse.ArgumentParser(add_help=False, parents=[engine_opts])
     common.add_argument("--peak-bw", type=float, help="roofline bandwidth in GB/s (default: the GPU's spec)")
-    common.add_argument("--json", help="also write the result rows to this JSON file")
 
     lat = sub.add_parser("latency", parents=[common], help="batch-B decode tok/s, ms/token and TTFT")
     lat.add_argument("--prompt-len", type=int, default=128)
     lat.add_argument("--gen", type=int, default=256)
     lat.add_argument("--batch", type=int, default=1)
     lat.add_argument("--ttft-prompt-len", type=int, default=1024, help="extra TTFT line at this length (0 = off)")
-    lat.add_argument("--compare", choices=["hf"], help="also run HF transformers on the same weights")
+    lat.add_argument("--compare", choices=["hf"], help="also run HF transformers (same shape and batch, own process)")
+    lat.add_argument("--hf-configs", nargs="+", choices=HF_CONFIGS, default=list(HF_CONFIGS),
+                     help="HF configurations for --compare hf (default: all)")
+    lat.add_argument("--hf-timeout", type=float, default=900, help="seconds an HF configuration may take")
     lat.add_argument("--profile", action="store_true", help="also print where a step's time goes")
 
     thr = sub.add_parser("throughput", parents=[common], help="nano-vllm workload: output tok/s")
@@ -53,6 +60,20 @@ def _parser() -> argparse.ArgumentParser:
     ker.add_argument("--device", default="cuda")
     ker.add_argument("--peak-bw", type=float)
     ker.add_argument("--json")
+
+    spc = sub.add_parser("spec", parents=[engine_opts],
+                         help="speculative vs plain decoding: speedup, tokens per round, acceptance, round split")
+    spc.add_argument("--draft-model", help="with --model: the drafter's checkpoint (draft model or DFlash)")
+    spc.add_argument("--spec-type", choices=KINDS,
+                     help="drafter kind (--model: detected when left out; --random-weights: the preset)")
+    spc.add_argument("--acceptance", type=float, nargs="+", metavar="ALPHA",
+                     help="controlled acceptance: keep each draft position with probability ALPHA (one run each)")
+    spc.add_argument("--draft-n-max", type=int, help="draft length cap k (default: the drafter's)")
+    spc.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
+    spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
+    spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")
+    spc.add_argument("--prompt-len", type=int, help="--random-weights: prompt length (default 128)")
+    spc.add_argument("--prompts", help="--model: a JSON list of prompts (default: the demo's eval_prompts.json)")
     return p
 
 
@@ -63,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     from outrider.bench.shapes import spec_bandwidth
 
     args = _parser().parse_args(argv)
+    if args.cmd == "spec":
+        from outrider.bench import spec
+
+        spec.run(args)
+        return 0
     if args.peak_bw:
         peak = args.peak_bw * 1e9
     else:

@@ -12,17 +12,20 @@ from outrider.config import EngineConfig
 from outrider.engine.engine import Engine
 
 
+def engine_config(args, model: str, **fields) -> EngineConfig:
+    """The benchmark flags every engine shares (device, eager, overlap, memory), plus `fields`."""
+    return EngineConfig(model=model, dtype=args.dtype, device=args.device, enforce_eager=args.eager,
+                        overlap_schedule=False if args.no_overlap else None, enable_prefix_caching=False,
+                        gpu_memory_utilization=args.gpu_memory_utilization, **fields)
+
+
 def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
                  preloaded: tuple[torch.nn.Module, object] | None = None) -> Engine:
     """`preloaded` (model, ModelConfig) wins over args.random_weights; args.model is used otherwise."""
-    device = torch.device(args.device)
-    kwargs = dict(device=str(device), max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  max_num_batched_tokens=max_num_batched_tokens, enforce_eager=args.eager,
-                  overlap_schedule=False if args.no_overlap else None,
-                  enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization)
+    limits = dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
     if args.random_weights:
         if preloaded is None:
-            preloaded = random_model(args.random_weights, device)
+            preloaded = random_model(args.random_weights, torch.device(args.device))
         stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")))
-        return Engine(EngineConfig(model=str(stub), **kwargs), preloaded=preloaded)
-    return Engine(EngineConfig(model=args.model, dtype=args.dtype, **kwargs), preloaded=preloaded)
+        return Engine(engine_config(args, str(stub), **limits), preloaded=preloaded)
+    return Engine(engine_config(args, args.model, **limits), preloaded=preloaded)

@@ -1,13 +1,65 @@
-"""HF transformers on the same shapes and the same weights, for `--compare hf`."""
+"""HF transformers on the same shape and batch, for `bench latency --compare hf`.
+
+Each configuration runs in a process of its own (bench/hf_worker.py), so nothing of ours (allocator state,
+loaded weights, compiled kernels, Python's heap) shares its process or its GPU memory:
+  generate        `model.generate` as a user calls it: dynamic cache, the default attention implementation;
+  static-compile  `cache_implementation="static"`, with which generate compiles its decode step itself
+                  (torch.compile, mode reduce-overhead: HF's documented fast path). HF compiles only on an
+                  accelerator, so on a CPU this configuration reports that as its error.
+Random weights are drawn in that process (their values do not change the speed). It is measured as `bench
+latency` measures ours: `batch` prompts of random ids (with their attention mask), greedy, exactly `gen` new
+tokens each, after two untimed calls of the same shape (compilation, CUDA graph recording). A streamer stamps
+each step's tokens when they reach the host: TTFT is the first stamp; decode tok/s = batch x (gen - 1) / (last
+stamp - first stamp).
+"""
 
 from __future__ import annotations
 
-import time
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from outrider.bench.shapes import RANDOM_MODELS
-from outrider.config import ModelConfig
+
+CONFIGS = ("generate", "static-compile")
+
+
+@dataclass(frozen=True)
+class HFResult:
+    config: str  # one of CONFIGS
+    batch: int
+    tok_s: float | None  # decode tok/s over the batch; None: it failed
+    ttft_s: float | None
+    detail: str  # the attention implementation and cache, or the error that stopped the configuration
+    pid: int | None  # the process it ran in
+
+
+def compare(source: list[str], configs: list[str], device: str, batch: int, prompt_len: int, gen: int, seed: int,
+            timeout_s: float) -> list[HFResult]:
+    """Run the configurations, each in a fresh process. `source`: ["--model", PATH] or ["--random-weights", NAME]."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds the outrider package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    results = []
+    for config in configs:
+        cmd = [sys.executable, "-m", "outrider.bench.hf_worker", *source, "--config", config, "--device", device,
+               "--batch", str(batch), "--prompt-len", str(prompt_len), "--gen", str(gen), "--seed", str(seed)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            results.append(HFResult(config, batch, None, None, f"did not finish in {timeout_s:g} s", None))
+            continue
+        rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode == 0 and rows:
+            results.append(HFResult(**json.loads(rows[-1])))
+        else:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            results.append(HFResult(config, batch, None, None, f"process exited {proc.returncode}: {last}", None))
+    return results
 
 
 def hf_random_model(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16):
@@ -21,36 +73,3 @@ def hf_random_model(name: str, device: torch.device, dtype: torch.dtype = torch.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval().requires_grad_(False)
-
-
-def ours_sharing_weights(hf_model, cfg: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """Our model over the HF model's parameter tensors (HF names; shared, except the packed q/k/v and gate/up
-    projections, which are copies), so both decode the same net."""
-    from outrider.models.registry import model_class
-
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    state = {k: v for k, v in hf_model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
-    missing, _ = model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()
-    left = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if left:
-        raise ValueError(f"HF state dict lacks {left[:3]}")
-    return model.to(device).eval().requires_grad_(False)
-
-
-@torch.inference_mode()
-def hf_decode_rate(model, prompt_len: int, gen: int, vocab: int, device: torch.device) -> tuple[float, float]:
-    """(decode tok/s, TTFT s) of HF generate at batch 1, greedy, from two runs: gen tokens and 1 token."""
-    ids = torch.randint(0, vocab, (1, prompt_len), device=device)
-
-    def timed(n: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    timed(4)  # warm-up
-    t1, tn = timed(1), timed(gen)
-    return (gen - 1) / (tn - t1), t1

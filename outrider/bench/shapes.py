@@ -22,6 +22,13 @@ RANDOM_MODELS: dict[str, dict] = {  # HF config.json fields of the public checkp
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
                       hidden_act="silu", attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # Tiny Qwen3 shapes (no public checkpoint): the benchmarks' code paths in seconds on a CPU.
+    "tiny-qwen3": {**_QWEN3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
+                   "tie_word_embeddings": False, "torch_dtype": "float32"},
+    "tiny-qwen3-draft": {**_QWEN3, "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+                         "max_position_embeddings": 2048, "tie_word_embeddings": True, "torch_dtype": "float32"},
 }
 
 # Spec HBM bandwidth by device name (anchors: % of roofline is against the spec of the GPU measured on).
@@ -65,11 +72,42 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype = torch.bfl
     return model.to(device).eval().requires_grad_(False), cfg
 
 
-def write_stub_checkpoint(name: str, path: Path) -> Path:
-    """config.json + the tiny test tokenizer: enough for Engine to start when the model is handed in."""
+def write_stub_checkpoint(name: str, path: Path, **extra_config) -> Path:
+    """config.json (the named shape's, plus `extra_config`) + the tiny test tokenizer: enough for Engine to start
+    when the model is handed in."""
     from outrider.testing.tokenizer import write_tiny_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     write_tiny_tokenizer(path)
-    (path / "config.json").write_text(json.dumps(RANDOM_MODELS[name]))
+    (path / "config.json").write_text(json.dumps({**RANDOM_MODELS[name], **extra_config}))
     return path
+
+
+def write_random_checkpoint(name: str, path: Path, dtype: torch.dtype, seed: int = 0) -> Path:
+    """A loadable checkpoint of the named shape: the stub plus random weights in `dtype` (a draft model that
+    really runs)."""
+    from safetensors.torch import save_file
+
+    from outrider.testing.checkpoints import random_weights
+
+    write_stub_checkpoint(name, path)
+    tensors = {n: t.to(dtype).contiguous() for n, t in random_weights(RANDOM_MODELS[name], seed).items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def fix_successors(model: torch.nn.Module, seed: int = 0, gain: float = 100.0) -> None:
+    """Make greedy decoding of a random-weights model decisive, in place. Random weights give near-ties between
+    the top tokens, so runs that batch a step differently (a plain and a speculative one, in bf16) soon commit
+    different tokens. Here every token's embedding is scaled up `gain` times, so the last layer's residual stream
+    keeps its direction, and the LM head's row for a fixed successor (a random permutation) is that direction:
+    the greedy next token is the current token's successor, by a margin no rounding flips. Shapes, and so the
+    cost of every step, stay as they were. The LM head must not be tied to the embedding."""
+    emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+    if head is emb:
+        raise ValueError("fix_successors needs an LM head of its own (tie_word_embeddings is set)")
+    successor = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
+    with torch.no_grad():
+        unit = emb.float() / emb.float().norm(dim=1, keepdim=True)
+        head.index_copy_(0, successor, unit.to(head.dtype))
+        emb.mul_(gain)

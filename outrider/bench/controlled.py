@@ -1,0 +1,64 @@
+"""A drafter whose acceptance is chosen, not learned, for `bench spec --acceptance α`.
+
+It wraps a real drafter: every propose runs the real one first, so the drafting cost is real, and then replaces
+its drafts with the target's own greedy continuation, recorded in a plain run of the same request. Each draft
+position keeps the recorded token with probability α; the first position that misses gets a token that the
+target will reject and ends the round. The slots after a miss are filled with such tokens too, so the verify
+step still feeds as many drafts as the real drafter proposed and costs what it would.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from outrider.engine.request import Request
+from outrider.speculative.drafter import Drafter, Proposals
+
+
+class ControlledDrafter:
+    """The Drafter protocol: propose is replaced; every other member is the wrapped drafter's."""
+
+    def __init__(self, inner: Drafter, acceptance: float, vocab_size: int, seed: int) -> None:
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+        self.inner = inner
+        self.acceptance = acceptance
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self._script: dict[int, list[int]] = {}  # request id -> prompt + the plain run's greedy output
+        self._rng: dict[int, random.Random] = {}
+        self._checked: dict[int, int] = {}  # request id -> leading tokens found equal to the recording
+        self.off_script: set[int] = set()  # requests whose committed tokens left the recording
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # kind, max_draft, kv_shape, on_commit, release, ...
+
+    def expect(self, request_id: int, sequence: list[int], stream: int) -> None:
+        """Request `request_id` should commit `sequence` (its prompt, then the plain run's output). `stream`
+        seeds its own draws, so whether a position is kept does not depend on what else is in the batch."""
+        self._script[request_id] = sequence
+        self._rng[request_id] = random.Random(self.seed * 1_000_003 + stream)
+        self._checked[request_id] = 0
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        real = self.inner.propose(requests, ks)
+        tokens = [self._substitute(req, len(drafts)) for req, drafts in zip(requests, real.tokens)]
+        # Argmax drafts (q one-hot), each fully confident: only greedy verification is measured.
+        return Proposals(tokens, [[1.0] * len(t) for t in tokens])
+
+    def _substitute(self, req: Request, n: int) -> list[int]:
+        rid = req.request_id
+        script = self._script[rid]
+        known = req.num_tokens - req.num_pending
+        checked = self._checked[rid]
+        if rid not in self.off_script and req.token_slice(checked, known) != script[checked:known]:
+            self.off_script.add(rid)  # (numerics: the speculative run's target chose another token)
+        self._checked[rid] = known
+        truth = script[req.num_tokens : req.num_tokens + n]
+        rng = self._rng[rid]
+        kept = 0
+        while kept < len(truth) and rng.random() < self.acceptance:
+            kept += 1
+        # From the first miss on: a token other than the target's (past the recording's end, any token).
+        return truth[:kept] + [(t + 1) % self.vocab_size for t in (truth + [0] * n)[kept:n]]

@@ -1,0 +1,380 @@
+"""`bench spec`: speculative against plain decoding in one run, on the same prompts and seeds.
+
+Sources:
+- a checkpoint and its drafter (`--model` with `--draft-model` and/or `--spec-type`), on text prompts (default:
+  the demo family's held-out prompts);
+- a random-weights shape and a drafter preset of a stated shape (`--random-weights` with `--spec-type`,
+  bench/drafter_shapes.py) on random prompts, with controlled acceptance (`--acceptance`, bench/controlled.py).
+  `--acceptance` applies to a checkpoint's drafter too.
+
+The plain engine (no drafter) runs each batch size's workload twice: the first pass warms up and records every
+request's output, the second is timed. Then the speculative engine, per batch size, warms up on one wave and,
+per acceptance, runs a profiled pass (rounds counted; synchronising timers split each round into draft, verify
+and host) and a timed pass. A workload is --num-requests requests (rounded up to a multiple of the batch size)
+of --gen tokens each, greedy with ignore_eos, in waves of batch-size requests; tok/s is every generated token
+over the timed pass's wall time, prefill included.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from outrider.bench.controlled import ControlledDrafter
+from outrider.bench.engine_setup import engine_config
+from outrider.bench.profile import PhaseTimer, patched
+from outrider.engine.engine import Engine
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
+from outrider.speculative.drafter import expected_tokens
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One run of a workload."""
+
+    outputs: list[list[int]]  # per request, in workload order
+    seconds: float
+    steps: int  # engine steps
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class RoundSplit:
+    """The mean ms of one round: an engine step that verifies drafts (for every request of the batch at once; no
+    prefill in it), measured with synchronising timers. draft = the drafter's propose and on_commit, verify = the
+    runner's launch and collect, host = the rest of Engine.step."""
+
+    draft_ms: float
+    verify_ms: float
+    host_ms: float
+    steps: int
+
+    @property
+    def total_ms(self) -> float:
+        return self.draft_ms + self.verify_ms + self.host_ms
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """What the target verified: (drafts k, accepted m) per request and round (a request round)."""
+
+    rounds: list[tuple[int, int]]
+    undrafted: int  # decode steps of a request that carried no drafts (the policy chose k = 0)
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per round: 1 + accepted drafts."""
+        return 1.0 + sum(m for _, m in self.rounds) / len(self.rounds) if self.rounds else 1.0
+
+    @property
+    def mean_k(self) -> float:
+        return sum(k for k, _ in self.rounds) / len(self.rounds) if self.rounds else 0.0
+
+    def accepted_by_position(self) -> list[float]:
+        """[j]: of the rounds that drafted a token at position j+1, the fraction whose draft there was accepted."""
+        depth = max((k for k, _ in self.rounds), default=0)
+        return [sum(m > j for _, m in self.rounds) / sum(k > j for k, _ in self.rounds) for j in range(depth)]
+
+    def tau_theory(self, alpha: float) -> float:
+        """E[tau] at per-position acceptance alpha, for the k each round drafted."""
+        return sum(expected_tokens(alpha, k) for k, _ in self.rounds) / len(self.rounds) if self.rounds else 1.0
+
+
+@dataclass(frozen=True)
+class SpecResult:
+    kind: str  # the drafter's kind
+    batch: int
+    acceptance: float | None  # controlled alpha; None: the drafter's own proposals
+    draft_n_max: int  # the engine's draft length cap (--draft-n-max, else the drafter's default)
+    requests: int
+    tokens: int  # generated tokens, in each of the plain and the speculative timed pass
+    plain_tok_s: float
+    spec_tok_s: float
+    speedup: float
+    plain_step_ms: float  # wall time per engine step of the timed passes
+    spec_step_ms: float
+    tau: float  # tokens per request round
+    tau_theory: float | None  # controlled: E[tau] at alpha for the k each round drafted
+    tau_theory_n_max: float | None  # controlled: (1 - alpha^(k+1)) / (1 - alpha) at k = draft_n_max
+    mean_k: float
+    rounds: int  # request rounds
+    undrafted: int
+    accepted_by_position: list[float]
+    split: RoundSplit
+    identical: int  # requests whose speculative output equals the plain output
+    off_script: int  # controlled: requests whose commits left the plain run's recording (numerics)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What both engines run: the target (path and preloaded weights), the drafter settings, the prompts."""
+
+    name: str
+    target: str  # model path for EngineConfig
+    preloaded: tuple[torch.nn.Module, object]
+    drafter: dict  # spec_type / draft_model fields for the speculative engine
+    prompts: list[list[int]]
+
+
+def run(args) -> list[SpecResult]:
+    _check(args)
+    with tempfile.TemporaryDirectory(prefix="outrider-bench-spec-") as root:
+        setup = _setup(args, Path(root))
+        batches = sorted(set(args.batch))
+        workloads = {b: _workload(setup.prompts, b, args.num_requests) for b in batches}
+        longest = max(len(p) for p in setup.prompts)
+        limits = dict(max_num_seqs=batches[-1], max_model_len=longest + args.gen + 32,
+                      max_num_batched_tokens=max(2048, batches[-1] * longest))
+        plain = _plain_passes(args, setup, workloads, limits)
+        gc.collect()  # the plain engine's KV pool and graphs (their closures form cycles) go before the next one
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        results = _spec_passes(args, setup, workloads, limits, plain)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"target": setup.name, "device": args.device, "gen": args.gen,
+                       "results": [asdict(r) for r in results]}, f, indent=1)
+            f.write("\n")
+    return results
+
+
+def _check(args) -> None:
+    if args.random_weights:
+        if args.spec_type is None or args.acceptance is None:
+            raise SystemExit("--random-weights needs --spec-type (the drafter preset) and --acceptance")
+        if args.prompts or args.draft_model:
+            raise SystemExit("--prompts and --draft-model need --model (random weights draft random prompts)")
+    elif args.prompt_len is not None:
+        raise SystemExit("--prompt-len needs --random-weights (a checkpoint's prompts come from --prompts)")
+    if any(not 0.0 <= a <= 1.0 for a in args.acceptance or ()):
+        raise SystemExit("--acceptance values must lie in [0, 1]")
+    if min(args.batch) < 1 or args.num_requests < 1 or args.gen < 2:
+        raise SystemExit("--batch and --num-requests must be >= 1, --gen >= 2")
+
+
+def _setup(args, root: Path) -> Setup:
+    from outrider.models.loader import resolve_dtype
+
+    device = torch.device(args.device)
+    if args.random_weights:
+        from outrider.bench.drafter_shapes import preset, write_preset
+        from outrider.bench.shapes import RANDOM_MODELS, fix_successors, random_model
+        from outrider.config import ModelConfig
+
+        name = args.random_weights
+        dtype = resolve_dtype(args.dtype, ModelConfig.from_dict(RANDOM_MODELS[name]), device)
+        shape = preset(name, args.spec_type)
+        paths = write_preset(name, shape, root, dtype, args.seed)
+        model, cfg = random_model(name, device, dtype, args.seed)
+        fix_successors(model, args.seed)  # plain and speculative runs then commit the same tokens
+        rng = random.Random(args.seed)
+        count = max(_workload_size(b, args.num_requests) for b in args.batch)
+        prompts = [[rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len or 128)] for _ in range(count)]
+        drafter = dict(spec_type=shape.kind, draft_model=str(paths.draft) if paths.draft else None)
+        return Setup(f"{name} + {shape.kind} (random weights)", str(paths.target), (model, cfg), drafter, prompts)
+    from outrider.models import load_model, resolve_model_path
+    from outrider.tokenizer import Tokenizer
+
+    path = resolve_model_path(args.model)
+    tokenizer = Tokenizer.from_pretrained(path)
+    prompts = [tokenizer.encode(text) for text in _prompt_texts(args.prompts)]
+    drafter = dict(spec_type=args.spec_type, draft_model=args.draft_model)
+    return Setup(str(args.model), str(path), load_model(path, dtype=args.dtype, device=device), drafter, prompts)
+
+
+def _prompt_texts(path: str | None) -> list[str]:
+    """A JSON list of strings, or of objects with a "prompt" (the demo's eval_prompts.json, the default)."""
+    if path is None:
+        from outrider.demo import DEMO_DIR
+
+        path = str(DEMO_DIR / "eval_prompts.json")
+    items = json.loads(Path(path).read_text())
+    texts = [item if isinstance(item, str) else item.get("prompt") for item in items]
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise SystemExit(f"{path}: expected a non-empty JSON list of strings or of objects with a \"prompt\"")
+    return texts
+
+
+def _workload_size(batch: int, num_requests: int) -> int:
+    return -(-num_requests // batch) * batch
+
+
+def _workload(prompts: list[list[int]], batch: int, num_requests: int) -> list[list[int]]:
+    """--num-requests prompts, rounded up to whole waves of `batch`, cycling through the prompt list."""
+    return [prompts[i % len(prompts)] for i in range(_workload_size(batch, num_requests))]
+
+
+def _plain_passes(args, setup: Setup, workloads: dict[int, list[list[int]]],
+                  limits: dict) -> dict[int, tuple[Pass, Pass]]:
+    """(recording pass, timed pass) per batch size, from an engine without a drafter."""
+    engine = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
+    return {b: (_decode(engine, prompts, b, args), _decode(engine, prompts, b, args))
+            for b, prompts in workloads.items()}
+
+
+def _spec_passes(args, setup: Setup, workloads: dict[int, list[list[int]]], limits: dict,
+                 plain: dict[int, tuple[Pass, Pass]]) -> list[SpecResult]:
+    engine = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max, **setup.drafter, **limits),
+                    preloaded=setup.preloaded)
+    real = engine.drafter
+    if real is None:
+        raise SystemExit("the speculative engine has no drafter (see the log above for why)")
+    print(f"spec: {setup.name}, drafter {real.kind}, draft length <= {engine.config.spec_draft_n_max}, "
+          f"{args.gen} tokens per request, greedy, device {engine.device} ({engine.dtype})", flush=True)
+    vocab = engine.model_config.vocab_size
+    results = []
+    for b, prompts in workloads.items():
+        recorded, plain_timed = plain[b]
+        for n, alpha in enumerate(args.acceptance or [None]):
+            ctl = ControlledDrafter(real, alpha, vocab, args.seed) if alpha is not None else None
+
+            def register(i: int, req: Request) -> None:
+                if ctl is not None:
+                    ctl.expect(req.request_id, prompts[i] + recorded.outputs[i], stream=i)
+
+            with patched((engine, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
+                if n == 0:
+                    _decode(engine, prompts[:b], b, args, register)  # warm-up: one wave at this batch size
+                profile = RoundProfile(engine, real)
+                with profile.instrumented():
+                    _decode(engine, prompts, b, args, register)
+                before = len(ctl.off_script) if ctl is not None else 0
+                timed = _decode(engine, prompts, b, args, register)
+                off_script = len(ctl.off_script) - before if ctl is not None else 0
+            result = _result(real.kind, b, alpha, engine.config.spec_draft_n_max, plain_timed, timed, recorded,
+                             profile, off_script)
+            results.append(result)
+            print(report(result), flush=True)
+    return results
+
+
+def _decode(engine: Engine, prompts: Sequence[list[int]], batch: int, args,
+            register: Callable[[int, Request], None] | None = None) -> Pass:
+    """Greedy, --gen tokens each (ignore_eos), in waves of `batch` requests; register(i, request) runs before
+    request i is added."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, seed=args.seed)
+    steps0 = engine.counters["steps"]
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        for i in range(start, min(start + batch, len(prompts))):
+            req = Request(list(prompts[i]), params)
+            if register is not None:
+                register(i, req)
+            engine.add_request(req, lambda out, got=outputs[i]: got.extend(out.new_token_ids))
+        while engine.has_work():
+            engine.step()
+    seconds = time.perf_counter() - t0
+    short = [i for i, o in enumerate(outputs) if len(o) != args.gen]
+    if short:
+        raise SystemExit(f"requests {short[:5]} produced fewer than {args.gen} tokens (see the log above)")
+    return Pass(outputs, seconds, engine.counters["steps"] - steps0)
+
+
+class RoundProfile:
+    """Instruments one pass of the speculative engine: the (k, m) of every verified draft, and the split of
+    each round's time (RoundSplit). Synchronising timers serialise host and GPU, so the profiled pass runs
+    slower than the timed one; what it shows is each part's own cost."""
+
+    def __init__(self, engine: Engine, drafter) -> None:
+        self.engine, self.drafter = engine, drafter
+        self.timer = PhaseTimer(engine.device)
+        self.rounds: list[tuple[int, int]] = []
+        self.undrafted = 0
+        self.splits: list[tuple[float, float, float]] = []  # seconds of draft, verify, host per round
+        self._plan = None
+
+    def instrumented(self):
+        timed = self.timer.timed
+        return patched((self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
+                       (self.engine.runner, "collect", self._collect), (self.drafter, "propose", timed("draft")),
+                       (self.drafter, "on_commit", timed("draft")))
+
+    def _step(self, step):
+        timed = self.timer.timed("step")(step)
+
+        def split_step() -> None:
+            before = dict(self.timer.total)
+            self._plan = None
+            timed()
+            plan = self._plan
+            if plan is None or plan.has_prefill or not any(s.draft_tokens for s in plan.scheduled):
+                return
+            spent = {k: self.timer.total[k] - before.get(k, 0.0) for k in ("step", "draft", "verify")}
+            self.splits.append((spent["draft"], spent["verify"], spent["step"] - spent["draft"] - spent["verify"]))
+
+        return split_step
+
+    def _launch(self, launch):
+        timed = self.timer.timed("verify")(launch)
+
+        def keep_plan(plan, *args, **kwargs):
+            self._plan = plan
+            return timed(plan, *args, **kwargs)
+
+        return keep_plan
+
+    def _collect(self, collect):
+        timed = self.timer.timed("verify")(collect)
+
+        def count(step):
+            out = timed(step)
+            for s, m in zip(step.plan.scheduled, out.accepted):
+                if s.draft_tokens:
+                    self.rounds.append((len(s.draft_tokens), m))
+                elif s.samples and s.num_new_tokens == 1:
+                    self.undrafted += 1
+            return out
+
+        return count
+
+    def split(self) -> RoundSplit:
+        n = len(self.splits)
+        mean = [1e3 * sum(x[i] for x in self.splits) / n if n else 0.0 for i in range(3)]
+        return RoundSplit(*mean, steps=n)
+
+
+def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: Pass, spec: Pass, recorded: Pass,
+            profile: RoundProfile, off_script: int) -> SpecResult:
+    rounds = Rounds(profile.rounds, profile.undrafted)
+    plain_rate, spec_rate = plain.tokens / plain.seconds, spec.tokens / spec.seconds
+    return SpecResult(
+        kind=kind, batch=batch, acceptance=alpha, draft_n_max=n_max, requests=len(spec.outputs), tokens=spec.tokens,
+        plain_tok_s=plain_rate, spec_tok_s=spec_rate, speedup=spec_rate / plain_rate,
+        plain_step_ms=1e3 * plain.seconds / plain.steps, spec_step_ms=1e3 * spec.seconds / spec.steps,
+        tau=rounds.tau, tau_theory=rounds.tau_theory(alpha) if alpha is not None else None,
+        tau_theory_n_max=expected_tokens(alpha, n_max) if alpha is not None else None, mean_k=rounds.mean_k,
+        rounds=len(rounds.rounds), undrafted=rounds.undrafted, accepted_by_position=rounds.accepted_by_position(),
+        split=profile.split(), identical=sum(a == b for a, b in zip(spec.outputs, recorded.outputs)),
+        off_script=off_script)
+
+
+def report(r: SpecResult) -> str:
+    """Two printed lines: the speeds, then what the rounds did and cost."""
+    alpha = f" acceptance={r.acceptance:g}" if r.acceptance is not None else ""
+    theory = ""
+    if r.acceptance is not None:
+        theory = (f" (theory {r.tau_theory:.2f} at the k each round drafted, {r.tau_theory_n_max:.2f} at "
+                  f"k={r.draft_n_max}; {r.off_script} requests left the recording)")
+    s = r.split
+    by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position)
+    return (f"spec {r.kind} bs={r.batch}{alpha}: plain {r.plain_tok_s:.1f} tok/s ({r.plain_step_ms:.2f} ms/step), "
+            f"speculative {r.spec_tok_s:.1f} tok/s ({r.spec_step_ms:.2f} ms/step), speedup {r.speedup:.2f}x; "
+            f"{r.requests} requests x {r.tokens // r.requests} tokens, output identical {r.identical}/{r.requests}\n"
+            f"  tau {r.tau:.2f}{theory} over {r.rounds} request rounds of mean k {r.mean_k:.2f}, "
+            f"{r.undrafted} undrafted decodes; accepted by draft position {by_position}; "
+            f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
+            f"{s.total_ms:.3f} (synchronised, mean of {s.steps} verify steps)")
