@@ -245,7 +245,7 @@ def _spec_passes(args, setup: Setup, workloads: dict[int, list[list[int]]], limi
                 if ctl is not None:
                     ctl.expect(req.request_id, prompts[i] + recorded.outputs[i], stream=i)
 
-            with patched((engine, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
+            with patched((engine.speculator, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
                 if n == 0:
                     _decode(engine, prompts[:b], b, args, register)  # warm-up: one wave at this batch size
                 profile = RoundProfile(engine, real)
