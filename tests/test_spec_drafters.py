@@ -249,3 +249,26 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
     drafter.graphs = Replays()
     assert drafter.propose([req], [3]).tokens == eager
     assert Replays.calls == 2  # drafts 2 and 3; the first fed the whole prompt (eager)
+
+
+def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
+    """DFlash's whole-block drafting goes to its CUDA graphs when captured (a stand-in here: graphs need CUDA);
+    a block cut short near the end of the block table runs eager. Drafts are the same either way."""
+    loop = Loop(ckpts["target"], "dflash", ckpts["dflash"])
+    loop.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=2))
+    drafter, reqs = loop.drafter, loop.reqs
+    eager = drafter.propose(reqs, [4, 4]).tokens
+
+    class Replays:  # what CudaGraphRunner offers: can_run, run
+        calls = 0
+
+        def can_run(self, meta):
+            return not meta.causal and meta.max_query_len == drafter.block
+
+        def run(self, ids, pos, meta):
+            Replays.calls += 1
+            return drafter._block_forward(ids, pos, meta)
+
+    drafter.graphs = Replays()
+    assert drafter.propose(reqs, [4, 4]).tokens == eager and Replays.calls == 1
+    assert all(len(d) == 4 for d in eager)

@@ -21,6 +21,7 @@ from torch import nn
 
 from outrider.attention import KVCache, get_backend
 from outrider.config import ModelConfig
+from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata
 from outrider.layers.norm import RMSNorm
@@ -80,6 +81,7 @@ class DFlashDrafter:
         self.block_size = block_size
         self.vocab_size = target_cfg.vocab_size
         self.backend = get_backend(self.device)
+        self.graphs: CudaGraphRunner | None = None  # full-block drafting at batch 1-8 (capture_graphs, CUDA)
 
     def lookahead(self, k: int) -> int:
         return self.block if k > 0 else 0  # the whole block's K/V is written, whatever k is
@@ -98,8 +100,14 @@ class DFlashDrafter:
                 cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, x.to(cache.dtype))
 
     def block_hidden(self, tokens: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """Normed drafter outputs [sum L, H] for blocks `tokens` at (block table, first position, L) each."""
+        """Normed drafter outputs [sum L, H] for blocks `tokens` at (block table, first position, L) each: a
+        captured graph when every block is whole and the batch fits one, else eager."""
         meta, positions = build_metadata(seqs, self.block_size, self.device, causal=False)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            return self.graphs.run(tokens, positions, meta)
+        return self._block_forward(tokens, positions, meta)
+
+    def _block_forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         h = self.target.embed(tokens)
         for layer in self.model.layers:
             h = layer(h, positions, self.rotary, self.kv, meta, self.backend)
@@ -126,4 +134,11 @@ class DFlashDrafter:
         """Nothing per request: the context lives in the request's own blocks."""
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """Nothing captured: its forwards run eager (docs/speculative.md)."""
+        """Whole-block drafting as CUDA graphs at the verify batch sizes: one eager forward of even a few layers
+        costs a launch per kernel, and every round runs one. Learning (ragged row counts) stays eager."""
+        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
+        self.graphs = CudaGraphRunner(self._block_forward, max_batch=buckets[-1], tokens_per_seq=self.block,
+                                      causal=False, buckets=buckets,
+                                      max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                      max_seq_len=max_model_len, device=self.device, pool=pool)
+        self.graphs.capture()
