@@ -13,6 +13,7 @@ from outrider.engine.request import Request as EngineRequest
 from outrider.engine.request import RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
+from outrider.server.provenance import FIELD as PROVENANCE, DraftProvenance
 from outrider.server.render import JSON, generation_settings, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
@@ -35,6 +36,7 @@ class NativeOptions:
     post_sampling_probs: bool
     response_fields: tuple[str, ...]
     ping_interval: float
+    draft_provenance: bool  # outrider extension: per-token provenance (server/provenance.py)
 
     @classmethod
     def parse(cls, body: dict, state: ServerState) -> NativeOptions:
@@ -47,6 +49,7 @@ class NativeOptions:
             post_sampling_probs=proto.get_bool(body, "post_sampling_probs", False),
             response_fields=tuple(fields),
             ping_interval=state.ping_interval(body),
+            draft_provenance=proto.wants_draft_provenance(body),
         )
 
 
@@ -101,6 +104,8 @@ def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], op
         lps = [lp for o in outs for lp in o.logprobs or ()]
         result["completion_probabilities"] = token_probs(state.tokenizer, lps, params.n_probs,
                                                          opts.post_sampling_probs)
+    if opts.draft_provenance and not streamed:
+        result[PROVENANCE] = DraftProvenance(state.tokenizer).all_entries(outs)
     return _project(result, opts.response_fields) if opts.response_fields else result
 
 
@@ -122,6 +127,7 @@ async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> A
     """One frame per engine commit, then the final object per request (the native stream has no [DONE])."""
     history: list[list[RequestOutput]] = [[] for _ in gen.requests]
     predicted = [0] * len(gen.requests)
+    provenance = [DraftProvenance(state.tokenizer) for _ in gen.requests]
     async for index, out in gen.outputs():
         req = gen.requests[index]
         history[index].append(out)
@@ -134,6 +140,8 @@ async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> A
             if req.params.n_probs > 0:
                 frame["completion_probabilities"] = token_probs(state.tokenizer, out.logprobs, req.params.n_probs,
                                                                 opts.post_sampling_probs)
+            if opts.draft_provenance:
+                frame[PROVENANCE] = provenance[index].entries(out)
             yield frame
         if out.finished:
             yield _final(state, req, history[index], opts, index, streamed=True)

@@ -13,6 +13,7 @@ from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
 from outrider.server.native import state_of
+from outrider.server.provenance import FIELD as PROVENANCE, DraftProvenance
 from outrider.server.render import JSON, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
@@ -35,6 +36,7 @@ class Call:
     n_top: int | None  # top log-probs per token; None = log-probs not requested
     timings_per_token: bool  # llama-server extension: `timings` on every streamed content chunk
     ping_interval: float
+    draft_provenance: bool  # outrider extension: per-token provenance in each choice (server/provenance.py)
 
     @classmethod
     def parse(cls, body: dict, state: ServerState, prefix: str, obj: str, n_top: int | None) -> Call:
@@ -46,7 +48,8 @@ class Call:
                    created=int(time.time()), n=proto.get_int(body, "n", 1, lo=1, hi=state.n_slots), stream=stream,
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
                    timings_per_token=proto.get_bool(body, "timings_per_token", False),
-                   ping_interval=state.ping_interval(body))
+                   ping_interval=state.ping_interval(body),
+                   draft_provenance=proto.wants_draft_provenance(body))
 
     def body(self, choices: list[dict], obj: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"choices": choices, "created": self.created, "model": self.model, "system_fingerprint": BUILD_INFO,
@@ -64,6 +67,12 @@ class Call:
         completion = sum(r.timing.predicted_n for r in gen.requests)
         return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(r.timing.cache_n for r in firsts)}}
+
+    def with_provenance(self, choice: dict, provenance: DraftProvenance, outs: list[RequestOutput]) -> dict:
+        """`choice` with the provenance of `outs`' tokens when the request asked for it."""
+        if self.draft_provenance:
+            choice[PROVENANCE] = provenance.all_entries(outs)
+        return choice
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -114,17 +123,20 @@ async def completions(request: Request):
                 "text_offset": offsets}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
-        return {"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
-                "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])}
+        return call.with_provenance({"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
+                                     "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])},
+                                    DraftProvenance(tok), outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
+        provenance = [DraftProvenance(tok) for _ in gen.requests]  # a choice's tokens decode in order
         remaining = len(gen.requests)
         async for i, out in gen.outputs():
             text = prefixes[i] + out.text
             prefixes[i] = ""
-            chunk = call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
-                                "finish_reason": _finish_reason(out)}])
+            chunk = call.body([call.with_provenance({"text": text, "index": i,
+                                                     "logprobs": logprobs_of([out], sent[i]),
+                                                     "finish_reason": _finish_reason(out)}, provenance[i], [out])])
             sent[i] += len(out.text)
             if out.finished:
                 remaining -= 1
@@ -158,12 +170,13 @@ async def chat_completions(request: Request):
         return {"content": token_probs(tok, [lp for o in outs for lp in o.logprobs or ()], call.n_top)}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
-        return {"finish_reason": _finish_reason(outs[-1]), "index": i,
-                "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                "logprobs": logprobs_of(outs)}
+        return call.with_provenance({"finish_reason": _finish_reason(outs[-1]), "index": i,
+                                     "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                                     "logprobs": logprobs_of(outs)}, DraftProvenance(tok), outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
+        provenance = [DraftProvenance(tok) for _ in gen.requests]  # a choice's tokens decode in order
         started: set[int] = set()
         remaining = len(gen.requests)
         async for i, out in gen.outputs():
@@ -171,9 +184,12 @@ async def chat_completions(request: Request):
                 started.add(i)
                 yield call.body([{"finish_reason": None, "index": i,
                                   "delta": {"role": "assistant", "content": None}}], obj)
-            if out.text or (call.n_top is not None and out.logprobs):
-                chunk = call.body([{"finish_reason": None, "index": i, "delta": {"content": out.text},
-                                    "logprobs": logprobs_of([out])}], obj)
+            # with provenance, tokens whose text is held back (or that have none) still need their chunk
+            if out.text or (call.n_top is not None and out.logprobs) or \
+                    (call.draft_provenance and out.new_token_ids):
+                chunk = call.body([call.with_provenance({"finish_reason": None, "index": i,
+                                                         "delta": {"content": out.text},
+                                                         "logprobs": logprobs_of([out])}, provenance[i], [out])], obj)
                 if call.timings_per_token:
                     chunk["timings"] = out.timing.to_timings()
                 yield chunk
