@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 
@@ -132,7 +133,9 @@ def test_page_loads_and_chats_with_no_request_leaving_the_host(driver, server):
     page.set_setting("max-tokens", "16")
     page.send("def add(a, b):")
     page.wait_reply()
-    page.wait(lambda: any(c.isdigit() for c in page.status("rate")), 10)  # two /metrics samples
+    # /metrics sampled before and after the reply: its tokens show in the last minute's rate
+    page.wait(lambda: (m := re.fullmatch(r"tokens/s \(1 min\): (\d+\.\d)", page.status("rate"))) and float(m[1]) > 0,
+              10)
     origin = server.url + "/"
     urls = [r["request"]["url"] for r in page.requests()]
     assert {origin, origin + "webui/app.js", origin + "webui/style.css", origin + "props", origin + "slots",
@@ -241,7 +244,7 @@ def keyed_server():
 def test_api_key_flow(driver, keyed_server):
     page = Page(driver, keyed_server.url)  # the page itself needs no key
     page.wait(lambda: page.el("#key-dialog").is_displayed())
-    assert page.status("model") == "model: API key needed"
+    page.wait(lambda: page.status("model") == "model: API key needed")
     page.el("#key-input").send_keys("wrong-key")
     page.el("#key-submit").click()
     page.wait(lambda: page.el("#key-error").is_displayed())  # refused: asked again
@@ -253,7 +256,7 @@ def test_api_key_flow(driver, keyed_server):
     # /slots and /metrics are off here: the strip says what it cannot know
     page.wait(lambda: "/slots is off" in page.status("slots"))
     assert page.status("drafter") == "drafter: none"
-    assert "this tab" in page.status("rate")
+    assert re.fullmatch(r"tokens/s \(1 min, this tab\): \d+\.\d", page.status("rate"))
     page.set_setting("max-tokens", "8")
     page.send("import os")
     page.wait_reply()

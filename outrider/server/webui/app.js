@@ -97,11 +97,11 @@ function requestBody(user) {
                { role: "user", content: user.content }],
     stream: true,
     return_draft_provenance: true,
-    temperature: Number(s.temperature),
-    top_p: Number(s.top_p),
-    max_tokens: Number(s.max_tokens),
   };
-  if (s.seed !== "" && s.seed !== null) body.seed = Number(s.seed);
+  // an empty field leaves the server's default
+  for (const key of ["temperature", "top_p", "max_tokens", "seed"]) {
+    if (s[key] !== "" && s[key] !== null) body[key] = Number(s[key]);
+  }
   return body;
 }
 
