@@ -90,7 +90,7 @@ async function* sseEvents(body) {
 function requestBody(user) {
   const s = page.settings;
   const history = page.messages
-    .filter((m) => m !== user && !m.error && m.content)
+    .filter((m) => !m.error && m.content)
     .map((m) => ({ role: m.role, content: m.content }));
   const body = {
     messages: [...(s.system ? [{ role: "system", content: s.system }] : []), ...history,
