@@ -203,7 +203,7 @@ def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
         model_name=ns.hf_repo if not ns.model and ns.hf_repo else Path(model).name or model, aliases=aliases,
         host=ns.host, port=ns.port, api_keys=api_keys(ns), endpoint_metrics=ns.metrics, endpoint_slots=ns.slots,
         endpoint_props=ns.props, timeout=ns.timeout, sse_ping_interval=ns.sse_ping_interval,
-        max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns),
+        max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns), webui=ns.webui,
         cors_origins=_cors_origins(ns.cors_origins), tags=tuple(t for t in (ns.tags or "").split(",") if t),
         prefill_assistant=ns.prefill_assistant, verbose=ns.verbose, log_disable=ns.log_disable,
         log_file=ns.log_file,

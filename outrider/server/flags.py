@@ -121,6 +121,8 @@ SERVER = [
     Opt(("--metrics",), "metrics", "LLAMA_ARG_ENDPOINT_METRICS", None, False, "enable /metrics"),
     Opt(("--slots",), "slots", "LLAMA_ARG_ENDPOINT_SLOTS", None, True, "enable /slots", negative=("--no-slots",)),
     Opt(("--props",), "props", "LLAMA_ARG_ENDPOINT_PROPS", None, False, "allow POST /props"),
+    Opt(("--ui", "--webui"), "webui", "LLAMA_ARG_UI", None, True, "serve the built-in web page at /",
+        negative=("--no-ui", "--no-webui")),
     Opt(("-to", "--timeout"), "timeout", "LLAMA_ARG_TIMEOUT", int, 3600, "idle connection timeout, seconds"),
     Opt(("--sse-ping-interval",), "sse_ping_interval", "LLAMA_ARG_SSE_PING_INTERVAL", float, 30.0,
         "seconds of stream silence before a keep-alive comment (-1 = off)"),

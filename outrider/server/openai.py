@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
+from outrider.server import provenance
 from outrider.server.native import native_result, progress_fields, state_of
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
@@ -36,6 +37,7 @@ class Call:
     timings_per_token: bool  # llama-server extension: `timings` on every streamed content chunk
     ping_interval: float
     options: proto.RequestOptions  # id_slot, return_progress, verbose
+    draft_provenance: bool  # outrider extension: per-token provenance in each choice (server/provenance.py)
 
     @classmethod
     def parse(cls, body: dict, state: ServerState, prefix: str, obj: str, n_top: int | None) -> Call:
@@ -48,7 +50,8 @@ class Call:
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
                    timings_per_token=proto.get_bool(body, "timings_per_token", False),
                    ping_interval=state.ping_interval(body),
-                   options=proto.RequestOptions.parse(body, state.n_slots, state.config.verbose))
+                   options=proto.RequestOptions.parse(body, state.n_slots, state.config.verbose),
+                   draft_provenance=proto.wants_draft_provenance(body))
 
     def body(self, choices: list[dict], obj: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"choices": choices, "created": self.created, "model": self.model, "system_fingerprint": BUILD_INFO,
@@ -67,6 +70,11 @@ class Call:
         return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(r.timing.cache_n for r in firsts)}}
 
+    def with_provenance(self, choice: dict, outs: list[RequestOutput]) -> dict:
+        """`choice` with the provenance of `outs`' tokens when the request asked for it."""
+        if self.draft_provenance:
+            choice[provenance.FIELD] = provenance.entries(outs)
+        return choice
 
     def progress_chunk(self, out: RequestOutput, obj: str | None = None) -> dict[str, Any]:
         """A prefill report (return_progress) as a chunk without choices."""
@@ -131,8 +139,9 @@ async def completions(request: Request):
                 "text_offset": offsets}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
-        return {"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
-                "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])}
+        return call.with_provenance({"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
+                                     "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])},
+                                    outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
@@ -146,8 +155,9 @@ async def completions(request: Request):
                 continue
             text = prefixes[i] + out.text
             prefixes[i] = ""
-            chunk = call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
-                                "finish_reason": _finish_reason(out)}])
+            chunk = call.body([call.with_provenance({"text": text, "index": i,
+                                                     "logprobs": logprobs_of([out], sent[i]),
+                                                     "finish_reason": _finish_reason(out)}, [out])])
             sent[i] += len(out.text)
             if out.finished:
                 remaining -= 1
@@ -183,9 +193,9 @@ async def chat_completions(request: Request):
         return {"content": token_probs(tok, [lp for o in outs for lp in o.logprobs or ()], call.n_top)}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
-        return {"finish_reason": _finish_reason(outs[-1]), "index": i,
-                "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                "logprobs": logprobs_of(outs)}
+        return call.with_provenance({"finish_reason": _finish_reason(outs[-1]), "index": i,
+                                     "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
+                                     "logprobs": logprobs_of(outs)}, outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
@@ -202,9 +212,12 @@ async def chat_completions(request: Request):
                 started.add(i)
                 yield call.body([{"finish_reason": None, "index": i,
                                   "delta": {"role": "assistant", "content": None}}], obj)
-            if out.text or (call.n_top is not None and out.logprobs):
-                chunk = call.body([{"finish_reason": None, "index": i, "delta": {"content": out.text},
-                                    "logprobs": logprobs_of([out])}], obj)
+            # with provenance, tokens whose text is held back (or that have none) still need their chunk
+            if out.text or (call.n_top is not None and out.logprobs) or \
+                    (call.draft_provenance and out.new_token_ids):
+                chunk = call.body([call.with_provenance({"finish_reason": None, "index": i,
+                                                         "delta": {"content": out.text},
+                                                         "logprobs": logprobs_of([out])}, [out])], obj)
                 if call.timings_per_token:
                     chunk.update(timings_fields(out.timing))
                 yield chunk

@@ -117,6 +117,11 @@ def get_str_list(body: dict, name: str) -> list[str] | None:
     return v
 
 
+def wants_draft_provenance(body: dict) -> bool:
+    """outrider extension, off by default: per-token draft provenance in the response (server/provenance.py)."""
+    return get_bool(body, "return_draft_provenance", False)
+
+
 def first_present(body: dict, names: tuple[str, ...]) -> str:
     return next((n for n in names if body.get(n) is not None), names[0])
 

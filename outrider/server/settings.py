@@ -26,6 +26,7 @@ class ServerConfig:
     endpoint_metrics: bool = False
     endpoint_slots: bool = True
     endpoint_props: bool = False
+    webui: bool = True  # the built-in page at / (server/webui)
     timeout: float = 3600.0  # idle keep-alive of a connection, seconds
     sse_ping_interval: float = 30.0  # seconds of stream silence before a `:` keep-alive comment; <= 0 = off
     max_body_bytes: int = 32 << 20
