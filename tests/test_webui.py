@@ -145,7 +145,9 @@ def test_native_frames_say_which_tokens_were_accepted_drafts(demo_server):
         frames = [e for e in events if e["index"] == index and not e["stop"]]
         entries = [x for f in frames for x in f["draft_provenance"]]
         assert sum(_check_frame(f["draft_provenance"]) for f in frames) == final["timings"].get("draft_n_accepted", 0)
-        assert all([x["id"] for x in f["draft_provenance"]] == f["tokens"] for f in frames)
+        # a frame per token, carrying that token's entry: its id and the text the frame shows
+        assert all([x["id"] for x in f["draft_provenance"]] == f["tokens"] and len(f["tokens"]) == 1 for f in frames)
+        assert all(f["draft_provenance"][0]["text"] == f["content"] for f in frames)
         assert len(entries) == final["tokens_predicted"] == final["timings"]["predicted_n"] == N_TOKENS
         assert "".join(x["text"] for x in entries) == "".join(f["content"] for f in frames)  # no stop: all shown
         assert "draft_provenance" not in final  # the tokens were all in the frames
@@ -203,3 +205,22 @@ def test_draft_provenance_is_off_by_default_and_checked(demo_server):
         bad = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "return_draft_provenance": "yes"})
         assert bad.status_code == 400 and "return_draft_provenance" in bad.json()["error"]["message"]
+
+
+def test_draft_provenance_texts_join_to_the_content_when_a_stop_string_cuts_it(demo_server):
+    """Tokens of a stop string, and of text held back while one might follow, add nothing to the content: their
+    entries' texts are "" so the entries still join to exactly what was shown."""
+    _, srv = demo_server
+    greedy = {"prompt": "def merge(a, b):", "n_predict": 24, "temperature": 0.0, "return_draft_provenance": True}
+    with httpx.Client(base_url=srv.url, timeout=60) as client:
+        full = client.post("/completion", json=greedy).json()["content"]
+        stop = full[len(full) // 2:][:4]
+        assert stop.strip(), full
+        cut = client.post("/completion", json={**greedy, "stop": [stop]}).json()
+        assert cut["stop_type"] == "word" and cut["content"] == full[:full.index(stop)]
+        assert "".join(e["text"] for e in cut["draft_provenance"]) == cut["content"]
+        assert len(cut["draft_provenance"]) == cut["tokens_predicted"]
+    (events,) = _post_all(srv.url, [("/completion", {**greedy, "stop": [stop]})])
+    frames = [e for e in events if not e["stop"]]
+    assert "".join(x["text"] for f in frames for x in f["draft_provenance"]) == cut["content"]
+    assert len(frames) == cut["tokens_predicted"]
