@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outrider.structured.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class SamplingParams:
     spec_n_min: int | None = None
     spec_p_min: float | None = None
     cache_prompt: bool = True  # reuse cached prompt prefixes (llama-server `cache_prompt`)
+    grammar: Grammar | None = None  # constrains the output (each Request matches it with its own Constraint)
 
     def __post_init__(self) -> None:
         checks = [
