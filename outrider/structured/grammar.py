@@ -73,7 +73,7 @@ class GrammarCompiler:
         """A JSON Schema; as in llama-server, an object's `additionalProperties` defaults to false."""
         source = json.dumps(schema)
         try:
-            compiled = llguidance.LLMatcher.grammar_from_json_schema(_closed_objects(schema), defaults=JSON_OPTIONS)
+            compiled = llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=JSON_OPTIONS)
         except ValueError as e:
             raise GrammarError(str(e)) from e
         return self._checked("json_schema", source, compiled)
@@ -89,11 +89,11 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # na
 _VALUES = ("const", "enum", "default", "examples")  # JSON values, not subschemas
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """`schema` with additionalProperties: false on every object schema that lists properties and says nothing
     about others (a copy; the request's schema is left alone)."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
@@ -101,9 +101,9 @@ def _closed_objects(schema: Any) -> Any:
         if key in _VALUES:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _closed_objects(sub) for name, sub in value.items()}
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
         else:
-            out[key] = _closed_objects(value)
+            out[key] = closed_objects(value)
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
