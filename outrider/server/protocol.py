@@ -12,6 +12,7 @@ from typing import Any
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 from outrider.server.errors import ApiError, context_exceeded, invalid
+from outrider.structured.grammar import Grammar
 from outrider.tokenizer import ChatTemplateError, Tokenizer
 
 INT_MAX = 2**31 - 1
@@ -19,8 +20,6 @@ _MISSING = object()
 
 # Fields of llama-server we do not implement, accepted only at the value that means "off".
 _INERT = {
-    "grammar": lambda v: not v,
-    "json_schema": lambda v: not v,
     "grammar_lazy": lambda v: not v,
     "grammar_triggers": lambda v: not v,
     "mirostat": lambda v: v == 0,
@@ -90,9 +89,10 @@ def first_present(body: dict, names: tuple[str, ...]) -> str:
 
 # --- sampling ---
 def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
-                    n_probs: int | None = None) -> SamplingParams:
+                    n_probs: int | None = None, grammar: Grammar | None = None) -> SamplingParams:
     """The body's sampling and stopping fields over the server defaults. `n_probs` overrides the body's (the
-    OpenAI routes derive it from their own `logprobs` fields)."""
+    OpenAI routes derive it from their own `logprobs` fields); `grammar` is the route's compiled constraint
+    (server/structured.py reads the body's fields for it)."""
     for name, inert in _INERT.items():
         value = body.get(name)
         if value is not None and not inert(value):
@@ -132,6 +132,7 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         spec_n_min=get_int(spec, "speculative.n_min", defaults.spec_n_min, lo=0),
         spec_p_min=get_float(spec, "speculative.p_min", defaults.spec_p_min, 0.0, 1.0),
         cache_prompt=get_bool(body, "cache_prompt", defaults.cache_prompt),
+        grammar=grammar,
     )
     try:
         return dataclasses.replace(defaults, **fields)
@@ -245,9 +246,9 @@ def _cut_after_final_message(text: str, last: dict) -> str:
     return text if end < 0 else text[: end + len(content)]
 
 
-def chat_prompt_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of the rendered chat prompt; BOS is added unless the template already wrote it."""
-    ids = tokenizer.encode(chat_prompt(body, tokenizer), add_special=True)
+def encode_chat(text: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a rendered chat prompt; BOS is added unless the template already wrote it."""
+    ids = tokenizer.encode(text, add_special=True)
     bos = tokenizer.bos_token_id
     if len(ids) > 1 and bos is not None and ids[0] == ids[1] == bos:
         ids = ids[1:]

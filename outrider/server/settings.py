@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from outrider import __version__
 from outrider.params import SamplingParams
@@ -32,6 +33,10 @@ class ServerConfig:
     max_queue: int = 256  # requests that may wait for a slot; more get 503 "All slots are busy"
     # Request defaults (cache_prompt included).
     defaults: SamplingParams = field(default_factory=lambda: default_params())
+    # Chat: --reasoning-format, --chat-template-kwargs (under each request's own), --jinja (off: no tools)
+    reasoning_format: str = "auto"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    jinja: bool = True
 
     @property
     def model_alias(self) -> str:

@@ -32,7 +32,8 @@ class ReasoningStream:
 
     def __init__(self, fmt: str, in_reasoning: bool) -> None:
         self.legacy = fmt == "deepseek-legacy"
-        self._state = "think" if in_reasoning else "start"  # start: an opening tag may still come
+        # start: an opening tag may still come; think: inside the thoughts; closed: just after them; content
+        self._state = "think" if in_reasoning else "start"
         self._held = ""
 
     def push(self, text: str) -> Split:
@@ -58,12 +59,17 @@ class ReasoningStream:
                 end = held.find(CLOSE)
                 if end >= 0:
                     reasoning.append(held[:end])
-                    held, self._state = held[end + len(CLOSE) :].lstrip(), "content"
+                    held, self._state = held[end + len(CLOSE) :], "closed"
                     continue
                 keep = 0 if final else partial_suffix(held, CLOSE)
                 reasoning.append(held[: len(held) - keep])
                 held = held[len(held) - keep :]
                 break
+            if self._state == "closed":  # the whitespace after the thoughts is no content
+                held = held.lstrip()
+                if not held and not final:
+                    break
+                self._state = "content"
             if not self.legacy:
                 content.append(held)
             held = ""
