@@ -5,6 +5,7 @@ not), the reasoning split on a live reply, and the 400s of grammars that do not 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import httpx
 import jsonschema
@@ -60,25 +61,33 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 THINKING = 'root ::= "<think>" [a-z ]{1,20} "</think>" [a-z ]{1,12}'
 
 
+@dataclass
+class Clients:
+    http: httpx.Client
+    oai: OpenAI
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def clients(tmp_path_factory):
+    """One demo server (no drafter, 64 slots: a request's 50 samples run together, Qwen-style tool template)."""
     template = tmp_path_factory.mktemp("structured") / "qwen.jinja"
     template.write_text(CHAT_TEMPLATE)
-    srv = ServerProcess(["--demo-draft", "none", "-np", "64", "--chat-template-file", str(template),
-                         "--temp", "0.8"])
-    yield srv
-    srv.stop()
+    srv = ServerProcess(["--demo-draft", "none", "-np", "64", "--chat-template-file", str(template)])
+    try:
+        with httpx.Client(base_url=srv.url, timeout=300) as http:
+            yield Clients(http, OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300))
+    finally:
+        srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=300) as c:
-        yield c
+@pytest.fixture
+def client(clients):
+    return clients.http
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=300)
+@pytest.fixture
+def oai(clients):
+    return clients.oai
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,9 @@ from outrider.tokenizer import Tokenizer
 
 
 def request_grammar(body: dict, compiler: GrammarCompiler) -> Grammar | None:
-    """The grammar of `grammar` (GBNF), `json_schema` or `response_format`; at most one of them may be given."""
-    given = [name for name in ("grammar", "json_schema", "response_format") if body.get(name) is not None]
+    """The grammar of `grammar` (GBNF), `json_schema` or `response_format`; at most one of them may be given
+    (null or "" is not given)."""
+    given = [name for name in ("grammar", "json_schema", "response_format") if body.get(name) not in (None, "")]
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
