@@ -182,3 +182,22 @@ def test_streamed_reasoning_equals_the_whole_split(cuts):
     whole = split_reasoning(text, "deepseek", False)
     assert "".join(p.reasoning for p in parts) == whole.reasoning
     assert "".join(p.content for p in parts) == whole.content
+
+
+def test_chat_flags_reach_the_config_and_the_template_body():
+    from outrider import cli
+    from outrider.server.errors import ApiError
+    from outrider.server.structured import template_body
+
+    ns = cli.parse(cli.SERVE_GROUPS, ["--reasoning-format", "none", "--chat-template-kwargs", '{"a": 1}',
+                                      "--reasoning-budget", "0", "--no-jinja"])
+    cfg = cli.server_config(ns, "m")
+    assert (cfg.reasoning_format, cfg.chat_template_kwargs, cfg.jinja) == ("none", {"a": 1, "enable_thinking": False},
+                                                                          False)
+    assert template_body({"chat_template_kwargs": {"a": 2}}, cfg)["chat_template_kwargs"] == {
+        "a": 2, "enable_thinking": False}
+    with pytest.raises(ApiError, match="requires --jinja"):
+        template_body({"tools": [{"type": "function", "function": {"name": "f"}}]}, cfg)
+    for bad in (["--reasoning-budget", "100"], ["--chat-template-kwargs", "[1]"], ["--reasoning-format", "x"]):
+        with pytest.raises(SystemExit):
+            cli.server_config(cli.parse(cli.SERVE_GROUPS, bad), "m")
