@@ -39,3 +39,19 @@ def test_throughput_bench_generates_the_whole_workload(tiny_checkpoint, tmp_path
     assert f"({wanted} tokens in " in printed
     assert _rows(out)["throughput"]["steps"] >= -(-wanted // 4)  # at most 4 sequences a step
     assert "throughput steps: steps with prompt tokens:" in printed
+
+
+def test_json_schema_runs_the_same_workload_constrained_and_free(tiny_checkpoint, tmp_path, capsys):
+    model, out, schema = tiny_checkpoint("qwen3"), tmp_path / "latency.json", tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 3}))
+    argv = ["latency", "--model", str(model), "--device", "cpu", "--prompt-len", "8", "--gen", "12", "--batch", "2",
+            "--ttft-prompt-len", "0", "--json-schema", str(schema), "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = _rows(out)
+    assert rows["json-schema"]["tok_s"] > 0 and rows["json-schema"]["free_tok_s"] == rows["latency"]["tok_s"]
+    assert "tok/s/seq constrained vs" in capsys.readouterr().out
+    argv = ["throughput", "--model", str(model), "--device", "cpu", "--num-requests", "3", "--min-len", "4",
+            "--max-len", "10", "--max-num-seqs", "4", "--json-schema", str(schema), "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = _rows(out)
+    assert rows["json-schema"]["tok_s"] > 0 and rows["json-schema"]["free_tok_s"] == rows["throughput"]["tok_s"]

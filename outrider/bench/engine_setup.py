@@ -23,6 +23,7 @@ def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched
     if args.random_weights:
         if preloaded is None:
             preloaded = random_model(args.random_weights, device)
-        stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")))
+        stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")),
+                                     full_vocab=args.json_schema is not None)
         return Engine(EngineConfig(model=str(stub), **kwargs), preloaded=preloaded)
     return Engine(EngineConfig(model=args.model, dtype=args.dtype, **kwargs), preloaded=preloaded)

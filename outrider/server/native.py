@@ -17,6 +17,7 @@ from outrider.server.errors import ApiError
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
+from outrider.server.structured import request_grammar, template_body
 from outrider.server.transport import read_json, sse_response, until_disconnected
 
 router = APIRouter()
@@ -59,7 +60,8 @@ async def completion(request: Request):
     body = await read_json(request)
     tok = state.tokenizer
     prompts = proto.tokenize_prompts(body.get("prompt"), tok)
-    params = proto.sampling_params(body, state.config.defaults, tok)
+    params = proto.sampling_params(body, state.config.defaults, tok,
+                                   grammar=request_grammar(body, state.core.grammars))
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)
     opts = NativeOptions.parse(body, state)
     options = proto.RequestOptions.parse(body, state.n_slots, state.config.verbose)
@@ -197,8 +199,8 @@ async def detokenize(request: Request):
 
 @router.post("/apply-template")
 async def apply_template(request: Request):
-    body = await read_json(request)
     state = state_of(request)
+    body = template_body(await read_json(request), state.config)
     return JSON({"prompt": proto.chat_prompt(body, state.tokenizer, state.config.prefill_assistant)})
 
 

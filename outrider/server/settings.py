@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from outrider import __version__
 from outrider.params import SamplingParams
@@ -40,6 +41,10 @@ class ServerConfig:
     verbose: bool = False  # -v: debug logs, and every response carries `__verbose`
     log_disable: bool = False
     log_file: str | None = None
+    # Chat: --reasoning-format, --chat-template-kwargs (under each request's own), --jinja (off: no tools)
+    reasoning_format: str = "auto"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    jinja: bool = True
 
     @property
     def model_alias(self) -> str:
