@@ -69,10 +69,11 @@ class Clients:
 
 @pytest.fixture(scope="module")
 def clients(tmp_path_factory):
-    """One demo server (no drafter, 64 slots: a request's 50 samples run together, Qwen-style tool template)."""
+    """One demo server (no drafter, 64 slots: a request's 50 samples run together, each slot with the model's
+    whole context (-kvu), Qwen-style tool template)."""
     template = tmp_path_factory.mktemp("structured") / "qwen.jinja"
     template.write_text(CHAT_TEMPLATE)
-    srv = ServerProcess(["--demo-draft", "none", "-np", "64", "--chat-template-file", str(template)])
+    srv = ServerProcess(["--demo-draft", "none", "-np", "64", "-kvu", "--chat-template-file", str(template)])
     try:
         with httpx.Client(base_url=srv.url, timeout=300) as http:
             yield Clients(http, OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=300))
