@@ -598,9 +598,13 @@ def train_loop(name, module, params, steps, lr, warmup, loss_fn, eval_fn, eval_e
             best, best_step = metrics["val"], step
             best_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
 
-    while (progress := max(step / steps, (time.time() - t0) / max_seconds)) < 1.0:
+    while True:
+        progress = max(step / steps, (time.time() - t0) / max_seconds)
+        if progress >= 1.0 and step > 0:
+            break
+        rate = lr_at(step, progress, lr, warmup)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, progress, lr, warmup)
+            g["lr"] = rate
         module.train()
         with ctx.autocast():
             loss = loss_fn(step)
