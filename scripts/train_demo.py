@@ -886,7 +886,6 @@ def main(argv=None) -> int:
         "chat_examples": len(chats), "method_chat_examples": len(method_chats), "train_tokens": len(train_stream),
         "held_out_tokens": len(val_stream),
         "held_out_bytes_per_token": round(held_bytes / max(1, len(val_stream) - len(held_files)), 3),
-        "tokenizer_sha256": hashlib.sha256(tok.to_str().encode()).hexdigest(),
     }
     metrics["vocab_size"] = vocab
     stage_t["data"] = round(time.time() - t0, 1)
