@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -72,8 +73,6 @@ def model_path(ns: argparse.Namespace) -> str:
 
 
 def _chat_template(ns: argparse.Namespace) -> str | None:
-    if not ns.jinja:
-        print("warning: --no-jinja: chat templates are always rendered with Jinja", file=sys.stderr)
     if ns.chat_template_file:
         return Path(ns.chat_template_file).read_text(encoding="utf-8")
     # As llama-server: a built-in name picks that template; anything else is Jinja source.
@@ -198,16 +197,26 @@ def api_keys(ns: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def model_name(ns: argparse.Namespace, model: str) -> str:
+    """The name reported without --alias: `outrider-demo` for the bundled demo, else the -hf repo id or the model
+    directory's name."""
+    from outrider import demo
+
+    if demo.is_demo_target(model):
+        return demo.SERVED_NAME
+    return ns.hf_repo if not ns.model and ns.hf_repo else Path(model).name or model
+
+
 def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
     aliases = tuple(a for a in (ns.alias or "").split(",") if a)
     return ServerConfig(
-        model_name=ns.hf_repo if not ns.model and ns.hf_repo else Path(model).name or model, aliases=aliases,
+        model_name=model_name(ns, model), aliases=aliases,
         host=ns.host, port=ns.port, api_keys=api_keys(ns), endpoint_metrics=ns.metrics, endpoint_slots=ns.slots,
         endpoint_props=ns.props, timeout=ns.timeout, sse_ping_interval=ns.sse_ping_interval,
-        max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns),
+        max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns), webui=ns.webui,
         cors_origins=_cors_origins(ns.cors_origins), tags=tuple(t for t in (ns.tags or "").split(",") if t),
         prefill_assistant=ns.prefill_assistant, verbose=ns.verbose, log_disable=ns.log_disable,
-        log_file=ns.log_file,
+        log_file=ns.log_file, **chat_settings(ns),
     )
 
 
@@ -218,8 +227,27 @@ def _cors_origins(value: str) -> tuple[str, ...]:
     return origins
 
 
+def chat_settings(ns: argparse.Namespace) -> dict:
+    """ServerConfig's chat fields from --reasoning-format, --chat-template-kwargs, --reasoning-budget, --jinja."""
+    from outrider.structured.reasoning import FORMATS
+
+    if ns.reasoning_format not in FORMATS:
+        raise SystemExit(f"error: --reasoning-format {ns.reasoning_format!r}: one of {', '.join(FORMATS)}")
+    try:
+        kwargs = json.loads(ns.chat_template_kwargs) if ns.chat_template_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --chat-template-kwargs: invalid JSON: {e}") from e
+    if not isinstance(kwargs, dict):
+        raise SystemExit("error: --chat-template-kwargs: expected a JSON object")
+    if ns.reasoning_budget not in (-1, 0):  # llama-server's two budgets; a token count would need forced tags
+        raise SystemExit("error: --reasoning-budget: -1 (unrestricted) or 0 (thinking off)")
+    if ns.reasoning_budget == 0:
+        kwargs = {**kwargs, "enable_thinking": False}
+    return dict(reasoning_format=ns.reasoning_format, chat_template_kwargs=kwargs, jinja=ns.jinja)
+
+
 # --- subcommands ---
-SERVE_GROUPS = [flags.MODEL, flags.SAMPLING, flags.SERVER]
+SERVE_GROUPS = [flags.MODEL, flags.SAMPLING, flags.SERVER, flags.CHAT]
 GENERATE_GROUPS = [flags.MODEL, flags.SAMPLING, [flags.Opt(("-p", "--prompt"), "prompt", help="the prompt text")]]
 
 

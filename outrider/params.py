@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from outrider.structured.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class SamplingParams:
     cache_prompt: bool = True  # reuse cached prompt prefixes (llama-server `cache_prompt`)
     # llama-server's `samplers` as given (sampler_chain.py; the ones left out are switched off above); () = all
     samplers: tuple[str, ...] = ()
+    grammar: Grammar | None = None  # constrains the output (each Request matches it with its own Constraint)
 
     def __post_init__(self) -> None:
         checks = [

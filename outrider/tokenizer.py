@@ -167,6 +167,10 @@ class Tokenizer:
             text = cache[token_id] = self.decode([token_id], skip_special_tokens)
         return text
 
+    def to_json(self) -> str:
+        """The `tokenizers` serialisation (tokenizer.json): grammar engines build their token tries from it."""
+        return self._tok.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a piece of a multi-byte character for byte tokens)."""
         piece = self._tok.id_to_token(token_id)

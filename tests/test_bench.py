@@ -54,9 +54,9 @@ def test_ttft_line_measures_a_request_of_two_tokens(tiny_checkpoint, monkeypatch
     calls = []
     real = latency.run_batch
 
-    def spy(engine, prompts, gen):
+    def spy(engine, prompts, gen, *rest):
         calls.append((len(prompts[0]), gen))
-        return real(engine, prompts, gen)
+        return real(engine, prompts, gen, *rest)
 
     monkeypatch.setattr(latency, "run_batch", spy)
     argv = ["latency", "--model", str(tiny_checkpoint("qwen3")), "--device", "cpu", "--prompt-len", "8", "--gen", "4",
@@ -105,3 +105,19 @@ def test_serve_counts_tokens_not_chunks_when_speculation_sends_several_a_chunk(t
     assert row["tokens"] == 4 * 24  # every request's tokens, however they were framed
     assert row["chunks"] < row["tokens"]  # some chunks carried several tokens (accepted drafts)
     assert f"({row['tokens']} tokens in {row['chunks']} chunks)" in capsys.readouterr().out
+
+
+def test_json_schema_runs_the_same_workload_constrained_and_free(tiny_checkpoint, tmp_path, capsys):
+    model, out, schema = tiny_checkpoint("qwen3"), tmp_path / "latency.json", tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 3}))
+    argv = ["latency", "--model", str(model), "--device", "cpu", "--prompt-len", "8", "--gen", "12", "--batch", "2",
+            "--ttft-prompt-len", "0", "--json-schema", str(schema), "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = _rows(out)
+    assert rows["json-schema"]["tok_s"] > 0 and rows["json-schema"]["free_tok_s"] == rows["latency"]["tok_s"]
+    assert "tok/s/seq constrained vs" in capsys.readouterr().out
+    argv = ["throughput", "--model", str(model), "--device", "cpu", "--num-requests", "3", "--min-len", "4",
+            "--max-len", "10", "--max-num-seqs", "4", "--json-schema", str(schema), "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = _rows(out)
+    assert rows["json-schema"]["tok_s"] > 0 and rows["json-schema"]["free_tok_s"] == rows["throughput"]["tok_s"]

@@ -141,7 +141,7 @@ def test_post_props_changes_nothing_and_says_so(client):
 
 @pytest.mark.parametrize("field, value", [("n_keep", 16), ("n_cache_reuse", 256), ("image_data", [{"id": 1}]),
                                           ("best_of", 2), ("functions", [{"name": "f"}]),
-                                          ("parallel_tool_calls", True), ("prediction", {"content": "x"})])
+                                          ("prediction", {"content": "x"})])
 def test_fields_we_cannot_honour_are_refused_by_name(client, field, value):
     for path, body in (("/completion", {"prompt": "a"}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):

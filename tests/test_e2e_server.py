@@ -257,7 +257,7 @@ def test_seeded_sampling_is_reproducible(client):
     ({"prompt": "x", "id_slot": N_SLOTS}, "id_slot"),
     ({"prompt": "x", "logit_bias": [[100000, 1]]}, "logit_bias"),
     ({"prompt": [1, 2, 999999]}, "prompt"),
-    ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar"),
+    ({"prompt": "x", "grammar": "root ::= \"a\" undefined"}, "grammar"),
     ({"prompt": "x", "mirostat": 2}, "mirostat"),
     ({"n_predict": 2}, "prompt"),
 ])
@@ -503,7 +503,7 @@ def test_openai_chat_logprobs_seed_n(oai):
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tool_choice": "required", "tools": []}, "tool_choice"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"content": "no role"}]}, "messages[0]"),

@@ -26,10 +26,10 @@ PROMPT = [5, 9, 13, 200, 17]
 N_MAX = 2  # drafts per round: the 2nd and 3rd tokens can both come out of one verify
 
 
-def params(seed: int) -> SamplingParams:
+def params(seed: int, grammar=None) -> SamplingParams:
     # 4 tokens so the first round (after the prefill's token) drafts k = 2: the policy leaves room for the bonus.
     return SamplingParams(max_tokens=4, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=seed,
-                          ignore_eos=True)
+                          ignore_eos=True, grammar=grammar)
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def engine(path: Path, **kwargs) -> LLM:
     return llm
 
 
-def sample(llm: LLM, seeds: range) -> tuple[Counter, list]:
-    outs = llm.generate([PROMPT] * len(seeds), [params(s) for s in seeds])
+def sample(llm: LLM, seeds: range, grammar=None) -> tuple[Counter, list]:
+    outs = llm.generate([PROMPT] * len(seeds), [params(s, grammar) for s in seeds])
     assert all(len(o.token_ids) == 4 for o in outs)
     return Counter(tuple(o.token_ids[:3]) for o in outs), outs
 
@@ -79,19 +79,21 @@ def two_sample_pvalue(a: Counter, b: Counter, min_pooled: int = 10) -> float:
     return stats.chi2_contingency(table, correction=False).pvalue
 
 
-def speculative_sample(families, kind: str) -> tuple[Counter, list]:
+def speculative_sample(families, kind: str, grammar_text: str | None = None) -> tuple[Counter, list]:
     arch, served, kwargs, reported = SETUPS[kind]
     ckpts = families[arch]
     llm = engine(ckpts[served], **kwargs(ckpts))
     assert llm.engine.drafter_kind == reported
-    counts, outs = sample(llm, range(10**6, 10**6 + N))  # seeds disjoint from the plain sample's
+    grammar = llm.engine.grammars.lark(grammar_text) if grammar_text else None
+    counts, outs = sample(llm, range(10**6, 10**6 + N), grammar)  # seeds disjoint from the plain sample's
     # The test says something only if the drafter drafted in every request and its drafts were neither always
     # accepted nor always rejected.
     drafted = sum(o.timing.draft_n for o in outs)
     accepted = sum(o.timing.draft_n_accepted for o in outs)
     assert all(o.timing.draft_rounds > 0 and o.timing.draft_kind == reported for o in outs)
     assert 0.2 < accepted / drafted < 0.8, (accepted, drafted)
-    assert any(o.timing.draft_n_accepted == 2 for o in outs[:50])  # some rounds reach the bonus slot
+    # Some rounds reach the bonus slot (unless a grammar bans what the drafter keeps proposing second).
+    assert grammar is not None or any(o.timing.draft_n_accepted == 2 for o in outs[:50])
     return counts, outs
 
 
@@ -108,3 +110,23 @@ def test_chi_square_rejects_missing_residual_correction(families, plain, kind, m
     monkeypatch.setattr(verify_mod, "residual", lambda p, q: p)
     counts, _ = speculative_sample(families, kind)
     assert two_sample_pvalue(counts, plain[SETUPS[kind][0]]) < 1e-6
+
+
+def without_token(banned: int, vocab: int) -> str:
+    """Lark (llguidance) admitting any token sequence but `banned`."""
+    return f"start: (<[0-{banned - 1}]> | <[{banned + 1}-{vocab - 1}]>)*"
+
+
+def test_constrained_speculative_distribution_equals_constrained_plain(families, plain):
+    """A grammar that forbids the target's favourite first token (so drafters, which agree with the target part
+    of the time, propose forbidden tokens): speculation keeps exactly the constrained distribution."""
+    kind = "draft"
+    arch = SETUPS[kind][0]
+    banned = Counter(first for first, *_ in plain[arch].elements()).most_common(1)[0][0]
+    reference = engine(families[arch]["target"], spec_type="none")
+    text = without_token(banned, reference.engine.model_config.vocab_size)
+    constrained, _ = sample(reference, range(N), reference.engine.grammars.lark(text))
+    counts, outs = speculative_sample(families, kind, text)
+    assert all(banned not in key for key in counts) and all(banned not in key for key in constrained)
+    assert two_sample_pvalue(counts, constrained) > 1e-3
+    assert two_sample_pvalue(constrained, plain[arch]) < 1e-6  # the grammar changed the distribution

@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_opts.add_argument("--json", help="also write the results to this JSON file")
     common = argparse.ArgumentParser(add_help=False, parents=[engine_opts])
     common.add_argument("--peak-bw", type=float, help="roofline bandwidth in GB/s (default: the GPU's spec)")
+    common.add_argument("--json-schema", metavar="FILE",
+                        help="also run the workload constrained by this JSON Schema and compare tok/s (with "
+                             "--random-weights the stub tokenizer is trained to the model's vocabulary size)")
 
     lat = sub.add_parser("latency", parents=[common], help="batch-B decode tok/s, ms/token and TTFT")
     lat.add_argument("--prompt-len", type=int, default=128)

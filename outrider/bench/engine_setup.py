@@ -26,6 +26,7 @@ def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched
     if args.random_weights:
         if preloaded is None:
             preloaded = random_model(args.random_weights, torch.device(args.device))
-        stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")))
+        stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")),
+                                     full_vocab=getattr(args, "json_schema", None) is not None)
         return Engine(engine_config(args, str(stub), **limits), preloaded=preloaded)
     return Engine(engine_config(args, args.model, **limits), preloaded=preloaded)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 
 from outrider.bench.engine_setup import build_engine
 from outrider.bench.report import Reporter
@@ -12,13 +14,14 @@ from outrider.engine.request import Request
 from outrider.params import SamplingParams
 
 
-def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float]:
-    """Run the prompts together to `gen` tokens each -> (TTFT s of the batch, decode tok/s per sequence)."""
+def run_batch(engine, prompts: list[list[int]], gen: int, grammar=None) -> tuple[float, float]:
+    """Run the prompts together to `gen` tokens each (fewer if `grammar` completes first) -> (TTFT s of the
+    batch, decode tok/s per sequence)."""
     stamps: dict[int, list[float]] = {}
-    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, grammar=grammar)
+    requests = [Request(list(ids), params) for ids in prompts]
     t0 = time.perf_counter()
-    for ids in prompts:
-        req = Request(list(ids), params)
+    for req in requests:
         stamps[req.request_id] = []
         engine.add_request(req, lambda out, s=stamps[req.request_id]: s.append(time.perf_counter()))
     while engine.has_work():
@@ -26,8 +29,22 @@ def run_batch(engine, prompts: list[list[int]], gen: int) -> tuple[float, float]
     firsts = [s[0] for s in stamps.values()]
     lasts = [s[-1] for s in stamps.values()]
     ttft = max(firsts) - t0
-    decode_rate = (gen - 1) / (max(lasts) - max(firsts)) if gen > 1 else 0.0
+    after_first = sum(len(r.output_ids) - 1 for r in requests) / len(requests)
+    span = max(lasts) - max(firsts)
+    decode_rate = after_first / span if span > 0 else 0.0
     return ttft, decode_rate
+
+
+def schema_rate(engine, args, reporter: Reporter, prompts, free_rate: float, name: str, step_bytes: float) -> None:
+    """The same batch constrained by --json-schema (masks computed on the host during the forward; the step
+    commits before the next launches), against the unconstrained rate measured in this process."""
+    grammar = engine.grammars.json_schema(json.loads(Path(args.json_schema).read_text()))
+    run_batch(engine, prompts(), 8, grammar)  # warm-up
+    _, rate = run_batch(engine, prompts(), args.gen, grammar)
+    reporter.line(f"json-schema {name} bs={args.batch}",
+                  f"{rate:.1f} tok/s/seq constrained vs {free_rate:.1f} unconstrained "
+                  f"({100 * (1 - rate / free_rate):+.1f}% slower)", step_bytes * rate, 1.0, tok_s=rate,
+                  free_tok_s=free_rate)
 
 
 def run(args, reporter: Reporter) -> None:
@@ -61,6 +78,9 @@ def run(args, reporter: Reporter) -> None:
         fwd = timer.total.get(GRAPH_FORWARD, 0.0) / n
         reporter.line(f"profile {name} bs={args.batch}", f"ms/step over {n} steps: {parts}",
                       step_bytes, fwd, **{k: v / n for k, v in timer.total.items()})
+    if args.json_schema:
+        schema_rate(engine, args, reporter, lambda: [prompt(args.prompt_len) for _ in range(args.batch)], rate,
+                    name, step_bytes)
     if args.ttft_prompt_len:
         # Two tokens: the first is delivered while the second step is already scheduled (overlap), as in serving.
         ttfts = [run_batch(engine, [prompt(args.ttft_prompt_len)], 2)[0] for _ in range(3)]

@@ -72,13 +72,18 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype = torch.bfl
     return model.to(device).eval().requires_grad_(False), cfg
 
 
-def write_stub_checkpoint(name: str, path: Path, **extra_config) -> Path:
-    """config.json (the named shape's, plus `extra_config`) + the tiny test tokenizer: enough for Engine to start
-    when the model is handed in."""
-    from outrider.testing.tokenizer import write_tiny_tokenizer
+def write_stub_checkpoint(name: str, path: Path, full_vocab: bool = False, **extra_config) -> Path:
+    """config.json (the named shape's, plus `extra_config`) + a test tokenizer: enough for Engine to start when
+    the model is handed in. The tiny one (512 tokens), or with `full_vocab` one trained on Python sources to about
+    the model's vocabulary size (a minute or so), for costs that grow with it (grammar masks)."""
+    from outrider.testing.tokenizer import python_sources, write_tiny_tokenizer
 
     path.mkdir(parents=True, exist_ok=True)
-    write_tiny_tokenizer(path)
+    if full_vocab:
+        size = write_tiny_tokenizer(path, RANDOM_MODELS[name]["vocab_size"] - 256, corpus=python_sources())
+        print(f"bench: trained a {size}-token tokenizer on Python sources", flush=True)
+    else:
+        write_tiny_tokenizer(path)
     (path / "config.json").write_text(json.dumps({**RANDOM_MODELS[name], **extra_config}))
     return path
 

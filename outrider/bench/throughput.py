@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import time
+from pathlib import Path
 
 from outrider.bench.engine_setup import build_engine
 from outrider.bench.latency import run_batch
@@ -25,26 +27,39 @@ def run(args, reporter: Reporter) -> None:
     run_batch(engine, [[rng.randrange(cfg.vocab_size) for _ in range(16)]], 8)  # warm-up
 
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n_in)] for n_in, _ in lens]  # the client's work
+    log = StepLog(engine)
+    produced, elapsed, steps = _workload(engine, prompts, lens, log)
+    # Bytes: every step streams the weights; every generated token reads its sequence's KV so far.
+    kv_reads = sum(n_out * n_in + n_out * (n_out - 1) / 2 for n_in, n_out in lens) * kv_bytes_per_token(cfg, engine.dtype)
+    moved = steps * config_weight_bytes(cfg, engine.dtype.itemsize) + kv_reads
+    reporter.line(f"throughput {name} n={args.num_requests} len=[{args.min_len},{args.max_len}]",
+                  f"{produced / elapsed:.0f} output tok/s ({produced} tokens in {elapsed:.2f} s, {steps} steps)",
+                  moved, elapsed, tok_s=produced / elapsed, steps=steps)
+    print(log.summary(), flush=True)
+    if args.json_schema:  # the same workload, constrained (each request ends when the schema is complete)
+        grammar = engine.grammars.json_schema(json.loads(Path(args.json_schema).read_text()))
+        done, seconds, _ = _workload(engine, prompts, lens, StepLog(engine), grammar)
+        reporter.line(f"json-schema {name} n={args.num_requests}",
+                      f"{done / seconds:.0f} output tok/s constrained vs {produced / elapsed:.0f} unconstrained "
+                      f"({done} tokens in {seconds:.2f} s)", 0, 1.0, tok_s=done / seconds,
+                      free_tok_s=produced / elapsed)
+
+
+def _workload(engine, prompts: list[list[int]], lens: list[tuple[int, int]], log: StepLog,
+              grammar=None) -> tuple[int, float, int]:
+    """Run every request at once -> (output tokens, seconds, steps)."""
     steps0 = engine.counters["steps"]
     produced = [0]
-    log = StepLog(engine)
     with log.instrumented():
         t0 = time.perf_counter()
         for ids, (_, n_out) in zip(prompts, lens):
-            params = SamplingParams(max_tokens=n_out, temperature=0.6, ignore_eos=True)
+            params = SamplingParams(max_tokens=n_out, temperature=0.6, ignore_eos=True, grammar=grammar)
             engine.add_request(Request(ids, params),
                                lambda out: produced.__setitem__(0, produced[0] + len(out.new_token_ids)))
         while engine.has_work():
             log.step()
         elapsed = time.perf_counter() - t0
-    steps = engine.counters["steps"] - steps0
-    # Bytes: every step streams the weights; every generated token reads its sequence's KV so far.
-    kv_reads = sum(n_out * n_in + n_out * (n_out - 1) / 2 for n_in, n_out in lens) * kv_bytes_per_token(cfg, engine.dtype)
-    moved = steps * config_weight_bytes(cfg, engine.dtype.itemsize) + kv_reads
-    reporter.line(f"throughput {name} n={args.num_requests} len=[{args.min_len},{args.max_len}]",
-                  f"{produced[0] / elapsed:.0f} output tok/s ({produced[0]} tokens in {elapsed:.2f} s, {steps} steps)",
-                  moved, elapsed, tok_s=produced[0] / elapsed, steps=steps)
-    print(log.summary(), flush=True)
+    return produced[0], elapsed, engine.counters["steps"] - steps0
 
 
 class StepLog:

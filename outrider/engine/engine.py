@@ -36,6 +36,7 @@ from outrider.params import SamplingParams
 from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.speculative.drafter import DEFAULT_N_MAX
 from outrider.speculative.speculator import Drafts, Speculator
+from outrider.structured.grammar import GrammarCompiler
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer
 
@@ -99,6 +100,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.runner.sampler.set_eog_ids(self.eos_ids)
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.eos_ids)  # (the routes')
         log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, self.dtype,
                  num_blocks, config.block_size, (now() - t0) * 1e3)
         if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)
@@ -398,6 +400,9 @@ class Engine:
             pieces.append(piece)
             if word is not None:
                 return n, pieces, FinishReason.STOP, "word", word
+            if req.constraint is not None and req.constraint.accept(tok):  # the grammar is complete
+                pieces[-1] += detok.flush()
+                return n, pieces, FinishReason.STOP, "eos", ""
             if num_outputs >= req.max_output_tokens:
                 pieces[-1] += detok.flush()
                 return n, pieces, req.limit_reason(num_outputs), "limit", ""

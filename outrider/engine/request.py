@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 
 from outrider.params import SamplingParams
+from outrider.structured.grammar import Constraint
 from outrider.timing import RequestTiming
 
 _ids = itertools.count()
@@ -97,6 +98,13 @@ class Request:
     num_hashed_blocks: int = 0
     last_block_hash: int | None = None
     unpublished: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    # The matcher of params.grammar, at the committed outputs (None: unconstrained). Made with the request, when
+    # the HTTP layer validates it: a grammar's cost is paid before the engine sees the request.
+    constraint: Constraint | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.constraint is None and self.params.grammar is not None:
+            self.constraint = Constraint(self.params.grammar)
 
     @property
     def all_ids(self) -> list[int]:

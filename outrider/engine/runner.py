@@ -22,6 +22,7 @@ from outrider.engine.upload import to_device
 from outrider.engine.request import Request, TokenLogprob
 from outrider.speculative.verify import verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
+from outrider.structured.grammar import token_masks
 
 
 @dataclass
@@ -55,7 +56,8 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
     host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
-    # A penalty read a sampled request's recent tokens on the host: the next step needs this one's tokens there.
+    # A penalty read a sampled request's recent tokens on the host, or a grammar its matcher state: the next step
+    # needs this one's tokens there.
     reads_history: bool = False
 
     @property
@@ -249,7 +251,7 @@ class ModelRunner:
         specs = self.row_specs(sampled_reqs)
         verifies = len(specs.slots) > len(sampled_reqs)  # some request has draft rows
         sbatch = self.sampler.prepare(specs, sample_only=not verifies)
-        step.reads_history = specs.histories is not None
+        step.reads_history = specs.histories is not None or specs.allowed is not None
         if verifies:
             drafts = [s.draft_tokens for s in sampled_reqs]
             probs = draft_probs or {}
@@ -295,8 +297,9 @@ class ModelRunner:
 
     def row_specs(self, sampled: list[ScheduledRequest]) -> SamplingRows:
         """The sampling rows of these (sampling) requests, one per logits row (the last known token's, then one
-        per draft token): the request's parameter slot, the output index sampled (the RNG counter) and, when a
-        penalty reads it, the history."""
+        per draft token): the request's parameter slot, the output index sampled (the RNG counter), when a
+        penalty reads it the history and, for constrained requests, the allowed tokens (computed here, on the
+        host, while the device runs the step's forward)."""
         reqs = [s.request for s in sampled]
         self.sampling_table.sync(reqs)
         slot_ids = [req.id_slot for req in reqs]
@@ -313,7 +316,8 @@ class ModelRunner:
             for s in sampled:
                 window = _penalty_window(s.request)
                 histories += [window + s.draft_tokens[:j] for j in range(len(s.draft_tokens) + 1)]
-        return SamplingRows(self.sampling_table, slots, steps, histories)
+        allowed = token_masks(sampled, self.sampler.vocab_size)
+        return SamplingRows(self.sampling_table, slots, steps, histories, allowed)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

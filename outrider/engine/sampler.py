@@ -2,9 +2,9 @@
 
 Each row goes through llama.cpp's default chain, so a llama-server user gets the same distribution:
 logit_bias (+ engine bans) -> penalties (repeat/presence/frequency over the last repeat_last_n tokens of
-`history`) -> top_k -> typical_p -> top_p -> min_p -> temperature -> draw. Note that temperature comes last,
-as in llama.cpp: the filters see the T=1 distribution. temperature <= 0 is greedy: the argmax after bias and
-penalties, and its processed distribution is one-hot.
+`history`) -> grammar (a row's allowed tokens, structured/grammar.py) -> top_k -> typical_p -> top_p -> min_p ->
+temperature -> draw. Note that temperature comes last, as in llama.cpp: the filters see the T=1 distribution.
+temperature <= 0 is greedy: the argmax after bias, penalties and grammar, and its processed distribution is one-hot.
 
 Randomness is counter-based: the noise for (seed, step, stream, token id) is a murmur-style hash computed
 with integer tensor ops, and tokens are drawn by Gumbel-max over the processed log-probs. A seeded row
@@ -167,6 +167,15 @@ class ParamTable:
 
 
 @dataclass
+class TokenMasks:
+    """Allowed tokens of some rows (grammar-constrained ones; the others are free): bit j % 32 of bits[i, j // 32]
+    allows token j in row rows[i]."""
+
+    rows: np.ndarray  # [C] int64, ascending
+    bits: np.ndarray  # [C, ceil(V / 32)] int32
+
+
+@dataclass
 class SamplingRows:
     """A batch's logits rows by column: row r samples with the parameters and seed at `table` slot slots[r], as
     output index steps[r] (its RNG counter)."""
@@ -175,6 +184,7 @@ class SamplingRows:
     slots: np.ndarray  # [N] int64
     steps: np.ndarray  # [N] int64
     histories: Sequence[Sequence[int]] | None = None  # per row, the tokens before it (None: no row is penalised)
+    allowed: TokenMasks | None = None  # None: no row is constrained
 
     @classmethod
     def of(cls, specs: Sequence[RowSpec]) -> SamplingRows:
@@ -201,6 +211,7 @@ class SamplingBatch:
     # EOG bans, added to the logits at the sampler's eog_ids [E]: -inf for every row (a 0-dim tensor) or per row
     # ([N, 1]: -inf or 0); None when no row bans them.
     eog_ban: torch.Tensor | None = None
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # TokenMasks on the device: rows [C], bits [C, W]
     # The filters and the noise keys: all None in an all-greedy batch prepared with sample_only.
     greedy: torch.Tensor | None = None  # [N] bool; None: no row is greedy
     temperature: torch.Tensor | None = None  # [N] float32 (1 for greedy rows, never used there)
@@ -244,6 +255,7 @@ class Sampler:
         self._noise = torch.compile(_gumbel_noise, dynamic=True) if self.device.type == "cuda" else _gumbel_noise
         self._rank = torch.arange(vocab_size, device=self.device)  # candidate ranks: a view launches nothing
         self._neg_inf = torch.tensor(-math.inf, device=self.device)
+        self._bit_shifts = torch.arange(32, dtype=torch.int32, device=self.device)  # unpacks TokenMasks words
         # End-of-generation ids the logits cover, on the device (None: none): banned, as llama-server does, for
         # rows with ignore_eos or short of min_tokens.
         self.eog_ids: torch.Tensor | None = None
@@ -265,6 +277,8 @@ class Sampler:
         parts: list[tuple] = [*(bias or ()), *(penalties or ())]
         if some_banned and not ban_every_row:
             parts.append((np.where(banned, -np.inf, 0.0), np.float32))
+        if rows.allowed is not None:
+            parts += [(rows.allowed.rows, np.int64), (rows.allowed.bits, np.int32)]
         all_greedy = bool(every & _Flag.GREEDY)
         filters = not (all_greedy and sample_only)
         if filters:
@@ -285,8 +299,11 @@ class Sampler:
                 eog_ban = self._neg_inf
             else:
                 eog_ban, dev = dev[0][:, None], dev[1:]
+        allowed = None
+        if rows.allowed is not None:
+            allowed, dev = (dev[0], dev[1]), dev[2:]
         common = dict(num_rows=len(rows.slots), n_probs=int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0,
-                      bias=bias, penalties=penalties, eog_ban=eog_ban)
+                      bias=bias, penalties=penalties, eog_ban=eog_ban, allowed=allowed)
         if not filters:
             return SamplingBatch(width=self.vocab_size, all_greedy=True, **common)
         filt, top_k_dev, keys_dev = dev
@@ -343,8 +360,8 @@ class Sampler:
 
     # --- device side ---
     def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Logits after logit bias, bans and penalties (a new tensor; the input is left alone)."""
-        if batch.bias is None and batch.eog_ban is None and batch.penalties is None:
+        """Logits after logit bias, bans, penalties and grammars (a new tensor; the input is left alone)."""
+        if batch.bias is None and batch.eog_ban is None and batch.penalties is None and batch.allowed is None:
             return logits.float()  # nothing to adjust (compute_logits already returns float32: no copy)
         out = logits.float().clone()
         if batch.bias is not None:
@@ -363,6 +380,10 @@ class Sampler:
             scaled = torch.where(out <= 0, out * rp, out / rp)
             scaled = scaled - counts * frequency[:, None] - seen * presence[:, None]
             out = torch.where(seen, scaled, out)
+        if batch.allowed is not None:
+            rows, bits = batch.allowed
+            allowed = (bits[:, :, None] >> self._bit_shifts).flatten(1)[:, : out.shape[1]] & 1
+            out[rows] = out[rows].masked_fill(allowed == 0, -math.inf)
         return out
 
     def processed(self, logits: torch.Tensor, batch: SamplingBatch) -> Processed:

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from outrider.engine.async_engine import AsyncEngine
-from outrider.server import native, openai
+from outrider.server import native, openai, webui
 from outrider.server.errors import ApiError
 from outrider.server.middleware import CORS, BodyLimit, Gate
 from outrider.server.settings import ServerConfig
@@ -39,6 +39,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.server = ServerState(engine, config)
     app.include_router(native.router)
     app.include_router(openai.router)
+    if config.webui:
+        webui.add_routes(app)
     for paths, feature in UNSUPPORTED.items():
         for path in paths:
             app.add_api_route(path, _unsupported(feature), methods=["GET", "POST"], include_in_schema=False)
@@ -66,7 +68,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     # add_middleware wraps: the last added runs first.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
-    app.add_middleware(Gate, engine=engine, api_keys=config.api_keys)
+    app.add_middleware(Gate, engine=engine, api_keys=config.api_keys,
+                       static_paths=webui.PATHS if config.webui else frozenset())
     app.add_middleware(CORS, origins=config.cors_origins)
     return app
 

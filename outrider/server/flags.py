@@ -67,7 +67,8 @@ MODEL = [
     Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",
         help="a built-in template name (llama-server's: chatml, llama3, gemma, ...) or Jinja source"),
     Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", help="Jinja template file"),
-    Opt(("--jinja",), "jinja", "LLAMA_ARG_JINJA", None, True, "templates are always Jinja (--no-jinja is ignored)",
+    Opt(("--jinja",), "jinja", "LLAMA_ARG_JINJA", None, True,
+        "Jinja chat templates (always rendered with Jinja; --no-jinja refuses tools, as llama-server does)",
         negative=("--no-jinja",)),
     # outrider's own
     Opt(("--dtype",), "dtype", "OUTRIDER_DTYPE", str, "auto", "auto | float32 | float16 | bfloat16"),
@@ -123,6 +124,8 @@ SERVER = [
     Opt(("--metrics",), "metrics", "LLAMA_ARG_ENDPOINT_METRICS", None, False, "enable /metrics"),
     Opt(("--slots",), "slots", "LLAMA_ARG_ENDPOINT_SLOTS", None, True, "enable /slots", negative=("--no-slots",)),
     Opt(("--props",), "props", "LLAMA_ARG_ENDPOINT_PROPS", None, False, "allow POST /props"),
+    Opt(("--ui", "--webui"), "webui", "LLAMA_ARG_UI", None, True, "serve the built-in web page at /",
+        negative=("--no-ui", "--no-webui")),
     Opt(("-to", "--timeout"), "timeout", "LLAMA_ARG_TIMEOUT", int, 3600, "idle connection timeout, seconds"),
     Opt(("--sse-ping-interval",), "sse_ping_interval", "LLAMA_ARG_SSE_PING_INTERVAL", float, 30.0,
         "seconds of stream silence before a keep-alive comment (-1 = off)"),
@@ -138,6 +141,15 @@ SERVER = [
     Opt(("--max-queue",), "max_queue", "OUTRIDER_MAX_QUEUE", int, 256,
         "requests that may wait for a slot; more get 503"),
     Opt(("--max-body-size",), "max_body_size", "OUTRIDER_MAX_BODY_SIZE", int, 32 << 20, "request body limit, bytes"),
+]
+
+CHAT = [
+    Opt(("--reasoning-format",), "reasoning_format", "LLAMA_ARG_THINK", str, "auto",
+        "none | auto | deepseek | deepseek-legacy: where a reply's <think> text goes (reasoning_content)"),
+    Opt(("--chat-template-kwargs",), "chat_template_kwargs", "LLAMA_ARG_CHAT_TEMPLATE_KWARGS", str, None,
+        'JSON object of template variables for every chat request, e.g. {"enable_thinking": false}'),
+    Opt(("--reasoning-budget",), "reasoning_budget", "LLAMA_ARG_THINK_BUDGET", int, -1,
+        "-1: unrestricted thinking; 0: thinking off (enable_thinking false for the template)"),
 ]
 
 # GGML/llama.cpp-only knobs: accepted so existing command lines run, with a one-line warning. True = takes a value.

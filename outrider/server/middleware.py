@@ -72,15 +72,17 @@ class CORS:
 
 
 class Gate:
-    """503 "Loading model" on every route until the engine is ready, then the API-key check."""
+    """503 "Loading model" on every route until the engine is ready, then the API-key check. `static_paths` (the
+    web page's files) pass both, as in llama-server: the page loads first and then asks for the key."""
 
-    def __init__(self, app, engine, api_keys: tuple[str, ...]):
+    def __init__(self, app, engine, api_keys: tuple[str, ...], static_paths: frozenset[str] = frozenset()):
         self.app = app
         self.engine = engine
         self.keys = tuple(k.encode() for k in api_keys)
+        self.static_paths = static_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in self.static_paths:
             return await self.app(scope, receive, send)
         if not self.engine.ready:
             error = ApiError(500, f"model failed to load: {self.engine.load_error}") if self.engine.load_error \

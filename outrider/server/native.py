@@ -9,13 +9,15 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from outrider.engine.request import FinishReason, RequestOutput, TokenLogprob
+from outrider.engine.request import FinishReason, RequestOutput
 from outrider.engine.request import Request as EngineRequest
 from outrider.server import protocol as proto
+from outrider.server import provenance
 from outrider.server.errors import ApiError
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
+from outrider.server.structured import request_grammar, template_body
 from outrider.server.transport import read_json, sse_response, until_disconnected
 
 router = APIRouter()
@@ -35,6 +37,7 @@ class NativeOptions:
     post_sampling_probs: bool
     response_fields: tuple[str, ...]
     ping_interval: float
+    draft_provenance: bool  # outrider extension: per-token provenance (server/provenance.py)
 
     @classmethod
     def parse(cls, body: dict, state: ServerState) -> NativeOptions:
@@ -46,6 +49,7 @@ class NativeOptions:
             post_sampling_probs=proto.get_bool(body, "post_sampling_probs", False),
             response_fields=tuple(fields),
             ping_interval=state.ping_interval(body),
+            draft_provenance=proto.wants_draft_provenance(body),
         )
 
 
@@ -56,7 +60,8 @@ async def completion(request: Request):
     body = await read_json(request)
     tok = state.tokenizer
     prompts = proto.tokenize_prompts(body.get("prompt"), tok)
-    params = proto.sampling_params(body, state.config.defaults, tok)
+    params = proto.sampling_params(body, state.config.defaults, tok,
+                                   grammar=request_grammar(body, state.core.grammars))
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)
     opts = NativeOptions.parse(body, state)
     options = proto.RequestOptions.parse(body, state.n_slots, state.config.verbose)
@@ -74,6 +79,8 @@ def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], op
     """The complete result object (non-streamed body, or the last SSE frame with the text already sent)."""
     result = native_result(state, req, outs, index, streamed, stream=opts.stream, return_tokens=opts.return_tokens,
                            timings_per_token=opts.timings_per_token, post_sampling_probs=opts.post_sampling_probs)
+    if opts.draft_provenance and not streamed:  # (streamed, each token's frame carried its entry)
+        result[provenance.FIELD] = provenance.entries(outs)
     return _project(result, opts.response_fields) if opts.response_fields else result
 
 
@@ -125,25 +132,6 @@ def _project(result: dict[str, Any], paths: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-@dataclass(frozen=True)
-class TokenStep:
-    """One generated token of an engine output, as a per-token frame shows it."""
-
-    token_id: int
-    text: str  # what it added to the text (held-back text arrives with a later token)
-    logprob: TokenLogprob | None
-    drafted: bool  # a draft the target accepted (else the target's own token)
-
-
-def split_by_token(out: RequestOutput) -> list[TokenStep]:
-    """An output's tokens one by one, each with its own text and log-prob: their texts concatenate to out.text.
-    (A speculative round commits several tokens in one output; llama-server streams a frame per token.)"""
-    texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.text]
-    logprobs = out.logprobs or [None] * len(out.new_token_ids)
-    return [TokenStep(tok, text, lp, i < out.accepted_drafts)
-            for i, (tok, text, lp) in enumerate(zip(out.new_token_ids, texts, logprobs))]
-
-
 def progress_fields(out: RequestOutput) -> dict[str, Any]:
     """llama-server's `prompt_progress` of a prefill report (time_ms: since the prompt's processing started)."""
     p, t0 = out.progress, out.timing.t_prompt_start
@@ -164,13 +152,15 @@ async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> A
         timings = timings_fields(out.timing) if opts.timings_per_token else {}
         if out.progress is not None:
             yield {**head, **progress_fields(out), **timings}
-        for step in split_by_token(out):
+        for step in provenance.split_by_token(out):
             predicted[index] += 1
             frame = {**head, "content": step.text, "tokens": [step.token_id], "tokens_predicted": predicted[index],
                      **timings}
             if req.params.n_probs > 0:
                 frame["completion_probabilities"] = token_probs(state.tokenizer, [step.logprob], req.params.n_probs,
                                                                 opts.post_sampling_probs)
+            if opts.draft_provenance:
+                frame[provenance.FIELD] = [provenance.entry(step)]
             yield frame
         if out.finished:
             yield _final(state, req, history[index], opts, index, streamed=True)
@@ -209,8 +199,8 @@ async def detokenize(request: Request):
 
 @router.post("/apply-template")
 async def apply_template(request: Request):
-    body = await read_json(request)
     state = state_of(request)
+    body = template_body(await read_json(request), state.config)
     return JSON({"prompt": proto.chat_prompt(body, state.tokenizer, state.config.prefill_assistant)})
 
 

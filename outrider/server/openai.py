@@ -11,12 +11,15 @@ from fastapi import APIRouter, Request
 
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
+from outrider.server import provenance
 from outrider.server.errors import ApiError
 from outrider.server.native import native_result, progress_fields, state_of
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState
+from outrider.server.structured import chat_shape, request_grammar, template_body, tool_choice_grammar
 from outrider.server.transport import read_json, sse_response, until_disconnected
+from outrider.structured.grammar import Grammar
 
 router = APIRouter()
 
@@ -36,6 +39,7 @@ class Call:
     timings_per_token: bool  # llama-server extension: `timings` on every streamed content chunk
     ping_interval: float
     options: proto.RequestOptions  # id_slot, return_progress, verbose
+    draft_provenance: bool  # outrider extension: per-token provenance in each choice (server/provenance.py)
 
     @classmethod
     def parse(cls, body: dict, state: ServerState, prefix: str, obj: str, n_top: int | None) -> Call:
@@ -48,15 +52,17 @@ class Call:
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
                    timings_per_token=proto.get_bool(body, "timings_per_token", False),
                    ping_interval=state.ping_interval(body),
-                   options=proto.RequestOptions.parse(body, state.n_slots, state.config.verbose))
+                   options=proto.RequestOptions.parse(body, state.n_slots, state.config.verbose),
+                   draft_provenance=proto.wants_draft_provenance(body))
 
     def body(self, choices: list[dict], obj: str | None = None, **extra: Any) -> dict[str, Any]:
         return {"choices": choices, "created": self.created, "model": self.model, "system_fingerprint": BUILD_INFO,
                 "object": obj or self.object, "id": self.id, **extra}
 
-    def submit(self, body: dict, state: ServerState, prompts: list[list[int]]) -> Generation:
+    def submit(self, body: dict, state: ServerState, prompts: list[list[int]], grammar: Grammar | None) -> Generation:
         n_probs = 0 if self.n_top is None else max(self.n_top, 1)  # the chosen token's log-prob needs one
-        params = proto.sampling_params(body, state.config.defaults, state.tokenizer, n_probs=n_probs)
+        params = proto.sampling_params(body, state.config.defaults, state.tokenizer, n_probs=n_probs,
+                                       grammar=grammar)
         return state.admit(proto.make_requests(prompts, params, self.n, state.n_ctx, self.options))
 
     def usage(self, gen: Generation) -> dict[str, Any]:
@@ -67,6 +73,11 @@ class Call:
         return {"completion_tokens": completion, "prompt_tokens": prompt, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(r.timing.cache_n for r in firsts)}}
 
+    def with_provenance(self, choice: dict, outs: list[RequestOutput]) -> dict:
+        """`choice` with the provenance of `outs`' tokens when the request asked for it."""
+        if self.draft_provenance:
+            choice[provenance.FIELD] = provenance.entries(outs)
+        return choice
 
     def progress_chunk(self, out: RequestOutput, obj: str | None = None) -> dict[str, Any]:
         """A prefill report (return_progress) as a chunk without choices."""
@@ -81,10 +92,13 @@ class Call:
                                            stream=self.stream)}
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
+def _finish_reason(out: RequestOutput, called: bool = False) -> str | None:
+    """`called`: the reply holds tool calls ("tool_calls" when it ended on its own)."""
     if not out.finished:
         return None
-    return "stop" if out.finish_reason is FinishReason.STOP else "length"
+    if out.finish_reason is FinishReason.STOP:
+        return "tool_calls" if called else "stop"
+    return "length"
 
 
 async def _respond(request: Request, call: Call, gen: Generation, choice, chunks) -> Any:
@@ -112,7 +126,7 @@ async def completions(request: Request):
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server")
     call = Call.parse(body, state, "cmpl-", "text_completion", logprobs if logprobs >= 0 else None)
-    gen = call.submit(body, state, prompts)
+    gen = call.submit(body, state, prompts, request_grammar(body, state.core.grammars))
     prefixes = [tok.decode(r.prompt_ids) if echo else "" for r in gen.requests]
 
     def logprobs_of(outs: list[RequestOutput], offset: int) -> dict | None:
@@ -131,8 +145,9 @@ async def completions(request: Request):
                 "text_offset": offsets}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
-        return {"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
-                "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])}
+        return call.with_provenance({"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
+                                     "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])},
+                                    outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
@@ -146,8 +161,9 @@ async def completions(request: Request):
                 continue
             text = prefixes[i] + out.text
             prefixes[i] = ""
-            chunk = call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
-                                "finish_reason": _finish_reason(out)}])
+            chunk = call.body([call.with_provenance({"text": text, "index": i,
+                                                     "logprobs": logprobs_of([out], sent[i]),
+                                                     "finish_reason": _finish_reason(out)}, [out])])
             sent[i] += len(out.text)
             if out.finished:
                 remaining -= 1
@@ -167,15 +183,21 @@ async def completions(request: Request):
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     state = state_of(request)
-    body = await read_json(request)
+    body = template_body(await read_json(request), state.config)
     tok = state.tokenizer
-    prompt = _chat_prompt_ids(body, tok, state.config.prefill_assistant)
+    text = _chat_prompt(body, tok, state.config.prefill_assistant)
+    shape = chat_shape(body, state.config, tok, text)
+    grammar = request_grammar(body, state.core.grammars)
+    tool_grammar = tool_choice_grammar(body, shape, state.core.grammars)
+    if grammar is not None and tool_grammar is not None:
+        raise ApiError(400, "'tool_choice' that requires a call cannot be combined with 'response_format', "
+                            "'json_schema' or 'grammar'")
     want_logprobs = proto.get_bool(body, "logprobs", False)
     top = proto.get_int(body, "top_logprobs", 0, lo=0, hi=20)
     if top and not want_logprobs:
         raise proto.invalid("top_logprobs", "needs 'logprobs': true")
     call = Call.parse(body, state, "chatcmpl-", "chat.completion", top if want_logprobs else None)
-    gen = call.submit(body, state, [prompt])
+    gen = call.submit(body, state, [proto.encode_chat(text, tok)], grammar or tool_grammar)
 
     def logprobs_of(outs: list[RequestOutput]) -> dict | None:
         if call.n_top is None:
@@ -183,12 +205,13 @@ async def chat_completions(request: Request):
         return {"content": token_probs(tok, [lp for o in outs for lp in o.logprobs or ()], call.n_top)}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
-        return {"finish_reason": _finish_reason(outs[-1]), "index": i,
-                "message": {"role": "assistant", "content": "".join(o.text for o in outs)},
-                "logprobs": logprobs_of(outs)}
+        message, called = shape.message("".join(o.text for o in outs))
+        return call.with_provenance({"finish_reason": _finish_reason(outs[-1], called), "index": i,
+                                     "message": message, "logprobs": logprobs_of(outs)}, outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
+        streams = [shape.stream() for _ in gen.requests]  # each choice's reasoning and tool-call split
         started: set[int] = set()
         history: list[list[RequestOutput]] = [[] for _ in gen.requests]
         remaining = len(gen.requests)
@@ -202,17 +225,22 @@ async def chat_completions(request: Request):
                 started.add(i)
                 yield call.body([{"finish_reason": None, "index": i,
                                   "delta": {"role": "assistant", "content": None}}], obj)
-            if out.text or (call.n_top is not None and out.logprobs):
-                chunk = call.body([{"finish_reason": None, "index": i, "delta": {"content": out.text},
-                                    "logprobs": logprobs_of([out])}], obj)
+            deltas = streams[i].push(out.text) + (streams[i].finish() if out.finished else [])
+            if not deltas and out.new_token_ids and (call.n_top is not None or call.draft_provenance):
+                deltas = [{"content": ""}]  # (the text is held back: its tokens' log-probs and provenance go now)
+            for j, delta in enumerate(deltas):  # the output's tokens (log-probs, provenance) go with its first
+                part = {"finish_reason": None, "index": i, "delta": delta, "logprobs": None}
+                if j == 0:
+                    part = call.with_provenance({**part, "logprobs": logprobs_of([out])}, [out])
+                chunk = call.body([part], obj)
                 if call.timings_per_token:
                     chunk.update(timings_fields(out.timing))
                 yield chunk
             if not out.finished:
                 continue
             remaining -= 1
-            final = call.body([{"finish_reason": _finish_reason(out), "index": i, "delta": {}}], obj,
-                              **call.verbose(state, gen, i, history[i]))
+            final = call.body([{"finish_reason": _finish_reason(out, streams[i].called), "index": i, "delta": {}}],
+                              obj, **call.verbose(state, gen, i, history[i]))
             if remaining:
                 yield final
             elif call.include_usage:  # timings (choice 0's) go on the very last chunk: the usage one
@@ -228,22 +256,18 @@ async def chat_completions(request: Request):
 @router.post("/chat/completions/input_tokens")
 async def chat_input_tokens(request: Request):
     """The prompt length a chat request would have, rendered and tokenized exactly as the chat route does."""
-    body = await read_json(request)
     state = state_of(request)
-    return JSON({"input_tokens": len(_chat_prompt_ids(body, state.tokenizer, state.config.prefill_assistant))})
+    body = template_body(await read_json(request), state.config)
+    text = _chat_prompt(body, state.tokenizer, state.config.prefill_assistant)
+    return JSON({"input_tokens": len(proto.encode_chat(text, state.tokenizer))})
 
 
-def _chat_prompt_ids(body: dict, tok, prefill_assistant: bool) -> list[int]:
-    """The chat prompt's ids. Chat-only fields that need machinery we lack (constrained decoding) are refused."""
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise proto.invalid("response_format", "expected {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
-        if fmt["type"] != "text":
-            raise ApiError(400, "'response_format' with JSON output is not supported by this server")
+def _chat_prompt(body: dict, tok, prefill_assistant: bool) -> str:
+    """The rendered chat prompt. With tool_choice "none" the model may not call tools, so the template does not
+    offer them (the body loses its `tools`)."""
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise ApiError(400, "'tool_choice' other than \"auto\" or \"none\" is not supported by this server")
-    if choice == "none":  # the model may not call tools, so the template should not offer them
+    if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
+        raise proto.invalid("tool_choice", 'expected "auto", "none", "required" or {"type": "function", ...}')
+    if choice == "none":
         body.pop("tools", None)
-    return proto.chat_prompt_ids(body, tok, prefill_assistant)
+    return proto.chat_prompt(body, tok, prefill_assistant)

@@ -15,6 +15,7 @@ from outrider.engine.request import Request
 from outrider.params import SamplingParams
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server.errors import ApiError, context_exceeded, invalid
+from outrider.structured.grammar import Grammar
 from outrider.tokenizer import ChatTemplateError, Tokenizer, content_text
 
 log = logging.getLogger("outrider.server")
@@ -24,8 +25,6 @@ _MISSING = object()
 
 # Fields of llama-server we do not implement, accepted only at the value that means "off".
 _INERT = {
-    "grammar": lambda v: not v,
-    "json_schema": lambda v: not v,
     "grammar_lazy": lambda v: not v,
     "grammar_triggers": lambda v: not v,
     "mirostat": lambda v: v == 0,
@@ -44,7 +43,6 @@ _INERT = {
     "image_data": lambda v: not v,
     "best_of": lambda v: v == 1,
     "functions": lambda v: not v,
-    "parallel_tool_calls": lambda v: not v,
     "prediction": lambda v: not v,
 }
 # Every request field the generation routes read (or refuse above); any other key is ignored, as llama-server
@@ -55,14 +53,15 @@ KNOWN_FIELDS = frozenset({
     "n_probs", "stop", "ignore_eos", "min_tokens", "speculative", "speculative.n_max", "speculative.n_min",
     "speculative.p_min", "cache_prompt", "samplers", "stream", "stream_options", "timings_per_token",
     "return_tokens", "return_progress", "post_sampling_probs", "response_fields", "sse_ping_interval", "n_cmpl",
-    "n", "id_slot", "verbose",
+    "n", "id_slot", "verbose", "grammar", "json_schema",
     # samplers we lack, at settings that change nothing while they are off (the web UI sends them)
     "n_discard", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_threshold",
     "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "adaptive_decay", "backend_sampling", "preserved_tokens",
-    "chat_format", "reasoning_format",
+    "chat_format",
     # OpenAI routes
     "model", "messages", "logprobs", "top_logprobs", "echo", "suffix", "user", "response_format", "tools",
-    "tool_choice", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt", "continue_final_message",
+    "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "reasoning_format",
+    "add_generation_prompt", "continue_final_message",
 })
 
 
@@ -117,15 +116,21 @@ def get_str_list(body: dict, name: str) -> list[str] | None:
     return v
 
 
+def wants_draft_provenance(body: dict) -> bool:
+    """outrider extension, off by default: per-token draft provenance in the response (server/provenance.py)."""
+    return get_bool(body, "return_draft_provenance", False)
+
+
 def first_present(body: dict, names: tuple[str, ...]) -> str:
     return next((n for n in names if body.get(n) is not None), names[0])
 
 
 # --- sampling ---
 def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
-                    n_probs: int | None = None) -> SamplingParams:
+                    n_probs: int | None = None, grammar: Grammar | None = None) -> SamplingParams:
     """The body's sampling and stopping fields over the server defaults. `n_probs` overrides the body's (the
-    OpenAI routes derive it from their own `logprobs` fields)."""
+    OpenAI routes derive it from their own `logprobs` fields); `grammar` is the route's compiled constraint
+    (server/structured.py reads the body's fields for it)."""
     for name, inert in _INERT.items():
         value = body.get(name)
         if value is not None and not inert(value):
@@ -167,6 +172,7 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         spec_n_min=get_int(spec, "speculative.n_min", defaults.spec_n_min, lo=0),
         spec_p_min=get_float(spec, "speculative.p_min", defaults.spec_p_min, 0.0, 1.0),
         cache_prompt=get_bool(body, "cache_prompt", defaults.cache_prompt),
+        grammar=grammar,
     )
     try:
         params = dataclasses.replace(defaults, **fields)
@@ -298,9 +304,9 @@ def chat_prompt(body: dict, tokenizer: Tokenizer, prefill_assistant: bool = True
         raise ApiError(400, str(e)) from e
 
 
-def chat_prompt_ids(body: dict, tokenizer: Tokenizer, prefill_assistant: bool = True) -> list[int]:
-    """Token ids of the rendered chat prompt; BOS is added unless the template already wrote it."""
-    ids = tokenizer.encode(chat_prompt(body, tokenizer, prefill_assistant), add_special=True)
+def encode_chat(text: str, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a rendered chat prompt; BOS is added unless the template already wrote it."""
+    ids = tokenizer.encode(text, add_special=True)
     bos = tokenizer.bos_token_id
     if len(ids) > 1 and bos is not None and ids[0] == ids[1] == bos:
         ids = ids[1:]

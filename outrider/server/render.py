@@ -87,7 +87,7 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
         "logit_bias": bias,
         "n_probs": params.n_probs,
         "min_keep": 0,
-        "grammar": "",
+        "grammar": params.grammar.source if params.grammar is not None else "",
         "grammar_lazy": False,
         "grammar_triggers": [],
         "preserved_tokens": [],

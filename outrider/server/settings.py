@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from outrider import __version__
 from outrider.params import SamplingParams
@@ -26,6 +27,7 @@ class ServerConfig:
     endpoint_metrics: bool = False
     endpoint_slots: bool = True
     endpoint_props: bool = False
+    webui: bool = True  # the built-in page at / (server/webui)
     timeout: float = 3600.0  # idle keep-alive of a connection, seconds
     sse_ping_interval: float = 30.0  # seconds of stream silence before a `:` keep-alive comment; <= 0 = off
     max_body_bytes: int = 32 << 20
@@ -39,6 +41,10 @@ class ServerConfig:
     verbose: bool = False  # -v: debug logs, and every response carries `__verbose`
     log_disable: bool = False
     log_file: str | None = None
+    # Chat: --reasoning-format, --chat-template-kwargs (under each request's own), --jinja (off: no tools)
+    reasoning_format: str = "auto"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    jinja: bool = True
 
     @property
     def model_alias(self) -> str:

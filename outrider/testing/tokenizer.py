@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 BOS_TOKEN = "<|startoftext|>"
@@ -68,7 +69,30 @@ def _corpus() -> list[str]:
     return sources + [_MULTIBYTE_TEXT * 20]
 
 
-def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, add_bos_token: bool = True) -> int:
+def python_sources(max_bytes: int = 80 << 20) -> Iterator[str]:
+    """This interpreter's Python sources (stdlib, then installed packages), up to max_bytes: a corpus large
+    enough for a vocabulary of a real model's size (~150k tokens, for benchmarks whose cost depends on it)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = [Path(paths["stdlib"]), Path(paths["purelib"])]
+    seen = 0
+    for root in roots:
+        for file in sorted(root.rglob("*.py")):
+            if root == roots[0] and "site-packages" in file.parts:
+                continue
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            yield text
+            seen += len(text)
+            if seen >= max_bytes:
+                return
+
+
+def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, add_bos_token: bool = True,
+                         corpus: Iterable[str] | None = None) -> int:
     """Train a byte-level BPE tokenizer and write tokenizer.json + tokenizer_config.json into `path`.
 
     Returns the real vocabulary size (special tokens included), which is `vocab_size` for any size the corpus
@@ -83,12 +107,12 @@ def write_tiny_tokenizer(path: str | Path, vocab_size: int = 512, add_bos_token:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=2,
+        min_frequency=2 if corpus is None else 1,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte is encodable, whatever the corpus
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() if corpus is None else corpus, trainer=trainer)
     bos_id = tok.token_to_id(BOS_TOKEN)
     if add_bos_token:  # the post-processor is how tokenizer.json alone says "prepend BOS"
         tok.post_processor = processors.TemplateProcessing(
