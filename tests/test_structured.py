@@ -79,7 +79,7 @@ def test_verify_rows_are_masked_after_each_draft_prefix_and_rolled_back(compiler
     a, digit, z = ids("a")[0], ids("7")[0], ids("z")[0]
     req = Request([5, 6], SamplingParams(grammar=grammar))
     free = Request([5, 6], SamplingParams())
-    plan = [ScheduledRequest(free, 1, True, [z]), ScheduledRequest(req, 1, True, [a, z, digit])]
+    plan = [ScheduledRequest(free, 1, 1, True, [z]), ScheduledRequest(req, 1, 1, True, [a, z, digit])]
     masks = token_masks(plan, tok.vocab_size)
     assert masks.rows.tolist() == [2, 3, 4, 5]  # the constrained request's 4 rows, after the free one's 2
     rows = [allowed(b, tok.vocab_size) for b in masks.bits]
@@ -88,7 +88,7 @@ def test_verify_rows_are_masked_after_each_draft_prefix_and_rolled_back(compiler
     assert rows[2].all() and rows[3].all()  # after the forbidden "z": unreachable, left free
     again = token_masks(plan, tok.vocab_size)  # the matcher was rolled back: same masks
     assert np.array_equal(again.bits, masks.bits)
-    assert token_masks([ScheduledRequest(free, 1, True)], tok.vocab_size) is None
+    assert token_masks([ScheduledRequest(free, 1, 1, True)], tok.vocab_size) is None
 
 
 def test_sampler_applies_masks_only_to_constrained_rows():
