@@ -20,7 +20,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "freq_factors":
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     if rope_type == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
