@@ -4,6 +4,7 @@ equals transformers' reading of the same file, and what we cannot load is refuse
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
@@ -11,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from outrider import LLM, SamplingParams
+from outrider import LLM, SamplingParams, bench
 from outrider.cli import SERVE_GROUPS, engine_kwargs, parse
 from outrider.models import load_model, resolve_model_path
 from outrider.models.loader import checkpoint_layout
@@ -278,3 +279,16 @@ def test_special_ids_bos_and_chat_template_come_from_the_metadata(converted):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}]
     assert ours.apply_chat_template(messages) == ref.apply_chat_template(messages)
     assert ours.encode(ours.apply_chat_template(messages)) == ref.encode(ref.apply_chat_template(messages))
+
+
+def test_benchmarks_take_a_gguf_model(converted, tmp_path, capsys):
+    """`outrider bench latency|throughput --model file.gguf` (engine_setup's path, shared by every bench)."""
+    _, path = converted("qwen3-tied", quant="Q8_0")
+    out = tmp_path / "latency.json"
+    assert bench.main(["latency", "--model", str(path), "--device", "cpu", "--prompt-len", "8", "--gen", "4",
+                       "--ttft-prompt-len", "0", "--json", str(out)]) == 0
+    row = next(r for r in json.loads(out.read_text()) if r["label"].startswith("latency"))
+    assert row["tok_s"] > 0 and path.name in capsys.readouterr().out
+    assert bench.main(["throughput", "--model", str(path), "--device", "cpu", "--num-requests", "3",
+                       "--min-len", "4", "--max-len", "8", "--max-num-seqs", "2"]) == 0
+    assert "throughput" in capsys.readouterr().out
