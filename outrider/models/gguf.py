@@ -88,7 +88,7 @@ class GGUFCheckpoint:
     """An opened GGUF model: the first part's metadata and every part's tensors (memory-mapped, not read)."""
 
     files: tuple[Path, ...]
-    fields: Mapping[str, Any]  # key -> gguf.ReaderField
+    metadata: Mapping[str, Any]  # key -> value as Python (strings, numbers, lists)
     tensors: Mapping[str, Any]  # llama.cpp tensor name -> gguf.ReaderTensor
     tensor_files: Mapping[str, str]  # llama.cpp tensor name -> the name of the part holding it
 
@@ -101,9 +101,7 @@ class GGUFCheckpoint:
         return self.value("general.architecture", "")
 
     def value(self, key: str, default: Any = None) -> Any:
-        """A metadata value as Python (strings, numbers, lists), or `default` when the file lacks it."""
-        field = self.fields.get(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
 
 def open_gguf(path: str | Path) -> GGUFCheckpoint:
@@ -114,13 +112,15 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
 @functools.lru_cache(maxsize=2)
 def _open(files: tuple[Path, ...], stamps: tuple[int, ...]) -> GGUFCheckpoint:
     """Cached (by the files and their modification times): the engine reads the model and then the tokenizer from
-    one file, and parsing the metadata (a vocabulary of ~100k strings) takes seconds."""
+    one file, and parsing the metadata (a vocabulary of ~100k strings) takes seconds. The metadata is kept as
+    plain values: the reader's own fields hold a numpy view per string, hundreds of MiB for a large vocabulary."""
     from gguf import GGUFReader
 
     readers = {f.name: GGUFReader(f) for f in files}
+    metadata = {key: field.contents() for key, field in readers[files[0].name].fields.items()}
     tensors = {t.name: t for r in readers.values() for t in r.tensors}
     tensor_files = {t.name: name for name, r in readers.items() for t in r.tensors}
-    return GGUFCheckpoint(files, dict(readers[files[0].name].fields), tensors, tensor_files)
+    return GGUFCheckpoint(files, metadata, tensors, tensor_files)
 
 
 def model_config(ck: GGUFCheckpoint) -> ModelConfig:
