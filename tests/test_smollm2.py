@@ -45,6 +45,7 @@ def ours(path):
     return LLM(str(path), dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_seqs=4)
 
 
+@pytest.mark.slow  # transformers' GGUF loading takes ~10 s
 def test_greedy_tokens_equal_transformers_loading_of_the_file(path, ours):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     hf.generation_config.eos_token_id = sorted(ours.engine.eos_ids)  # stop where we stop (EOS is the last token)
@@ -83,6 +84,7 @@ def test_chat_template_renders_as_transformers_renders_it(ours, hf_tokenizer, me
     assert ours.tokenizer.apply_chat_template(messages) == want
 
 
+@pytest.mark.slow  # a server start with the model load
 def test_served_file_answers_through_the_openai_client_streaming(path):
     server = ServerProcess(["-m", str(path), "-c", "1024", "-np", "2", "--temp", "0"])
     try:
