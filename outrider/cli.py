@@ -62,14 +62,13 @@ def _use_demo(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
 
 
 def model_path(ns: argparse.Namespace) -> str:
-    """-m wins; -hf is fetched now (before the server listens), from the cache only with --offline."""
+    """-m wins; -hf user/repo[:QUANT] (or its --hf-file) is fetched now, before the server listens, from the cache
+    only with --offline."""
     if ns.model:
         return ns.model
-    from outrider.models import resolve_model_path
+    from outrider.models.hub import resolve_hub_model
 
-    if ns.hf_file:
-        print("warning: --hf-file picks a GGUF file; outrider loads the repository's safetensors", file=sys.stderr)
-    return str(resolve_model_path(ns.hf_repo, offline=ns.offline))
+    return str(resolve_hub_model(ns.hf_repo, offline=ns.offline, filename=ns.hf_file))
 
 
 def _chat_template(ns: argparse.Namespace) -> str | None:

@@ -98,11 +98,17 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
-        """Load tokenizer.json + tokenizer_config.json (+ generation_config/config.json) from a directory or hub id.
+        """Load tokenizer.json + tokenizer_config.json (+ generation_config/config.json) from a directory or hub id,
+        or the tokenizer a GGUF file describes (gguf_tokenizer.py).
 
         `chat_template` overrides the checkpoint's (chat_template.jinja, else tokenizer_config.json).
         """
         path = Path(path)
+        if path.suffix.lower() == ".gguf":
+            from outrider.gguf_tokenizer import read_gguf_tokenizer
+
+            g = read_gguf_tokenizer(path)
+            return cls(g.tokenizer, g.config, {"eos_token_id": g.eos_token_ids}, {}, chat_template or g.chat_template)
         if not path.is_dir():
             from huggingface_hub import snapshot_download
 

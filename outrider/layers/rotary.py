@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout) with the `default`, `linear` and `llama3` frequency rules."""
+"""Rotary position embedding (rotate-half layout) with the `default`, `linear` and `llama3` frequency rules, and
+explicit per-frequency divisors (`freq_factors`: GGUF files store Llama 3's rule as these)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         return inv_freq
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
+    if rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     if rope_type == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
@@ -27,7 +30,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, freq_factors")
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,36 +1,41 @@
-"""Load a Hugging Face checkpoint directory (or hub repo id) into our model: config.json + safetensors."""
+"""Load a checkpoint into our model: a Hugging Face directory (config.json + safetensors), a GGUF file (or a
+directory holding one), or a hub repo id."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
+from outrider.models import gguf
 from outrider.models.registry import model_class
 
 # Tensors that the target model does not own but that may ship in its checkpoint.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # stale buffers saved by old transformers versions
-_HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # config, weights, tokenizer
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_path(path_or_repo: str | os.PathLike, offline: bool = False) -> Path:
-    """A local directory as is; anything else is a hub repo id fetched (or found in the cache) by huggingface_hub."""
+    """A local checkpoint directory as is, a GGUF file (the first part of a split one) or the GGUF model a directory
+    holds; anything else is a hub repo id, `user/repo[:QUANT]` (models/hub.py)."""
     path = Path(path_or_repo).expanduser()
     if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
+        return gguf.find_in_directory(path) or path
+    if path.is_file() and gguf.is_gguf(path):
+        return gguf.split_files(path)[0]
+    if path.is_file():
+        raise ValueError(f"{path} is not a model: give a checkpoint directory, a .gguf file or a hub repo id")
+    from outrider.models.hub import resolve_hub_model
 
-    try:
-        return Path(snapshot_download(str(path_or_repo), allow_patterns=_HUB_FILES, local_files_only=offline))
-    except Exception as e:  # hub errors are many types; the caller wants one clear message
-        raise ValueError(f"cannot find model {str(path_or_repo)!r} locally or on the Hugging Face hub: {e}") from e
+    return resolve_hub_model(str(path_or_repo), offline=offline)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -47,17 +52,32 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
-    """All CPU tensors of the checkpoint at `path` whose names start with `prefix` (names kept whole)."""
+@dataclass(frozen=True)
+class SafetensorsTensor:
+    """A tensor of an open safetensors file, read on demand (the interface of gguf.HFTensor)."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str
+    file: Any  # the safe_open handle
+
+    def read(self) -> torch.Tensor:
+        return self.file.get_tensor(self.name)
+
+
+def safetensors_tensors(path: Path) -> Iterator[SafetensorsTensor]:
+    """Every tensor of the checkpoint directory, each readable while the iteration is at it."""
     from safetensors import safe_open
 
-    out = {}
-    for file in safetensors_files(resolve_model_path(path)):
+    for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
-                if name.startswith(prefix):
-                    out[name] = f.get_tensor(name)
-    return out
+                yield SafetensorsTensor(name, tuple(f.get_slice(name).get_shape()), file.name, f)
+
+
+def read_tensors(path: str | os.PathLike, prefix: str = "") -> dict[str, torch.Tensor]:
+    """All CPU tensors of the checkpoint at `path` whose names start with `prefix` (names kept whole)."""
+    return {t.name: t.read() for t in safetensors_tensors(resolve_model_path(path)) if t.name.startswith(prefix)}
 
 
 def resolve_dtype(dtype: str | torch.dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -98,12 +118,11 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
 
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                rope: RopeOverride | None = None) -> tuple[torch.nn.Module, ModelConfig]:
-    """Build the model for the checkpoint's architecture and load its weights strictly, in eval mode; `rope`
-    overrides the checkpoint's RoPE settings."""
-    from safetensors import safe_open
-
+    """Build the model for the checkpoint's architecture (safetensors or GGUF) and load its weights strictly, in
+    eval mode; `rope` overrides the checkpoint's RoPE settings."""
     path = resolve_model_path(path_or_repo)
-    cfg = ModelConfig.from_path(path)
+    checkpoint = gguf.open_gguf(path) if gguf.is_gguf(path) else None
+    cfg = gguf.model_config(checkpoint) if checkpoint else ModelConfig.from_path(path)
     if rope is not None:
         cfg = rope.apply(cfg)
     device = torch.device(device)
@@ -114,25 +133,25 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
     params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
     loaded = set()
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                if name not in layout:
-                    if name.startswith(MTP_PREFIXES) or name.endswith(_IGNORED_SUFFIXES) or (
-                            name == "lm_head.weight" and cfg.tie_word_embeddings):
-                        continue
-                    raise ValueError(f"unexpected tensor {name!r} in {file.name} for {cfg.architecture}")
-                slot = layout[name]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(slot.shape):
-                    raise ValueError(f"shape mismatch for {name!r}: expected {tuple(slot.shape)}, "
-                                     f"got {shape} in {file.name}")
-                params[slot.param][slot.row:slot.row + shape[0]].copy_(f.get_tensor(name))
-                loaded.add(name)
+    for t in gguf.hf_tensors(checkpoint, cfg) if checkpoint else safetensors_tensors(path):
+        if t.name not in layout:
+            if t.name.startswith(MTP_PREFIXES) or t.name.endswith(_IGNORED_SUFFIXES) or (
+                    t.name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            raise ValueError(f"unexpected tensor {t.name!r} in {t.source} for {cfg.architecture}")
+        slot = layout[t.name]
+        if t.shape != tuple(slot.shape):
+            raise ValueError(f"shape mismatch for {t.name!r}: expected {tuple(slot.shape)}, got {t.shape} in "
+                             f"{t.source}")
+        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(t.read())
+        loaded.add(t.name)
     missing = [n for n in layout if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
     model.load_state_dict(params, strict=False, assign=True)  # not strict: the state dict lists a tied lm_head
     model.tie_weights()
-    return model.to(device).eval().requires_grad_(False), cfg
+    model = model.to(device).eval().requires_grad_(False)
+    if checkpoint:
+        gguf.log_dequantized(checkpoint, model)
+    return model, cfg

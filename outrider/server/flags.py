@@ -34,9 +34,11 @@ def _env_bool(value: str) -> bool:
 
 
 MODEL = [
-    Opt(("-m", "--model"), "model", "LLAMA_ARG_MODEL", help="checkpoint directory (HF safetensors) or hub repo id"),
-    Opt(("-hf", "-hfr", "--hf-repo"), "hf_repo", "LLAMA_ARG_HF_REPO", help="Hugging Face repo id to load"),
-    Opt(("-hff", "--hf-file"), "hf_file", "LLAMA_ARG_HF_FILE", help="ignored: outrider loads the repo's safetensors"),
+    Opt(("-m", "--model"), "model", "LLAMA_ARG_MODEL",
+        help="checkpoint directory (HF safetensors), .gguf file (or a directory holding one) or hub repo id"),
+    Opt(("-hf", "-hfr", "--hf-repo"), "hf_repo", "LLAMA_ARG_HF_REPO",
+        help="Hugging Face repo, user/repo[:QUANT]: that quant's GGUF (default Q4_K_M), else the safetensors"),
+    Opt(("-hff", "--hf-file"), "hf_file", "LLAMA_ARG_HF_FILE", help="the GGUF file of the -hf repo to load"),
     Opt(("-hft", "--hf-token"), "hf_token", "HF_TOKEN", help="Hugging Face access token for every hub download"),
     Opt(("--offline",), "offline", "LLAMA_OFFLINE", None, False, "use the local hub cache only"),
     Opt(("-c", "--ctx-size"), "ctx_size", "LLAMA_ARG_CTX_SIZE", int, 0,

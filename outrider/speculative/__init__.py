@@ -13,6 +13,7 @@ from torch import nn
 
 from outrider.config import ModelConfig
 from outrider.models import resolve_model_path
+from outrider.models.gguf import is_gguf
 from outrider.speculative.drafter import Commit, DraftPolicy, Drafter, Proposals, TargetView
 
 KINDS = ("draft", "mtp", "dflash")
@@ -22,7 +23,7 @@ def detect_kind(draft_path: str, target_path: str | None = None) -> str:
     """"dflash" for a DFlashDraftModel config, "mtp" when the path is the target itself (its MTP tensors are
     the drafter), otherwise "draft" (a separate causal LM sharing the target's tokenizer)."""
     path = resolve_model_path(draft_path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = {} if is_gguf(path) else json.loads((path / "config.json").read_text())  # a GGUF is a draft model
     if "DFlashDraftModel" in (raw.get("architectures") or []) or "dflash_config" in raw:
         return "dflash"
     if target_path is not None and path.resolve() == resolve_model_path(target_path).resolve():

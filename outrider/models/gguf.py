@@ -1,0 +1,237 @@
+"""GGUF checkpoints (llama.cpp's model files), read with ggml's own `gguf` package.
+
+A GGUF file carries the model's shape, its tokenizer and its tensors under llama.cpp's names. We map the shape to
+a ModelConfig and the tensors to Hugging Face names, so the rest of outrider sees an ordinary checkpoint.
+Quantized tensors are dequantized at load time to the serving dtype (there are no quantized kernels yet), and
+the Q/K rows that llama.cpp's converter interleaves for Llama are put back in Hugging Face's order.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from outrider.config import ModelConfig
+
+log = logging.getLogger("outrider.models")
+
+# general.architecture -> our architecture name
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+_SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,bias}
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency factors, read into the config
+# general.file_type -> the dtype the weights were stored in before quantization, for dtype "auto"
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def split_names(name: str) -> list[str]:
+    """All parts of the model file `name` belongs to, in order: `m-00001-of-00003.gguf`, ... or the name alone."""
+    m = _SPLIT.match(name)
+    if not m:
+        return [name]
+    count = int(m["count"])
+    return [f"{m['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+def split_files(path: Path) -> list[Path]:
+    """split_names for a local file; a missing part is an error that names it."""
+    parts = [path.with_name(n) for n in split_names(path.name)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ValueError(f"GGUF model {path.name} is split in {len(parts)} files; missing {', '.join(missing)}")
+    return parts
+
+
+def model_files(names: list[str]) -> list[str]:
+    """The GGUF models among file names: each split model once (its first part), vision projectors left out."""
+    out = []
+    for name in sorted(names):
+        m = _SPLIT.match(Path(name).name)
+        if is_gguf(name) and "mmproj" not in Path(name).name.lower() and (not m or int(m["no"]) == 1):
+            out.append(name)
+    return out
+
+
+def find_in_directory(directory: Path) -> Path | None:
+    """The GGUF model a directory holds when it is not a Hugging Face checkpoint (no config.json)."""
+    if (directory / "config.json").is_file():
+        return None
+    found = model_files([p.name for p in directory.iterdir() if p.is_file()])
+    if len(found) > 1:
+        raise ValueError(f"{directory} holds several GGUF models ({', '.join(found)}); pass the file with -m")
+    return directory / found[0] if found else None
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    """An opened GGUF model: the first part's metadata and every part's tensors (memory-mapped, not read)."""
+
+    files: tuple[Path, ...]
+    metadata: Mapping[str, Any]  # key -> value as Python (strings, numbers, lists)
+    tensors: Mapping[str, Any]  # llama.cpp tensor name -> gguf.ReaderTensor
+    tensor_files: Mapping[str, str]  # llama.cpp tensor name -> the name of the part holding it
+
+    @property
+    def name(self) -> str:
+        return self.files[0].name
+
+    @property
+    def arch(self) -> str:
+        return self.value("general.architecture", "")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+
+def open_gguf(path: str | Path) -> GGUFCheckpoint:
+    files = tuple(split_files(Path(path)))
+    return _open(files, tuple(f.stat().st_mtime_ns for f in files))
+
+
+@functools.lru_cache(maxsize=2)
+def _open(files: tuple[Path, ...], stamps: tuple[int, ...]) -> GGUFCheckpoint:
+    """Cached (by the files and their modification times): the engine reads the model and then the tokenizer from
+    one file, and parsing the metadata (a vocabulary of ~100k strings) takes seconds. The metadata is kept as
+    plain values: the reader's own fields hold a numpy view per string, hundreds of MiB for a large vocabulary."""
+    from gguf import GGUFReader
+
+    readers = {f.name: GGUFReader(f) for f in files}
+    metadata = {key: field.contents() for key, field in readers[files[0].name].fields.items()}
+    tensors = {t.name: t for r in readers.values() for t in r.tensors}
+    tensor_files = {t.name: name for name, r in readers.items() for t in r.tensors}
+    return GGUFCheckpoint(files, metadata, tensors, tensor_files)
+
+
+def model_config(ck: GGUFCheckpoint) -> ModelConfig:
+    """The ModelConfig of a llama, qwen2 or qwen3 GGUF (others are refused by name)."""
+    arch = ck.arch
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} ({ck.name}) is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+
+    def hparam(key: str, default: Any = None) -> Any:
+        value = ck.value(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF {ck.name} lacks {arch}.{key}")
+        return value
+
+    n_heads = hparam("attention.head_count")
+    hidden = hparam("embedding_length")
+    eos = [i for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if (i := ck.value(f"tokenizer.ggml.{k}")) is not None]
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": int(ck.tensors["token_embd.weight"].shape[1]),  # ggml lists dimensions innermost first
+        "hidden_size": hidden,
+        "intermediate_size": hparam("feed_forward_length"),
+        "num_hidden_layers": hparam("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": hparam("attention.head_count_kv", n_heads),
+        "head_dim": hparam("attention.key_length", hidden // n_heads),
+        "max_position_embeddings": hparam("context_length"),
+        "rms_norm_eps": hparam("attention.layer_norm_rms_epsilon"),
+        "rope_theta": hparam("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(ck),
+        "tie_word_embeddings": "output.weight" not in ck.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in ck.tensors,
+        "torch_dtype": _FILE_DTYPES.get(ck.value("general.file_type"), "bfloat16"),
+        "bos_token_id": ck.value("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
+    }
+    return ModelConfig.from_dict(config)
+
+
+def _rope_scaling(ck: GGUFCheckpoint) -> dict[str, Any] | None:
+    """Llama 3's frequency factors (a tensor in GGUF), or the scaling the metadata names; unknown kinds are left
+    for the model to refuse by name."""
+    if ROPE_FREQS in ck.tensors:
+        return {"rope_type": "freq_factors", "factors": _dequantize(ck.tensors[ROPE_FREQS]).tolist()}
+    kind = ck.value(f"{ck.arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    scaling = {"rope_type": kind, "factor": ck.value(f"{ck.arch}.rope.scaling.factor", 1.0)}
+    original = ck.value(f"{ck.arch}.rope.scaling.original_context_length")
+    return scaling if original is None else {**scaling, "original_max_position_embeddings": original}
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """A GGUF tensor under its Hugging Face name, in Hugging Face's layout; `read` dequantizes it to float32."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str  # the GGUF tensor and file, for messages
+    ggml: Any  # gguf.ReaderTensor
+    unpermute_heads: int = 0  # Llama q/k: the converter interleaved each head's rotary halves (0: as stored)
+
+    def read(self) -> torch.Tensor:
+        w = _dequantize(self.ggml).reshape(self.shape)
+        w = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are views of the read-only map
+        return unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
+
+
+def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
+    """Every weight of the model, Hugging Face named; refuses quant types we cannot dequantize before any is read."""
+    unsupported = Counter(t.tensor_type.name for t in ck.tensors.values() if t.tensor_type.name not in QUANT_TYPES)
+    if unsupported:
+        found = ", ".join(f"{q} ({n} tensors)" for q, n in unsupported.items())
+        raise ValueError(f"GGUF {ck.name} has quant types outrider cannot load: {found}; supported: "
+                         f"{', '.join(QUANT_TYPES)}")
+    llama = cfg.architecture == ARCHITECTURES["llama"]
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    for name, t in ck.tensors.items():
+        if name == ROPE_FREQS:
+            continue
+        layer = _LAYER_TENSOR.match(name)
+        if layer and layer[2] in _LAYER_NAMES:
+            hf_name = f"model.layers.{layer[1]}.{_LAYER_NAMES[layer[2]]}.{layer[3]}"
+        else:
+            hf_name = _GLOBAL_NAMES.get(name, f"<GGUF tensor {name}>")  # the loader refuses names it does not know
+        shape = tuple(int(d) for d in reversed(t.shape))
+        unpermute = heads.get(layer[2], 0) if llama and layer else 0
+        yield HFTensor(hf_name, shape, f"{name} in {ck.tensor_files[name]}", t, unpermute)
+
+
+def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Llama q/k permutation: within each head it stores the rotary pairs interleaved
+    (x0, x_half, x1, x_half+1, ...); Hugging Face keeps the two halves apart, as our RoPE does."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(t: Any) -> Any:
+    from gguf import quants
+
+    return quants.dequantize(t.data, t.tensor_type)
+
+
+def log_dequantized(ck: GGUFCheckpoint, model: torch.nn.Module) -> None:
+    """Say that the weights were dequantized, from what, and the memory they take now."""
+    kinds = Counter(t.tensor_type.name for t in ck.tensors.values())
+    stored = sum(int(t.n_bytes) for t in ck.tensors.values())
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    log.info("GGUF %s: weights dequantized at load time from %s to %s: %.1f MiB in memory (%.1f MiB in the file; "
+             "no quantized kernels yet)", ck.name, ", ".join(f"{q} ({n})" for q, n in kinds.items()), dtype,
+             nbytes / 2**20, stored / 2**20)
