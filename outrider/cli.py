@@ -37,6 +37,8 @@ def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider 
     flags.add_llama_compat(parser)
     ns = parser.parse_args(argv)
     flags.apply_env_and_defaults(parser, ns, [o for g in groups for o in g])
+    # Asked for on the command line (not the demo's default drafter, not a detected MTP head).
+    ns.spec_required = ns.spec_type != "none" and (ns.spec_type is not None or bool(ns.model_draft))
     if not ns.model and not ns.hf_repo:
         _use_demo(parser, ns)
     return ns
@@ -100,7 +102,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
     kwargs = dict(
         model=model_path(ns), dtype=ns.dtype, device=ns.device, max_model_len=ns.ctx_size, seed=ns.seed,
         enable_prefix_caching=ns.cache_prompt, enforce_eager=ns.enforce_eager, draft_model=draft,
-        spec_type=spec_type, chat_template=_chat_template(ns), tokenizer=ns.tokenizer,
+        spec_type=spec_type, spec_required=ns.spec_required, chat_template=_chat_template(ns), tokenizer=ns.tokenizer,
         max_num_seqs=ns.parallel if ns.parallel > 0 else None, max_num_batched_tokens=ns.batch_size,
         block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gib=ns.kv_cache_gib,
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
@@ -140,6 +142,8 @@ def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
         host=ns.host, port=ns.port, api_keys=api_keys(ns), endpoint_metrics=ns.metrics, endpoint_slots=ns.slots,
         endpoint_props=ns.props, timeout=ns.timeout, sse_ping_interval=ns.sse_ping_interval,
         max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns),
+        slots_debug=ns.slots_debug, shutdown_timeout=ns.shutdown_timeout,
+        exit_on_engine_failure=ns.exit_on_engine_failure, stall_timeout=ns.engine_stall_timeout,
     )
 
 

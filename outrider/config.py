@@ -114,6 +114,9 @@ class EngineConfig:
     spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: its block - 1), else 4
     spec_draft_n_min: int = 0
     draft_p_min: float = 0.0
+    # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
+    # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.
+    spec_required: bool = False
     tokenizer: str | None = None  # defaults to the model directory
     chat_template: str | None = None  # overrides the checkpoint's template (jinja source)
 

@@ -15,7 +15,7 @@ from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
 from outrider.server.render import JSON, generation_settings, token_probs
 from outrider.server.settings import BUILD_INFO
-from outrider.server.state import Generation, ServerState
+from outrider.server.state import Generation, ServerState, ended_error
 from outrider.server.transport import read_json, sse_response, until_disconnected
 
 router = APIRouter()
@@ -97,6 +97,8 @@ def _final(state: ServerState, req: EngineRequest, outs: list[RequestOutput], op
         "tokens_cached": req.num_prompt + max(len(ids) - 1, 0),  # the last sampled token has no K/V yet
         "timings": last.timing.to_timings(),
     }
+    if (error := ended_error(last)) is not None:  # cut short at shutdown: the stream's last frame says so
+        result["error"] = error
     if params.n_probs > 0 and not streamed:
         lps = [lp for o in outs for lp in o.logprobs or ()]
         result["completion_probabilities"] = token_probs(state.tokenizer, lps, params.n_probs,
@@ -179,8 +181,9 @@ async def apply_template(request: Request):
 # --- server information ---
 @router.get("/health")
 @router.get("/v1/health")
-async def health():
-    return JSON({"status": "ok"})  # the state middleware answers 503 while loading
+async def health(request: Request):
+    state_of(request).check_health()  # 503 while shutting down or stalled (the Gate's while loading or failed)
+    return JSON({"status": "ok"})
 
 
 @router.get("/props")
@@ -206,6 +209,8 @@ async def get_props(request: Request):
         "eos_token": tok.eos_token or "",
         "build_info": BUILD_INFO,
         "is_sleeping": False,
+        # outrider's: why a drafter that was detected is not in use (speculative.types then says "none")
+        "drafter_error": core.drafter_error,
     })
 
 
@@ -228,9 +233,15 @@ async def slots(request: Request, fail_on_no_slot: str | None = None):
     return JSON(views)
 
 
+# What a request said, left out of /slots unless --slots-debug (LLAMA_SERVER_SLOTS_DEBUG): llama-server shows
+# these only then, beside the prompt and the generated text.
+PRIVATE_PARAMS = ("dry_sequence_breakers", "stop", "logit_bias", "grammar", "grammar_lazy", "grammar_triggers",
+                  "preserved_tokens")
+
+
 def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
     """One slot as llama-server shows it, from the engine's snapshot: the request it serves, or (idle) the last
-    one it served."""
+    one it served. Its text (prompt, generated, stop words) only with --slots-debug."""
     view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.drafter_kind is not None,
             "is_processing": snap["is_processing"]}
     req = snap["request"]
@@ -239,14 +250,17 @@ def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
     n_decoded = snap["n_decoded"]
     tok = state.tokenizer
     generated = tok.decode(req.output_ids[:n_decoded])
-    return {**view, "id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
-            "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
-            "params": generation_settings(req.params, state.engine.config, req.seed,
-                                          drafter_kind=state.engine.drafter_kind),
-            "next_token": [{"has_next_token": snap["is_processing"], "has_new_line": "\n" in generated,
-                            "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
-                            "n_decoded": n_decoded}],
-            "prompt": tok.decode(req.prompt_ids), "generated": generated}
+    params = generation_settings(req.params, state.engine.config, req.seed, drafter_kind=state.engine.drafter_kind)
+    debug = state.config.slots_debug
+    view.update({"id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
+                 "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
+                 "params": params if debug else {k: v for k, v in params.items() if k not in PRIVATE_PARAMS},
+                 "next_token": [{"has_next_token": snap["is_processing"], "has_new_line": "\n" in generated,
+                                 "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
+                                 "n_decoded": n_decoded}]})
+    if debug:
+        view.update(prompt=tok.decode(req.prompt_ids), generated=generated)
+    return view
 
 
 @router.get("/metrics")

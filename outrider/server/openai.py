@@ -15,7 +15,7 @@ from outrider.server.errors import ApiError
 from outrider.server.native import state_of
 from outrider.server.render import JSON, token_probs
 from outrider.server.settings import BUILD_INFO
-from outrider.server.state import Generation, ServerState
+from outrider.server.state import Generation, ServerState, ended_error
 from outrider.server.transport import read_json, sse_response, until_disconnected
 
 router = APIRouter()
@@ -69,7 +69,15 @@ class Call:
 def _finish_reason(out: RequestOutput) -> str | None:
     if not out.finished:
         return None
+    if ended_error(out) is not None:  # ended by the server (shutdown): neither a stop nor a limit
+        return "abort"
     return "stop" if out.finish_reason is FinishReason.STOP else "length"
+
+
+def _with_error(chunk: dict, out: RequestOutput) -> dict:
+    """A final chunk, with the `error` that says why the server ended its request early, if it did."""
+    error = ended_error(out)
+    return chunk if error is None else {**chunk, "error": error}
 
 
 async def _respond(request: Request, call: Call, gen: Generation, choice, chunks) -> Any:
@@ -123,8 +131,8 @@ async def completions(request: Request):
         async for i, out in gen.outputs():
             text = prefixes[i] + out.text
             prefixes[i] = ""
-            chunk = call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
-                                "finish_reason": _finish_reason(out)}])
+            chunk = _with_error(call.body([{"text": text, "index": i, "logprobs": logprobs_of([out], sent[i]),
+                                            "finish_reason": _finish_reason(out)}]), out)
             sent[i] += len(out.text)
             if out.finished:
                 remaining -= 1
@@ -180,7 +188,7 @@ async def chat_completions(request: Request):
             if not out.finished:
                 continue
             remaining -= 1
-            final = call.body([{"finish_reason": _finish_reason(out), "index": i, "delta": {}}], obj)
+            final = _with_error(call.body([{"finish_reason": _finish_reason(out), "index": i, "delta": {}}], obj), out)
             if remaining:
                 yield final
             elif call.include_usage:  # timings go on the very last chunk: the usage one
