@@ -153,6 +153,7 @@ class AsyncEngine:
                 self._apply(kind, arg)
         except queue.Empty:
             pass
+        self._beat = now()  # (a request just added counts its wait from here)
         if engine.has_work():
             engine.step()
         self._publish()
