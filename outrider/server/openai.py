@@ -39,9 +39,7 @@ class Call:
     @classmethod
     def parse(cls, body: dict, state: ServerState, prefix: str, obj: str, n_top: int | None) -> Call:
         stream = proto.get_bool(body, "stream", False)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise proto.invalid("stream_options", "expected an object")
+        options = proto.get_object(body, "stream_options")
         return cls(id=prefix + secrets.token_hex(16), object=obj, model=state.config.model_alias,
                    created=int(time.time()), n=proto.get_int(body, "n", 1, lo=1, hi=state.n_slots), stream=stream,
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
