@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,15 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 class ServerProcess:

@@ -3,30 +3,17 @@ with its draft model loaded (the figures of a long run are in docs/reliability.m
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from e2e_harness import ServerProcess
+from e2e_harness import ServerProcess, load_script
 from outrider import demo
 
 pytestmark = pytest.mark.skipif(not demo.is_available(), reason="demo artifacts not installed")
 
 
-def load_soak():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
-    spec = importlib.util.spec_from_file_location("soak", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("soak", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_64_clients_for_a_minute_leave_no_errors_no_leaks_and_flat_memory():
-    soak = load_soak()
+    soak = load_script("soak")
     server = ServerProcess(soak.SERVER_ARGS)
     try:
         report = soak.run(server.url, server.proc.pid, clients=64, duration_s=50, seed=1)
