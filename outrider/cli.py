@@ -40,6 +40,8 @@ def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider 
         parser.error("--embedding: embeddings are not supported by outrider")
     if ns.hf_token:  # every hub download of this process (model, drafter, tokenizer) reads it
         os.environ["HF_TOKEN"] = ns.hf_token
+    # Asked for on the command line (not the demo's default drafter, not a detected MTP head).
+    ns.spec_required = ns.spec_type != "none" and (ns.spec_type is not None or bool(ns.model_draft))
     if not ns.model and not ns.hf_repo:
         _use_demo(parser, ns)
     return ns
@@ -154,7 +156,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
     kwargs = dict(
         model=model, dtype=ns.dtype, device=_device(ns.device), max_model_len=context, seed=ns.seed,
         enable_prefix_caching=ns.cache_prompt, enforce_eager=ns.enforce_eager, draft_model=draft,
-        spec_type=spec_type, chat_template=_chat_template(ns), tokenizer=ns.tokenizer,
+        spec_type=spec_type, spec_required=ns.spec_required, chat_template=_chat_template(ns), tokenizer=ns.tokenizer,
         max_num_seqs=slots, max_num_batched_tokens=ns.batch_size, rope=_rope(ns),
         block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gib=ns.kv_cache_gib,
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
@@ -215,7 +217,8 @@ def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
         max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns), webui=ns.webui,
         cors_origins=_cors_origins(ns.cors_origins), tags=tuple(t for t in (ns.tags or "").split(",") if t),
         prefill_assistant=ns.prefill_assistant, verbose=ns.verbose, log_disable=ns.log_disable,
-        log_file=ns.log_file, **chat_settings(ns),
+        log_file=ns.log_file, slots_debug=ns.slots_debug, shutdown_timeout=ns.shutdown_timeout,
+        exit_on_engine_failure=ns.exit_on_engine_failure, stall_timeout=ns.engine_stall_timeout, **chat_settings(ns),
     )
 
 

@@ -143,6 +143,9 @@ class EngineConfig:
     # Choose draft lengths from measured step costs (None: on for CUDA; on the CPU, where costs vary with the
     # machine's load, the drafter's fixed cost estimate keeps tests deterministic).
     spec_measured_costs: bool | None = None
+    # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
+    # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.
+    spec_required: bool = False
     tokenizer: str | None = None  # defaults to the model directory
     chat_template: str | None = None  # overrides the checkpoint's template (jinja source)
     rope: RopeOverride | None = None  # overrides the checkpoint's RoPE

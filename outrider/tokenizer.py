@@ -313,9 +313,6 @@ class Detokenizer:
         self._window: list[int] = list(context)
         self._read = len(self._window)
         self._held = ""  # decoded text that could still be the start of a stop string
-        # The longest suffix of a text that is a proper prefix of a stop string is where this first matches.
-        prefixes = sorted({s[:k] for s in self._stop for k in range(1, len(s))})
-        self._stop_tail = re.compile(f"(?:{'|'.join(map(re.escape, prefixes))})\\Z") if prefixes else None
         self._chunks: list[str] = []
         self.stop_word: str | None = None
         self._whole = tokenizer.whole_text
@@ -395,6 +392,13 @@ class Detokenizer:
         return best
 
     def _holdback(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        match = self._stop_tail.search(text) if self._stop_tail is not None else None
-        return len(text) - match.start() if match else 0
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string. (Checked suffix by
+        suffix: `text` is a few characters unless it already begins a stop string, and a long stop string costs
+        nothing up front; one pattern of every prefix would take memory quadratic in its length.)"""
+        best = 0
+        for word in self._stop:
+            for k in range(min(len(word) - 1, len(text)), best, -1):
+                if word.startswith(text[len(text) - k:]):
+                    best = k
+                    break
+        return best

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,15 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, module)
+    spec.loader.exec_module(module)
+    return module
 
 
 class ServerProcess:
@@ -79,3 +89,33 @@ def sse_events(lines) -> list:
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
+
+
+class Stream(threading.Thread):
+    """A streamed request read in the background: its status and every SSE event; `first` is set at the first."""
+
+    def __init__(self, url: str, path: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.path, self.body = url, path, body
+        self.first = threading.Event()
+        self.status: int | None = None
+        self.events: list = []
+        self.cut = False
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.url, timeout=120) as c, c.stream("POST", self.path, json=self.body) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.extend(sse_events([line]))
+                        self.first.set()
+        except httpx.TransportError:
+            self.cut = True  # the server went away mid-stream
+        self.first.set()
+
+    def result(self, timeout: float = 120) -> list:
+        self.join(timeout)
+        assert not self.is_alive(), "the stream never ended"
+        return self.events

@@ -99,6 +99,26 @@ def test_spec_type_names():
         cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple"))
 
 
+def test_speculation_is_required_only_when_asked_for_on_the_command_line():
+    def required(*argv):
+        return cli.engine_kwargs(serve_ns(*argv))["spec_required"]
+
+    assert required("-md", "/d") and required("--spec-type", "draft-mtp")
+    assert not required() and not required("-md", "/d", "--spec-type", "none")
+    demo = cli.parse(SERVE, ["--demo-draft", "draft"])  # the bundled drafter is the demo's default, not a request
+    assert demo.model_draft and not cli.engine_kwargs(demo)["spec_required"]
+
+
+def test_reliability_flags(monkeypatch):
+    cfg = cli.server_config(serve_ns("--shutdown-timeout", "5", "--no-exit-on-engine-failure",
+                                     "--engine-stall-timeout", "0"), "/m")
+    assert (cfg.shutdown_timeout, cfg.exit_on_engine_failure, cfg.stall_timeout, cfg.slots_debug) == (5, False, 0, False)
+    plain = cli.server_config(serve_ns(), "/m")
+    assert (plain.shutdown_timeout, plain.exit_on_engine_failure, plain.stall_timeout) == (30, True, 60)
+    monkeypatch.setenv("LLAMA_SERVER_SLOTS_DEBUG", "1")
+    assert cli.server_config(serve_ns(), "/m").slots_debug is True
+
+
 def test_server_config(tmp_path, monkeypatch):
     keys = tmp_path / "keys.txt"
     keys.write_text("# team keys\nfile-key\n\nsecond\n")

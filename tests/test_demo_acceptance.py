@@ -10,7 +10,6 @@ another engine) fails here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from e2e_harness import load_script
 from outrider import demo
 
 pytestmark = pytest.mark.skipif(not demo.is_available(), reason="demo artifacts not installed")
@@ -25,18 +25,9 @@ pytestmark = pytest.mark.skipif(not demo.is_available(), reason="demo artifacts 
 SETTINGS = [("draft", 4), ("mtp", 1), ("dflash", 7)]
 
 
-def load_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "measure_acceptance.py"
-    spec = importlib.util.spec_from_file_location("measure_acceptance", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("measure_acceptance", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def measured():
-    ma = load_script()
+    ma = load_script("measure_acceptance")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 5 M-parameter model: more threads only add synchronisation (much more when loaded)
     try:
@@ -68,7 +59,7 @@ def test_published_file_states_identity_and_thresholds_for_all_prompts():
 
 
 def test_subset_is_two_def_and_two_window_prompts():
-    prompts = load_script().select_prompts("all", 2)
+    prompts = load_script("measure_acceptance").select_prompts("all", 2)
     assert [p["kind"] for _, p in prompts] == ["def", "def", "window", "window"]
 
 

@@ -3,6 +3,11 @@
 Handlers never touch the engine directly: they submit a request and iterate its outputs. Commands (add,
 abort) cross into the engine thread through a queue; outputs cross back with call_soon_threadsafe. Closing
 or cancelling the iterator aborts the request, which frees its KV blocks on the next loop turn.
+
+A fault that escapes an engine step (one the engine cannot pin on a request, e.g. a lost device) ends the loop:
+every request it was given and had not finished, running or queued, gets a final error output at once, and
+`failure` says why (the server then answers 503 and exits). Each loop turn is a heartbeat: `stalled_for` is how
+long the loop has gone without one while requests wait on it (a watchdog's input).
 """
 
 from __future__ import annotations
@@ -13,20 +18,29 @@ import logging
 import queue
 import threading
 import traceback
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from outrider.config import EngineConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import FinishReason, Request, RequestOutput
+from outrider.testing.faults import FaultPlan
+from outrider.timing import now
 
 log = logging.getLogger("outrider.engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, faults: FaultPlan | None = None):
+        """`faults`: test-only fault injection into the target's forward (outrider/testing/faults.py)."""
         self.config = config
+        self.faults = faults
         self.engine: Engine | None = None
         self.load_error: str | None = None
+        self.failure: str | None = None  # why the engine loop ended on a fault (it serves nothing more)
+        self.pending = 0  # requests submitted and not yet finished (event-loop side: the watchdog's "work waits")
+        self._beat = now()  # the engine loop's last completed turn
+        self._open: dict[int, Callable[[RequestOutput], None]] = {}  # engine thread: unfinished requests' outputs
+        self._submit = threading.Lock()  # no request is queued after a failure drained the queue
         self._ready = threading.Event()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
@@ -60,12 +74,18 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
-        def deliver(out: RequestOutput) -> None:
+        def deliver(out: RequestOutput) -> None:  # (engine thread)
+            if out.finished:
+                self._open.pop(out.request_id, None)
             if out.timing is not None:  # the frame shows the record as of its own tokens
                 out.timing = out.timing.snapshot()
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        self._commands.put(("add", (req, deliver)))
+        with self._submit:
+            if self.failure is not None:
+                raise RuntimeError(f"engine failed: {self.failure}")
+            self._commands.put(("add", (req, deliver)))
+        self.pending += 1
         finished = False
         try:
             while not finished:
@@ -73,16 +93,22 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
+            self.pending -= 1
             if not finished:
-                self._commands.put(("abort", req.request_id))
+                self.abort(req.request_id)
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine loop's last turn while requests wait on it (0 when none does)."""
+        return now() - self._beat if self.pending else 0.0
 
     @property
     def drafter_kind(self) -> str | None:
         """The speculative kind actually loaded (None: no drafter, or it failed to load)."""
         return self.engine.drafter_kind if self.engine is not None else None
 
-    def abort(self, request_id: int) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: int, error: str | None = None) -> None:
+        """End a request; its final output carries `error` (why it was ended) when given."""
+        self._commands.put(("abort", (request_id, error)))
 
     def stats(self) -> dict:
         with self._lock:
@@ -106,34 +132,63 @@ class AsyncEngine:
             log.error("failed to load the model: %s\n%s", exc, traceback.format_exc())
             self._ready.set()
             return
+        if self.faults is not None:
+            self.faults.install(self.engine.model)
         self._publish()
         self._ready.set()
+        try:
+            while not self._stop:
+                self._turn()
+        except Exception as exc:
+            self._fail_all(exc)
+
+    def _turn(self) -> None:
+        """Apply the commands waiting (blocking briefly when idle), run a step if there is work, publish."""
         engine = self.engine
-        while not self._stop:
-            block = not engine.has_work()
-            try:
-                while True:
-                    kind, arg = self._commands.get(block=block, timeout=0.5 if block else None)
-                    block = False
-                    self._apply(kind, arg)
-            except queue.Empty:
-                pass
-            if engine.has_work():
-                engine.step()
-            self._publish()
+        block = not engine.has_work()
+        try:
+            while True:
+                kind, arg = self._commands.get(block=block, timeout=0.5 if block else None)
+                block = False
+                self._apply(kind, arg)
+        except queue.Empty:
+            pass
+        self._beat = now()  # (a request just added counts its wait from here)
+        if engine.has_work():
+            engine.step()
+        self._publish()
+        self._beat = now()
 
     def _apply(self, kind: str, arg) -> None:
         try:
             if kind == "add":
-                self.engine.add_request(*arg)
+                req, deliver = arg
+                self._open[req.request_id] = deliver
+                self.engine.add_request(req, deliver)
             elif kind == "abort":
-                self.engine.abort(arg)
+                self.engine.abort(*arg)
         except Exception as exc:  # one bad request must not stop the engine thread
             log.error("%s failed: %s\n%s", kind, exc, traceback.format_exc())
             if kind == "add":
                 req, deliver = arg
                 self.engine.abort(req.request_id)
                 deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ERROR, error=str(exc)))
+
+    def _fail_all(self, exc: Exception) -> None:
+        """The loop is over: fail every request it was given that has not finished, queued ones included."""
+        log.critical("engine failed, failing every request: %s\n%s", exc, traceback.format_exc())
+        with self._submit:
+            self.failure = f"{type(exc).__name__}: {exc}"
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self._open[arg[0].request_id] = arg[1]
+        for request_id, deliver in list(self._open.items()):
+            deliver(RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
+                                  error=f"engine failed: {self.failure}"))
 
     def _publish(self) -> None:
         engine = self.engine

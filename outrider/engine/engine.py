@@ -85,6 +85,7 @@ class Engine:
         # The drafter loads now, beside the target, never lazily inside a request (no request pays for it), and
         # before the KV pools are sized: its weights and the target rows it reads then count in the budget.
         spec_kind = self._spec_kind()
+        self.drafter_error: str | None = None  # why the configured drafter was refused (serving without it)
         self.drafter, self.policy = self._load_drafter(spec_kind) if spec_kind else (None, None)
         # Its KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
         shapes = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)]
@@ -116,6 +117,8 @@ class Engine:
                 self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len,
                                             self.runner.graphs[0].pool)
         self.live: dict[int, _Live] = {}
+        # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.
+        self.suspects: set[int] = set()
         # With a drafter, plain steps overlap and speculative rounds run synchronously (speculative.md).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
@@ -192,6 +195,9 @@ class Engine:
                                    block_size=cfg.block_size, dtype=self.dtype,
                                    device=self.device, max_draft=max(asked if asked is not None else DEFAULT_N_MAX, 1))
         except Exception as exc:
+            if cfg.spec_required:  # asked for on the command line: refusing to start says so plainly
+                raise
+            self.drafter_error = f"{type(exc).__name__}: {exc}"
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
             return None, None
         self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
@@ -242,10 +248,11 @@ class Engine:
         self.live[req.request_id] = live
         self.scheduler.add(req)
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int, error: str | None = None) -> None:
+        """End a request now; `error` tells its owner why (e.g. the server is shutting down)."""
         live = self.live.get(request_id)
         if live is not None:
-            self._finish(live, FinishReason.ABORT, [], "")
+            self._finish(live, FinishReason.ABORT, [], "", error=error)
 
     def has_work(self) -> bool:
         return self.inflight is not None or self.scheduler.has_work()
@@ -256,8 +263,10 @@ class Engine:
         t0 = self.clock()
         prev, self.inflight = self.inflight, None
         lengths = self.speculator.draft_lengths(self.scheduler.running) if self.speculator is not None else {}
-        if prev is not None and lengths:
-            self._complete(prev)  # drafts follow the committed tokens: finish the step in flight first
+        if prev is not None and (lengths or self.suspects):
+            # Drafts follow the committed tokens, and a step cut down to one suspect must not leave the others'
+            # tokens pending in a step it does not feed from: finish the step in flight first.
+            self._complete(prev)
             prev, t0 = None, self.clock()
         launched = self._launch(prev, lengths)
         if prev is not None:
@@ -285,6 +294,8 @@ class Engine:
         for req in plan.preempted:
             req.timing.mark_preempted(t)
             self._release_drafter_state(req.request_id)
+        if self.suspects:
+            plan = self._isolate(plan)
         if not plan.scheduled:
             return None
         for req in plan.admitted:
@@ -297,8 +308,8 @@ class Engine:
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
             launched = self.runner.launch(plan, drafts.probs, feed)
-        except Exception as exc:  # a fault fails this step's requests, never the server
-            self._fail(plan, exc)
+        except Exception as exc:  # a fault fails the request that caused it, never the server
+            self._fail(plan, exc, isolate=True)
             return None
         for s in plan.scheduled:
             req = s.request
@@ -306,7 +317,26 @@ class Engine:
             req.num_pending += s.samples
         return launched
 
-    def _fail(self, plan, exc: Exception) -> None:
+    def _isolate(self, plan: StepPlan) -> StepPlan:
+        """The plan cut down to one suspect (the others wait a step: nothing of theirs was advanced)."""
+        self.suspects.intersection_update(self.live)
+        suspect = next((s for s in plan.scheduled if s.request.request_id in self.suspects), None)
+        if suspect is None:
+            return plan
+        self.suspects.discard(suspect.request.request_id)
+        return StepPlan([suspect], plan.preempted, plan.admitted)
+
+    def _fail(self, plan: StepPlan, exc: Exception, isolate: bool = False) -> None:
+        """A step failed: fail its requests, or with `isolate` and several of them, suspect them all (the fault's
+        owner is unknown; the launch advanced none of them, so each can run again alone). A device error is not a
+        request's fault: the device context is lost for every request, so it ends the engine."""
+        if isinstance(exc, torch.AcceleratorError):
+            raise exc
+        if isolate and len(plan.scheduled) > 1:
+            log.error("a step of %d requests failed, running each alone to find the one at fault: %s",
+                      len(plan.scheduled), exc)
+            self.suspects.update(s.request.request_id for s in plan.scheduled)
+            return
         log.error("step failed: %s\n%s", exc, traceback.format_exc())
         for s in plan.scheduled:
             live = self.live.get(s.request.request_id)

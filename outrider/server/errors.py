@@ -65,3 +65,11 @@ def unauthorized() -> ApiError:
 
 def body_too_large() -> ApiError:
     return ApiError(413, "Request body too large.")
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "Server is shutting down")
+
+
+def engine_failed(reason: str) -> ApiError:
+    return ApiError(503, f"The engine failed and serves no more requests: {reason}")

@@ -143,6 +143,14 @@ SERVER = [
     Opt(("--max-queue",), "max_queue", "OUTRIDER_MAX_QUEUE", int, 256,
         "requests that may wait for a slot; more get 503"),
     Opt(("--max-body-size",), "max_body_size", "OUTRIDER_MAX_BODY_SIZE", int, 32 << 20, "request body limit, bytes"),
+    Opt(("--slots-debug",), "slots_debug", "LLAMA_SERVER_SLOTS_DEBUG", None, False,
+        "/slots shows each slot's prompt and generated text"),
+    Opt(("--shutdown-timeout",), "shutdown_timeout", "OUTRIDER_SHUTDOWN_TIMEOUT", float, 30.0,
+        "on SIGTERM/SIGINT: seconds requests in flight may run on before they are ended"),
+    Opt(("--exit-on-engine-failure",), "exit_on_engine_failure", "OUTRIDER_EXIT_ON_ENGINE_FAILURE", None, True,
+        "exit with status 1 when the engine fails (after a short grace)", negative=("--no-exit-on-engine-failure",)),
+    Opt(("--engine-stall-timeout",), "engine_stall_timeout", "OUTRIDER_ENGINE_STALL_TIMEOUT", float, 60.0,
+        "/health answers 503 after this many seconds without engine progress while requests wait (0 = off)"),
 ]
 
 CHAT = [

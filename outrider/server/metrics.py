@@ -58,6 +58,8 @@ class Metrics:
                                          registry=self.registry, buckets=tuple(range(1, 17)))
         self.kv_used = Gauge("outrider_kv_blocks_used", "KV blocks held by running requests.", registry=self.registry)
         self.kv_total = Gauge("outrider_kv_blocks_total", "KV blocks in the pool.", registry=self.registry)
+        self.kv_free = Gauge("outrider_kv_blocks_free", "KV blocks no request holds (prefix-cached ones included).",
+                             registry=self.registry)
 
     def on_finished(self, timing: RequestTiming) -> None:
         """Account one request that finished normally (called once, from the event loop)."""
@@ -120,6 +122,7 @@ class Metrics:
             lines += [f'llamacpp:{_PER_POS}{{position="{i}"}} {n}' for i, n in enumerate(self.accepted_per_position)]
         self.kv_used.set(stats.get("kv_blocks_used", 0))
         self.kv_total.set(stats.get("kv_blocks_total", 0))
+        self.kv_free.set(stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_used", 0))
         return "\n".join(lines) + "\n" + generate_latest(self.registry).decode()
 
 

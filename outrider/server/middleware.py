@@ -1,12 +1,12 @@
 """ASGI middleware, outermost first: CORS (preflight answered before anything else), model state (503 while
-loading), API keys (401), request body limit (413)."""
+loading and once the engine failed), API keys (401), request body limit (413)."""
 
 from __future__ import annotations
 
 import hmac
 from urllib.parse import urlsplit
 
-from outrider.server.errors import ApiError, body_too_large, loading, unauthorized
+from outrider.server.errors import ApiError, body_too_large, engine_failed, loading, unauthorized
 from outrider.server.render import dumps
 
 PUBLIC_PATHS = frozenset({"/health", "/v1/health"})
@@ -72,8 +72,9 @@ class CORS:
 
 
 class Gate:
-    """503 "Loading model" on every route until the engine is ready, then the API-key check. `static_paths` (the
-    web page's files) pass both, as in llama-server: the page loads first and then asks for the key."""
+    """503 "Loading model" on every route until the engine is ready (and 503 with the reason on every route, /health
+    included, once it failed), then the API-key check. `static_paths` (the web page's files) pass both, as in
+    llama-server: the page loads first and then asks for the key."""
 
     def __init__(self, app, engine, api_keys: tuple[str, ...], static_paths: frozenset[str] = frozenset()):
         self.app = app
@@ -88,6 +89,8 @@ class Gate:
             error = ApiError(500, f"model failed to load: {self.engine.load_error}") if self.engine.load_error \
                 else loading()
             return await _send_error(send, error)
+        if self.engine.failure is not None:
+            return await _send_error(send, engine_failed(self.engine.failure))
         if self.keys and scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
             return await _send_error(send, unauthorized())
         await self.app(scope, receive, send)

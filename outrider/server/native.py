@@ -16,7 +16,7 @@ from outrider.server import provenance
 from outrider.server.errors import ApiError
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
-from outrider.server.state import Generation, ServerState
+from outrider.server.state import Generation, ServerState, ended_error
 from outrider.server.structured import request_grammar, template_body
 from outrider.server.transport import read_json, sse_response, until_disconnected
 
@@ -112,6 +112,8 @@ def native_result(state: ServerState, req: EngineRequest, outs: list[RequestOutp
         "tokens_cached": req.num_prompt + max(len(ids) - 1, 0),  # the last sampled token has no K/V yet
         **timings_fields(last.timing),
     }
+    if (error := ended_error(last)) is not None:  # cut short at shutdown: the stream's last frame says so
+        result["error"] = error
     if params.n_probs > 0 and not streamed:
         lps = [lp for o in outs for lp in o.logprobs or ()]
         result["completion_probabilities"] = token_probs(state.tokenizer, lps, params.n_probs, post_sampling_probs)
@@ -207,8 +209,9 @@ async def apply_template(request: Request):
 # --- server information ---
 @router.get("/health")
 @router.get("/v1/health")
-async def health():
-    return JSON({"status": "ok"})  # the state middleware answers 503 while loading
+async def health(request: Request):
+    state_of(request).check_health()  # 503 while shutting down or stalled (the Gate's while loading or failed)
+    return JSON({"status": "ok"})
 
 
 @router.get("/props")
@@ -233,6 +236,8 @@ async def get_props(request: Request):
         "eos_token": tok.eos_token or "",
         "build_info": BUILD_INFO,
         "is_sleeping": False,
+        # outrider's: why a drafter that was detected is not in use (speculative.types then says "none")
+        "drafter_error": core.drafter_error,
     })
 
 
@@ -259,9 +264,16 @@ async def slots(request: Request, fail_on_no_slot: str | None = None):
     return JSON(views)
 
 
+# What a request said, left out of /slots unless --slots-debug (LLAMA_SERVER_SLOTS_DEBUG): llama-server shows
+# these only then, beside the prompt and the generated text.
+PRIVATE_PARAMS = ("dry_sequence_breakers", "stop", "logit_bias", "grammar", "grammar_lazy", "grammar_triggers",
+                  "preserved_tokens")
+
+
 def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
     """One slot as llama-server shows it, from the engine's snapshot: the request it serves, or (idle) the last
-    one it served, with its next-token state reset."""
+    one it served, with its next-token state reset. Its text (prompt, generated, stop words) only with
+    --slots-debug."""
     view = {"id": snap["id"], "n_ctx": snap["n_ctx"], "speculative": state.engine.drafter_kind is not None,
             "is_processing": snap["is_processing"]}
     req = snap["request"]
@@ -276,10 +288,15 @@ def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
         next_token = {"has_next_token": True, "has_new_line": "\n" in generated,
                       "n_remain": req.params.max_tokens - n_decoded if req.params.max_tokens >= 0 else -1,
                       "n_decoded": n_decoded}
-    return {**view, "id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
-            "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
-            "params": state.generation_settings(req.params, req.seed), "next_token": [next_token],
-            "prompt": tok.decode(req.prompt_ids), "generated": generated}
+    params = state.generation_settings(req.params, req.seed)
+    debug = state.config.slots_debug
+    view.update({"id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
+                 "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
+                 "params": params if debug else {k: v for k, v in params.items() if k not in PRIVATE_PARAMS},
+                 "next_token": [next_token]})
+    if debug:
+        view.update(prompt=tok.decode(req.prompt_ids), generated=generated)
+    return view
 
 
 @router.get("/metrics")

@@ -16,7 +16,7 @@ from outrider.server.errors import ApiError
 from outrider.server.native import native_result, progress_fields, state_of
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
-from outrider.server.state import Generation, ServerState
+from outrider.server.state import Generation, ServerState, ended_error
 from outrider.server.structured import chat_shape, request_grammar, template_body, tool_choice_grammar
 from outrider.server.transport import read_json, sse_response, until_disconnected
 from outrider.structured.grammar import Grammar
@@ -44,9 +44,7 @@ class Call:
     @classmethod
     def parse(cls, body: dict, state: ServerState, prefix: str, obj: str, n_top: int | None) -> Call:
         stream = proto.get_bool(body, "stream", False)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise proto.invalid("stream_options", "expected an object")
+        options = proto.get_object(body, "stream_options")
         return cls(id=prefix + secrets.token_hex(16), object=obj, model=state.config.model_alias,
                    created=int(time.time()), n=proto.get_int(body, "n", 1, lo=1, hi=state.n_slots), stream=stream,
                    include_usage=proto.get_bool(options, "include_usage", False), n_top=n_top,
@@ -96,9 +94,17 @@ def _finish_reason(out: RequestOutput, called: bool = False) -> str | None:
     """`called`: the reply holds tool calls ("tool_calls" when it ended on its own)."""
     if not out.finished:
         return None
+    if ended_error(out) is not None:  # ended by the server (shutdown): neither a stop nor a limit
+        return "abort"
     if out.finish_reason is FinishReason.STOP:
         return "tool_calls" if called else "stop"
     return "length"
+
+
+def _with_error(chunk: dict, out: RequestOutput) -> dict:
+    """A final chunk, with the `error` that says why the server ended its request early, if it did."""
+    error = ended_error(out)
+    return chunk if error is None else {**chunk, "error": error}
 
 
 async def _respond(request: Request, call: Call, gen: Generation, choice, chunks) -> Any:
@@ -161,9 +167,9 @@ async def completions(request: Request):
                 continue
             text = prefixes[i] + out.text
             prefixes[i] = ""
-            chunk = call.body([call.with_provenance({"text": text, "index": i,
-                                                     "logprobs": logprobs_of([out], sent[i]),
-                                                     "finish_reason": _finish_reason(out)}, [out])])
+            chunk = _with_error(call.body([call.with_provenance({"text": text, "index": i,
+                                                                 "logprobs": logprobs_of([out], sent[i]),
+                                                                 "finish_reason": _finish_reason(out)}, [out])]), out)
             sent[i] += len(out.text)
             if out.finished:
                 remaining -= 1
@@ -239,8 +245,8 @@ async def chat_completions(request: Request):
             if not out.finished:
                 continue
             remaining -= 1
-            final = call.body([{"finish_reason": _finish_reason(out, streams[i].called), "index": i, "delta": {}}],
-                              obj, **call.verbose(state, gen, i, history[i]))
+            final = _with_error(call.body([{"finish_reason": _finish_reason(out, streams[i].called), "index": i,
+                                            "delta": {}}], obj, **call.verbose(state, gen, i, history[i])), out)
             if remaining:
                 yield final
             elif call.include_usage:  # timings (choice 0's) go on the very last chunk: the usage one

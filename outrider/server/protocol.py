@@ -97,11 +97,28 @@ def get_float(body: dict, name: str, default: float, lo: float = -math.inf, hi: 
     v = body.get(name, _MISSING)
     if v is _MISSING or v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
         raise invalid(name, "expected a finite number")
     if not lo <= v <= hi:
         raise invalid(name, f"must be in [{lo:g}, {hi:g}]")
     return float(v)
+
+
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an integer beyond any float
+        return False
+
+
+def get_object(body: dict, name: str) -> dict:
+    """An object field ({} when absent)."""
+    v = body.get(name)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise invalid(name, "expected an object")
+    return v
 
 
 def get_str_list(body: dict, name: str) -> list[str] | None:
@@ -133,7 +150,7 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
     (server/structured.py reads the body's fields for it)."""
     for name, inert in _INERT.items():
         value = body.get(name)
-        if value is not None and not inert(value):
+        if value is not None and not _is_off(inert, value):
             raise ApiError(400, f"'{name}' is not supported by this server")
     for name in body.keys() - KNOWN_FIELDS:
         _note_unknown(name)
@@ -199,12 +216,19 @@ def _samplers(value: Any) -> tuple[str, ...] | None:
     raise invalid("samplers", "expected an array of sampler names or a string of sampler letters")
 
 
+def _is_off(inert, value: Any) -> bool:
+    try:
+        return bool(inert(value))
+    except TypeError:  # a value of another type (a string where a number is compared) is not "off"
+        return False
+
+
 def _logit_bias(value: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...]:
     """llama-server's `[[token|text, bias|false], ...]` or OpenAI's `{"token": bias}`; text biases all its tokens."""
     if value is None:
         return ()
     if isinstance(value, dict):
-        pairs = [(int(k) if k.lstrip("-").isdigit() else k, v) for k, v in value.items()]
+        pairs = [(int(k) if k.lstrip("-").isdecimal() else k, v) for k, v in value.items()]
     elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
         pairs = [tuple(p) for p in value]
     else:
@@ -213,7 +237,8 @@ def _logit_bias(value: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ..
     for key, bias in pairs:
         if bias is False:
             bias = -math.inf  # llama-server: false bans the token
-        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+        elif (isinstance(bias, bool) or not isinstance(bias, (int, float))
+              or isinstance(bias, int) and not _finite(bias) or math.isnan(bias)):  # (+-inf floats are allowed)
             raise invalid("logit_bias", f"bias of {key!r} must be a number or false")
         ids = tokenizer.encode(key, add_special=False) if isinstance(key, str) else [key]
         for tok in ids:
@@ -292,9 +317,7 @@ def chat_prompt(body: dict, tokenizer: Tokenizer, prefill_assistant: bool = True
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid("tools", "expected an array")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise invalid("chat_template_kwargs", "expected an object")
+    kwargs = get_object(body, "chat_template_kwargs")
     if body.get("reasoning_effort") is not None:
         kwargs = {"reasoning_effort": body["reasoning_effort"], **kwargs}
     try:

@@ -32,6 +32,10 @@ class ServerConfig:
     sse_ping_interval: float = 30.0  # seconds of stream silence before a `:` keep-alive comment; <= 0 = off
     max_body_bytes: int = 32 << 20
     max_queue: int = 256  # requests that may wait for a slot; more get 503 "All slots are busy"
+    slots_debug: bool = False  # /slots shows prompts, generated text and stop words (LLAMA_SERVER_SLOTS_DEBUG)
+    shutdown_timeout: float = 30.0  # seconds requests in flight may run on after SIGTERM/SIGINT
+    exit_on_engine_failure: bool = True  # a dead engine ends the process (status 1) so a supervisor restarts it
+    stall_timeout: float = 60.0  # /health is 503 after this long without an engine turn while work waits; 0 = off
     # Request defaults (cache_prompt included).
     defaults: SamplingParams = field(default_factory=lambda: default_params())
     # CORS allow-list: "*" (any origin), "localhost" (loopback origins on any port), or exact origins.

@@ -1,21 +1,26 @@
 """ServerState: what the routes share (engine, settings, metrics, in-flight requests) and the one way they run
-requests on the engine: admit (or 503 when the queue is full), then iterate the merged outputs.
+requests on the engine: admit (or 503 when the queue is full, the server is shutting down or the engine failed),
+then iterate the merged outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator
 
 from outrider.engine.async_engine import AsyncEngine
 from outrider.engine.request import FinishReason, Request, RequestOutput
-from outrider.server.errors import ApiError, busy, loading
+from outrider.server.errors import ApiError, busy, engine_failed, loading, shutting_down
 from outrider.server.metrics import Metrics
 from outrider.params import SamplingParams
 from outrider.server.protocol import get_float
 from outrider.server.render import generation_settings
 from outrider.server.settings import ServerConfig
+
+
+log = logging.getLogger("outrider.server")
 
 
 class ServerState:
@@ -25,6 +30,23 @@ class ServerState:
         self.metrics = Metrics()
         self.started = time.time()
         self.live: dict[int, Request] = {}  # admitted and not yet finished, by request_id (the queue limit)
+        self.shutting_down = False  # set once by begin_shutdown: nothing new is admitted
+
+    def begin_shutdown(self) -> None:
+        self.shutting_down = True
+
+    def check_health(self) -> None:
+        """Raise the 503 /health answers while shutting down, or while the engine loop is stalled (the watchdog:
+        no turn for --engine-stall-timeout seconds while requests wait). Loading and a failed engine are the
+        Gate's: they answer 503 on every route."""
+        if self.shutting_down:
+            raise shutting_down()
+        stalled, limit = self.engine.stalled_for(), self.config.stall_timeout
+        if limit > 0 and stalled > limit:
+            log.error("watchdog: the engine made no progress for %.1f s with %d request(s) waiting", stalled,
+                      self.engine.pending)
+            raise ApiError(503, f"Engine stalled: no progress for {stalled:.0f} s with {self.engine.pending} "
+                                f"request(s) waiting")
 
     @property
     def core(self):
@@ -56,6 +78,10 @@ class ServerState:
 
     def admit(self, requests: list[Request]) -> Generation:
         """Submit requests now (a full queue is a 503 before any response starts)."""
+        if self.shutting_down:
+            raise shutting_down()
+        if self.engine.failure is not None:
+            raise engine_failed(self.engine.failure)
         if len(self.live) + len(requests) > self.n_slots + self.config.max_queue:
             raise busy()
         return Generation(self, requests)
@@ -97,8 +123,8 @@ class Generation:
                 item = await self._queue.get()
                 if isinstance(item, ApiError):
                     raise item
-                if item[1].error:  # the engine failed this request
-                    raise ApiError(500, item[1].error)
+                if item[1].finish_reason is FinishReason.ERROR:  # the engine failed this request
+                    raise ApiError(500, item[1].error or "generation failed")
                 if item[1].finished:
                     remaining -= 1
                 yield item
@@ -107,8 +133,19 @@ class Generation:
                 task.cancel()
 
     async def collect(self) -> list[list[RequestOutput]]:
-        """Every request's outputs, in request order (non-streamed responses)."""
+        """Every request's outputs, in request order (non-streamed responses). A request the server ended (at
+        shutdown) makes the whole answer a 503: a body of cut-short text would pass for a complete one."""
         per_request: list[list[RequestOutput]] = [[] for _ in self.requests]
         async for index, out in self.outputs():
             per_request[index].append(out)
+        for outs in per_request:
+            if (error := ended_error(outs[-1])) is not None:
+                raise ApiError(503, error["message"])
         return per_request
+
+
+def ended_error(out: RequestOutput) -> dict | None:
+    """The `error` object of a final frame whose request the server ended early (at shutdown), else None."""
+    if out.finish_reason is not FinishReason.ABORT or out.error is None:
+        return None
+    return ApiError(503, out.error).body()["error"]

@@ -27,6 +27,8 @@ async def read_json(request: Request) -> dict[str, Any]:
         body = json.loads(raw or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"invalid JSON body: {e}") from e
+    except RecursionError as e:
+        raise ApiError(400, "invalid JSON body: nested too deeply") from e
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body

@@ -14,6 +14,7 @@ from torch import nn
 from outrider.config import ModelConfig
 from outrider.models import resolve_model_path
 from outrider.models.gguf import is_gguf
+from outrider.speculative.compat import IncompatibleDrafter, check_vocabulary
 from outrider.speculative.drafter import Commit, DraftPolicy, Drafter, Proposals, TargetView
 
 KINDS = ("draft", "mtp", "dflash")
@@ -35,7 +36,9 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
                  draft_path: str | None, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, max_draft: int = 16) -> Drafter:
     """Build a drafter, weights loaded; its KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids
-    and block count) is the caller's to allocate, once the memory budget is known."""
+    and block count) is the caller's to allocate, once the memory budget is known. A drafter whose vocabulary does
+    not match the target's is refused (IncompatibleDrafter, speculative/compat.py)."""
+    check_vocabulary(kind, target_cfg, target_path, draft_path)
     pool = dict(block_size=block_size, dtype=dtype, device=device)
     if kind == "draft":
         from outrider.speculative.draft_model import DraftModelDrafter
@@ -59,4 +62,5 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
 
 
 # `verify` is not re-exported: the name would shadow the outrider.speculative.verify module.
-__all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "Proposals", "detect_kind", "load_drafter"]
+__all__ = ["KINDS", "Commit", "DraftPolicy", "Drafter", "IncompatibleDrafter", "Proposals", "detect_kind",
+           "load_drafter"]
