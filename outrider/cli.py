@@ -196,10 +196,20 @@ def api_keys(ns: argparse.Namespace) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def model_name(ns: argparse.Namespace, model: str) -> str:
+    """The name reported without --alias: `outrider-demo` for the bundled demo, else the -hf repo id or the model
+    directory's name."""
+    from outrider import demo
+
+    if demo.is_demo_target(model):
+        return demo.SERVED_NAME
+    return ns.hf_repo if not ns.model and ns.hf_repo else Path(model).name or model
+
+
 def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
     aliases = tuple(a for a in (ns.alias or "").split(",") if a)
     return ServerConfig(
-        model_name=ns.hf_repo if not ns.model and ns.hf_repo else Path(model).name or model, aliases=aliases,
+        model_name=model_name(ns, model), aliases=aliases,
         host=ns.host, port=ns.port, api_keys=api_keys(ns), endpoint_metrics=ns.metrics, endpoint_slots=ns.slots,
         endpoint_props=ns.props, timeout=ns.timeout, sse_ping_interval=ns.sse_ping_interval,
         max_body_bytes=ns.max_body_size, max_queue=ns.max_queue, defaults=sampling_defaults(ns), webui=ns.webui,

@@ -140,6 +140,8 @@ def test_without_a_model_the_demo_family_is_served(capsys, monkeypatch):
     assert cli.engine_kwargs(cli.parse(SERVE, ["--demo-draft", "none"]))["spec_type"] == "none"
     with pytest.raises(SystemExit):
         cli.parse(SERVE, ["--demo-draft", "eagle"])
+    assert cli.server_config(ns, ns.model).model_alias == "outrider-demo"
+    assert cli.server_config(cli.parse(SERVE, ["-a", "mine"]), ns.model).model_alias == "mine"
     monkeypatch.setattr(demo, "is_available", lambda: False)
     with pytest.raises(SystemExit):
         cli.parse(SERVE, [])

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import subprocess
 import sys
+import tarfile
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -30,16 +34,22 @@ def load_script():
     return mod
 
 
-def run_smoke(out: Path, seed: int = 0) -> dict:
+def run_smoke(out: Path, seed: int = 0, pack: Path | None = None) -> dict:
     subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--seed", str(seed),
-                    "--out", str(out)], check=True, cwd=ROOT, timeout=300, capture_output=True)
+                    "--out", str(out), *(["--pack", str(pack)] if pack else [])],
+                   check=True, cwd=ROOT, timeout=300, capture_output=True)
     return json.loads((out / "metrics.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def packed(tmp_path_factory):
+    return tmp_path_factory.mktemp("demo-pack")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, packed):
     out = tmp_path_factory.mktemp("demo-smoke")
-    return out, run_smoke(out)
+    return out, run_smoke(out, pack=packed)
 
 
 def tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -58,10 +68,114 @@ def test_smoke_writes_every_artifact(smoke):
     prompts = json.loads((out / "eval_prompts.json").read_text())
     assert prompts and {p["kind"] for p in prompts} <= {"def", "window"}
     t = metrics["target"]
-    assert t["held_out_loss"] > 0 and t["unigram_loss"] > 0
+    assert t["held_out_loss"] > 0 and t["unigram_loss"] > 0 and t["held_out_bits_per_byte"] > 0
+    assert t["steps_run"] == t["steps_planned"] and not t["stopped_by_time"]
     assert metrics["corpus"]["held_out_files"] > 0 and metrics["corpus"]["train_files"] > 0
+    assert metrics["corpus"]["method_chat_examples"] > 0
     for name, r in metrics["acceptance_proxy"]["all"].items():
         assert r["steps"] == 0 or 1 <= r["mean_tau"], name
+    assert 0 <= metrics["acceptance_proxy"]["greedy_repeated_share"] <= 1
+    td = load_script()
+    assert [x["prompt"] for x in metrics["samples"]] == list(td.SAMPLE_PROMPTS)
+    assert all(x["completion"] for x in metrics["samples"])
+    log = (out / "train_log.txt").read_text()
+    assert "target held-out loss" in log and "acceptance proxy" in log
+
+
+def test_pack_is_what_a_device_run_returns_and_unpacks_into_the_family(smoke, packed, tmp_path):
+    """At most 8 files of at most 16 MiB each; the tar parts unpack into the layout of outrider/demo."""
+    td = load_script()
+    out, _ = smoke
+    files = sorted(f.name for f in packed.iterdir())
+    assert files == sorted([*td.PACK_PARTS, "metrics.json", "train_log.txt"]) and len(files) <= 8
+    assert all(f.stat().st_size <= 16 << 20 for f in packed.iterdir())
+    for part in td.PACK_PARTS:
+        with tarfile.open(packed / part) as tar:
+            tar.extractall(tmp_path, filter="data")
+    shipped = {f.relative_to(out) for f in out.rglob("*") if f.is_file()}
+    unpacked = {f.relative_to(tmp_path) for f in tmp_path.rglob("*") if f.is_file()}
+    assert unpacked == shipped
+    for rel in unpacked - {Path("train_log.txt")}:  # the log goes on after packing (the "packed" lines)
+        assert (tmp_path / rel).read_bytes() == (out / rel).read_bytes(), rel
+    models = pytest.importorskip("outrider.models")
+    _, cfg = models.load_model(str(tmp_path / "target"), dtype="float32", device="cpu")
+    assert cfg.mtp_num_hidden_layers == 1
+
+
+def test_left_padded_batch_generation_equals_one_prompt_at_a_time():
+    td = load_script()
+    torch.manual_seed(0)
+    model = td.Qwen3LM(td.Shape(64, 2, 2, 1, 32, 128), 96).eval()
+    td.init_weights(model, std=0.3)  # peaked logits: greedy choices are not near-ties
+    ctx = td.Ctx(torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (3, 9, 5, 12)]
+    batched = td.greedy_continuations(model, prompts, 20, ctx, "cpu")
+    for prompt, got in zip(prompts, batched):
+        alone = td.generate(model, torch.tensor([prompt]), 20, ctx)[0].tolist()
+        assert got == alone[:len(got)] and (len(got) == 20 or got[-1] in td.EOS_IDS)
+
+
+def test_learning_rate_warms_up_then_decays_to_zero():
+    td = load_script()
+    assert td.lr_at(0, 0.0, 1.0, 10) == pytest.approx(0.1)
+    assert td.lr_at(9, 0.009, 1.0, 10) == pytest.approx(0.991)
+    assert td.lr_at(500, 0.5, 1.0, 10) == pytest.approx(0.5)
+    assert td.lr_at(999, 1.0, 1.0, 10) == 0.0
+
+
+def test_a_stage_that_reaches_its_time_cap_ends_its_schedule_there(monkeypatch):
+    """Time progress drives the learning-rate decay when it runs ahead of step progress: a slow device gets fewer
+    steps with the whole schedule, not a schedule cut off at full learning rate."""
+    td = load_script()
+    layer = torch.nn.Linear(4, 1)
+    progress = []
+    real_lr_at = td.lr_at
+    monkeypatch.setattr(td, "lr_at", lambda step, p, lr, warmup: progress.append(p) or real_lr_at(step, p, lr,
+                                                                                                   warmup))
+
+    def loss_fn(step):
+        time.sleep(0.01)
+        return layer(torch.ones(2, 4)).pow(2).mean()
+
+    res = td.train_loop("t", layer, list(layer.parameters()), 10_000, 1e-2, 2, loss_fn,
+                        lambda: {"val": layer.weight.abs().sum().item()}, 5, td.Ctx(torch.device("cpu")),
+                        max_seconds=0.1)
+    assert res["stopped_by_time"] and 2 <= res["steps_run"] < 100 and len(progress) == res["steps_run"]
+    assert progress == sorted(progress) and progress[-1] > 0.7  # step progress alone would be below 0.01
+    assert res["history"][-1]["step"] == res["steps_run"]  # the last step is evaluated
+
+
+def test_chat_examples_ask_for_functions_and_methods():
+    td = load_script()
+    source = textwrap.dedent('''\
+        def add(a, b):
+            """Return the sum of a and b."""
+            return a + b
+
+
+        class Stack:
+            def push(self, item):
+                """Put item on top of the stack."""
+                self.items.append(item)
+
+            def _hidden(self):
+                """Not asked for: private."""
+        ''')
+    (function,) = td.chat_examples([("m.py", source)], 10, 0)
+    assert function.startswith("<|im_start|>user\nWrite a Python function `add(a, b)`: Return the sum of a and b."
+                               "<|im_end|>\n<|im_start|>assistant\n```python\ndef add(a, b):")
+    (method,) = td.chat_examples([("m.py", source)], 10, 0, methods=True)
+    assert "Write the method `Stack.push(self, item)`: Put item on top of the stack." in method
+    code = method.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    assert code.startswith("def push(self, item):\n    ") and ast.parse(code)
+
+
+def test_repeated_tokens_counts_ngrams_seen_before():
+    td = load_script()
+    loop = [1, 2, 3] * 5
+    assert td.repeated_tokens(loop, 3, n=3) == 10  # indices 5..14 end a 3-gram seen before; 3 and 4 do not
+    assert td.repeated_tokens(list(range(20)), 5, n=3) == 0
 
 
 def test_smoke_checkpoints_load_in_transformers_and_match_script_model(smoke):

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).resolve().parent
+SERVED_NAME = "outrider-demo"  # the model's name in /props, /v1/models and responses when the demo is served
 
 # drafter kind -> directory holding it ("mtp" lives inside the target checkpoint)
 KINDS = {"target": "target", "draft": "draft", "mtp": "target", "dflash": "dflash"}
@@ -29,6 +30,11 @@ def demo_path(kind: str = "target") -> Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"demo {kind} checkpoint not found at {path}; run scripts/train_demo.py")
     return path
+
+
+def is_demo_target(path: str | Path) -> bool:
+    """Whether `path` is the shipped demo target's directory (however it is spelled)."""
+    return Path(path).resolve() == DEMO_DIR / KINDS["target"]
 
 
 def is_available() -> bool:
