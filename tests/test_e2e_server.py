@@ -484,13 +484,17 @@ def test_openai_chat_stream_usage_and_done(client):
 
 def test_openai_chat_logprobs_seed_n(oai):
     messages = [{"role": "user", "content": "numbers"}]
+    # Both calls prefill the whole prompt: a prefix-cache hit would compute only the prompt's tail, in a smaller
+    # matmul whose float32 rounding differs in the last bits (exactly as prefilling in chunks does), and the
+    # streamed and whole bodies must then carry bit-identical log-probs.
+    uncached = {"extra_body": {"cache_prompt": False}}
     r = oai.chat.completions.create(model="x", messages=messages, max_tokens=3, temperature=0, logprobs=True,
-                                    top_logprobs=2)
+                                    top_logprobs=2, **uncached)
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
     assert "".join(c.token for c in content) == r.choices[0].message.content
     chunks = list(oai.chat.completions.create(model="x", messages=messages, max_tokens=3, temperature=0,
-                                              logprobs=True, top_logprobs=2, stream=True))
+                                              logprobs=True, top_logprobs=2, stream=True, **uncached))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
     kw = dict(model="x", messages=messages, max_tokens=12, temperature=1.0, top_p=1.0,

@@ -205,6 +205,7 @@ def test_draft_provenance_is_off_by_default_and_checked(demo_server):
         bad = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "return_draft_provenance": "yes"})
         assert bad.status_code == 400 and "return_draft_provenance" in bad.json()["error"]["message"]
+    assert not any("'return_draft_provenance'" in line for line in srv.stderr)  # a field this server knows
 
 
 def test_draft_provenance_texts_join_to_the_content_when_a_stop_string_cuts_it(demo_server):

@@ -53,7 +53,7 @@ KNOWN_FIELDS = frozenset({
     "n_probs", "stop", "ignore_eos", "min_tokens", "speculative", "speculative.n_max", "speculative.n_min",
     "speculative.p_min", "cache_prompt", "samplers", "stream", "stream_options", "timings_per_token",
     "return_tokens", "return_progress", "post_sampling_probs", "response_fields", "sse_ping_interval", "n_cmpl",
-    "n", "id_slot", "verbose", "grammar", "json_schema",
+    "n", "id_slot", "verbose", "grammar", "json_schema", "return_draft_provenance",
     # samplers we lack, at settings that change nothing while they are off (the web UI sends them)
     "n_discard", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_threshold",
     "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "adaptive_decay", "backend_sampling", "preserved_tokens",
