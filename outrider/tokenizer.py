@@ -149,6 +149,12 @@ class Tokenizer:
         tok.encode_special_tokens = True
         return tok
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token's vocabulary string holds (a byte-level vocabulary spells each byte as
+        one character): a text of n characters has at least n / max_token_chars tokens."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     @property
     def add_bos(self) -> bool:
         """Whether encode(add_special=True) prepends BOS."""

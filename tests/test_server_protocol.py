@@ -20,6 +20,7 @@ class CharTokenizer:
 
     vocab_size = 1000
     bos_token_id = 1
+    max_token_chars = 1
 
     def encode(self, text, add_special=True, parse_special=True):
         return ([1] if add_special else []) + [ord(c) for c in text]
@@ -34,17 +35,33 @@ def params(**body):
 
 
 def test_prompt_forms():
-    assert proto.tokenize_prompts("ab", TOK) == [[1, 97, 98]]
-    assert proto.tokenize_prompts([5, 6], TOK) == [[5, 6]]
-    assert proto.tokenize_prompts([5, "a", 6], TOK) == [[5, 97, 6]]  # mixed: no BOS unless a string leads
-    assert proto.tokenize_prompts(["a", 7], TOK) == [[1, 97, 7]]
-    assert proto.tokenize_prompts(["a", "b"], TOK) == [[1, 97], [1, 98]]  # only strings: a batch
-    assert proto.tokenize_prompts([[5], "b", {"prompt_string": "c"}], TOK) == [[5], [1, 98], [1, 99]]
+    assert proto.tokenize_prompts("ab", TOK, 64) == [[1, 97, 98]]
+    assert proto.tokenize_prompts([5, 6], TOK, 64) == [[5, 6]]
+    assert proto.tokenize_prompts([5, "a", 6], TOK, 64) == [[5, 97, 6]]  # mixed: no BOS unless a string leads
+    assert proto.tokenize_prompts(["a", 7], TOK, 64) == [[1, 97, 7]]
+    assert proto.tokenize_prompts(["a", "b"], TOK, 64) == [[1, 97], [1, 98]]  # only strings: a batch
+    assert proto.tokenize_prompts([[5], "b", {"prompt_string": "c"}], TOK, 64) == [[5], [1, 98], [1, 99]]
     for bad in (None, 3.5, [5, 10**6], [[True]]):
         with pytest.raises(ApiError, match="'prompt'"):
-            proto.tokenize_prompts(bad, TOK)
+            proto.tokenize_prompts(bad, TOK, 64)
     with pytest.raises(ApiError, match="multimodal"):
-        proto.tokenize_prompts({"prompt_string": "x", "multimodal_data": ["AAAA"]}, TOK)
+        proto.tokenize_prompts({"prompt_string": "x", "multimodal_data": ["AAAA"]}, TOK, 64)
+
+
+def test_a_string_too_long_for_any_tokenization_is_refused_before_tokenizing():
+    class Refuses(CharTokenizer):
+        max_token_chars = 4
+
+        def encode(self, *args, **kwargs):
+            raise AssertionError("tokenized a prompt that cannot fit")
+
+    with pytest.raises(ApiError) as e:
+        proto.tokenize_prompts("x" * 10_000_000, Refuses(), 2048)
+    assert e.value.type == "exceed_context_size_error" and e.value.extra == {"n_prompt_tokens": 2_500_000,
+                                                                             "n_ctx": 2048}
+    with pytest.raises(ApiError, match="exceeds the available context"):
+        proto.encode_chat("y" * (4 * 2048), Refuses(), 2048)
+    assert proto.tokenize_prompts("z" * (4 * 2047), TOK, 10**5)[0][:2] == [1, ord("z")]  # (may fit: tokenized)
 
 
 def test_sampling_fields_map_onto_sampling_params():

@@ -59,7 +59,7 @@ async def completion(request: Request):
     state = state_of(request)
     body = await read_json(request)
     tok = state.tokenizer
-    prompts = proto.tokenize_prompts(body.get("prompt"), tok)
+    prompts = proto.tokenize_prompts(body.get("prompt"), tok, state.n_ctx)
     params = proto.sampling_params(body, state.config.defaults, tok,
                                    grammar=request_grammar(body, state.core.grammars))
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)

@@ -124,7 +124,7 @@ async def completions(request: Request):
     state = state_of(request)
     body = await read_json(request)
     tok = state.tokenizer
-    prompts = proto.tokenize_prompts(body.get("prompt"), tok)
+    prompts = proto.tokenize_prompts(body.get("prompt"), tok, state.n_ctx)
     logprobs = proto.get_int(body, "logprobs", -1, lo=0)
     echo = proto.get_bool(body, "echo", False)
     if echo and logprobs >= 0:
@@ -203,7 +203,7 @@ async def chat_completions(request: Request):
     if top and not want_logprobs:
         raise proto.invalid("top_logprobs", "needs 'logprobs': true")
     call = Call.parse(body, state, "chatcmpl-", "chat.completion", top if want_logprobs else None)
-    gen = call.submit(body, state, [proto.encode_chat(text, tok)], grammar or tool_grammar)
+    gen = call.submit(body, state, [proto.encode_chat(text, tok, state.n_ctx)], grammar or tool_grammar)
 
     def logprobs_of(outs: list[RequestOutput]) -> dict | None:
         if call.n_top is None:
@@ -265,7 +265,7 @@ async def chat_input_tokens(request: Request):
     state = state_of(request)
     body = template_body(await read_json(request), state.config)
     text = _chat_prompt(body, state.tokenizer, state.config.prefill_assistant)
-    return JSON({"input_tokens": len(proto.encode_chat(text, state.tokenizer))})
+    return JSON({"input_tokens": len(proto.encode_chat(text, state.tokenizer, state.n_ctx))})
 
 
 def _chat_prompt(body: dict, tok, prefill_assistant: bool) -> str:

@@ -249,13 +249,24 @@ def _logit_bias(value: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ..
 
 
 # --- prompts ---
-def tokenize_prompts(prompt: Any, tokenizer: Tokenizer, field: str = "prompt") -> list[list[int]]:
-    """llama-server prompt forms: string, token array, mixed array, {prompt_string}, or a list of those (a batch)."""
+def tokenize_prompts(prompt: Any, tokenizer: Tokenizer, n_ctx: int, field: str = "prompt") -> list[list[int]]:
+    """llama-server prompt forms: string, token array, mixed array, {prompt_string}, or a list of those (a batch).
+    A string that cannot fit `n_ctx` tokens is refused before it is tokenized."""
     if prompt is None:
         raise ApiError(400, f"'{field}' is required")
     if isinstance(prompt, list) and prompt and not _is_single(prompt):
-        return [tokenize_one(p, tokenizer, field, add_special=True) for p in prompt]
-    return [tokenize_one(prompt, tokenizer, field, add_special=True)]
+        return [tokenize_one(fits(p, tokenizer, n_ctx), tokenizer, field, add_special=True) for p in prompt]
+    return [tokenize_one(fits(prompt, tokenizer, n_ctx), tokenizer, field, add_special=True)]
+
+
+def fits(text: Any, tokenizer: Tokenizer, n_ctx: int) -> Any:
+    """`text` unchanged, unless it is a string too long for the context whatever its tokens: a 400 then, at no
+    cost (tokenizing megabytes holds the event loop for seconds)."""
+    if isinstance(text, str):
+        at_least = -(-len(text) // tokenizer.max_token_chars)
+        if at_least >= n_ctx:
+            raise context_exceeded(at_least, n_ctx)
+    return text
 
 
 def _is_single(prompt: list) -> bool:
@@ -327,9 +338,9 @@ def chat_prompt(body: dict, tokenizer: Tokenizer, prefill_assistant: bool = True
         raise ApiError(400, str(e)) from e
 
 
-def encode_chat(text: str, tokenizer: Tokenizer) -> list[int]:
+def encode_chat(text: str, tokenizer: Tokenizer, n_ctx: int) -> list[int]:
     """Token ids of a rendered chat prompt; BOS is added unless the template already wrote it."""
-    ids = tokenizer.encode(text, add_special=True)
+    ids = tokenizer.encode(fits(text, tokenizer, n_ctx), add_special=True)
     bos = tokenizer.bos_token_id
     if len(ids) > 1 and bos is not None and ids[0] == ids[1] == bos:
         ids = ids[1:]
