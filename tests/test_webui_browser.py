@@ -28,6 +28,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from e2e_harness import ServerProcess, sse_events
+from outrider import demo
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -127,7 +128,7 @@ class Page:
 
 def test_page_loads_and_chats_with_no_request_leaving_the_host(driver, server):
     page = Page(driver, server.url)
-    page.wait(lambda: page.status("model") == "model: target")
+    page.wait(lambda: page.status("model") == "model: " + demo.SERVED_NAME)
     page.wait(lambda: page.status("drafter").startswith("drafter: mtp"))
     page.wait(lambda: page.status("slots") == "slots: 0 busy, 4 idle")
     page.set_setting("max-tokens", "16")
@@ -251,7 +252,7 @@ def test_api_key_flow(driver, keyed_server):
     assert page.el("#key-dialog").is_displayed()
     page.el("#key-input").send_keys(KEY)
     page.el("#key-submit").click()
-    page.wait(lambda: page.status("model") == "model: target")
+    page.wait(lambda: page.status("model") == "model: " + demo.SERVED_NAME)
     assert not page.el("#key-dialog").is_displayed()
     # /slots and /metrics are off here: the strip says what it cannot know
     page.wait(lambda: "/slots is off" in page.status("slots"))
