@@ -149,11 +149,15 @@ class Tokenizer:
         tok.encode_special_tokens = True
         return tok
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's vocabulary string (added tokens included) -> its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token's vocabulary string holds (a byte-level vocabulary spells each byte as
         one character): a text of n characters has at least n / max_token_chars tokens."""
-        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return max(map(len, self.vocab()), default=1)
 
     @property
     def add_bos(self) -> bool:

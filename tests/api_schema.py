@@ -50,7 +50,9 @@ SAMPLING = {
     "stream": _f("boolean"),
     "timings_per_token": _f("boolean"),
     "sse_ping_interval": _f("number", minimum=-1),
-    **{name: OFF for name in ("grammar", "json_schema", "mirostat", "dynatemp_range", "xtc_probability",
+    "grammar": _f("string"),  # GBNF (one that does not compile is a 400 naming the field too)
+    "json_schema": _f("object"),
+    **{name: OFF for name in ("mirostat", "dynatemp_range", "xtc_probability",
                               "dry_multiplier", "min_keep", "n_indent", "t_max_predict_ms", "lora")},
 }
 COMPLETION = {"type": "object", "required": ["prompt"], "properties": {

@@ -17,8 +17,9 @@ from outrider.tokenizer import Tokenizer
 
 def request_grammar(body: dict, compiler: GrammarCompiler) -> Grammar | None:
     """The grammar of `grammar` (GBNF), `json_schema` or `response_format`; at most one of them may be given
-    (null or "" is not given)."""
-    given = [name for name in ("grammar", "json_schema", "response_format") if body.get(name) not in (None, "")]
+    (null is not given, nor is an empty `grammar`, llama-server's default; anything else must be valid)."""
+    given = [name for name in ("grammar", "json_schema", "response_format")
+             if body.get(name) is not None and not (name == "grammar" and body[name] == "")]
     fmt = body.get("response_format")
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):

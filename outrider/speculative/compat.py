@@ -19,7 +19,8 @@ from pathlib import Path
 import tokenizers
 
 from outrider.config import ModelConfig
-from outrider.models import resolve_model_path
+from outrider.models import gguf, resolve_model_path
+from outrider.tokenizer import Tokenizer
 
 log = logging.getLogger("outrider.speculative")
 
@@ -37,12 +38,19 @@ def check_vocabulary(kind: str, target_cfg: ModelConfig, target_path: str, draft
 
 
 def _vocab(path: Path) -> dict[str, int] | None:
+    """The checkpoint's tokens by id: a GGUF file's own vocabulary, else tokenizer.json when there is one."""
+    if gguf.is_gguf(path):
+        return Tokenizer.from_pretrained(path).vocab()
     file = path / "tokenizer.json"
     return tokenizers.Tokenizer.from_file(str(file)).get_vocab(with_added_tokens=True) if file.is_file() else None
 
 
+def _config(path: Path) -> ModelConfig:
+    return gguf.model_config(gguf.open_gguf(path)) if gguf.is_gguf(path) else ModelConfig.from_path(path)
+
+
 def _check_draft_model(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
-    draft_rows = ModelConfig.from_path(draft).vocab_size
+    draft_rows = _config(draft).vocab_size
     target_vocab, draft_vocab = _vocab(target), _vocab(draft)
     n_target = len(target_vocab) if target_vocab is not None else target_cfg.vocab_size
     if draft_rows < n_target:
