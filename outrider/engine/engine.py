@@ -187,7 +187,7 @@ class Engine:
         try:
             drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
                                    target_path=str(self.model_path), draft_path=cfg.draft_model,
-                                   block_size=cfg.block_size, dtype=self.dtype,
+                                   block_size=cfg.block_size, dtype=self.dtype, ngram=cfg.spec_ngram,
                                    device=self.device, max_draft=max(asked if asked is not None else DEFAULT_N_MAX, 1))
         except Exception as exc:
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
@@ -360,7 +360,7 @@ class Engine:
             text = "".join(pieces)
             if s.draft_tokens:  # count only accepted drafts that were committed (a stop can cut a round short)
                 self.speculator.record(req.request_id, len(s.draft_tokens), accepted)
-                req.timing.draft_kind = self.drafter.kind
+                req.timing.draft_kind = self.speculator.round_kind(req.request_id)
                 req.timing.mark_draft_round(len(s.draft_tokens), min(accepted, n))
             req.timing.mark_tokens(n, t)
             predicted += n
