@@ -282,6 +282,6 @@ def test_eagle3_taps_are_layer_inputs():
     assert aux_layer_ids({}, 36) == (1, 17, 32)
     assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [33, 2, 18]}, 36) == (1, 17, 32)
     assert aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, 4) == (0, 1, 2)
-    for bad in ([0, 1, 2], [1, 1, 2], [1, 2, 5]):
+    for bad in ([0, 1, 2], [1, 1, 2], [1, 2, 4]):
         with pytest.raises(ValueError, match="aux layer ids"):
             aux_layer_ids({"eagle_aux_hidden_state_layer_ids": bad}, 4)

@@ -57,7 +57,7 @@ def aux_layer_ids(raw: dict, num_target_layers: int) -> tuple[int, ...]:
               or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
               or (2, num_target_layers // 2, num_target_layers - 3))
     outputs = sorted({j - 1 for j in inputs})  # the input of layer j is the output of layer j - 1
-    if len(outputs) != len(inputs) or not 0 <= outputs[0] <= outputs[-1] < num_target_layers:
+    if len(outputs) != len(inputs) or not 0 <= outputs[0] <= outputs[-1] < num_target_layers - 1:
         raise ValueError(f"EAGLE-3 aux layer ids {list(inputs)} must be distinct inputs of layers 1.."
                          f"{num_target_layers - 1} of the target (id 0, the embedding, is not tapped)")
     return tuple(outputs)
