@@ -138,3 +138,20 @@ def test_a_rounds_host_work_does_not_grow_with_the_context(n):
         per_context.append(work)
     assert per_context[0] == per_context[1]
     assert max(per_context[0]) <= 4 * n + 40  # O(n + k + tokens committed)
+
+
+def test_lookup_misses_leave_the_step_plain_before_its_token_is_known():
+    """The engine decides draft lengths while the step in flight still holds each request's last token; a request
+    whose lookup cannot hit gets no length, so the step is not completed early and stays overlapped."""
+    from outrider.engine.kv_cache import BlockPool
+    from outrider.speculative import DraftPolicy
+    from outrider.speculative.speculator import Speculator
+
+    spec = Speculator(drafter(n=2), DraftPolicy(), BlockPool(16, 16, False))
+    repeats, novel = request([1, 2, 3, 9, 1, 2]), request([1, 2, 3, 4, 5, 6])
+    for req in (repeats, novel):
+        req.num_pending = 1  # sampled on the device, not yet on the host
+        req.num_computed = req.num_tokens - 1
+    # "2 x" may follow "1 2 3 9 1 2" (2 came after 1 before); nothing can complete "... 5 6 x".
+    assert set(spec.draft_lengths([repeats, novel])) == {repeats.request_id}
+    assert spec.draft_lengths([novel]) == {}
