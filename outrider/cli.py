@@ -13,14 +13,24 @@ from pathlib import Path
 
 from outrider import __version__
 from outrider.chat_templates import BUILTIN_TEMPLATES
-from outrider.config import EngineConfig, ModelConfig, RopeOverride
+from outrider.config import EngineConfig, ModelConfig, NgramConfig, RopeOverride
 from outrider.params import SamplingParams
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server import flags
 from outrider.server.settings import ServerConfig, default_params
 # llama-server's --spec-type names -> EngineConfig.spec_type
 SPEC_TYPES = {"draft-simple": "draft", "draft-mtp": "mtp", "draft-dflash": "dflash",
-              "draft": "draft", "mtp": "mtp", "dflash": "dflash"}
+              "draft": "draft", "mtp": "mtp", "dflash": "dflash",
+              "draft-eagle3": "eagle3", "ngram-simple": "ngram", "eagle3": "eagle3", "ngram": "ngram"}
+# llama-server's other kinds, refused by name (docs/speculative.md, "N-gram lookup", says why)
+SPEC_TYPES_REFUSED = {
+    "draft-dspark": "DSpark drafters are not supported",
+    "ngram-map-k": "not supported; ngram-simple with --spec-ngram-simple-min-hits drafts from repeated keys",
+    "ngram-map-k4v": "not supported (experimental in llama-server); use ngram-simple",
+    "ngram-mod": "its hash pool shared across requests is not supported; use ngram-simple",
+    "ngram-cache": "n-gram statistics files are not supported; use ngram-simple",
+}
+MODEL_KINDS = ("draft", "mtp", "dflash", "eagle3")  # kinds with weights: at most one, beside n-gram lookup
 
 
 def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider serve",
@@ -86,10 +96,27 @@ def _spec_type(ns: argparse.Namespace) -> tuple[str | None, str | None]:
         return None, ns.model_draft
     if ns.spec_type == "none":
         return "none", None
-    if ns.spec_type not in SPEC_TYPES:
-        raise SystemExit(f"error: --spec-type {ns.spec_type!r} is not supported; "
-                         f"one of: none, {', '.join(k for k in SPEC_TYPES if '-' in k)}")
-    return SPEC_TYPES[ns.spec_type], ns.model_draft
+    kinds = []
+    for name in ns.spec_type.split(","):
+        if name in SPEC_TYPES_REFUSED:
+            raise SystemExit(f"error: --spec-type {name}: {SPEC_TYPES_REFUSED[name]}")
+        if name not in SPEC_TYPES:
+            raise SystemExit(f"error: --spec-type {name!r} is not supported; "
+                             f"one of: none, {', '.join(k for k in SPEC_TYPES if '-' in k)} (comma-separated)")
+        kinds.append(SPEC_TYPES[name])
+    models = [k for k in kinds if k in MODEL_KINDS]
+    if len(set(kinds)) < len(kinds) or len(models) > 1:
+        raise SystemExit(f"error: --spec-type {ns.spec_type}: each kind once, and at most one drafter with weights")
+    if ns.model_draft and not models:
+        raise SystemExit(f"error: --spec-type {ns.spec_type} reads no draft model; drop -md or add its kind")
+    return ",".join(kinds), ns.model_draft
+
+
+def _ngram(ns: argparse.Namespace) -> NgramConfig:
+    try:
+        return NgramConfig(size_n=ns.spec_ngram_size_n, size_m=ns.spec_ngram_size_m, min_hits=ns.spec_ngram_min_hits)
+    except ValueError as e:
+        raise SystemExit(f"error: --spec-ngram-simple-*: {e}") from e
 
 
 AUTO_SLOTS = 4  # llama-server's -np auto
@@ -160,7 +187,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         max_num_seqs=slots, max_num_batched_tokens=ns.batch_size, rope=_rope(ns),
         block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gib=ns.kv_cache_gib,
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
-        spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min,
+        spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min, spec_ngram=_ngram(ns),
         overlap_schedule=False if ns.no_overlap_schedule else None,
         spec_measured_costs=False if ns.no_spec_measured_costs else None,
         # Every core computing leaves none for the HTTP side, which on a small box costs more than it gives.

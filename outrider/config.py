@@ -114,6 +114,20 @@ class RopeOverride:
 
 
 @dataclass(frozen=True)
+class NgramConfig:
+    """N-gram (prompt lookup) drafting, llama-server's ngram-simple: look up the last `size_n` tokens, draft up to
+    `size_m` tokens that followed their newest earlier occurrence, once the n-gram occurred `min_hits` times."""
+
+    size_n: int = 12  # --spec-ngram-simple-size-n
+    size_m: int = 48  # --spec-ngram-simple-size-m (drafts are also capped by --spec-draft-n-max)
+    min_hits: int = 1  # --spec-ngram-simple-min-hits
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size_n <= 1024 or self.size_m < 1 or self.min_hits < 1:
+            raise ValueError("need 1 <= ngram size n <= 1024, ngram size m >= 1 and ngram min hits >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Limits and knobs of one engine instance. Built from the CLI in one place (cli.py)."""
 
@@ -136,7 +150,8 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # Speculative decoding
     draft_model: str | None = None
-    spec_type: str | None = None  # None = detect: draft | mtp | dflash
+    spec_type: str | None = None  # None = detect: draft | mtp | dflash | eagle3; comma-separated kinds combine
+    spec_ngram: NgramConfig = field(default_factory=NgramConfig)  # the ngram kind's settings
     spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: its block - 1), else 4
     spec_draft_n_min: int = 0
     draft_p_min: float = 0.0

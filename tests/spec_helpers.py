@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from outrider.testing.checkpoints import write_tiny_checkpoint
-from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
+from outrider.config import NgramConfig
+from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint
 from outrider.timing import RequestTiming, now
 
 H, V = 64, 512  # hidden size; the tiny tokenizer's vocabulary
@@ -78,11 +79,12 @@ def _pass_through_head(t: dict[str, torch.Tensor], prefix: str, fuse: str, token
             t[name] = torch.ones_like(t[name])
 
 
-def write_family(root: Path, arch: str, members: tuple[str, ...], seed: int = 5) -> dict[str, Path]:
-    """`target` (arch, 1 layer) and the drafters named in `members`: `draft` (a perturbed copy), `mtp` (the target
-    plus a Qwen3-Next layout head), `mimo` (the target plus a MiMo layout head), `dflash`."""
+def write_family(root: Path, arch: str, members: tuple[str, ...], seed: int = 5, layers: int = 1) -> dict[str, Path]:
+    """`target` (arch, `layers` layers) and the drafters named in `members`: `draft` (a perturbed copy), `mtp` (the
+    target plus a Qwen3-Next layout head), `mimo` (the target plus a MiMo layout head), `dflash`, `eagle3` (a head
+    tapping the inputs of layers 1-3: `layers` >= 4)."""
     root = Path(root)
-    out = {"target": write_tiny_checkpoint(root / "target", arch, hidden_size=H, layers=1, seed=seed)}
+    out = {"target": write_tiny_checkpoint(root / "target", arch, hidden_size=H, layers=layers, seed=seed)}
     base = _concentrate(load_file(out["target"] / "model.safetensors"), seed + 100)
     _save(out["target"], base)
     gen = torch.Generator().manual_seed(seed + 200)
@@ -111,6 +113,22 @@ def write_family(root: Path, arch: str, members: tuple[str, ...], seed: int = 5)
                 t[name] = torch.zeros_like(t[name])
         t["norm.weight"] = torch.ones(H)
         _save(out["dflash"], t)
+    if "eagle3" in members:
+        # The layer adds nothing and fc passes the last tap through: the head scores (nearly) the target's own
+        # hidden state with the target's LM head rows for its draft vocabulary (the hubs and a few dozen more).
+        # It drafts the target's favourite hub after the previous token, which the target keeps part of the time;
+        # without the d2t map its ids would name other tokens, which the target never keeps.
+        draft_ids = sorted({*HUBS, *range(5, 60)})
+        out["eagle3"] = write_eagle3_checkpoint(root / "eagle3", out["target"], draft_ids=draft_ids,
+                                                aux_layer_ids=[1, 2, 3], seed=seed)
+        t = load_file(out["eagle3"] / "model.safetensors")
+        for name in t:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t[name] = torch.zeros_like(t[name])
+        t["fc.weight"] = torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], dim=1)
+        t["norm.weight"] = torch.ones(H)
+        t["lm_head.weight"] = base["lm_head.weight"][draft_ids]
+        _save(out["eagle3"], t)
     return out
 
 
@@ -120,14 +138,32 @@ SETUPS = {
     "mtp": ("qwen3", "mtp", lambda c: {}, "mtp"),
     "mimo": ("qwen2", "mimo", lambda c: {}, "mtp"),  # MiMo's head sits on a Qwen2-style target
     "dflash": ("qwen3", "target", lambda c: dict(draft_model=str(c["dflash"])), "dflash"),
+    "eagle3": ("eagle", "target", lambda c: dict(draft_model=str(c["eagle3"])), "eagle3"),
 }
 # The reported kind in llama-server's `speculative.types` spelling (its --spec-type names).
-LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash"}
+LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash", "eagle3": "draft-eagle3"}
+
+# N-gram lookup, alone and combined with a drafter with weights: it drafts only where the context repeats, so these
+# run on prompts that hold some of the hubs' bigrams (100 -> 200, 300 -> 100) but not all: lookup drafts after
+# those, and the model drafter, when combined, after the others (both kinds draft in many requests).
+# kind -> (family arch, served checkpoint, engine kwargs, kinds a request may report, prompt)
+NGRAM = NgramConfig(size_n=1, size_m=4)
+LOOKUP_SETUPS = {
+    "ngram": ("qwen3", "target", lambda c: dict(spec_type="ngram", spec_ngram=NGRAM), {"ngram"},
+              [5, 9, 100, 200, 13, 100, 200]),
+    "ngram,draft": ("qwen3", "target", lambda c: dict(spec_type="ngram,draft", spec_ngram=NGRAM,
+                                                      draft_model=str(c["draft"])), {"ngram", "draft"},
+                    [5, 9, 100, 200, 13, 100, 200]),
+    "ngram,eagle3": ("eagle", "target", lambda c: dict(spec_type="ngram,eagle3", spec_ngram=NGRAM,
+                                                       draft_model=str(c["eagle3"])), {"ngram", "eagle3"},
+                     [5, 300, 100, 9, 300, 100, 13, 17]),
+}
 
 
 def write_families(root: Path) -> dict[str, dict[str, Path]]:
     return {"qwen3": write_family(root / "qwen3", "qwen3", ("draft", "mtp", "dflash")),
-            "qwen2": write_family(root / "qwen2", "qwen2", ("mimo",))}
+            "qwen2": write_family(root / "qwen2", "qwen2", ("mimo",)),
+            "eagle": write_family(root / "eagle", "qwen3", ("eagle3",), layers=4)}
 
 
 # --- steps that last a chosen time -------------------------------------------------------------------------

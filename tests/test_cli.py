@@ -10,7 +10,7 @@ import types
 import pytest
 
 from outrider import cli
-from outrider.config import EngineConfig
+from outrider.config import EngineConfig, NgramConfig
 
 SERVE = cli.SERVE_GROUPS
 
@@ -95,8 +95,28 @@ def test_spec_type_names():
     assert cli.engine_kwargs(serve_ns("--spec-type", "draft-mtp"))["spec_type"] == "mtp"
     off = cli.engine_kwargs(serve_ns("-md", "/d", "--spec-type", "none"))
     assert "draft_model" not in off and off["spec_type"] == "none"
-    with pytest.raises(SystemExit, match="ngram-simple"):
-        cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple"))
+    assert cli.engine_kwargs(serve_ns("--spec-type", "draft-eagle3", "-md", "/e"))["spec_type"] == "eagle3"
+    both = cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple,draft-simple", "-md", "/d"))
+    assert both["spec_type"] == "ngram,draft" and both["draft_model"] == "/d"
+    for refused in ("ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache", "draft-dspark"):
+        with pytest.raises(SystemExit, match=f"--spec-type {refused}: .*not supported"):
+            cli.engine_kwargs(serve_ns("--spec-type", f"ngram-simple,{refused}"))
+    for bad in ("draft-simple,draft-eagle3", "ngram-simple,ngram-simple", "ngram-simple,foo"):
+        with pytest.raises(SystemExit, match="--spec-type"):
+            cli.engine_kwargs(serve_ns("--spec-type", bad, "-md", "/d"))
+    with pytest.raises(SystemExit, match="reads no draft model"):  # -md would be ignored
+        cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple", "-md", "/d"))
+
+
+def test_ngram_flags():
+    assert cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple"))["spec_ngram"] == NgramConfig(12, 48, 1)
+    ngram = cli.engine_kwargs(serve_ns("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "4",
+                                       "--spec-ngram-simple-size-m", "16", "--spec-ngram-simple-min-hits", "2"))
+    assert ngram["spec_ngram"] == NgramConfig(size_n=4, size_m=16, min_hits=2)
+    with pytest.raises(SystemExit, match="ngram size n"):
+        cli.engine_kwargs(serve_ns("--spec-ngram-simple-size-n", "0"))
+    with pytest.raises(SystemExit):
+        serve_ns("--spec-ngram-mod-n-match", "16")
 
 
 def test_speculation_is_required_only_when_asked_for_on_the_command_line():

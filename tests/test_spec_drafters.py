@@ -17,7 +17,7 @@ from outrider.params import SamplingParams
 from outrider.speculative import Commit, detect_kind, load_drafter
 from outrider.speculative.verify import verify
 from outrider.testing.checkpoints import write_tiny_checkpoint
-from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
+from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint
 
 BLOCK, NUM_BLOCKS, BLOCKS_PER_SEQ = 4, 256, 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -108,6 +108,9 @@ def ckpts(tmp_path_factory):
                                          seed=3),
         "dflash": write_dflash_checkpoint(root / "dflash", target, layers=2, block_size=5,
                                           target_layer_ids=[0, 2]),
+        "eagle3": write_eagle3_checkpoint(root / "eagle3", target, aux_layer_ids=[1, 2, 3], seed=4),
+        "eagle3_speculators": write_eagle3_checkpoint(root / "eagle3_speculators", target, aux_layer_ids=[1, 2, 3],
+                                                      layout="speculators", seed=4),
     }
 
 
@@ -127,6 +130,8 @@ def test_detect_kind(ckpts):
     assert detect_kind(str(ckpts["dflash"]), str(ckpts["target"])) == "dflash"
     assert detect_kind(str(ckpts["draft"]), str(ckpts["target"])) == "draft"
     assert detect_kind(str(ckpts["mtp_qwen"]), str(ckpts["mtp_qwen"])) == "mtp"
+    assert detect_kind(str(ckpts["eagle3"]), str(ckpts["target"])) == "eagle3"
+    assert detect_kind(str(ckpts["eagle3_speculators"]), str(ckpts["target"])) == "eagle3"
 
 
 def test_draft_model_equal_to_target_is_an_oracle(ckpts, plain):
@@ -140,6 +145,8 @@ def test_draft_model_equal_to_target_is_an_oracle(ckpts, plain):
     ("mtp", "mtp_qwen", None),
     ("mtp", "mtp_mimo", None),
     ("dflash", "target", "dflash"),
+    ("eagle3", "target", "eagle3"),
+    ("eagle3", "target", "eagle3_speculators"),
 ])
 def test_greedy_output_is_the_targets(ckpts, plain, kind, target, draft):
     loop = Loop(ckpts[target], kind, ckpts[draft] if draft else None, k=4)
@@ -173,6 +180,7 @@ def replay(loop, req):
     ("mtp", "mtp_qwen", None),
     ("mtp", "mtp_mimo", None),
     ("dflash", "target", "dflash"),
+    ("eagle3", "target", "eagle3"),
 ])
 def test_state_after_rollbacks_matches_recomputation(ckpts, kind, target, draft):
     """After rounds accepting 0..k drafts (and plain rounds between), the drafter proposes exactly what a fresh
@@ -272,3 +280,31 @@ def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
     drafter.graphs = Replays()
     assert drafter.propose(reqs, [4, 4]).tokens == eager and Replays.calls == 1
     assert all(len(d) == 4 for d in eager)
+
+
+def test_eagle3_layouts_load_the_same_head_and_draft_only_its_vocabulary(ckpts):
+    """The EAGLE reference layout (midlayer.*, taps in eagle_config) and vLLM speculators' (layers.0.*, the layer's
+    config nested) hold the same weights here: both draft alike, and every draft is a target id of the reduced
+    vocabulary (d2t applied; the draft vocabulary is a random half, so unmapped ids would fall outside it)."""
+    from safetensors.torch import load_file
+
+    loops = [Loop(ckpts["target"], "eagle3", ckpts[name], k=4) for name in ("eagle3", "eagle3_speculators")]
+    outs = [loop.generate(PROMPTS) for loop in loops]
+    assert outs[0] == outs[1]
+    vocab = set((torch.arange(48) + load_file(ckpts["eagle3"] / "model.safetensors")["d2t"]).tolist())
+    assert vocab != set(range(48))
+    reqs = loops[0].reqs
+    drafts = loops[0].drafter.propose(reqs, [4] * len(reqs)).tokens
+    assert all(d for d in drafts) and {t for d in drafts for t in d} <= vocab
+
+
+def test_eagle3_taps_are_layer_inputs():
+    """vLLM's aux ids count layer inputs: id j is the output of layer j - 1; the default is (2, L // 2, L - 3)."""
+    from outrider.speculative.eagle3 import aux_layer_ids
+
+    assert aux_layer_ids({}, 36) == (1, 17, 32)
+    assert aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [33, 2, 18]}, 36) == (1, 17, 32)
+    assert aux_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, 4) == (0, 1, 2)
+    for bad in ([0, 1, 2], [1, 1, 2], [1, 2, 4]):
+        with pytest.raises(ValueError, match="aux layer ids"):
+            aux_layer_ids({"eagle_aux_hidden_state_layer_ids": bad}, 4)

@@ -10,7 +10,8 @@ import pytest
 import outrider.engine.engine as engine_mod
 from outrider import LLM, SamplingParams
 from outrider.testing.checkpoints import write_tiny_checkpoint
-from outrider.testing.drafters import write_dflash_checkpoint, write_mtp_checkpoint
+from outrider.config import NgramConfig
+from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint
 from spec_helpers import SETUPS as FAMILY
 from spec_helpers import StepClock, write_families
 
@@ -193,3 +194,45 @@ def test_one_memory_budget_sizes_the_target_and_drafter_pools(ckpts, kind):
     assert engine.drafter.kv.num_blocks == blocks
     assert blocks == int(budget_gib * 2**30 // per_block)  # the budget binds, not the limits
     assert target_bytes + draft_bytes <= budget_gib * 2**30 < target_bytes + draft_bytes + per_block
+
+
+# --- EAGLE-3 and n-gram lookup, alone and combined, on random checkpoints -------------------------------------
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """A 4-layer target (EAGLE-3 taps the inputs of layers 1-3), a draft model and an EAGLE-3 head for it."""
+    root = tmp_path_factory.mktemp("spec_deep")
+    target = write_tiny_checkpoint(root / "target", "qwen3", hidden_size=64, layers=4, seed=7)
+    return {"target": target,
+            "draft": write_tiny_checkpoint(root / "draft", "qwen3", hidden_size=32, layers=1, seed=6),
+            "eagle3": write_eagle3_checkpoint(root / "eagle3", target, aux_layer_ids=[1, 2, 3], seed=8)}
+
+
+NGRAM = NgramConfig(size_n=2, size_m=8)
+MORE_SETUPS = {  # kind -> engine kwargs
+    "eagle3": lambda c: dict(draft_model=str(c["eagle3"])),
+    "ngram": lambda c: dict(spec_type="ngram", spec_ngram=NGRAM),
+    "ngram,draft": lambda c: dict(spec_type="ngram,draft", spec_ngram=NGRAM, draft_model=str(c["draft"])),
+    "ngram,eagle3": lambda c: dict(spec_type="ngram,eagle3", spec_ngram=NGRAM, draft_model=str(c["eagle3"])),
+}
+# Prompts that repeat themselves (lookup drafts from their start) and ones that do not.
+REPEATING = [list(range(3, 20)) * 2, [5, 9, 13, 200, 17] * 3, list(range(100, 141)), [42, 43] * 6,
+             list(range(7, 12)), list(range(300, 320)) + list(range(300, 310)), [8, 8, 9, 9, 10], list(range(50, 70))]
+
+
+@pytest.mark.parametrize("kind", list(MORE_SETUPS))
+def test_greedy_output_is_identical_with_eagle3_and_lookup(deep, kind):
+    """Alone and in a mixed batch of 8 (several draft lengths, some requests not drafting), greedy output equals
+    plain output; every kind of a combination drafts for some request, and each request reports the kind that
+    drafted its latest round."""
+    plain = LLM(deep["target"], spec_type="none", max_num_seqs=8)
+    spec = LLM(deep["target"], max_num_seqs=8, spec_draft_n_max=4, **MORE_SETUPS[kind](deep))
+    assert spec.engine.drafter_kind == kind
+    ref = [o.token_ids for o in plain.generate(REPEATING, greedy(24))]
+    assert [spec.generate([p], greedy(24))[0].token_ids for p in REPEATING[:2]] == ref[:2]
+    params = [greedy(24, spec_n_max=k) for k in (4, 1, 2, 3, 4, 0, 2, 4)]
+    outs = spec.generate(REPEATING, params)
+    assert [o.token_ids for o in outs] == ref
+    assert {o.timing.draft_kind for o in outs if o.timing.draft_rounds} == set(kind.split(","))
+    assert not outs[5].timing.draft_rounds
+    assert spec.engine.pool.num_used == 0

@@ -192,7 +192,7 @@ class Engine:
         try:
             drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
                                    target_path=str(self.model_path), draft_path=cfg.draft_model,
-                                   block_size=cfg.block_size, dtype=self.dtype,
+                                   block_size=cfg.block_size, dtype=self.dtype, ngram=cfg.spec_ngram,
                                    device=self.device, max_draft=max(asked if asked is not None else DEFAULT_N_MAX, 1))
         except Exception as exc:
             if cfg.spec_required:  # asked for on the command line: refusing to start says so plainly
@@ -392,7 +392,7 @@ class Engine:
             text = "".join(pieces)
             if s.draft_tokens:  # count only accepted drafts that were committed (a stop can cut a round short)
                 self.speculator.record(req.request_id, len(s.draft_tokens), accepted)
-                req.timing.draft_kind = self.drafter.kind
+                req.timing.draft_kind = self.speculator.round_kind(req.request_id)
                 req.timing.mark_draft_round(len(s.draft_tokens), min(accepted, n))
             req.timing.mark_tokens(n, t)
             predicted += n

@@ -59,7 +59,14 @@ MODEL = [
     Opt(("-md", "--model-draft", "--spec-draft-model"), "model_draft", "LLAMA_ARG_SPEC_DRAFT_MODEL",
         help="draft model for speculative decoding"),
     Opt(("--spec-type",), "spec_type", "LLAMA_ARG_SPEC_TYPE",
-        help="none | draft-simple | draft-mtp | draft-dflash (default: detect)"),
+        help="none | draft-simple | draft-mtp | draft-dflash | draft-eagle3 | ngram-simple, or n-gram lookup and one "
+             "drafter with weights comma-separated, e.g. ngram-simple,draft-simple (default: detect)"),
+    Opt(("--spec-ngram-simple-size-n",), "spec_ngram_size_n", None, int, 12,
+        "ngram-simple: length of the n-gram looked up"),
+    Opt(("--spec-ngram-simple-size-m",), "spec_ngram_size_m", None, int, 48,
+        "ngram-simple: most tokens drafted from a match (--spec-draft-n-max caps them too)"),
+    Opt(("--spec-ngram-simple-min-hits",), "spec_ngram_min_hits", None, int, 1,
+        "ngram-simple: earlier occurrences an n-gram needs before it drafts"),
     Opt(("--spec-draft-n-max",), "spec_draft_n_max", "LLAMA_ARG_SPEC_DRAFT_N_MAX", int, None, "max drafted tokens"),
     Opt(("--spec-draft-n-min",), "spec_draft_n_min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, None, "min drafted tokens"),
     Opt(("--spec-draft-p-min", "--draft-p-min"), "draft_p_min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, None,
@@ -186,7 +193,11 @@ IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider neve
 REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
            ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",
            ("--rerank", "--reranking"): "reranking is not supported",
-           ("--pooling",): "pooling is for embeddings, which are not supported"}
+           ("--pooling",): "pooling is for embeddings, which are not supported",
+           ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m", "--spec-ngram-map-k-min-hits",
+            "--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m", "--spec-ngram-map-k4v-min-hits",
+            "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max", "--spec-ngram-mod-n-match"):
+               "only the ngram-simple n-gram kind (--spec-ngram-simple-*) is supported"}
 REMOVED = ("--draft", "--draft-n", "--draft-max", "--draft-min")
 REMOVED_ENV = ("LLAMA_ARG_DRAFT_MAX", "LLAMA_ARG_DRAFT_MIN")
 

@@ -19,7 +19,8 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # what llama-server shows for "random seed"
 SAMPLERS = list(CHAIN)  # our fixed chain (engine/sampler.py), in llama-server's sampler names
 # Our drafter kinds by llama-server's --spec-type names: `speculative.types` is a comma-joined string of these
 # ("none" without a drafter), which clients compare and split as a string.
-SPEC_TYPE_NAMES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash"}
+SPEC_TYPE_NAMES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash", "eagle3": "draft-eagle3",
+                   "ngram": "ngram-simple"}
 
 
 def dumps(obj: Any) -> str:
@@ -98,7 +99,8 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
         "speculative.n_max": engine.spec_draft_n_max if params.spec_n_max is None else params.spec_n_max,
         "speculative.n_min": engine.spec_draft_n_min if params.spec_n_min is None else params.spec_n_min,
         "speculative.p_min": engine.draft_p_min if params.spec_p_min is None else params.spec_p_min,
-        "speculative.types": SPEC_TYPE_NAMES.get(drafter_kind, drafter_kind) if drafter_kind else "none",
+        "speculative.types": ",".join(SPEC_TYPE_NAMES.get(k, k) for k in drafter_kind.split(",")) if drafter_kind
+        else "none",
         "timings_per_token": timings_per_token,
         "post_sampling_probs": post_sampling_probs,
         "backend_sampling": False,

@@ -86,6 +86,9 @@ class DFlashDrafter:
     def lookahead(self, k: int) -> int:
         return self.block if k > 0 else 0  # the whole block's K/V is written, whatever k is
 
+    def may_propose(self, request: Request) -> bool:
+        return True
+
     @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         if aux_hidden is None:

@@ -43,6 +43,9 @@ class DraftModelDrafter:
     def lookahead(self, k: int) -> int:
         return k  # writes x_last and d_1..d_{k-1}
 
+    def may_propose(self, request: Request) -> bool:
+        return True
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - (r.num_tokens - 1))

@@ -1,7 +1,8 @@
 """The Drafter protocol every speculative kind implements, and the policy that picks draft lengths.
 
 One engine step with a drafter (docs/speculative.md walks it through):
-  1. ks = policy.draft_lengths(decoding, drafter)            per-request k (0 = plain decode this step)
+  1. ks = policy.draft_lengths(decoding, drafter)            per-request k (0 = plain decode this step); 0 too
+     where not drafter.may_propose(request)
   2. ensure each request's blocks cover num_tokens - 1 + drafter.lookahead(k) positions (else k = 0)
   3. proposals = policy.trim(decoding, drafter.propose(decoding, ks))
   4. one ragged target forward over [last, d1..dk] per request; verify() per row; commit m+1 tokens
@@ -41,11 +42,13 @@ class TargetView:
 @dataclass
 class Proposals:
     """Drafts per request, in the order asked. probs[i] is q as [k_i, V] when drafts were sampled;
-    None means argmax drafts (q one-hot). confidence[i][j] is the drafter's probability of token j."""
+    None means argmax drafts (q one-hot). confidence[i][j] is the drafter's probability of token j. kinds[i] names
+    the kind that drafted request i when several are combined (None: the drafter's own kind)."""
 
     tokens: list[list[int]]
     confidence: list[list[float]]
     probs: list[torch.Tensor | None] | None = None
+    kinds: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class Commit:
 
 
 class Drafter(Protocol):
-    kind: str  # "draft" | "mtp" | "dflash": RequestTiming.draft_kind
+    kind: str  # "draft" | "mtp" | "dflash" | "eagle3" | "ngram", or several comma-joined (combined.py)
     aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads: set model.aux_layer_ids
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
@@ -68,6 +71,10 @@ class Drafter(Protocol):
 
     def lookahead(self, k: int) -> int:
         """KV positions from the last committed token on that proposing k tokens writes (blocks must exist)."""
+
+    def may_propose(self, request: Request) -> bool:
+        """Host-only and cheap, before the step in flight is committed: False when propose could not draft for the
+        request this step, so the engine keeps overlapping plain steps (n-gram lookup misses). True is safe."""
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         """Up to ks[i] drafts for each decoding request (fewer near the end of its block table)."""
@@ -224,7 +231,7 @@ class DraftPolicy:
 
     def trim(self, requests: Sequence[Request], proposals: Proposals) -> Proposals:
         """Apply each request's confidence stop (p_min) and minimum length (n_min) to fresh proposals."""
-        out = Proposals([], [], [] if proposals.probs is not None else None)
+        out = Proposals([], [], [] if proposals.probs is not None else None, proposals.kinds)
         for i, req in enumerate(requests):
             p = req.params
             p_min = p.spec_p_min if p.spec_p_min is not None else self.p_min

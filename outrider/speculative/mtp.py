@@ -10,22 +10,17 @@ reusing layer 0 (released checkpoints have one layer; acceptance decays with dep
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
-from outrider.attention import AttentionBackend, AttentionMetadata, KVCache, get_backend
+from outrider.attention import AttentionBackend, AttentionMetadata, KVCache
 from outrider.config import ModelConfig
-from outrider.engine.request import Request
-from outrider.attention.metadata import build_metadata
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.speculative.drafter import (Commit, Proposals, TargetView, block_capacity, collect_drafts,
-                                         greedy_drafts)
+from outrider.speculative.chain import ChainDrafter
+from outrider.speculative.drafter import TargetView, greedy_drafts
 
 
 class QwenMTP(nn.Module):
@@ -92,74 +87,29 @@ def load_mtp_head(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch
     return layout, head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-class MTPDrafter:
+class MTPDrafter(ChainDrafter):
+    """Reads the target's final-norm hidden state and drafts through the target's own LM head."""
+
     kind = "mtp"
-    aux_layer_ids: tuple[int, ...] = ()
     step_cost = 0.05  # [est] one decoder layer of the target per drafted token
 
     def __init__(self, target: TargetView, cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
-        self.device = torch.device(device)
-        self.target = target
+        super().__init__(target, block_size, device, max_draft)
         self.layout, self.head = load_mtp_head(path, cfg, dtype, self.device)
         self.kv_shape = (1, cfg.num_key_value_heads, cfg.head_dim)  # one decoder layer of the target's shape
-        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
-        self.block_size = block_size
         self.vocab_size = cfg.vocab_size
-        self.max_draft = max_draft
-        self.backend = get_backend(self.device)
-        # request id -> (head output y [H], its logits [V]) at the last committed pair: d_1 comes for free.
-        self._last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def lookahead(self, k: int) -> int:
-        return max(k - 1, 0)  # drafts d_2..d_k write the head's KV at positions p..p+k-2
+    def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
+        return self.target.final_norm(hidden)  # h_i after the target's final norm
 
-    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """Head output y for pairs (hidden_i, tokens_i) at the positions `seqs` describe; writes its KV."""
-        meta, positions = build_metadata(seqs, self.block_size, self.device)
+    def run_head(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
         return self.head(self.target.embed(tokens), hidden, positions, self.target.rotary, self.kv,
                          meta, self.backend)
 
-    @torch.inference_mode()
-    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
-        # Pair h_i (after the target's final norm) with t_{i+1}, already committed.
-        nxt = [t for c in commits for t in c.request.all_ids[c.start + 1 : c.start + c.count + 1]]
-        if len(nxt) != hidden.shape[0]:
-            raise ValueError("on_commit needs every committed row's next token in request.all_ids")
-        tokens = torch.tensor(nxt, dtype=torch.int64).to(self.device, non_blocking=True)
-        y = self._run(tokens, self.target.final_norm(hidden),
-                      [(c.request.block_ids, c.start, c.count) for c in commits])
-        ends = [n - 1 for n in itertools.accumulate(c.count for c in commits)]
-        y_last = y.index_select(0, torch.tensor(ends).to(self.device, non_blocking=True))
-        logits = self.target.lm_head(y_last).float()
-        for i, c in enumerate(commits):
-            self._last[c.request.request_id] = (y_last[i], logits[i])
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(y).float()
 
-    def release(self, request_id: int) -> None:
-        self._last.pop(request_id, None)
-
-    def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """Nothing captured: its forwards run eager (docs/speculative.md)."""
-
-    @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
-        ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - r.num_tokens + 2)
-              if r.request_id in self._last else 0 for r, k in zip(requests, ks)]
-        rows = [i for i, k in enumerate(ks) if k > 0]
-        steps = []
-        if rows:
-            y = torch.stack([self._last[requests[i].request_id][0] for i in rows])
-            logits = torch.stack([self._last[requests[i].request_id][1] for i in rows])
-            tokens, conf = greedy_drafts(logits, self.vocab_size)
-            steps.append((rows, tokens, conf))
-        for j in range(2, max((ks[i] for i in rows), default=0) + 1):
-            prev, rows = rows, [i for i in rows if ks[i] >= j]
-            keep = torch.tensor([prev.index(i) for i in rows]).to(self.device, non_blocking=True)
-            p = [requests[i].num_tokens - 1 for i in rows]
-            y = self._run(tokens.index_select(0, keep), y.index_select(0, keep),
-                          [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
-            tokens, conf = greedy_drafts(self.target.lm_head(y).float(), self.vocab_size)
-            steps.append((rows, tokens, conf))
-        return collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
-                              [c for _, _, c in steps], len(requests))
-
+    def drafts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return greedy_drafts(logits, self.vocab_size)

@@ -34,6 +34,7 @@ class Speculator:
         self.drafter = drafter
         self.policy = policy
         self.pool = pool
+        self._kinds: dict[int, str] = {}  # request id -> the kind that drafted its latest round (combined kinds)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
@@ -41,8 +42,8 @@ class Speculator:
         decoding = [r for r in running if r.num_computed == r.num_tokens - 1]
         if not decoding:
             return {}
-        ks = self.policy.draft_lengths(decoding, self.drafter)
-        return {r.request_id: k for r, k in zip(decoding, ks) if k}
+        ks = self.policy.draft_lengths(decoding, self.drafter)  # (the whole decoding batch sizes the costs)
+        return {r.request_id: k for r, k in zip(decoding, ks) if k and self.drafter.may_propose(r)}
 
     def propose(self, running: Sequence[Request], lengths: dict[int, int]) -> Drafts:
         """Drafts of the decided lengths, with blocks reserved for what the drafter writes. A drafter fault costs
@@ -62,6 +63,8 @@ class Speculator:
             log.error("drafter failed to propose: %s\n%s", exc, traceback.format_exc())
             return Drafts()
         drafts = Drafts({r.request_id: d for r, d in zip(decoding, props.tokens) if d})
+        if props.kinds is not None:
+            self._kinds.update((r.request_id, kind) for r, kind, d in zip(decoding, props.kinds, props.tokens) if d)
         if props.probs is not None:
             drafts.probs = {r.request_id: q for r, q in zip(decoding, props.probs) if q is not None}
         return drafts
@@ -95,6 +98,10 @@ class Speculator:
     def record(self, request_id: int, proposed: int, accepted: int) -> None:
         self.policy.record(request_id, proposed, accepted)
 
+    def round_kind(self, request_id: int) -> str:
+        """The kind that drafted the request's latest round (RequestTiming.draft_kind)."""
+        return self._kinds.get(request_id, self.drafter.kind)
+
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """A completed step's duration feeds the cost model, when the step was pure decoding (no prefill)."""
         if plan.has_prefill or not plan.scheduled:
@@ -105,3 +112,4 @@ class Speculator:
     def release(self, request_id: int) -> None:
         self.drafter.release(request_id)
         self.policy.release(request_id)
+        self._kinds.pop(request_id, None)

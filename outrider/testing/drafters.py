@@ -3,7 +3,8 @@
 - draft model: any tiny causal LM, `write_tiny_checkpoint` (same vocabulary as the target);
 - MTP: a target checkpoint that also carries `mtp.*` (Qwen3-Next / Qwen3.5) or `model.mtp_layers.0.*` (MiMo)
   tensors and the matching config key;
-- DFlash: a `DFlashDraftModel` directory sized for a given target.
+- DFlash: a `DFlashDraftModel` directory sized for a given target;
+- EAGLE-3: a head for a given target in the EAGLE reference's or vLLM speculators' layout.
 """
 
 from __future__ import annotations
@@ -90,4 +91,54 @@ def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int
         model = DFlashModel(cfg, len(taps) * tcfg["hidden_size"])
     tensors = {n: t.to(dtype).contiguous() for n, t in random_params(model, seed=seed).items()}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def write_eagle3_checkpoint(path: str | Path, target: str | Path, *, draft_ids: list[int] | None = None,
+                            aux_layer_ids: list[int] | None = None, layout: str = "eagle", seed: int = 0,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """A random EAGLE-3 head for the target checkpoint at `target`, in a published layout: "eagle" (the EAGLE
+    reference's: architectures LlamaForCausalLMEagle3, tensors under `midlayer.`, taps in `eagle_config`) or
+    "speculators" (vLLM speculators': Eagle3Speculator, the layer's config under `transformer_layer_config`,
+    tensors under `layers.0.`). `draft_ids`: the target ids of its reduced vocabulary (default: a random half);
+    `aux_layer_ids`: the taps as layer inputs (vLLM's convention; default: absent, the loader's default)."""
+    from safetensors.torch import save_file
+
+    from outrider.speculative.eagle3 import Eagle3Model
+
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    vocab = tcfg["vocab_size"]
+    gen = torch.Generator().manual_seed(seed)
+    if draft_ids is None:
+        draft_ids = sorted(torch.randperm(vocab, generator=gen)[: vocab // 2].tolist())
+    layer = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+        **{k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")},
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    taps = {} if aux_layer_ids is None else {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids)}
+    if layout == "eagle":
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": len(draft_ids),
+                  **({"eagle_config": {"use_aux_hidden_state": True, **taps}} if taps else {})}
+        prefix = "midlayer."
+    elif layout == "speculators":
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "transformer_layer_config": layer, "draft_vocab_size": len(draft_ids),
+                  "norm_before_residual": False, "target_hidden_size": tcfg["hidden_size"],
+                  "speculators_config": {"algorithm": "eagle3"}, **taps}
+        prefix = "layers.0."
+    else:
+        raise ValueError(f"unknown EAGLE-3 layout {layout!r}: eagle | speculators")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    cfg = ModelConfig.from_dict(layer)
+    with torch.device("meta"):
+        model = Eagle3Model(cfg, tcfg["hidden_size"], 3, len(draft_ids))
+    tensors = {n.replace("layers.0.", prefix, 1): t.to(dtype) for n, t in random_params(model, seed=seed).items()}
+    ids = torch.tensor(draft_ids, dtype=torch.int64)
+    tensors["d2t"] = ids - torch.arange(len(draft_ids))
+    tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
     return path

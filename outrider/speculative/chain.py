@@ -1,0 +1,107 @@
+"""Heads that draft by chaining one decoder layer over the target's hidden states: MTP (mtp.py) and EAGLE-3
+(eagle3.py).
+
+Both pair a target hidden state at position i with the committed token t_{i+1}, run their layer at position i
+(its own KV: one extra layer indexed by the target's block ids) and predict t_{i+2}. The head's output at a
+request's last committed pair gives d_1 for free after each commit; every further draft feeds the head its own
+output and draft back (a chain: top-1 per step). Subclasses say what the head reads from the target, how it runs,
+and how its logits become target token ids.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from outrider.attention import AttentionMetadata, KVCache, get_backend
+from outrider.attention.metadata import build_metadata
+from outrider.engine.request import Request
+from outrider.speculative.drafter import Commit, Proposals, TargetView, block_capacity, collect_drafts
+
+
+class ChainDrafter:
+    aux_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int) -> None:
+        self.device = torch.device(device)
+        self.target = target
+        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
+        self.block_size = block_size
+        self.max_draft = max_draft
+        self.backend = get_backend(self.device)
+        # request id -> (head output y [H], its logits) at the last committed pair: d_1 comes for free.
+        self._last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # --- what a head defines ---
+    def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
+        """The head's hidden input for committed target rows (hidden pre-norm, aux_hidden the aux layers')."""
+        raise NotImplementedError
+
+    def run_head(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Head output y for pairs (hidden_i, tokens_i), writing its KV; y is fed back as the next hidden."""
+        raise NotImplementedError
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the head's vocabulary."""
+        raise NotImplementedError
+
+    def drafts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Argmax drafts as target token ids, and their probabilities."""
+        raise NotImplementedError
+
+    # --- the Drafter protocol ---
+    def lookahead(self, k: int) -> int:
+        return max(k - 1, 0)  # drafts d_2..d_k write the head's KV at positions p..p+k-2
+
+    def may_propose(self, request: Request) -> bool:
+        return True
+
+    def _run(self, tokens: torch.Tensor, hidden: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        meta, positions = build_metadata(seqs, self.block_size, self.device)
+        return self.run_head(tokens, hidden, positions, meta)
+
+    @torch.inference_mode()
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+        # Pair each committed row i with t_{i+1}, already committed.
+        nxt = [t for c in commits for t in c.request.token_slice(c.start + 1, c.start + c.count + 1)]
+        if len(nxt) != hidden.shape[0]:
+            raise ValueError("on_commit needs every committed row's next token in the request")
+        tokens = torch.tensor(nxt, dtype=torch.int64).to(self.device, non_blocking=True)
+        y = self._run(tokens, self.context(hidden, aux_hidden),
+                      [(c.request.block_ids, c.start, c.count) for c in commits])
+        ends = [n - 1 for n in itertools.accumulate(c.count for c in commits)]
+        y_last = y.index_select(0, torch.tensor(ends).to(self.device, non_blocking=True))
+        logits = self.logits(y_last)
+        for i, c in enumerate(commits):
+            self._last[c.request.request_id] = (y_last[i], logits[i])
+
+    def release(self, request_id: int) -> None:
+        self._last.pop(request_id, None)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
+        """Nothing captured: its forwards run eager (docs/speculative.md)."""
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - r.num_tokens + 2)
+              if r.request_id in self._last else 0 for r, k in zip(requests, ks)]
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        steps = []
+        if rows:
+            y = torch.stack([self._last[requests[i].request_id][0] for i in rows])
+            logits = torch.stack([self._last[requests[i].request_id][1] for i in rows])
+            tokens, conf = self.drafts(logits)
+            steps.append((rows, tokens, conf))
+        for j in range(2, max((ks[i] for i in rows), default=0) + 1):
+            prev, rows = rows, [i for i in rows if ks[i] >= j]
+            keep = torch.tensor([prev.index(i) for i in rows]).to(self.device, non_blocking=True)
+            p = [requests[i].num_tokens - 1 for i in rows]
+            y = self._run(tokens.index_select(0, keep), y.index_select(0, keep),
+                          [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
+            tokens, conf = self.drafts(self.logits(y))
+            steps.append((rows, tokens, conf))
+        return collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
+                              [c for _, _, c in steps], len(requests))
