@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from outrider.bench.profile import admission_times
 from outrider.bench.shapes import random_model, write_stub_checkpoint
 from outrider.config import EngineConfig
 from outrider.demo import demo_path
@@ -42,29 +43,19 @@ def shape_engine(shape: str, overlap: bool | None, model=None) -> Engine:
 
 def prompt_case(engine: Engine, vocab: int) -> tuple[float, float]:
     """(prompt_ms, ms from the launch that scheduled the prompt to its first token handed over)."""
-    scheduled: dict[int, float] = {}
-    schedule = engine.scheduler.schedule
-
-    def watch(*args, **kwargs):
-        plan = schedule(*args, **kwargs)
-        for req in plan.admitted:
-            scheduled.setdefault(req.request_id, now())
-        return plan
-
-    engine.scheduler.schedule = watch
-    a = Request([7 + i for i in range(32)], greedy(400))
-    engine.add_request(a, lambda out: None)
-    for _ in range(20):
-        engine.step()
-    b = Request([11 + i % (vocab - 11) for i in range(1024)], greedy(4))
-    first: list[float] = []
-    engine.add_request(b, lambda out: first.append(now()) if out.new_token_ids and not first else None)
-    while not first:
-        engine.step()
-    engine.abort(a.request_id)
-    while engine.has_work():
-        engine.step()
-    engine.scheduler.schedule = schedule
+    with admission_times(engine) as scheduled:
+        a = Request([7 + i for i in range(32)], greedy(400))
+        engine.add_request(a, lambda out: None)
+        for _ in range(20):
+            engine.step()
+        b = Request([11 + i % (vocab - 11) for i in range(1024)], greedy(4))
+        first: list[float] = []
+        engine.add_request(b, lambda out: first.append(now()) if out.new_token_ids and not first else None)
+        while not first:
+            engine.step()
+        engine.abort(a.request_id)
+        while engine.has_work():
+            engine.step()
     return b.timing.prompt_ms, (first[0] - scheduled[b.request_id]) * 1e3
 
 

@@ -33,6 +33,24 @@ def patched(*targets):
                 setattr(obj, attr, old)
 
 
+@contextmanager
+def admission_times(engine):
+    """For the duration of the block, a dict request id -> the time (timing.now) the scheduler first admitted the
+    request: where a client-side "scheduled to first token" measurement starts."""
+    times: dict[int, float] = {}
+
+    def watch(schedule):
+        def scheduled(*args, **kwargs):
+            plan = schedule(*args, **kwargs)
+            for req in plan.admitted:
+                times.setdefault(req.request_id, now())
+            return plan
+        return scheduled
+
+    with patched((engine.scheduler, "schedule", watch)):
+        yield times
+
+
 class PhaseTimer:
     """Seconds per label, summed over the calls of the functions wrapped by timed(label) (on a CUDA device,
     synchronised before and after each call)."""

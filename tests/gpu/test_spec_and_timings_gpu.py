@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from outrider import LLM, SamplingParams
+from outrider.bench.profile import admission_times
 from outrider.engine.request import Request
 from outrider.timing import now
 from tests.spec_helpers import SETUPS, write_families
@@ -38,29 +39,20 @@ def test_prompt_ms_while_another_request_decodes(families):
     llm = LLM(families["qwen3"]["target"], device="cuda", max_num_seqs=4, max_model_len=2048)
     engine = llm.engine
     assert engine.overlap
-    scheduled: dict[int, float] = {}
-    schedule = engine.scheduler.schedule
-
-    def watch(*args, **kwargs):
-        plan = schedule(*args, **kwargs)
-        for req in plan.admitted:
-            scheduled.setdefault(req.request_id, now())
-        return plan
-
-    engine.scheduler.schedule = watch
-    for trial in range(3):
-        a = Request([7 + trial] * 16, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
-        engine.add_request(a, lambda out: None)
-        for _ in range(10):
-            engine.step()
-        b = Request([3 + i % 500 for i in range(1024)], SamplingParams(max_tokens=4, temperature=0.0))
-        first: list[float] = []
-        engine.add_request(b, lambda out: first.append(now()) if out.new_token_ids and not first else None)
-        while not first:
-            engine.step()
-        torch.cuda.synchronize()
-        client_ms = (first[0] - scheduled[b.request_id]) * 1e3
-        assert abs(b.timing.prompt_ms - client_ms) <= max(0.05 * client_ms, 2.0), (b.timing.prompt_ms, client_ms)
-        engine.abort(a.request_id)
-        while engine.has_work():
-            engine.step()
+    with admission_times(engine) as scheduled:
+        for trial in range(3):
+            a = Request([7 + trial] * 16, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+            engine.add_request(a, lambda out: None)
+            for _ in range(10):
+                engine.step()
+            b = Request([3 + i % 500 for i in range(1024)], SamplingParams(max_tokens=4, temperature=0.0))
+            first: list[float] = []
+            engine.add_request(b, lambda out: first.append(now()) if out.new_token_ids and not first else None)
+            while not first:
+                engine.step()
+            torch.cuda.synchronize()
+            client_ms = (first[0] - scheduled[b.request_id]) * 1e3
+            assert abs(b.timing.prompt_ms - client_ms) <= max(0.05 * client_ms, 2.0), (b.timing.prompt_ms, client_ms)
+            engine.abort(a.request_id)
+            while engine.has_work():
+                engine.step()
