@@ -1,6 +1,6 @@
 """llama-server's `samplers` (request field and --samplers/--sampling-seq): which samplers run, in which order.
 
-Our sampler runs one fixed chain (engine/sampler.py). A list is honoured when the samplers it names that we have
+Our sampler runs one fixed chain (sampler.py). A list is honoured when the samplers it names that we have
 come in that chain's order: those it leaves out are switched off. Samplers we lack are accepted in the list only
 because their own parameters are refused unless off (protocol.py), so listing them changes nothing.
 """

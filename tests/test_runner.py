@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata
 from outrider.engine.runner import BlockTables
-from outrider.engine.upload import to_device
+from outrider.upload import to_device
 from outrider.params import SamplingParams
 
 BS = 4

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from outrider.engine.sampler import ParamTable, RowSpec, Sampler, SamplingRows
+from outrider.sampler import ParamTable, RowSpec, Sampler, SamplingRows
 from outrider.params import SamplingParams
 
 V = 32
@@ -294,7 +294,7 @@ def test_uniform_is_uniform_reproducible_and_stream_separated():
 
 def stream_keys(rows: list[RowSpec]) -> np.ndarray:
     """The host keys of these rows, every stream."""
-    from outrider.engine.sampler import NUM_STREAMS, _seed_key, _stream_keys
+    from outrider.sampler import NUM_STREAMS, _seed_key, _stream_keys
 
     return _stream_keys(np.array([_seed_key(r.seed) for r in rows], dtype=np.int64),
                         np.array([r.step for r in rows], dtype=np.int64), NUM_STREAMS)
@@ -313,7 +313,7 @@ def test_stream_keys_agree_on_ints_and_arrays():
 def test_stream_keys_are_pinned_and_match_the_device_hash():
     """Seeded draws must not change across versions: host keys (either path) equal known values, and the hash
     computed on torch int64 tensors (the device's arithmetic) gives the same keys."""
-    from outrider.engine.sampler import _M32, _SALT, NUM_STREAMS, _absorb
+    from outrider.sampler import _M32, _SALT, NUM_STREAMS, _absorb
 
     seeds_steps = [(0, 0), (1, 7), (2**63 - 1, 2**32 + 5), (123456789012345, 99)]
     rows = [RowSpec(plain(), seed, step) for seed, step in seeds_steps]
@@ -331,7 +331,7 @@ def test_compiled_noise_never_recompiles_for_a_lone_row_or_one_candidate():
     serves every batch (a recompile costs seconds inside a request). Draws are the same as the eager hash's."""
     import torch._dynamo
 
-    from outrider.engine.sampler import _gumbel_noise
+    from outrider.sampler import _gumbel_noise
 
     torch._dynamo.reset()
     calls = []

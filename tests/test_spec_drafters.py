@@ -11,7 +11,7 @@ import torch
 from outrider.attention import KVCache, get_backend
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata
-from outrider.engine.sampler import RowSpec, Sampler
+from outrider.sampler import RowSpec, Sampler
 from outrider.models import load_model
 from outrider.params import SamplingParams
 from outrider.speculative import Commit, detect_kind, load_drafter

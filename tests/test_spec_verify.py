@@ -10,7 +10,7 @@ import torch
 from scipy import stats
 
 import outrider.speculative.verify as verify_mod
-from outrider.engine.sampler import RowSpec, Sampler
+from outrider.sampler import RowSpec, Sampler
 from outrider.params import SamplingParams
 from outrider.speculative.verify import verify
 

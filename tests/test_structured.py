@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from outrider.demo import demo_path
 from outrider.engine.request import Request
-from outrider.engine.sampler import RowSpec, Sampler, SamplingRows, TokenMasks
+from outrider.sampler import RowSpec, Sampler, SamplingRows, TokenMasks
 from outrider.engine.scheduler import ScheduledRequest
 from outrider.params import SamplingParams
 from outrider.structured.grammar import Constraint, GrammarCompiler, GrammarError, closed_objects, token_masks

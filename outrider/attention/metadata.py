@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from outrider.attention import AttentionMetadata
-from outrider.engine.upload import to_device
+from outrider.upload import to_device
 
 
 def batch_layout(starts: list[int], qsl: list[int], table: np.ndarray,

@@ -60,7 +60,7 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
     (one sequence, over a scratch pool just big enough), and sampling `rows` of its logits with top-k off.
     FALLBACK_RESERVE when the measurement fails (logged)."""
     from outrider.attention.metadata import build_metadata
-    from outrider.engine.sampler import RowSpec, Sampler
+    from outrider.sampler import RowSpec, Sampler
 
     mc = model_config
     try:

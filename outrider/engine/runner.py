@@ -17,8 +17,8 @@ import torch
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, metadata_over
 from outrider.engine.cuda_graphs import CudaGraphRunner
-from outrider.engine.sampler import ParamTable, Sampler, SamplingRows
-from outrider.engine.upload import to_device
+from outrider.sampler import ParamTable, Sampler, SamplingRows
+from outrider.upload import to_device
 from outrider.engine.request import Request, TokenLogprob
 from outrider.speculative.verify import verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan

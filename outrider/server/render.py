@@ -16,7 +16,7 @@ from outrider.timing import RequestTiming
 from outrider.tokenizer import Tokenizer
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # what llama-server shows for "random seed"
-SAMPLERS = list(CHAIN)  # our fixed chain (engine/sampler.py), in llama-server's sampler names
+SAMPLERS = list(CHAIN)  # our fixed chain (sampler.py), in llama-server's sampler names
 # Our drafter kinds by llama-server's --spec-type names: `speculative.types` is a comma-joined string of these
 # ("none" without a drafter), which clients compare and split as a string.
 SPEC_TYPE_NAMES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash", "eagle3": "draft-eagle3",

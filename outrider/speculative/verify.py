@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.engine.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, Sampler, SampleOutput,
+from outrider.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, Sampler, SampleOutput,
                                      SamplingBatch)
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import numpy as np
 
-from outrider.engine.sampler import TokenMasks
+from outrider.sampler import TokenMasks
 
 if TYPE_CHECKING:
     from outrider.engine.scheduler import ScheduledRequest

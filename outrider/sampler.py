@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from outrider.engine.upload import to_device
 from outrider.params import SamplingParams
+from outrider.upload import to_device
 
 if TYPE_CHECKING:
     from outrider.engine.request import Request
