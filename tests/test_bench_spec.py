@@ -34,7 +34,7 @@ def _check_workload(row: dict) -> None:
     assert split["steps"] > 0 and split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["host_ms"] >= 0
 
 
-@pytest.mark.parametrize("kind", ["draft", "mtp", "dflash"])
+@pytest.mark.parametrize("kind", ["draft", "mtp", "dflash", "eagle3"])
 def test_controlled_acceptance_one_accepts_every_draft_and_zero_none(kind, tmp_path, capsys):
     out = tmp_path / "spec.json"
     argv = ["spec", "--random-weights", "tiny-qwen3", "--spec-type", kind, "--acceptance", "0", "1", "--device",

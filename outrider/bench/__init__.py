@@ -76,7 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")
     spc.add_argument("--prompt-len", type=int, help="--random-weights: prompt length (default 128)")
-    spc.add_argument("--prompts", help="--model: a JSON list of prompts (default: the demo's eval_prompts.json)")
+    spc.add_argument("--prompts", help="--model: a JSON list of prompts (default: the demo's eval_prompts.json; "
+                     "bench.workloads writes the n-gram workloads: edit, novel)")
+    spc.add_argument("--spec-ngram-simple-size-n", type=int, default=12, help="ngram: tokens looked up")
+    spc.add_argument("--spec-ngram-simple-size-m", type=int, default=48, help="ngram: most tokens drafted")
+    spc.add_argument("--spec-ngram-simple-min-hits", type=int, default=1,
+                     help="ngram: earlier occurrences needed to draft (a huge value: lookup that never drafts)")
     return p
 
 

@@ -17,7 +17,7 @@ from outrider.config import ModelConfig
 
 @dataclass(frozen=True)
 class DrafterShape:
-    kind: str  # "draft" | "mtp" | "dflash"
+    kind: str  # "draft" | "mtp" | "dflash" | "eagle3"
     draft_model: str | None = None  # draft: the RANDOM_MODELS shape of the draft model
     layers: int = 0  # dflash: decoder layers at the target's dimensions
     block_size: int = 0  # dflash: drafts per block + 1
@@ -32,8 +32,11 @@ PRESETS: dict[tuple[str, str], DrafterShape] = {
     # The published z-lab/Qwen3-8B-DFlash-b16 shape.
     ("qwen3-8b", "dflash"): DrafterShape("dflash", layers=5, block_size=16, target_layer_ids=(1, 9, 17, 25, 33),
                                          mask_token_id=151669),
+    # An EAGLE-3 head of the published Qwen3-8B heads' shape (bench/workloads.py: EAGLE3_PRESETS).
+    ("qwen3-8b", "eagle3"): DrafterShape("eagle3"),
     ("tiny-qwen3", "draft"): DrafterShape("draft", draft_model="tiny-qwen3-draft"),
     ("tiny-qwen3", "mtp"): DrafterShape("mtp"),
+    ("tiny-qwen3", "eagle3"): DrafterShape("eagle3"),
     ("tiny-qwen3", "dflash"): DrafterShape("dflash", layers=2, block_size=4, target_layer_ids=(1, 2),
                                            mask_token_id=4),
 }
@@ -60,6 +63,10 @@ def write_preset(target: str, shape: DrafterShape, root: Path, dtype: torch.dtyp
     stub = write_stub_checkpoint(target, root / "target")
     if shape.kind == "draft":
         return PresetPaths(stub, write_random_checkpoint(shape.draft_model, root / "draft", dtype, seed + 1))
+    if shape.kind == "eagle3":
+        from outrider.bench.workloads import EAGLE3_PRESETS, write_eagle3_preset
+
+        return PresetPaths(stub, write_eagle3_preset(stub, EAGLE3_PRESETS[target], root / "eagle3", dtype, seed + 1))
     from outrider.testing.drafters import write_dflash_checkpoint
 
     draft = write_dflash_checkpoint(root / "dflash", stub, layers=shape.layers, block_size=shape.block_size,

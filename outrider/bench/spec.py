@@ -32,6 +32,7 @@ import torch
 from outrider.bench.controlled import ControlledDrafter
 from outrider.bench.engine_setup import engine_config
 from outrider.bench.profile import PhaseTimer, patched
+from outrider.config import NgramConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -191,7 +192,9 @@ def _setup(args, root: Path) -> Setup:
     path = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_pretrained(path)
     prompts = [tokenizer.encode(text) for text in _prompt_texts(args.prompts)]
-    drafter = dict(spec_type=args.spec_type, draft_model=args.draft_model)
+    drafter = dict(spec_type=args.spec_type, draft_model=args.draft_model,
+                   spec_ngram=NgramConfig(args.spec_ngram_simple_size_n, args.spec_ngram_simple_size_m,
+                                          args.spec_ngram_simple_min_hits))
     return Setup(str(args.model), str(path), load_model(path, dtype=args.dtype, device=device), drafter, prompts)
 
 

@@ -93,6 +93,7 @@ EAGLE3_PRESETS = {
     # The shape of RedHatAI/Qwen3-8B-speculator.eagle3 and AngelSlim's Qwen3-8B head: 32 K draft ids, the usual
     # taps (2, L // 2, L - 3) of a 36-layer target.
     "qwen3-8b": Eagle3Shape(draft_vocab=32000, aux_layer_ids=(2, 18, 33)),
+    "tiny-qwen3": Eagle3Shape(draft_vocab=256, aux_layer_ids=(1, 2, 3)),  # (CPU tests)
 }
 
 
