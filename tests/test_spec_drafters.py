@@ -308,3 +308,29 @@ def test_eagle3_taps_are_layer_inputs():
     for bad in ([0, 1, 2], [1, 1, 2], [1, 2, 4]):
         with pytest.raises(ValueError, match="aux layer ids"):
             aux_layer_ids({"eagle_aux_hidden_state_layer_ids": bad}, 4)
+
+
+@pytest.mark.parametrize("kind,name", [("mtp", "mtp_qwen"), ("eagle3", "eagle3")])
+def test_chain_steps_go_through_graphs_when_they_fit(ckpts, kind, name):
+    """A chain drafter's steps after d_1 (head, logits, drafts) go to its CUDA graphs when captured (a stand-in
+    here: graphs need CUDA), reading their hidden input from the static buffer; the drafts are the same."""
+    target = ckpts["target"] if kind == "eagle3" else ckpts[name]
+    loop = Loop(target, kind, ckpts[name] if kind == "eagle3" else None, k=3)
+    loop.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=2))
+    drafter, reqs = loop.drafter, loop.reqs
+    eager = drafter.propose(reqs, [3, 3]).tokens
+    drafter._hidden_in = torch.zeros(8, drafter.hidden_size, dtype=drafter.dtype)
+
+    class Replays:  # what CudaGraphRunner offers: can_run, run
+        calls = 0
+
+        def can_run(self, meta):
+            return meta.max_query_len == 1
+
+        def run(self, ids, pos, meta):
+            Replays.calls += 1
+            return drafter._step(ids, drafter._hidden_in[: ids.shape[0]], pos, meta)
+
+    drafter.graphs = Replays()
+    assert drafter.propose(reqs, [3, 3]).tokens == eager and Replays.calls == 2  # d_2 and d_3
+    assert all(len(d) == 3 for d in eager)

@@ -17,6 +17,7 @@ import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import build_metadata
+from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.drafter import Commit, Proposals, TargetView, block_capacity, collect_drafts
 
@@ -24,8 +25,11 @@ from outrider.speculative.drafter import Commit, Proposals, TargetView, block_ca
 class ChainDrafter:
     aux_layer_ids: tuple[int, ...] = ()
 
-    def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int) -> None:
+    def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int,
+                 hidden_size: int, dtype: torch.dtype) -> None:
+        """hidden_size, dtype: of the head's output y, which the next chain step reads back."""
         self.device = torch.device(device)
+        self.hidden_size, self.dtype = hidden_size, dtype
         self.target = target
         self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
         self.block_size = block_size
@@ -33,6 +37,8 @@ class ChainDrafter:
         self.backend = get_backend(self.device)
         # request id -> (head output y [H], its logits) at the last committed pair: d_1 comes for free.
         self._last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.graphs: CudaGraphRunner | None = None  # chain steps at batch 1-8 (capture_graphs, CUDA)
+        self._hidden_in: torch.Tensor | None = None  # the graphs' static hidden input
 
     # --- what a head defines ---
     def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
@@ -63,6 +69,22 @@ class ChainDrafter:
         meta, positions = build_metadata(seqs, self.block_size, self.device)
         return self.run_head(tokens, hidden, positions, meta)
 
+    def _step(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One chain step: (y, the next drafts, their probabilities)."""
+        y = self.run_head(tokens, hidden, positions, meta)
+        return (y, *self.drafts(self.logits(y)))
+
+    def _chain_step(self, tokens: torch.Tensor, hidden: torch.Tensor,
+                    seqs: list[tuple[list[int], int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A chain step through a captured graph when one fits (its outputs copied out: the next replay
+        overwrites them), else eager."""
+        meta, positions = build_metadata(seqs, self.block_size, self.device)
+        if self.graphs is None or not self.graphs.can_run(meta):
+            return self._step(tokens, hidden, positions, meta)
+        self._hidden_in[: hidden.shape[0]].copy_(hidden)
+        return tuple(t.clone() for t in self.graphs.run(tokens, positions, meta))
+
     @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         # Pair each committed row i with t_{i+1}, already committed.
@@ -82,7 +104,15 @@ class ChainDrafter:
         self._last.pop(request_id, None)
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """Nothing captured: its forwards run eager (docs/speculative.md)."""
+        """The chain steps after d_1 (head, logits, drafts) as CUDA graphs at the verify batch sizes: an eager
+        step costs a launch per kernel, and a round of k drafts runs k - 1 of them. Learning stays eager."""
+        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
+        self._hidden_in = torch.zeros(buckets[-1], self.hidden_size, dtype=self.dtype, device=self.device)
+        self.graphs = CudaGraphRunner(
+            lambda ids, pos, meta: self._step(ids, self._hidden_in[: ids.shape[0]], pos, meta),
+            max_batch=buckets[-1], buckets=buckets, max_blocks_per_seq=-(-max_model_len // self.block_size),
+            max_seq_len=max_model_len, device=self.device, pool=pool)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
@@ -99,9 +129,8 @@ class ChainDrafter:
             prev, rows = rows, [i for i in rows if ks[i] >= j]
             keep = torch.tensor([prev.index(i) for i in rows]).to(self.device, non_blocking=True)
             p = [requests[i].num_tokens - 1 for i in rows]
-            y = self._run(tokens.index_select(0, keep), y.index_select(0, keep),
-                          [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
-            tokens, conf = self.drafts(self.logits(y))
+            y, tokens, conf = self._chain_step(tokens.index_select(0, keep), y.index_select(0, keep),
+                                               [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
             steps.append((rows, tokens, conf))
         return collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
                               [c for _, _, c in steps], len(requests))

@@ -142,8 +142,9 @@ class Eagle3Drafter(ChainDrafter):
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
-        super().__init__(target, block_size, device, max_draft)
-        model, cfg, self.aux_layer_ids = load_eagle3(path, target_cfg)
+        model, cfg, aux_layer_ids = load_eagle3(path, target_cfg)
+        super().__init__(target, block_size, device, max_draft, cfg.hidden_size, dtype)
+        self.aux_layer_ids = aux_layer_ids
         self.model = model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)  # (d2t stays int64)
         self.embed = self.model.embed_tokens if hasattr(self.model, "embed_tokens") else target.embed
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,

@@ -95,7 +95,7 @@ class MTPDrafter(ChainDrafter):
 
     def __init__(self, target: TargetView, cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
-        super().__init__(target, block_size, device, max_draft)
+        super().__init__(target, block_size, device, max_draft, cfg.hidden_size, dtype)
         self.layout, self.head = load_mtp_head(path, cfg, dtype, self.device)
         self.kv_shape = (1, cfg.num_key_value_heads, cfg.head_dim)  # one decoder layer of the target's shape
         self.vocab_size = cfg.vocab_size
