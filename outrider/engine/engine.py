@@ -114,8 +114,11 @@ class Engine:
             verify = range(2, self.policy.n_max + 2) if self.policy is not None else ()
             self.runner.graphs = capture_step_graphs(self.runner, config.max_num_seqs, self.max_model_len, verify)
             if self.drafter is not None:  # (the policy drafts for at most policy.max_batch sequences)
-                self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len,
-                                            self.runner.graphs[0].pool)
+                try:
+                    self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len,
+                                                self.runner.graphs[0].pool)
+                except Exception as exc:  # the drafter's graphs only save launches: without them it drafts eager
+                    log.error("drafter graphs failed to capture, drafting eager: %s\n%s", exc, traceback.format_exc())
         self.live: dict[int, _Live] = {}
         # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.
         self.suspects: set[int] = set()

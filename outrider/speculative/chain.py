@@ -108,11 +108,12 @@ class ChainDrafter:
         step costs a launch per kernel, and a round of k drafts runs k - 1 of them. Learning stays eager."""
         buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
         self._hidden_in = torch.zeros(buckets[-1], self.hidden_size, dtype=self.dtype, device=self.device)
-        self.graphs = CudaGraphRunner(
+        graphs = CudaGraphRunner(
             lambda ids, pos, meta: self._step(ids, self._hidden_in[: ids.shape[0]], pos, meta),
             max_batch=buckets[-1], buckets=buckets, max_blocks_per_seq=-(-max_model_len // self.block_size),
             max_seq_len=max_model_len, device=self.device, pool=pool)
-        self.graphs.capture()
+        graphs.capture()
+        self.graphs = graphs  # (only once every bucket is captured: a failed capture leaves drafting eager)
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:

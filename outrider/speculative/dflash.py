@@ -140,8 +140,8 @@ class DFlashDrafter:
         """Whole-block drafting as CUDA graphs at the verify batch sizes: one eager forward of even a few layers
         costs a launch per kernel, and every round runs one. Learning (ragged row counts) stays eager."""
         buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
-        self.graphs = CudaGraphRunner(self._block_forward, max_batch=buckets[-1], tokens_per_seq=self.block,
-                                      causal=False, buckets=buckets,
-                                      max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                      max_seq_len=max_model_len, device=self.device, pool=pool)
-        self.graphs.capture()
+        graphs = CudaGraphRunner(self._block_forward, max_batch=buckets[-1], tokens_per_seq=self.block, causal=False,
+                                 buckets=buckets, max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                 max_seq_len=max_model_len, device=self.device, pool=pool)
+        graphs.capture()
+        self.graphs = graphs  # (only once every bucket is captured: a failed capture leaves drafting eager)
