@@ -584,6 +584,60 @@ def documented_defs(tree: ast.Module, methods: bool):
             yield "", node
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """The stdlib split into training and held-out files, the training-only extras, the tokenizer and the
+    encoded streams. Adding package files changes neither the held-out stream nor the tokenizer."""
+    root: Path
+    files: list  # every stdlib (relative path, text), sorted
+    train_files: list
+    held_files: list
+    chats: list
+    method_chats: list
+    package_roots: list
+    packages: PackageCorpus
+    tok: object
+    train_stream: torch.Tensor
+    val_stream: torch.Tensor
+
+    def summary(self) -> dict:
+        """metrics.json -> corpus."""
+        held_bytes = sum(len(t.encode()) for _, t in self.held_files)
+        return {
+            "root": str(self.root), "python": platform.python_version(), "files": len(self.files),
+            "train_files": len(self.train_files), "held_out_files": len(self.held_files),
+            "bytes": sum(len(t.encode()) for _, t in self.files), "sha256": fingerprint(self.files),
+            "chat_examples": len(self.chats), "method_chat_examples": len(self.method_chats),
+            "train_tokens": len(self.train_stream), "held_out_tokens": len(self.val_stream),
+            "held_out_bytes_per_token": round(held_bytes / max(1, len(self.val_stream) - len(self.held_files)), 3),
+            "packages": {"what": "training only: .py files of installed packages (never held out, not in the "
+                                 "tokenizer's text); a file is named 'index of its root:path under the root'",
+                         "roots": [str(r) for r in self.package_roots], "cap_bytes": self.packages.cap_bytes,
+                         "files": len(self.packages.files),
+                         "bytes": sum(len(t.encode()) for _, t in self.packages.files),
+                         "sha256": fingerprint(self.packages.files),
+                         "skipped_duplicates": self.packages.skipped_duplicates,
+                         "skipped_stdlib_copies": self.packages.skipped_stdlib_copies,
+                         "skipped_generated": self.packages.skipped_generated},
+        }
+
+
+def build_corpus(root: Path, package_roots: list[Path], p: Profile, seed: int) -> Corpus:
+    files = stdlib_files(root, p.max_files, p.max_file_bytes)
+    train_files = [f for f in files if not is_held_out(f[0])]
+    held_files = [f for f in files if is_held_out(f[0])]
+    chats = chat_examples(train_files, p.max_chat, seed)
+    method_chats = chat_examples(train_files, p.max_chat, seed, methods=True)
+    packages = package_files(package_roots, files, p.package_bytes, p.max_file_bytes)
+    train_docs = [t for _, t in train_files] + chats + method_chats + [t for _, t in packages.files]
+    random.Random(seed).shuffle(train_docs)
+    # The tokenizer learns from the same text as the first published family's (no method examples, no packages),
+    # so it is the same tokenizer and held-out losses per token compare directly across families.
+    tok = train_tokenizer([t for _, t in train_files] + chats, p.vocab)
+    return Corpus(root, files, train_files, held_files, chats, method_chats, list(package_roots), packages, tok,
+                  encode_stream(tok, train_docs), encode_stream(tok, [t for _, t in held_files]))
+
+
 def train_tokenizer(texts: list[str], vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -952,39 +1006,10 @@ def main(argv=None) -> int:
     # ---- data + tokenizer
     t0 = time.time()
     root = args.stdlib or Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(root, p.max_files, p.max_file_bytes)
-    train_files = [f for f in files if not is_held_out(f[0])]
-    held_files = [f for f in files if is_held_out(f[0])]
-    chats = chat_examples(train_files, p.max_chat, args.seed)
-    method_chats = chat_examples(train_files, p.max_chat, args.seed, methods=True)
-    roots = args.site_packages or site_dirs()
-    packages = package_files(roots, files, p.package_bytes, p.max_file_bytes)
-    rng = random.Random(args.seed)
-    train_docs = [t for _, t in train_files] + chats + method_chats + [t for _, t in packages.files]
-    rng.shuffle(train_docs)
-    # The tokenizer learns from the same text as the first published family's (no method examples), so it is the
-    # same tokenizer and held-out losses per token compare directly across families.
-    tok = train_tokenizer([t for _, t in train_files] + chats, p.vocab)
+    corpus = build_corpus(root, args.site_packages or site_dirs(), p, args.seed)
+    tok, train_stream, val_stream, held_files = corpus.tok, corpus.train_stream, corpus.val_stream, corpus.held_files
     vocab = tok.get_vocab_size()
-    train_stream = encode_stream(tok, train_docs)
-    val_stream = encode_stream(tok, [t for _, t in held_files])
-    held_bytes = sum(len(t.encode()) for _, t in held_files)
-    package_bytes = sum(len(t.encode()) for _, t in packages.files)
-    metrics["corpus"] = {
-        "root": str(root), "python": platform.python_version(), "files": len(files),
-        "train_files": len(train_files), "held_out_files": len(held_files),
-        "bytes": sum(len(t.encode()) for _, t in files), "sha256": fingerprint(files),
-        "chat_examples": len(chats), "method_chat_examples": len(method_chats), "train_tokens": len(train_stream),
-        "held_out_tokens": len(val_stream),
-        "held_out_bytes_per_token": round(held_bytes / max(1, len(val_stream) - len(held_files)), 3),
-        "packages": {"what": "training only: .py files of installed packages (never held out, not in the "
-                             "tokenizer's text); a file is named 'index of its root:path under the root'",
-                     "roots": [str(r) for r in roots], "cap_bytes": packages.cap_bytes,
-                     "files": len(packages.files), "bytes": package_bytes, "sha256": fingerprint(packages.files),
-                     "skipped_duplicates": packages.skipped_duplicates,
-                     "skipped_stdlib_copies": packages.skipped_stdlib_copies,
-                     "skipped_generated": packages.skipped_generated},
-    }
+    metrics["corpus"] = corpus.summary()
     metrics["vocab_size"] = vocab
     stage_t["data"] = round(time.time() - t0, 1)
     log(f"corpus {metrics['corpus']} vocab {vocab} ({stage_t['data']}s)")
