@@ -712,7 +712,7 @@ class Ctx:
 def lr_at(step: int, progress: float, lr: float, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then linear decay to zero at progress 1. Decaying to zero beats cosine
     to 10 % of the peak, and more so the more tokens per parameter (Bergsma et al. 2025, "Straight to Zero"):
-    the demo target trains on about 30 tokens per parameter, most of them repeated."""
+    the demo target trains on about 15 tokens per parameter."""
     return lr * min((step + 1) / warmup, max(0.0, 1.0 - progress))
 
 
