@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
-"""Train outrider's bundled demo model family from the Python standard library, reproducibly.
+"""Train outrider's bundled demo model family on Python source, reproducibly.
 
 What it builds, all sharing one byte-level BPE tokenizer:
   target/  a Qwen3ForCausalLM checkpoint (HF layout) with a Qwen3.5-style MTP layer stored in it (`mtp.*`)
   draft/   a smaller Qwen3ForCausalLM draft model (distilled from the target)
   dflash/  a DFlashDraftModel drafter (block diffusion on the target's frozen hidden states)
-plus metrics.json (losses, offline acceptance proxies, T = 0 samples, timings, corpus fingerprint),
+plus metrics.json (losses, offline acceptance proxies, T = 0 samples, timings, corpus fingerprints),
 eval_prompts.json and train_log.txt.
 
 Data: every `.py` file of the running interpreter's standard library (site-packages excluded). A fixed 5 % of the
-files, chosen by a hash of their relative path, is held out for evaluation and never trained on.
+files, chosen by a hash of their relative path, is held out for evaluation and never trained on; the tokenizer
+learns from the rest. The training text adds, up to a cap, the `.py` files of the interpreter's installed packages
+(its site-packages / dist-packages directories, or --site-packages), less duplicates and copies of the stdlib.
 
-Usage (the shipped artifacts; one H200, about 8 minutes; each training stage has a time cap, so the whole run
-stays under about 9.5 minutes even on a slower device):
+Usage (the shipped artifacts; one H200, about 6.5 minutes; each training stage has a time cap, so the whole run
+stays under about 8 minutes even on a slower device):
     python3 scripts/train_demo.py --out outrider/demo --seed 0
 On a device run that returns files from $OUT (at most 8 files of 16 MiB): train into a scratch directory and
---pack the family as two tar files plus metrics.json and train_log.txt, to unpack into outrider/demo:
+--pack the family as two tar files plus metrics.json and train_log.txt, to unpack into outrider/demo (packed
+again after every stage, so a run stopped from outside still returns the stages it finished):
     python3 scripts/train_demo.py --out /tmp/demo --seed 0 --pack $OUT
 CPU smoke run of the whole pipeline with tiny sizes (< 1 minute):
     python scripts/train_demo.py --smoke --out /tmp/demo-smoke
@@ -120,30 +123,33 @@ class Profile:
     max_files: int | None = None  # smoke: a subset of files
     max_file_bytes: int = 1_000_000
     max_chat: int = 4000  # per kind: documented functions, documented methods
+    package_bytes: int = 80_000_000  # cap on the installed packages' source added to the training text
     # Per-stage caps in seconds. A stage that reaches its cap still completes its learning-rate decay (the
     # schedule follows the larger of step and time progress), so a slower GPU gets fewer steps, not a cut-off run.
     # On one H200 the step counts bind, not these.
     stage_seconds: dict = field(default_factory=dict)
 
 
-# One H200, about 8 minutes for the whole family (outrider/demo/README.md gives the measured split by stage).
-# The target is one layer deeper than the first published family (6 -> 7 layers) and trains 8x the tokens; the
-# draft model is narrower (hidden 192 -> 128) so that everything still fits in 20 MB of bf16.
+# One H200, about 6.5 minutes for the whole family; at most about 8 if every stage cap binds (outrider/demo/README.md
+# gives the expected split by stage). The 7-layer target trains 1,800 steps x 96 x 512 = 88 M tokens, about 3 passes
+# over the stdlib plus up to 80 MB of installed packages' source: the run before it, 4,000 steps over the stdlib
+# alone (55 passes), overfit from step 600 on. With 3 passes there is nothing for dropout to do but slow learning.
+# The drafters' stages are trimmed (MTP 1,500 -> 1,200 steps, DFlash 3,000 -> 2,000) to fit the device call.
 FULL = Profile(
     vocab=4096, seq=512,
     target=Shape(256, 7, 4, 2, 64, 640),
     draft=Shape(128, 2, 2, 1, 64, 512),
     dflash=Shape(256, 2, 4, 2, 64, 640),
     dflash_taps=(1, 3, 5), block_size=8, dflash_gamma=4.0, dflash_anchors=64,
-    mtp_steps=3, mtp_beta=0.6, dropout=0.1,
-    target_train=(4000, 96, 2e-3, 200),
+    mtp_steps=3, mtp_beta=0.6, dropout=0.0,
+    target_train=(1800, 96, 2e-3, 150),
     draft_train=(1500, 64, 3e-3, 100),
-    mtp_train=(1500, 64, 1.5e-3, 100),
-    dflash_train=(3000, 64, 1.5e-3, 100),
+    mtp_train=(1200, 64, 1.5e-3, 100),
+    dflash_train=(2000, 64, 1.5e-3, 100),
     eval_every=100, val_windows=256,
     gen_prompts=8192, gen_prompt_len=64, gen_new=256, gen_batch=2048,
     eval_prompts=32, eval_new=128,
-    stage_seconds={"target": 220, "draft": 55, "mtp": 90, "dflash": 110},
+    stage_seconds={"target": 120, "draft": 60, "mtp": 75, "dflash": 95},
 )
 
 SMOKE = Profile(
@@ -160,7 +166,7 @@ SMOKE = Profile(
     eval_every=10, val_windows=8,
     gen_prompts=16, gen_prompt_len=16, gen_new=24, gen_batch=16,
     eval_prompts=3, eval_new=24,
-    max_files=40, max_file_bytes=20_000, max_chat=50,
+    max_files=40, max_file_bytes=20_000, max_chat=50, package_bytes=200_000,
     stage_seconds={"target": 60, "draft": 60, "mtp": 60, "dflash": 60},
 )
 
@@ -464,6 +470,81 @@ def is_held_out(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0
 
 
+def site_dirs() -> list[Path]:
+    """This interpreter's package directories: the site-packages / dist-packages entries of sys.path."""
+    return sorted({Path(e).resolve() for e in sys.path
+                   if Path(e).name in ("site-packages", "dist-packages") and Path(e).is_dir()})
+
+
+# A line counts toward the stdlib-copy test when it is this long once stripped: short lines (`return x`, `else:`)
+# occur in any Python file.
+DISTINCTIVE_LINE = 30
+GENERATED_LINE = 1000  # a file with a longer line is generated data (tables, blobs), not code to learn from
+
+
+@dataclass(frozen=True)
+class PackageCorpus:
+    """Training-only source from installed packages. files: (root index:relative path, text) in the order taken."""
+    files: list
+    cap_bytes: int
+    skipped_duplicates: int  # the same text as an earlier package file or as a stdlib file
+    skipped_stdlib_copies: int  # half or more of its distinctive lines occur in the stdlib (backports, vendoring)
+    skipped_generated: int
+
+
+def package_files(roots: list[Path], stdlib: list[tuple[str, str]], cap_bytes: int,
+                  max_bytes: int) -> PackageCorpus:
+    """UTF-8 .py files under `roots`, taken in a fixed pseudo-random order (sha1 of the root-relative path, so no
+    one package crowds out the rest) until their text reaches `cap_bytes`. Left out: files over `max_bytes`,
+    generated files, exact duplicates, and copies of the stdlib, so that nothing held out leaks in through a
+    backport or a vendored module."""
+    candidates = []
+    for index, root in enumerate(roots):
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).as_posix()
+            if "__pycache__" not in rel:
+                candidates.append((hashlib.sha1(rel.encode()).digest(), index, rel, path))
+    candidates.sort(key=lambda c: c[:3])
+    seen = {hashlib.sha256(text.encode()).digest() for _, text in stdlib}
+    stdlib_lines = {line for _, text in stdlib for line in distinctive_lines(text)}
+    files, total, duplicates, copies, generated = [], 0, 0, 0, 0
+    for _, index, rel, path in candidates:
+        try:
+            if path.stat().st_size > max_bytes:
+                continue
+            text = path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.strip():
+            continue
+        digest = hashlib.sha256(text.encode()).digest()
+        lines = distinctive_lines(text)
+        if digest in seen:
+            duplicates += 1
+        elif lines and 2 * sum(line in stdlib_lines for line in lines) >= len(lines):
+            copies += 1
+        elif any(len(line) > GENERATED_LINE for line in text.splitlines()):
+            generated += 1
+        elif total + len(text.encode()) > cap_bytes:
+            break
+        else:
+            seen.add(digest)
+            files.append((f"{index}:{rel}", text))
+            total += len(text.encode())
+    return PackageCorpus(files, cap_bytes, duplicates, copies, generated)
+
+
+def distinctive_lines(text: str) -> list[str]:
+    return [s for s in (line.strip() for line in text.splitlines()) if len(s) >= DISTINCTIVE_LINE]
+
+
+def fingerprint(files: list[tuple[str, str]]) -> str:
+    fp = hashlib.sha256()
+    for rel, text in files:
+        fp.update(rel.encode() + b"\0" + text.encode() + b"\0")
+    return fp.hexdigest()
+
+
 def chat_examples(files: list[tuple[str, str]], limit: int, seed: int, methods: bool = False) -> list[str]:
     """ChatML documents from documented public top-level functions of training files (or, with methods, from the
     documented public methods of their public top-level classes): ask for it by signature and the first
@@ -503,6 +584,60 @@ def documented_defs(tree: ast.Module, methods: bool):
             yield "", node
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """The stdlib split into training and held-out files, the training-only extras, the tokenizer and the
+    encoded streams. Adding package files changes neither the held-out stream nor the tokenizer."""
+    root: Path
+    files: list  # every stdlib (relative path, text), sorted
+    train_files: list
+    held_files: list
+    chats: list
+    method_chats: list
+    package_roots: list
+    packages: PackageCorpus
+    tok: object
+    train_stream: torch.Tensor
+    val_stream: torch.Tensor
+
+    def summary(self) -> dict:
+        """metrics.json -> corpus."""
+        held_bytes = sum(len(t.encode()) for _, t in self.held_files)
+        return {
+            "root": str(self.root), "python": platform.python_version(), "files": len(self.files),
+            "train_files": len(self.train_files), "held_out_files": len(self.held_files),
+            "bytes": sum(len(t.encode()) for _, t in self.files), "sha256": fingerprint(self.files),
+            "chat_examples": len(self.chats), "method_chat_examples": len(self.method_chats),
+            "train_tokens": len(self.train_stream), "held_out_tokens": len(self.val_stream),
+            "held_out_bytes_per_token": round(held_bytes / max(1, len(self.val_stream) - len(self.held_files)), 3),
+            "packages": {"what": "training only: .py files of installed packages (never held out, not in the "
+                                 "tokenizer's text); a file is named 'index of its root:path under the root'",
+                         "roots": [str(r) for r in self.package_roots], "cap_bytes": self.packages.cap_bytes,
+                         "files": len(self.packages.files),
+                         "bytes": sum(len(t.encode()) for _, t in self.packages.files),
+                         "sha256": fingerprint(self.packages.files),
+                         "skipped_duplicates": self.packages.skipped_duplicates,
+                         "skipped_stdlib_copies": self.packages.skipped_stdlib_copies,
+                         "skipped_generated": self.packages.skipped_generated},
+        }
+
+
+def build_corpus(root: Path, package_roots: list[Path], p: Profile, seed: int) -> Corpus:
+    files = stdlib_files(root, p.max_files, p.max_file_bytes)
+    train_files = [f for f in files if not is_held_out(f[0])]
+    held_files = [f for f in files if is_held_out(f[0])]
+    chats = chat_examples(train_files, p.max_chat, seed)
+    method_chats = chat_examples(train_files, p.max_chat, seed, methods=True)
+    packages = package_files(package_roots, files, p.package_bytes, p.max_file_bytes)
+    train_docs = [t for _, t in train_files] + chats + method_chats + [t for _, t in packages.files]
+    random.Random(seed).shuffle(train_docs)
+    # The tokenizer learns from the same text as the first published family's (no method examples, no packages),
+    # so it is the same tokenizer and held-out losses per token compare directly across families.
+    tok = train_tokenizer([t for _, t in train_files] + chats, p.vocab)
+    return Corpus(root, files, train_files, held_files, chats, method_chats, list(package_roots), packages, tok,
+                  encode_stream(tok, train_docs), encode_stream(tok, [t for _, t in held_files]))
+
+
 def train_tokenizer(texts: list[str], vocab: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -538,13 +673,15 @@ def write_tokenizer(tok, path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def encode_stream(tok, docs: list[str]) -> torch.Tensor:
-    """Documents joined into one token stream, each preceded by <|endoftext|>."""
-    ids = []
-    for enc in tok.encode_batch(docs, add_special_tokens=False):
-        ids.append(EOT_ID)
-        ids.extend(enc.ids)
-    return torch.tensor(ids, dtype=torch.int32)
+def encode_stream(tok, docs: list[str], chunk: int = 1024) -> torch.Tensor:
+    """Documents joined into one token stream, each preceded by <|endoftext|>. Encoded in chunks of documents,
+    without offsets where the tokenizers version can: tens of MB of text at once would hold gigabytes of them."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    parts = []
+    for i in range(0, len(docs), chunk):
+        for enc in encode(docs[i:i + chunk], add_special_tokens=False):
+            parts.append(torch.tensor([EOT_ID, *enc.ids], dtype=torch.int32))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
 
 
 def sample_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
@@ -575,7 +712,7 @@ class Ctx:
 def lr_at(step: int, progress: float, lr: float, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then linear decay to zero at progress 1. Decaying to zero beats cosine
     to 10 % of the peak, and more so the more tokens per parameter (Bergsma et al. 2025, "Straight to Zero"):
-    the demo target trains on about 30 tokens per parameter, most of them repeated."""
+    the demo target trains on about 15 tokens per parameter."""
     return lr * min((step + 1) / warmup, max(0.0, 1.0 - progress))
 
 
@@ -825,6 +962,9 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps, CPU-friendly (< 1 minute)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--stdlib", type=Path, default=None, help="override the corpus root (default: this interpreter's)")
+    ap.add_argument("--site-packages", type=Path, action="append", default=None, metavar="DIR",
+                    help="a package directory for the training-only part of the corpus (repeatable; default: this "
+                         "interpreter's site-packages / dist-packages directories)")
     ap.add_argument("--reuse-target", type=Path, default=None,
                     help="load the target from a previous run's target/ directory instead of training it")
     ap.add_argument("--pack", type=Path, default=None,
@@ -855,38 +995,21 @@ def main(argv=None) -> int:
     stage_t = {}
 
     def save_metrics():
+        """Writes metrics.json and, with --pack, packs what exists so far: a run stopped from outside (a device
+        call's time limit) still returns every stage it finished."""
         metrics["seconds"] = {**stage_t, "total": round(time.time() - t_start, 1)}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if args.pack:
+            return pack(out, args.pack)
+        return []
 
     # ---- data + tokenizer
     t0 = time.time()
     root = args.stdlib or Path(sysconfig.get_paths()["stdlib"])
-    files = stdlib_files(root, p.max_files, p.max_file_bytes)
-    train_files = [f for f in files if not is_held_out(f[0])]
-    held_files = [f for f in files if is_held_out(f[0])]
-    fp = hashlib.sha256()
-    for rel, text in files:
-        fp.update(rel.encode() + b"\0" + text.encode() + b"\0")
-    chats = chat_examples(train_files, p.max_chat, args.seed)
-    method_chats = chat_examples(train_files, p.max_chat, args.seed, methods=True)
-    rng = random.Random(args.seed)
-    train_docs = [t for _, t in train_files] + chats + method_chats
-    rng.shuffle(train_docs)
-    # The tokenizer learns from the same text as the first published family's (no method examples), so it is the
-    # same tokenizer and held-out losses per token compare directly across families.
-    tok = train_tokenizer([t for _, t in train_files] + chats, p.vocab)
+    corpus = build_corpus(root, args.site_packages or site_dirs(), p, args.seed)
+    tok, train_stream, val_stream, held_files = corpus.tok, corpus.train_stream, corpus.val_stream, corpus.held_files
     vocab = tok.get_vocab_size()
-    train_stream = encode_stream(tok, train_docs)
-    val_stream = encode_stream(tok, [t for _, t in held_files])
-    held_bytes = sum(len(t.encode()) for _, t in held_files)
-    metrics["corpus"] = {
-        "root": str(root), "python": platform.python_version(), "files": len(files),
-        "train_files": len(train_files), "held_out_files": len(held_files),
-        "bytes": sum(len(t.encode()) for _, t in files), "sha256": fp.hexdigest(),
-        "chat_examples": len(chats), "method_chat_examples": len(method_chats), "train_tokens": len(train_stream),
-        "held_out_tokens": len(val_stream),
-        "held_out_bytes_per_token": round(held_bytes / max(1, len(val_stream) - len(held_files)), 3),
-    }
+    metrics["corpus"] = corpus.summary()
     metrics["vocab_size"] = vocab
     stage_t["data"] = round(time.time() - t0, 1)
     log(f"corpus {metrics['corpus']} vocab {vocab} ({stage_t['data']}s)")
@@ -1192,11 +1315,9 @@ def main(argv=None) -> int:
              if f.is_file() and f.parent.name in ("target", "draft", "dflash")}
     metrics["files"] = sizes
     metrics["total_bytes"] = sum(sizes.values())
-    save_metrics()
     log(f"wrote {out} ({metrics['total_bytes'] / 1e6:.2f} MB of model files) in {time.time() - t_start:.0f}s")
-    if args.pack:
-        for path in pack(out, args.pack):
-            log(f"packed {path} ({path.stat().st_size / 1e6:.2f} MB)")
+    for path in save_metrics():
+        log(f"packed {path} ({path.stat().st_size / 1e6:.2f} MB)")
     return 0
 
 
@@ -1208,17 +1329,21 @@ PACK_FILE_LIMIT = 16 << 20
 
 def pack(out: Path, dest: Path) -> list[Path]:
     """Write PACK_PARTS of the family in `out` into `dest`, and plain copies of metrics.json and train_log.txt
-    to read without unpacking. Raises if a part is over PACK_FILE_LIMIT."""
+    to read without unpacking. Members not written yet are left out (a part with none is skipped), and each file
+    replaces its previous version in one rename, so a run killed while packing leaves the last complete pack.
+    Raises if a part is over PACK_FILE_LIMIT."""
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for name, members in PACK_PARTS.items():
-        with tarfile.open(dest / name, "w") as tar:
-            for member in members:
-                tar.add(out / member, arcname=member)
-        written.append(dest / name)
+        present = [m for m in members if (out / m).exists()]
+        if present:
+            with tarfile.open(dest / f".{name}.partial", "w") as tar:
+                for member in present:
+                    tar.add(out / member, arcname=member)
+            written.append((dest / f".{name}.partial").replace(dest / name))
     for name in ("metrics.json", "train_log.txt"):
-        (dest / name).write_bytes((out / name).read_bytes())
-        written.append(dest / name)
+        (dest / f".{name}.partial").write_bytes((out / name).read_bytes())
+        written.append((dest / f".{name}.partial").replace(dest / name))
     too_big = [f"{p.name}: {p.stat().st_size} bytes" for p in written if p.stat().st_size > PACK_FILE_LIMIT]
     if too_big:
         raise RuntimeError(f"over the {PACK_FILE_LIMIT} bytes a returned file may have: {', '.join(too_big)}")

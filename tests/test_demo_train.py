@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import hashlib
 import importlib.util
 import json
 import subprocess
@@ -52,6 +54,10 @@ def smoke(tmp_path_factory, packed):
     return out, run_smoke(out, pack=packed)
 
 
+def td_site_dirs():
+    return load_script().site_dirs()
+
+
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -72,6 +78,9 @@ def test_smoke_writes_every_artifact(smoke):
     assert t["steps_run"] == t["steps_planned"] and not t["stopped_by_time"]
     assert metrics["corpus"]["held_out_files"] > 0 and metrics["corpus"]["train_files"] > 0
     assert metrics["corpus"]["method_chat_examples"] > 0
+    packages = metrics["corpus"]["packages"]  # by default the running interpreter's site-packages
+    assert packages["roots"] == [str(r) for r in td_site_dirs()] and packages["roots"]
+    assert 0 < packages["bytes"] <= packages["cap_bytes"] and packages["files"] > 0
     for name, r in metrics["acceptance_proxy"]["all"].items():
         assert r["steps"] == 0 or 1 <= r["mean_tau"], name
     assert 0 <= metrics["acceptance_proxy"]["greedy_repeated_share"] <= 1
@@ -310,3 +319,95 @@ def test_smoke_is_reproducible(smoke, tmp_path):
     assert again["target"]["held_out_loss"] == first["target"]["held_out_loss"]
     assert again["corpus"]["sha256"] == first["corpus"]["sha256"]
     assert again["acceptance_proxy"]["all"] == first["acceptance_proxy"]["all"]
+
+
+def write_files(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def module_text(name: str, n: int) -> str:
+    """A distinct, plausible module of about n functions."""
+    return "".join(f"def {name}_function_number_{i}(argument_value):\n    return argument_value * {i} + {len(name)}\n\n"
+                   for i in range(n))
+
+
+def test_package_files_are_taken_in_a_fixed_order_up_to_the_cap(tmp_path):
+    td = load_script()
+    names = [f"pkg{i % 3}/mod{i}.py" for i in range(24)]
+    texts = {rel: module_text(f"m{i}", 5 + i % 4) for i, rel in enumerate(names)}
+    first = write_files(tmp_path / "a" / "site-packages", texts)
+    # the same files, created in the opposite order
+    second = write_files(tmp_path / "b" / "site-packages", dict(reversed(list(texts.items()))))
+    cap = sum(len(t) for t in texts.values()) // 2
+    got = td.package_files([first], [], cap, 1_000_000)
+    assert got.files == td.package_files([second], [], cap, 1_000_000).files
+    taken = sum(len(t.encode()) for _, t in got.files)
+    assert taken <= cap and 0 < len(got.files) < len(texts)
+    by_hash = sorted(texts, key=lambda rel: hashlib.sha1(rel.encode()).digest())
+    assert [rel for rel, _ in got.files] == [f"0:{rel}" for rel in by_hash[:len(got.files)]]
+    assert taken + len(texts[by_hash[len(got.files)]]) > cap  # it stopped at the first file over the cap
+    assert len(td.package_files([first], [], 10 ** 9, 1_000_000).files) == len(texts)
+
+
+def test_package_files_leave_out_duplicates_stdlib_copies_and_generated_files(tmp_path):
+    td = load_script()
+    stdlib_module = module_text("stdlib", 12)
+    root = write_files(tmp_path / "site-packages", {
+        "same_as_stdlib.py": stdlib_module,
+        "backport/__init__.py": stdlib_module + module_text("extra", 3),  # 12 of 15 long lines from the stdlib
+        "twice/a.py": module_text("twice", 4),
+        "twice/b.py": module_text("twice", 4),
+        "table.py": "TABLE = " + repr("x" * 2000) + "\n",
+        "own.py": module_text("own", 6),
+        "borrows_a_little.py": module_text("own2", 6) + stdlib_module.split("\n\n")[0] + "\n",
+    })
+    got = td.package_files([root], [("stdmod.py", stdlib_module)], 10 ** 9, 1_000_000)
+    names = {rel.split(":", 1)[1] for rel, _ in got.files}
+    assert names == {"own.py", "borrows_a_little.py"} | ({"twice/a.py", "twice/b.py"} & names)
+    assert len(names & {"twice/a.py", "twice/b.py"}) == 1
+    assert (got.skipped_duplicates, got.skipped_stdlib_copies, got.skipped_generated) == (2, 1, 1)
+
+
+def test_package_files_change_neither_the_held_out_stream_nor_the_tokenizer(tmp_path):
+    """The held-out loss of a family trained with packages compares with one trained without: the same held-out
+    tokens under the same tokenizer."""
+    td = load_script()
+    stdlib = write_files(tmp_path / "stdlib", {f"lib{i}/mod{i}.py": module_text(f"lib{i}", 3 + i % 5)
+                                               for i in range(60)})
+    packages = write_files(tmp_path / "site-packages", {f"p/m{i}.py": module_text(f"pkg{i}", 4) for i in range(10)})
+    profile = dataclasses.replace(td.SMOKE, vocab=300)
+    without = td.build_corpus(stdlib, [], profile, 0)
+    with_packages = td.build_corpus(stdlib, [packages], profile, 0)
+    assert without.held_files and not without.packages.files and len(with_packages.packages.files) == 10
+    assert with_packages.held_files == without.held_files
+    assert with_packages.tok.to_str() == without.tok.to_str()
+    assert torch.equal(with_packages.val_stream, without.val_stream)
+    extra = sum(len(t) for _, t in with_packages.packages.files)
+    assert len(with_packages.train_stream) > len(without.train_stream) + extra // 20
+    summary = with_packages.summary()
+    assert summary["sha256"] == without.summary()["sha256"]  # the stdlib's fingerprint
+    assert summary["packages"]["files"] == 10 and summary["packages"]["roots"] == [str(packages)]
+    assert summary["packages"]["sha256"] != without.summary()["packages"]["sha256"]
+
+
+def test_pack_of_an_unfinished_run_holds_the_stages_written_so_far(tmp_path):
+    """--pack runs after every stage: a run stopped from outside still returns the target and its metrics."""
+    td = load_script()
+    out = write_files(tmp_path / "out", {"target/config.json": "{}", "metrics.json": "{\"stage\": 1}",
+                                         "train_log.txt": "target done\n"})
+    dest = tmp_path / "pack"
+    td.pack(out, dest)
+    assert sorted(f.name for f in dest.iterdir()) == ["demo-drafters.tar", "demo-target.tar", "metrics.json",
+                                                      "train_log.txt"]
+    with tarfile.open(dest / "demo-drafters.tar") as tar:
+        assert sorted(tar.getnames()) == ["metrics.json", "train_log.txt"]
+    write_files(out, {"draft/config.json": "{}", "metrics.json": "{\"stage\": 2}"})
+    td.pack(out, dest)
+    with tarfile.open(dest / "demo-drafters.tar") as tar:
+        assert "draft/config.json" in tar.getnames()
+    assert (dest / "metrics.json").read_text() == "{\"stage\": 2}"
+    assert sorted(f.name for f in dest.iterdir()) == ["demo-drafters.tar", "demo-target.tar", "metrics.json",
+                                                      "train_log.txt"]
