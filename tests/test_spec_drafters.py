@@ -94,6 +94,18 @@ class Loop:
             self.drafter.on_commit(commits, hidden[keep], aux[keep] if aux is not None else None)
 
 
+class GraphStandIn:
+    """What CudaGraphRunner offers a drafter (can_run, run), replaying eagerly and counting the replays: drafter
+    graphs need CUDA, their routing does not."""
+
+    def __init__(self, fits, forward) -> None:
+        self.can_run, self.forward, self.calls = fits, forward, 0
+
+    def run(self, ids, pos, meta):
+        self.calls += 1
+        return self.forward(ids, pos, meta)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
@@ -244,19 +256,9 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
     eager = drafter.propose([req], [3]).tokens
     drafter.release(req.request_id)
 
-    class Replays:  # what CudaGraphRunner offers: can_run, run
-        calls = 0
-
-        def can_run(self, meta):
-            return meta.max_query_len == 1
-
-        def run(self, ids, pos, meta):
-            Replays.calls += 1
-            return drafter._decode_logits(ids, pos, meta)
-
-    drafter.graphs = Replays()
+    drafter.graphs = replays = GraphStandIn(lambda meta: meta.max_query_len == 1, drafter._decode_logits)
     assert drafter.propose([req], [3]).tokens == eager
-    assert Replays.calls == 2  # drafts 2 and 3; the first fed the whole prompt (eager)
+    assert replays.calls == 2  # drafts 2 and 3; the first fed the whole prompt (eager)
 
 
 def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
@@ -267,18 +269,9 @@ def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
     drafter, reqs = loop.drafter, loop.reqs
     eager = drafter.propose(reqs, [4, 4]).tokens
 
-    class Replays:  # what CudaGraphRunner offers: can_run, run
-        calls = 0
-
-        def can_run(self, meta):
-            return not meta.causal and meta.max_query_len == drafter.block
-
-        def run(self, ids, pos, meta):
-            Replays.calls += 1
-            return drafter._block_forward(ids, pos, meta)
-
-    drafter.graphs = Replays()
-    assert drafter.propose(reqs, [4, 4]).tokens == eager and Replays.calls == 1
+    drafter.graphs = replays = GraphStandIn(lambda meta: not meta.causal and meta.max_query_len == drafter.block,
+                                            drafter._block_forward)
+    assert drafter.propose(reqs, [4, 4]).tokens == eager and replays.calls == 1
     assert all(len(d) == 4 for d in eager)
 
 
@@ -321,16 +314,8 @@ def test_chain_steps_go_through_graphs_when_they_fit(ckpts, kind, name):
     eager = drafter.propose(reqs, [3, 3]).tokens
     drafter._hidden_in = torch.zeros(8, drafter.hidden_size, dtype=drafter.dtype)
 
-    class Replays:  # what CudaGraphRunner offers: can_run, run
-        calls = 0
-
-        def can_run(self, meta):
-            return meta.max_query_len == 1
-
-        def run(self, ids, pos, meta):
-            Replays.calls += 1
-            return drafter._step(ids, drafter._hidden_in[: ids.shape[0]], pos, meta)
-
-    drafter.graphs = Replays()
-    assert drafter.propose(reqs, [3, 3]).tokens == eager and Replays.calls == 2  # d_2 and d_3
+    drafter.graphs = replays = GraphStandIn(
+        lambda meta: meta.max_query_len == 1,
+        lambda ids, pos, meta: drafter._step(ids, drafter._hidden_in[: ids.shape[0]], pos, meta))
+    assert drafter.propose(reqs, [3, 3]).tokens == eager and replays.calls == 2  # d_2 and d_3
     assert all(len(d) == 3 for d in eager)
