@@ -126,20 +126,19 @@ class StepCosts:
     moving averages. The engine feeds it from its clock, at warm-up and while serving."""
 
     weight: float = 0.25  # of a new measurement
-    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # batch bucket -> k -> seconds
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        key = (batch_bucket(batch), k)
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + self.weight * (seconds - old)
+        at = self.seconds.setdefault(batch_bucket(batch), {})
+        old = at.get(k)
+        at[k] = seconds if old is None else old + self.weight * (seconds - old)
 
     def get(self, batch: int, k: int) -> float | None:
-        return self.seconds.get((batch_bucket(batch), k))
+        return self.at(batch).get(k)
 
     def at(self, batch: int) -> dict[int, float]:
-        """Every measured draft length of the batch's bucket, with its seconds."""
-        bucket = batch_bucket(batch)
-        return {k: t for (b, k), t in self.seconds.items() if b == bucket}
+        """Every measured draft length of the batch's bucket, with its seconds (the table itself: read only)."""
+        return self.seconds.get(batch_bucket(batch), {})
 
 
 @dataclass
@@ -214,6 +213,7 @@ class DraftPolicy:
     def _batch_length(self, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
         if self.measured and self.costs.get(batch, 0) is None:
             return 0  # a plain step first: every estimate is relative to it
+
         def rate(k: int) -> float:  # expected tokens per second over the batch
             tokens = sum(expected_tokens(a, min(k, c)) for a, c in zip(alphas, caps))
             return tokens / self.round_seconds(batch, k, step_cost)
