@@ -138,12 +138,3 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-    @property
-    def in_prefill(self) -> bool:
-        """True while tokens that are already known (prompt, or outputs after a preemption) lack K/V."""
-        return self.num_computed < self.num_tokens - 1
