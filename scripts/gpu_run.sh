@@ -1,37 +1,65 @@
 #!/usr/bin/env bash
-# GPU tests + benchmarks on the device machine. Usage: scripts/gpu_run.sh MODE; logs land in $OUT. One device
-# call runs at most 10 minutes, so each mode below fits one call; `full` (all of them) does not.
+# GPU tests, training and benchmarks on the device machine, in one call: scripts/gpu_run.sh MODE [MODE ...].
+# Logs land in $OUT (bench.log with every command, tests.log, env.txt, json.tar with the --json results).
+# One device call runs at most 10 minutes, so the modes run in the order given against a deadline
+# (DEADLINE_S seconds after the start, default 570): a command gets the time left, capped at BENCH_TIMEOUT
+# (default 300 s), and one that would get under 30 s is skipped and logged as such.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
+# spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
+# timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
+# train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
+# spec-demo: bench spec on the demo family (DEMO, default outrider/demo): DFlash, MTP, draft model at batch 1, 8.
+# ngram: n-gram drafting on the demo target, edit and unrepeated workloads, batch 1 (issue 19's targets).
+# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch 1, 8, 32; KINDS picks presets
+#          (default "dflash mtp draft eagle3").
+# schema: JSON-schema mask cost at the Qwen3-8B shape, batch 1 and 32 (issue 17).
 # latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles).
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
-# spec-demo: bench spec on the demo family (draft model, MTP, DFlash) at batch 1, 8, 32 (issue 13's targets).
-# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance (issue 13's targets; BENCH_TIMEOUT=500).
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
-MODE=${1:-}
-case "$MODE" in
-  tests|latency|kernels|throughput|spec-demo|spec-8b|full) ;;
-  ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
-  *) echo "usage: scripts/gpu_run.sh tests|latency|kernels|throughput|spec-demo|spec-8b|full|ab" >&2; exit 2 ;;
-esac
+[ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
+for MODE in "$@"; do
+  case "$MODE" in
+    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|schema|latency|kernels|throughput) ;;
+    ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
+    *) echo "unknown mode $MODE" >&2; exit 2 ;;
+  esac
+done
 OUT=$(realpath -m "${OUT:-.out}")
-mkdir -p "$OUT"
+mkdir -p "$OUT/json"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
+DEMO=${DEMO:-outrider/demo}
+START=$SECONDS
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   $PY -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)"
+  git rev-parse HEAD 2>/dev/null
 } > "$OUT/env.txt" 2>&1
 
-bench() {  # every bench line also goes to bench.log, with the exact command before it
-  echo "\$ python -m outrider.bench $*" | tee -a "$OUT/bench.log"
-  timeout "${BENCH_TIMEOUT:-300}" $PY -m outrider.bench "$@" 2>&1 | grep -v 'capturing CUDA graphs' | tee -a "$OUT/bench.log"
+budget() {  # seconds the next command may run: the time left before the deadline, capped; 0 = skip it
+  local left=$(( ${DEADLINE_S:-570} - (SECONDS - START) - 10 )) cap=${1:-${BENCH_TIMEOUT:-300}}
+  (( left > cap )) && left=$cap
+  (( left < 30 )) && left=0
+  echo "$left"
 }
 
-if [ "$MODE" = ab ]; then
+timed() {  # timed LOG CMD...: run with the budget, logging the command, its output and its wall time to LOG
+  local log=$1 t; shift
+  t=$(budget)
+  if [ "$t" = 0 ]; then echo "skipped (deadline): $*" | tee -a "$log"; return 0; fi
+  echo "\$ $* [t+$((SECONDS - START))s, limit ${t}s]" | tee -a "$log"
+  local t0=$SECONDS
+  timeout "$t" "$@" 2>&1 | grep --line-buffered -v "capturing CUDA graphs" | tee -a "$log"
+  echo "  (exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s)" | tee -a "$log"
+}
+
+bench() { timed "$OUT/bench.log" $PY -m outrider.bench "$@"; }
+
+if [ "$1" = ab ]; then
   for round in 1 2; do
     for dir in $AB; do
       echo "== $dir (round $round)" | tee -a "$OUT/bench.log"
@@ -43,35 +71,68 @@ if [ "$MODE" = ab ]; then
   exit 0
 fi
 
-run() { [ "$MODE" = full ] || [ "$MODE" = "$1" ]; }
-if run tests; then
-  # tests/gpu, plus the speculative engine tests, which run on the GPU when there is one (verify graphs)
-  timeout 480 $PY -m pytest tests/gpu tests/test_spec_engine.py -q -rs 2>&1 | tee "$OUT/tests.log"
-fi
-if run kernels; then
-  bench kernels
-fi
-if run latency; then
-  bench latency --random-weights qwen3-8b --compare hf --profile
-  bench latency --random-weights qwen3-0.6b --profile
-fi
-if run throughput; then
-  bench throughput --random-weights qwen3-0.6b
-  bench throughput --random-weights qwen3-8b
-  # where a throughput-sized decode step goes (batch and context near the workload's average, T=0.6)
-  timeout 200 $PY scripts/profile_gpu.py --model qwen3-0.6b --batch 160 --prompt-len 700 --temperature 0.6 \
-    --steps 32 --top 15 2>&1 | grep -v 'capturing CUDA graphs' | tee "$OUT/profile_throughput.log"
-  bench latency --random-weights qwen3-8b --batch 32 --ttft-prompt-len 0
-fi
-if run spec-demo; then
-  bench spec --model outrider/demo/target --draft-model outrider/demo/dflash --num-requests 64 --json "$OUT/spec-demo-dflash.json"
-  bench spec --model outrider/demo/target --spec-type mtp --num-requests 64 --json "$OUT/spec-demo-mtp.json"
-  bench spec --model outrider/demo/target --draft-model outrider/demo/draft --num-requests 64 --json "$OUT/spec-demo-draft.json"
-fi
-if run spec-8b; then
-  bench spec --random-weights qwen3-8b --spec-type dflash --acceptance 0.86 0.7 0 --json "$OUT/spec-8b-dflash.json"
-  bench spec --random-weights qwen3-8b --spec-type mtp --acceptance 0.7 0 --draft-n-max 3 --json "$OUT/spec-8b-mtp.json"
-  bench spec --random-weights qwen3-8b --spec-type draft --acceptance 0.8 0.7 0 --draft-n-max 4 --json "$OUT/spec-8b-draft.json"
-fi
-echo "== summary"; grep -E '^(==|latency|ttft|hf-|throughput|kernel|profile|spec|  tau)' "$OUT/bench.log"
+for MODE in "$@"; do
+  echo "== $MODE [t+$((SECONDS - START))s]" | tee -a "$OUT/bench.log"
+  case "$MODE" in
+  tests)
+    timed "$OUT/tests.log" $PY -m pytest tests/gpu tests/test_spec_engine.py -q -rs ;;
+  spec-tests)
+    timed "$OUT/tests.log" $PY -m pytest tests/gpu/test_spec_and_timings_gpu.py -q -rs ;;
+  timings)
+    timed "$OUT/bench.log" $PY scripts/gpu_timings.py prompt ;;
+  train)
+    rm -rf /tmp/demo
+    timed "$OUT/bench.log" $PY scripts/train_demo.py --out /tmp/demo --seed 0 --pack "$OUT"
+    [ -f /tmp/demo/dflash/config.json ] && DEMO=/tmp/demo ;;
+  spec-demo)
+    p="--prompts $DEMO/eval_prompts.json --batch 1 8 --num-requests 16"
+    bench spec --model "$DEMO/target" --draft-model "$DEMO/dflash" $p --json "$OUT/json/demo-dflash.json"
+    bench spec --model "$DEMO/target" --spec-type mtp $p --json "$OUT/json/demo-mtp.json"
+    bench spec --model "$DEMO/target" --draft-model "$DEMO/draft" $p --json "$OUT/json/demo-draft.json" ;;
+  ngram)
+    $PY -c "from outrider.bench.workloads import write_workload as w; w('edit', '/tmp/edit.json'); w('novel', '/tmp/novel.json')"
+    p="--model $DEMO/target --spec-type ngram --spec-ngram-simple-size-n 3 --draft-n-max 8 --batch 1"
+    bench spec $p --prompts /tmp/edit.json --json "$OUT/json/ngram-edit.json"
+    bench spec $p --prompts /tmp/novel.json --json "$OUT/json/ngram-novel.json"
+    bench spec $p --prompts /tmp/novel.json --spec-ngram-simple-min-hits 100000 --json "$OUT/json/ngram-lookup.json" ;;
+  spec-8b)
+    for kind in ${KINDS:-dflash mtp draft eagle3}; do
+      case $kind in
+        dflash) a="--acceptance 0.86 0.7 0" ;;
+        mtp) a="--acceptance 0.7 0 --draft-n-max 3" ;;
+        draft|eagle3) a="--acceptance 0.8 0.7 0 --draft-n-max 4" ;;
+      esac
+      bench spec --random-weights qwen3-8b --spec-type $kind $a --batch 1 8 32 --json "$OUT/json/8b-$kind.json"
+    done ;;
+  schema)
+    cat > /tmp/schema.json <<'JSON'
+{"type": "object", "properties": {
+  "items": {"type": "array", "minItems": 200, "items": {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "qty": {"type": "integer", "minimum": 0, "maximum": 999},
+    "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}}},
+    "required": ["name", "qty", "tags"]}}},
+  "required": ["items"]}
+JSON
+    for b in 1 32; do
+      bench latency --random-weights qwen3-8b --batch $b --gen 256 --ttft-prompt-len 0 --json-schema /tmp/schema.json
+    done ;;
+  kernels)
+    bench kernels ;;
+  latency)
+    bench latency --random-weights qwen3-8b --compare hf --profile
+    bench latency --random-weights qwen3-0.6b --profile ;;
+  throughput)
+    bench throughput --random-weights qwen3-0.6b
+    bench throughput --random-weights qwen3-8b
+    # where a throughput-sized decode step goes (batch and context near the workload's average, T=0.6)
+    timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3-0.6b --batch 160 --prompt-len 700 \
+      --temperature 0.6 --steps 32 --top 15
+    bench latency --random-weights qwen3-8b --batch 32 --ttft-prompt-len 0 ;;
+  esac
+done
+# at most 8 files come back from a device call: the JSON results travel as one tar
+if compgen -G "$OUT/json/*.json" > /dev/null; then tar -cf "$OUT/json.tar" -C "$OUT" json; fi
+rm -rf "$OUT/json"
+echo "== summary [t+$((SECONDS - START))s]"
+grep -E '^(==|latency|ttft|prompt|hf-|throughput|json-schema|kernel|profile|spec|  tau|skipped|  \(exit)' "$OUT/bench.log"
 if [ -f "$OUT/tests.log" ]; then tail -3 "$OUT/tests.log"; fi

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -80,8 +82,14 @@ def write_stub_checkpoint(name: str, path: Path, full_vocab: bool = False, **ext
 
     path.mkdir(parents=True, exist_ok=True)
     if full_vocab:
-        size = write_tiny_tokenizer(path, RANDOM_MODELS[name]["vocab_size"] - 256, corpus=python_sources())
-        print(f"bench: trained a {size}-token tokenizer on Python sources", flush=True)
+        # Trained once per machine and vocabulary size: a second bench process on the box reuses it.
+        vocab = RANDOM_MODELS[name]["vocab_size"] - 256
+        cache = Path(tempfile.gettempdir()) / f"outrider-bench-tokenizer-{vocab}"
+        if not (cache / "tokenizer_config.json").is_file():
+            size = write_tiny_tokenizer(cache, vocab, corpus=python_sources())
+            print(f"bench: trained a {size}-token tokenizer on Python sources ({cache})", flush=True)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(cache / file, path / file)
     else:
         write_tiny_tokenizer(path)
     (path / "config.json").write_text(json.dumps({**RANDOM_MODELS[name], **extra_config}))
