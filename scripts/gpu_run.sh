@@ -3,7 +3,8 @@
 # Logs land in $OUT (bench.log with every command, tests.log, env.txt, json.tar with the --json results).
 # One device call runs at most 10 minutes, so the modes run in the order given against a deadline
 # (DEADLINE_S seconds after the start, default 570): a command gets the time left, capped at BENCH_TIMEOUT
-# (default 300 s), and one that would get under 30 s is skipped and logged as such.
+# (default 300 s; training, 560 s), and one that would get under 30 s is skipped and logged as such.
+# Wheels in .whl/ (carried; e.g. llguidance, which the device lacks) are installed first.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
@@ -33,6 +34,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 DEMO=${DEMO:-outrider/demo}
 START=$SECONDS
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -41,7 +46,7 @@ START=$SECONDS
 } > "$OUT/env.txt" 2>&1
 
 budget() {  # seconds the next command may run: the time left before the deadline, capped; 0 = skip it
-  local left=$(( ${DEADLINE_S:-570} - (SECONDS - START) - 10 )) cap=${1:-${BENCH_TIMEOUT:-300}}
+  local left=$(( ${DEADLINE_S:-570} - (SECONDS - START) - 10 )) cap=${TIMED_CAP:-${BENCH_TIMEOUT:-300}}
   (( left > cap )) && left=$cap
   (( left < 30 )) && left=0
   echo "$left"
@@ -82,7 +87,7 @@ for MODE in "$@"; do
     timed "$OUT/bench.log" $PY scripts/gpu_timings.py prompt ;;
   train)
     rm -rf /tmp/demo
-    timed "$OUT/bench.log" $PY scripts/train_demo.py --out /tmp/demo --seed 0 --pack "$OUT"
+    TIMED_CAP=560 timed "$OUT/bench.log" $PY scripts/train_demo.py --out /tmp/demo --seed 0 --pack "$OUT"
     [ -f /tmp/demo/dflash/config.json ] && DEMO=/tmp/demo ;;
   spec-demo)
     p="--prompts $DEMO/eval_prompts.json --batch 1 8 --num-requests 16"
