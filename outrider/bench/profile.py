@@ -12,6 +12,8 @@ from contextlib import contextmanager
 
 import torch
 
+from outrider.timing import now
+
 GRAPH_FORWARD = "forward + logits (graph)"  # a decode graph's replay: it computes the logits too
 _UNSET = object()
 
