@@ -88,7 +88,9 @@ class Speculator:
             base += s.num_query_tokens
         if not commits:
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        # (built on the host and copied without blocking: torch.tensor(..., device=cuda) would synchronise, and
+        # with overlap scheduling the host would then wait out the step just launched on every step)
+        index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
         aux = aux_hidden.index_select(0, index) if aux_hidden is not None else None
         try:
             self.drafter.on_commit(commits, hidden.index_select(0, index), aux)
