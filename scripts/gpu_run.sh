@@ -42,7 +42,6 @@ fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   $PY -c "import torch, triton, transformers as t; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', t.__version__)"
-  git rev-parse HEAD 2>/dev/null
 } > "$OUT/env.txt" 2>&1
 
 budget() {  # seconds the next command may run: the time left before the deadline, capped; 0 = skip it
