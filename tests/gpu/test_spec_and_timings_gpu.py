@@ -79,3 +79,33 @@ def test_prompt_ms_while_another_request_decodes(families):
             engine.abort(a.request_id)
             while engine.has_work():
                 engine.step()
+
+
+def test_overlap_does_not_delay_a_lone_prompts_first_token(tmp_path):
+    """With overlap scheduling the first token is handed over when the prefill step is collected, while the next
+    step is already launched: that launch must not make it wait for more device work. (An earlier build took
+    24.5 ms with overlap against 11.3 ms without, 0.6B shape, 1,024-token prompt, max_tokens=2.) The two modes
+    share the weights and run in one process; each takes its best of three."""
+    from outrider.bench.shapes import random_model, write_stub_checkpoint
+    from outrider.config import EngineConfig
+    from outrider.engine.engine import Engine
+
+    model = random_model("qwen3-0.6b", torch.device("cuda"))
+    stub = write_stub_checkpoint("qwen3-0.6b", tmp_path / "stub")
+    best = {}
+    for overlap in (True, False):
+        engine = Engine(EngineConfig(model=str(stub), max_num_seqs=4, max_model_len=2048, overlap_schedule=overlap,
+                                     enable_prefix_caching=False, gpu_memory_utilization=0.3), preloaded=model)
+        ttfts = []
+        for trial in range(4):
+            req = Request([13 + (trial + i) % 400 for i in range(1024)],
+                          SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            t0, first = now(), []
+            engine.add_request(req, lambda out: first.append(now()) if out.new_token_ids and not first else None)
+            while engine.has_work():
+                engine.step()
+            ttfts.append(first[0] - t0)
+        best[overlap] = min(ttfts[1:])  # (the first trial warms this engine's buffers)
+        del engine
+        torch.cuda.empty_cache()
+    assert best[True] <= 1.25 * best[False] + 2e-3, best
