@@ -32,6 +32,9 @@ def _check_workload(row: dict) -> None:
     assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"])
     split = row["split"]
     assert split["steps"] > 0 and split["draft_ms"] > 0 and split["verify_ms"] > 0 and split["host_ms"] >= 0
+    # On the CPU no CUDA graph exists: every verify forward of the profiled pass ran eager, and it has at least
+    # one per profiled round (a round's verify is one forward)
+    assert split["verify_eager"] >= split["steps"] and split["draft_graph"] is None and split["draft_eager"] is None
 
 
 @pytest.mark.parametrize("kind", ["draft", "mtp", "dflash", "eagle3"])

@@ -62,6 +62,10 @@ class RoundSplit:
     verify_ms: float
     host_ms: float
     steps: int
+    verify_eager: int  # rounds whose target forward ran eager (no captured verify graph fitted)
+    # The drafter's forwards that replayed one of its CUDA graphs / ran eager (both None: it has no graphs)
+    draft_graph: int | None
+    draft_eager: int | None
 
     @property
     def total_ms(self) -> float:
@@ -289,8 +293,8 @@ def _decode(engine: Engine, prompts: Sequence[list[int]], batch: int, args,
 
 class RoundProfile:
     """Instruments one pass of the speculative engine: the (k, m) of every verified draft, and the split of
-    each round's time (RoundSplit). Synchronising timers serialise host and GPU, so the profiled pass runs
-    slower than the timed one; what it shows is each part's own cost."""
+    each round's time (RoundSplit), and which forwards ran as CUDA graphs. Synchronising timers serialise host and
+    GPU, so the profiled pass runs slower than the timed one; what it shows is each part's own cost."""
 
     def __init__(self, engine: Engine, drafter) -> None:
         self.engine, self.drafter = engine, drafter
@@ -298,13 +302,35 @@ class RoundProfile:
         self.rounds: list[tuple[int, int]] = []
         self.undrafted = 0
         self.splits: list[tuple[float, float, float]] = []  # seconds of draft, verify, host per round
+        self.verify_eager = 0
+        self.graphs = getattr(drafter, "graphs", None)
+        self.draft_paths = {True: 0, False: 0}  # the drafter's graph choice: replayed (True) or eager
         self._plan = None
 
     def instrumented(self):
         timed = self.timer.timed
-        return patched((self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
-                       (self.engine.runner, "collect", self._collect), (self.drafter, "propose", timed("draft")),
-                       (self.drafter, "on_commit", timed("draft")))
+        targets = [(self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
+                   (self.engine.runner, "collect", self._collect), (self.engine.runner, "forward_eager", self._eager),
+                   (self.drafter, "propose", timed("draft")), (self.drafter, "on_commit", timed("draft"))]
+        if self.graphs is not None:
+            targets.append((self.graphs, "can_run", self._drafter_graph))
+        return patched(*targets)
+
+    def _eager(self, forward_eager):
+        def count(*args, **kwargs):
+            if self._plan is not None and any(s.draft_tokens for s in self._plan.scheduled):
+                self.verify_eager += 1
+            return forward_eager(*args, **kwargs)
+
+        return count
+
+    def _drafter_graph(self, can_run):
+        def count(meta) -> bool:
+            fits = can_run(meta)
+            self.draft_paths[fits] += 1
+            return fits
+
+        return count
 
     def _step(self, step):
         timed = self.timer.timed("step")(step)
@@ -347,7 +373,10 @@ class RoundProfile:
     def split(self) -> RoundSplit:
         n = len(self.splits)
         mean = [1e3 * sum(x[i] for x in self.splits) / n if n else 0.0 for i in range(3)]
-        return RoundSplit(*mean, steps=n)
+        graphs = self.graphs is not None
+        return RoundSplit(*mean, steps=n, verify_eager=self.verify_eager,
+                          draft_graph=self.draft_paths[True] if graphs else None,
+                          draft_eager=self.draft_paths[False] if graphs else None)
 
 
 def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: Pass, spec: Pass, recorded: Pass,
@@ -374,10 +403,13 @@ def report(r: SpecResult) -> str:
                   f"k={r.draft_n_max}; {r.off_script} requests left the recording)")
     s = r.split
     by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position)
+    drafter_graphs = ("without CUDA graphs" if s.draft_graph is None else
+                      f"{s.draft_graph} graph replays, {s.draft_eager} eager")
     return (f"spec {r.kind} bs={r.batch}{alpha}: plain {r.plain_tok_s:.1f} tok/s ({r.plain_step_ms:.2f} ms/step), "
             f"speculative {r.spec_tok_s:.1f} tok/s ({r.spec_step_ms:.2f} ms/step), speedup {r.speedup:.2f}x; "
             f"{r.requests} requests x {r.tokens // r.requests} tokens, output identical {r.identical}/{r.requests}\n"
             f"  tau {r.tau:.2f}{theory} over {r.rounds} request rounds of mean k {r.mean_k:.2f}, "
             f"{r.undrafted} undrafted decodes; accepted by draft position {by_position}; "
             f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
-            f"{s.total_ms:.3f} (synchronised, mean of {s.steps} verify steps)")
+            f"{s.total_ms:.3f} (synchronised, mean of {s.steps} verify steps); verify eager in {s.verify_eager}; "
+            f"drafter forwards {drafter_graphs}")
