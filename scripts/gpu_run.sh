@@ -13,6 +13,8 @@
 # ngram: n-gram drafting on the demo target, edit and unrepeated workloads, batch 1 (issue 19's targets).
 # spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch 1, 8, 32; KINDS picks presets
 #          (default "dflash mtp draft eagle3").
+# spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
+#          drafter preset loaded drafting nothing (k = 0) and a full draft every step.
 # schema: JSON-schema mask cost at the Qwen3-8B shape, batch 1 and 32 (issue 17).
 # latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles).
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
@@ -27,7 +29,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|schema|smollm2|latency|kernels|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|spec-profile|schema|smollm2|latency|kernels|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -113,6 +115,14 @@ for MODE in "$@"; do
         draft|eagle3) a="--acceptance 0.8 0.7 0 --draft-n-max 4" ;;
       esac
       bench spec --random-weights qwen3-8b --spec-type $kind $a --batch 1 8 32 --json "$OUT/json/8b-$kind.json"
+    done ;;
+  spec-profile)
+    prof() { timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3-8b --batch 1 --steps 32 --top 12 "$@"; }
+    prof
+    for kk in "dflash 15" "mtp 3" "eagle3 4" "draft 4"; do
+      set -- $kk
+      prof --spec-type $1 --k 0
+      prof --spec-type $1 --k $2
     done ;;
   schema)
     cat > /tmp/schema.json <<'JSON'

@@ -7,19 +7,28 @@ last step's first N GPU events in start order, each with its start, duration and
 one ended (negative: they overlapped, as PDL allows).
 
     python scripts/profile_gpu.py --model qwen3-0.6b --batch 1 [--eager] [--top 25] [--timeline 30]
+
+With --spec-type KIND (a drafter preset of bench/drafter_shapes.py, random weights) every decode step drafts
+--k tokens per request (the policy bypassed; the random drafts are mostly rejected, which changes acceptance,
+not what a round of k drafts costs), or with --k 0 none: the cost of having the drafter loaded.
+
+    python scripts/profile_gpu.py --model qwen3-8b --batch 1 --spec-type dflash --k 0|15
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from outrider.bench.engine_setup import build_engine
+from outrider.bench.engine_setup import build_engine, engine_config
+from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 
@@ -36,11 +45,14 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--timeline", type=int, default=0, metavar="N")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--spec-type", choices=["draft", "mtp", "dflash", "eagle3"], help="load this drafter preset")
+    ap.add_argument("--k", type=int, default=0, help="with --spec-type: drafts per request every decode step")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
                            gpu_memory_utilization=0.9, no_overlap=a.no_overlap)
-    engine = build_engine(args, max_num_seqs=a.batch, max_model_len=a.prompt_len + 4 * a.steps + 64,
-                          max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
+    limits = dict(max_num_seqs=a.batch, max_model_len=a.prompt_len + (4 + a.k) * a.steps + 64,
+                  max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
+    engine = drafting_engine(args, a, limits) if a.spec_type else build_engine(args, **limits)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=4 * a.steps, temperature=a.temperature, seed=0, ignore_eos=True)
     for b in range(a.batch):
@@ -64,13 +76,31 @@ def main() -> None:
         by_name[ev.name][1] += 1
         busy += t
     busy_ms = busy / 1e3 / a.steps
-    print(f"== {a.model} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall {wall * 1e3:.3f} "
+    drafting = f" {a.spec_type} k={a.k}" if a.spec_type else ""
+    print(f"== {a.model}{drafting} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall {wall * 1e3:.3f} "
           f"ms/step, GPU busy {busy_ms:.3f} ms/step, host gap {wall * 1e3 - busy_ms:.3f} ms/step")
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
     for name, (tot, cnt) in rows:
         print(f"  {tot / 1e3 / a.steps:8.4f} ms/step  {cnt / a.steps:6.1f}/step  {tot / max(cnt, 1):8.2f} us/call  {name[:110]}")
     if a.timeline:
         timeline(gpu_events, a.steps, a.timeline)
+
+
+def drafting_engine(args, a, limits: dict) -> Engine:
+    """The shape's random-weights target with a drafter preset loaded, drafting a.k tokens per decoding request
+    at every step (the policy's choice replaced)."""
+    from outrider.bench.drafter_shapes import preset, write_preset
+    from outrider.bench.shapes import random_model
+
+    dtype = torch.bfloat16
+    shape = preset(a.model, a.spec_type)
+    paths = write_preset(a.model, shape, Path(tempfile.mkdtemp(prefix="outrider-profile-")), dtype, 0)
+    model = random_model(a.model, torch.device(a.device), dtype)
+    engine = Engine(engine_config(args, str(paths.target), spec_type=shape.kind, spec_draft_n_max=max(a.k, 1),
+                                  draft_model=str(paths.draft) if paths.draft else None, **limits), preloaded=model)
+    engine.speculator.draft_lengths = lambda running: {
+        r.request_id: a.k for r in running if a.k and r.num_computed == r.num_tokens - 1}
+    return engine
 
 
 def timeline(events, steps: int, n: int) -> None:
