@@ -119,10 +119,9 @@ for MODE in "$@"; do
   spec-profile)
     prof() { timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3-8b --batch 1 --steps 32 --top 12 "$@"; }
     prof
-    for kk in "dflash 15" "mtp 3" "eagle3 4" "draft 4"; do
-      set -- $kk
-      prof --spec-type $1 --k 0
-      prof --spec-type $1 --k $2
+    for kind_k in dflash:15 mtp:3 eagle3:4 draft:4; do
+      prof --spec-type "${kind_k%:*}" --k 0
+      prof --spec-type "${kind_k%:*}" --k "${kind_k#*:}"
     done ;;
   schema)
     cat > /tmp/schema.json <<'JSON'
