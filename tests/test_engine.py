@@ -10,7 +10,7 @@ import pytest
 
 import outrider.llm
 from outrider import LLM, SamplingParams
-from outrider.config import EngineConfig
+from outrider.config import EngineConfig, NgramConfig
 from outrider.engine.request import FinishReason, Request
 from outrider.testing import write_tiny_checkpoint
 
@@ -266,6 +266,36 @@ def test_a_step_reading_history_launches_its_forward_before_the_step_in_flight_i
             assert committed < launched
     expected = {r.request_id for r in reqs if reads_history(r)} if overlap else set()
     assert deferred == expected and left_in_flight == expected
+
+
+def test_constrained_requests_verify_drafts_synchronously_and_overlap_plain_steps(ckpt, overlap):
+    """With lookup drafting, a constrained request's speculative rounds are synchronous (no verify step is ever
+    left in flight) and its plain steps, where the lookup misses, overlap; the output is the synchronous one."""
+    outputs = []
+    for mode in (overlap, False):
+        engine = LLM(ckpt, max_num_seqs=8, overlap_schedule=mode, spec_type="ngram",
+                     spec_ngram=NgramConfig(size_n=1, size_m=4)).engine
+        schema = engine.grammars.json_schema(SCHEMA)
+        prompt = engine.tokenizer.encode('{"k": "ab", "n": 7} {"k": "cd", "n": 12} {"k": ')
+        reqs = [Request(list(prompt), SamplingParams(max_tokens=40, temperature=0.0, grammar=schema)),
+                Request(list(PROMPTS[0]), GREEDY),
+                Request(prompt[2:], SamplingParams(max_tokens=40, temperature=0.9, seed=3, grammar=schema))]
+        outs: dict[int, list] = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            engine.add_request(r, outs[r.request_id].append)
+        constrained_in_flight = 0
+        while engine.has_work():
+            engine.step()
+            if engine.inflight is not None:
+                assert engine.inflight.overlappable and not any(s.draft_tokens for s in engine.inflight.plan.scheduled)
+                constrained_in_flight += any(s.samples and s.request.constraint is not None
+                                             for s in engine.inflight.plan.scheduled)
+        assert (constrained_in_flight > 0) == mode
+        assert all(r.timing.draft_rounds > 0 for r in reqs if r.constraint is not None)
+        for r in (reqs[0], reqs[2]):
+            jsonschema.validate(json.loads("".join(o.text for o in outs[r.request_id])), SCHEMA)
+        outputs.append([[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs])
+    assert outputs[0] == outputs[1]
 
 
 def test_seeded_sampling_and_min_tokens_are_the_same_with_overlap(ckpt, overlap):
