@@ -201,20 +201,28 @@ def reads_history(req: Request) -> bool:
 
 def test_constrained_and_penalised_requests_give_the_synchronous_output(ckpt, overlap):
     """Grammars and penalties read host state that the step in flight advances; mixed with free requests, the
-    output is the synchronous one token for token, and each grammar's output is complete and valid."""
+    output is the synchronous one token for token, and each grammar's output is complete and valid. A constrained
+    request aborted with its next step in flight delivers what it had."""
     outputs = []
     for mode in (overlap, False):
         engine = LLM(ckpt, max_num_seqs=8, overlap_schedule=mode).engine
         reqs = history_requests(engine)
+        aborted = reqs[4]
         outs: dict[int, list] = {r.request_id: [] for r in reqs}
         for r in reqs:
             engine.add_request(r, outs[r.request_id].append)
         while engine.has_work():
             engine.step()
+            if len(aborted.output_ids) == 3 and aborted.request_id in engine.live:
+                assert aborted.num_pending == mode  # (with overlap, its next token is in flight)
+                engine.abort(aborted.request_id)
         assert engine.pool.num_used == 0 and engine.inflight is None
         outputs.append([[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs])
+        assert len(outputs[-1][4]) == 3 and outs[aborted.request_id][-1].finish_reason == FinishReason.ABORT
         for r in reqs:
             text = "".join(o.text for o in outs[r.request_id])
+            if r is aborted:
+                continue
             if r.constraint is not None:
                 assert outs[r.request_id][-1].stop_type == "eos" and r.num_pending in (0, 1)
             if r.params.grammar is not None and r.params.grammar.kind == "json_schema":
