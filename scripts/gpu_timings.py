@@ -117,7 +117,7 @@ def tok_per_s(engine: Engine, batch: int, tokens: int = 128) -> tuple[float, flo
 
 def round_split(engine: Engine) -> str:
     """Host-timed phases of forced speculative rounds at batch 1 (CUDA synchronised around each)."""
-    phases: dict[str, list[float]] = {"propose": [], "launch+verify": [], "collect+commit+learn": []}
+    phases: dict[str, list[float]] = {"propose": [], "forward": [], "verify": [], "collect+commit+learn": []}
     spec, runner = engine.speculator, engine.runner
 
     def timed(name, fn):
@@ -130,9 +130,10 @@ def round_split(engine: Engine) -> str:
             return out
         return wrapper
 
-    propose, launch, complete = spec.propose, runner.launch, engine._complete
-    spec.propose, runner.launch, engine._complete = (timed("propose", propose), timed("launch+verify", launch),
-                                                     timed("collect+commit+learn", complete))
+    propose, launch, sample, complete = spec.propose, runner.launch, runner.sample, engine._complete
+    spec.propose, runner.launch, runner.sample, engine._complete = (
+        timed("propose", propose), timed("forward", launch), timed("verify", sample),
+        timed("collect+commit+learn", complete))
     step_ms = []
     req = Request([0] + [50 + j for j in range(24)], greedy(96))
     engine.add_request(req, lambda out: None)
@@ -142,7 +143,7 @@ def round_split(engine: Engine) -> str:
         engine.step()
         torch.cuda.synchronize()
         step_ms.append((now() - t0) * 1e3)
-    spec.propose, runner.launch, engine._complete = propose, launch, complete
+    spec.propose, runner.launch, runner.sample, engine._complete = propose, launch, sample, complete
     med = {k: statistics.median(v[2:]) if len(v) > 2 else float("nan") for k, v in phases.items()}
     return (f"step {statistics.median(step_ms[2:]):.3f} ms; " + ", ".join(f"{k} {v:.3f}" for k, v in med.items())
             + f"; tau {(req.timing.draft_n_accepted + req.timing.draft_rounds) / max(req.timing.draft_rounds, 1):.2f}")

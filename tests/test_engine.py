@@ -2,12 +2,15 @@
 the output. Every test runs twice: synchronous steps, and overlap scheduling (forced on, as on CUDA)."""
 
 import functools
+import json
+import re
 
+import jsonschema
 import pytest
 
 import outrider.llm
 from outrider import LLM, SamplingParams
-from outrider.config import EngineConfig
+from outrider.config import EngineConfig, NgramConfig
 from outrider.engine.request import FinishReason, Request
 from outrider.testing import write_tiny_checkpoint
 
@@ -173,24 +176,134 @@ def test_overlap_keeps_a_step_in_flight(ckpt, reference, overlap):
     assert engine.pool.num_used == 0 and engine.inflight is None
 
 
-def test_penalties_fall_back_to_synchronous_steps(ckpt, overlap):
-    """Penalties read recent tokens on the host, so a step that samples a penalised request is committed before
-    the next one launches (the others still overlap once it is done); the output is the same either way."""
-    params = [GREEDY, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repeat_penalty=1.3), GREEDY]
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["ab", "cd"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["k", "n"]}
+GBNF = 'root ::= ("yes" | "no") ", " [a-z]{2,6} "."'
+
+
+def history_requests(engine) -> list[Request]:
+    """A batch whose sampling reads host history: JSON-schema and GBNF requests (greedy and seeded, one also
+    penalised; their grammars complete within max_tokens), a penalised one and a free one."""
+    schema, gbnf = engine.grammars.json_schema(SCHEMA), engine.grammars.gbnf(GBNF)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, grammar=schema),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=1, grammar=gbnf),
+              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repeat_penalty=1.3),
+              GREEDY,
+              SamplingParams(max_tokens=40, temperature=0.9, seed=2, grammar=schema, presence_penalty=0.5),
+              SamplingParams(max_tokens=40, temperature=0.0, grammar=gbnf)]
+    return [Request(list(p), q) for p, q in zip(PROMPTS, params)]
+
+
+def reads_history(req: Request) -> bool:
+    return req.constraint is not None or req.params.penalized
+
+
+def test_constrained_and_penalised_requests_give_the_synchronous_output(ckpt, overlap):
+    """Grammars and penalties read host state that the step in flight advances; mixed with free requests, the
+    output is the synchronous one token for token, and each grammar's output is complete and valid. A constrained
+    request aborted with its next step in flight delivers what it had."""
+    outputs = []
+    for mode in (overlap, False):
+        engine = LLM(ckpt, max_num_seqs=8, overlap_schedule=mode).engine
+        reqs = history_requests(engine)
+        aborted = reqs[4]
+        outs: dict[int, list] = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            engine.add_request(r, outs[r.request_id].append)
+        while engine.has_work():
+            engine.step()
+            if len(aborted.output_ids) == 3 and aborted.request_id in engine.live:
+                assert aborted.num_pending == mode  # (with overlap, its next token is in flight)
+                engine.abort(aborted.request_id)
+        assert engine.pool.num_used == 0 and engine.inflight is None
+        outputs.append([[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs])
+        assert len(outputs[-1][4]) == 3 and outs[aborted.request_id][-1].finish_reason == FinishReason.ABORT
+        for r in reqs:
+            text = "".join(o.text for o in outs[r.request_id])
+            if r is aborted:
+                continue
+            if r.constraint is not None:
+                assert outs[r.request_id][-1].stop_type == "eos" and r.num_pending in (0, 1)
+            if r.params.grammar is not None and r.params.grammar.kind == "json_schema":
+                jsonschema.validate(json.loads(text), SCHEMA)
+            elif r.params.grammar is not None:
+                assert re.fullmatch(r"(yes|no), [a-z]{2,6}\.", text), text
+    assert outputs[0] == outputs[1]
+
+
+def test_a_step_reading_history_launches_its_forward_before_the_step_in_flight_is_committed(ckpt, overlap):
+    """With overlap, a step that samples a constrained or penalised request is launched (its forward) while the
+    step before is still in flight; that step is committed, and only then is the new one sampled (its masks and
+    penalty windows read the committed tokens); it then stays in flight itself. Without overlap, each step is
+    sampled and collected before the next launches."""
     engine = LLM(ckpt, max_num_seqs=8).engine
-    reqs = [Request(list(p), q) for p, q in zip(PROMPTS[:3], params)]
-    outs: dict[int, list] = {r.request_id: [] for r in reqs}
+    runner = engine.runner
+    events: list[tuple[str, object]] = []
+
+    def traced(kind, fn, plan_of):
+        def wrapper(arg, *args, **kwargs):
+            out = fn(arg, *args, **kwargs)
+            events.append((kind, plan_of(arg)))
+            return out
+        return wrapper
+
+    runner.launch = traced("launch", runner.launch, lambda plan: plan)
+    runner.sample = traced("sample", runner.sample, lambda step: step.plan)
+    runner.collect = traced("collect", runner.collect, lambda step: step.plan)
+    reqs = history_requests(engine)
     for r in reqs:
-        engine.add_request(r, outs[r.request_id].append)
-    in_flight = 0
+        engine.add_request(r, lambda out: None)
+    left_in_flight = set()
     while engine.has_work():
         engine.step()
         if engine.inflight is not None:
-            in_flight += 1
-            assert not any(s.samples and s.request is reqs[1] for s in engine.inflight.plan.scheduled)
-    assert (in_flight > 0) == overlap
-    sync = LLM(ckpt, max_num_seqs=8, overlap_schedule=False).generate(PROMPTS[:3], params)
-    assert [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs] == [o.token_ids for o in sync]
+            left_in_flight.update(s.request.request_id for s in engine.inflight.plan.scheduled
+                                  if s.samples and reads_history(s.request))
+    plans = [plan for kind, plan in events if kind == "launch"]
+    at = {(kind, id(plan)): i for i, (kind, plan) in enumerate(events)}
+    deferred = set()
+    for before, plan in zip(plans, plans[1:]):
+        launched, sampled, committed = at["launch", id(plan)], at["sample", id(plan)], at["collect", id(before)]
+        history = [s.request.request_id for s in plan.scheduled if s.samples and reads_history(s.request)]
+        if history:  # sampled only once every earlier step is committed
+            assert committed < sampled
+        if overlap and launched < committed:
+            deferred.update(history)
+        if not overlap:
+            assert committed < launched
+    expected = {r.request_id for r in reqs if reads_history(r)} if overlap else set()
+    assert deferred == expected and left_in_flight == expected
+
+
+def test_constrained_requests_verify_drafts_synchronously_and_overlap_plain_steps(ckpt, overlap):
+    """With lookup drafting, a constrained request's speculative rounds are synchronous (no verify step is ever
+    left in flight) and its plain steps, where the lookup misses, overlap; the output is the synchronous one."""
+    outputs = []
+    for mode in (overlap, False):
+        engine = LLM(ckpt, max_num_seqs=8, overlap_schedule=mode, spec_type="ngram",
+                     spec_ngram=NgramConfig(size_n=1, size_m=4)).engine
+        schema = engine.grammars.json_schema(SCHEMA)
+        prompt = engine.tokenizer.encode('{"k": "ab", "n": 7} {"k": "cd", "n": 12} {"k": ')
+        reqs = [Request(list(prompt), SamplingParams(max_tokens=40, temperature=0.0, grammar=schema)),
+                Request(list(PROMPTS[0]), GREEDY),
+                Request(prompt[2:], SamplingParams(max_tokens=40, temperature=0.9, seed=3, grammar=schema))]
+        outs: dict[int, list] = {r.request_id: [] for r in reqs}
+        for r in reqs:
+            engine.add_request(r, outs[r.request_id].append)
+        constrained_in_flight = 0
+        while engine.has_work():
+            engine.step()
+            if engine.inflight is not None:
+                assert engine.inflight.overlappable and not any(s.draft_tokens for s in engine.inflight.plan.scheduled)
+                constrained_in_flight += any(s.samples and s.request.constraint is not None
+                                             for s in engine.inflight.plan.scheduled)
+        assert (constrained_in_flight > 0) == mode
+        assert all(r.timing.draft_rounds > 0 for r in reqs if r.constraint is not None)
+        for r in (reqs[0], reqs[2]):
+            jsonschema.validate(json.loads("".join(o.text for o in outs[r.request_id])), SCHEMA)
+        outputs.append([[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs])
+    assert outputs[0] == outputs[1]
 
 
 def test_seeded_sampling_and_min_tokens_are_the_same_with_overlap(ckpt, overlap):

@@ -177,3 +177,30 @@ def test_first_token_is_delivered_before_the_drafter_learns(tmp_path):
     run_until_finished(engine, outs)
     assert delivered[0] == req.timing.t_first_token
     assert req.timing.prompt_ms == MS(P * 1e3)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_constrained_round_costs_a_plain_round_with_overlap(ckpt, overlap):
+    """Building a step (H) and a constrained request's masks (M) are host work. With overlap, the next step's
+    forward is launched while the step in flight finishes, and the masks are computed while that forward runs:
+    with H + M under a round, constrained decoding at batch 1 takes one device round a token, as plain decoding
+    does. Without overlap, the host's build and the device's round add up."""
+    H, M = 0.003, 0.004
+    sim = SimulatedDevice(P, R, L, host_s=H, mask_s=M)
+    engine = LLM(ckpt, clock=sim, overlap_schedule=overlap).engine
+    sim.install(engine)
+    letters = engine.grammars.gbnf("root ::= [a-z]+")  # (never complete: ignore_eos bans the end)
+    outs: dict[str, list] = {}
+    for name, grammar, prompt in (("plain", None, range(3, 20)), ("constrained", letters, range(50, 67))):
+        req = Request(list(prompt), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                   grammar=grammar), timing=RequestTiming(t_arrival=sim.t))
+        outs[name] = []
+        engine.add_request(req, outs[name].append)
+        run_until_finished(engine, outs[name])
+        while engine.has_work():
+            engine.step()
+        t = req.timing.to_timings()
+        assert t["predicted_n"] == 12
+        assert t["prompt_ms"] == MS((H + P) * 1e3)
+        assert t["predicted_ms"] == MS(11 * (R if overlap else H + R) * 1e3), name
+    assert "".join(o.text for o in outs["constrained"]).isalpha()

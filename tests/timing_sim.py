@@ -1,10 +1,12 @@
 """A simulated device for timing tests: each step takes a chosen time on an injected clock.
 
 The engine reads `SimulatedDevice` as its clock (`LLM(..., clock=sim)`). `install` wraps the runner: launching a
-step costs the host `launch_s` when it prefills (enqueueing a long prompt's kernels is host work), the device
-runs steps back to back in launch order (a prefill step lasts `prefill_s`, one that verifies drafts `verify_s`,
-any other `round_s`), and collecting
-a step waits until the device has finished it. The real computation still happens (instantly, as far as the
+step costs the host `host_s` before its first kernel is enqueued (scheduling, batch building, upload), and
+`launch_s` more when it prefills (enqueueing a long prompt's kernels is host work, while the device runs them);
+the device runs steps back to back in launch order (a prefill step lasts `prefill_s`, one that verifies drafts
+`verify_s`, any other `round_s`); sampling a step whose rows include a constrained request costs the host `mask_s`
+first (the masks), and the device cannot finish the step before that sampling is enqueued; collecting a step waits
+until the device has finished it. The real computation still happens (instantly, as far as the
 clock knows), so tokens and stops are real. Every step's device interval is recorded, which gives each request's
 true phase times to check `timings` against."""
 
@@ -29,6 +31,8 @@ class SimulatedDevice:
     prefill_s: float
     round_s: float
     launch_s: float = 0.0
+    host_s: float = 0.0
+    mask_s: float = 0.0
     verify_s: float | None = None  # a decode step that verifies drafts (None: round_s)
     t: float = 100.0  # the host clock
     free_at: float = 0.0  # the device is busy until then
@@ -43,15 +47,16 @@ class SimulatedDevice:
 
     def install(self, engine) -> SimulatedDevice:
         runner = engine.runner
-        launch, collect = runner.launch, runner.collect
+        launch, sample, collect = runner.launch, runner.sample, runner.collect
         by_step: dict[int, SimStep] = {}
 
         def timed_launch(plan, *args, **kwargs):
             launched = self.t
             step = launch(plan, *args, **kwargs)
             prefill = plan.has_prefill
+            self.t += self.host_s
+            begin = max(self.free_at, self.t)  # its first kernel is enqueued once the batch is built
             self.t += self.launch_s if prefill else 0.0
-            begin = max(self.free_at, launched)  # its first kernel was enqueued when the launch began
             verifies = any(s.draft_tokens for s in plan.scheduled) and self.verify_s is not None
             self.free_at = begin + (self.prefill_s if prefill else self.verify_s if verifies else self.round_s)
             sim = SimStep(launched, begin, self.free_at, prefill, [s.request for s in plan.scheduled],
@@ -60,12 +65,19 @@ class SimulatedDevice:
             by_step[id(step)] = sim
             return step
 
+        def timed_sample(step, *args, **kwargs):
+            sample(step, *args, **kwargs)
+            sim = by_step[id(step)]
+            if any(r.constraint is not None for r in sim.sampled):
+                self.t += self.mask_s
+                sim.end = self.free_at = max(sim.end, self.t)  # its sampling kernels follow the masks' upload
+
         def timed_collect(step):
             out = collect(step)
             self.t = max(self.t, by_step.pop(id(step)).end)
             return out
 
-        runner.launch, runner.collect = timed_launch, timed_collect
+        runner.launch, runner.sample, runner.collect = timed_launch, timed_sample, timed_collect
         return self
 
     def steps_of(self, req) -> list[SimStep]:

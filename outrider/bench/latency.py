@@ -36,8 +36,9 @@ def run_batch(engine, prompts: list[list[int]], gen: int, grammar=None) -> tuple
 
 
 def schema_rate(engine, args, reporter: Reporter, prompts, free_rate: float, name: str, step_bytes: float) -> None:
-    """The same batch constrained by --json-schema (masks computed on the host during the forward; the step
-    commits before the next launches), against the unconstrained rate measured in this process."""
+    """The same batch constrained by --json-schema, against the unconstrained rate measured in this process. With
+    overlap scheduling constrained steps overlap too: each forward is launched before the step in flight is
+    committed, and the masks are computed on the host while it runs."""
     grammar = engine.grammars.json_schema(json.loads(Path(args.json_schema).read_text()))
     run_batch(engine, prompts(), 8, grammar)  # warm-up
     _, rate = run_batch(engine, prompts(), args.gen, grammar)

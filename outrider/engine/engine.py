@@ -1,4 +1,5 @@
-"""Engine: the step loop. plan = scheduler.schedule(); launched = runner.launch(plan); commit(collect(launched)).
+"""Engine: the step loop. plan = scheduler.schedule(); launched = runner.launch(plan); runner.sample(launched);
+commit(collect(launched)).
 
 Everything here runs on one thread (the engine thread of AsyncEngine, or the caller's thread offline).
 Commit is where tokens become visible: stop conditions, incremental detokenization, timing stamps and the
@@ -8,8 +9,10 @@ Overlap scheduling (CUDA): each step() schedules and launches step n+1 before it
 the host's work for one step runs while the GPU computes the other. Step n+1 feeds each request the token step n
 sampled straight from device memory (Request.num_pending). A request that stops on step n's token wasted one token
 of compute in step n+1, which is discarded; one whose max_tokens or context is reached by its pending token is
-not scheduled again. A step that samples a penalised request is committed before the next one launches:
-penalties read the recent tokens on the host. So is a speculative round: drafts follow the committed tokens, and
+not scheduled again. A step whose sampling reads host state that the step in flight advances (a grammar's
+matcher, a penalty's recent tokens) is enqueued in two phases: its forward, fed from the device as any other;
+then the step in flight is committed; then its sampling, whose masks and penalty windows are computed on the host
+while the device runs the forward. A speculative round is synchronous: drafts follow the committed tokens, and
 verification decides on the host (docs/speculative.md).
 """
 
@@ -274,6 +277,8 @@ class Engine:
         launched = self._launch(prev, lengths)
         if prev is not None:
             self._complete(prev)
+        if launched is not None and launched.awaits_sampling:  # its sampling reads what prev's commit advanced
+            launched = self._sample(launched)
         if launched is None:
             return
         if self.overlap and launched.overlappable:
@@ -289,8 +294,7 @@ class Engine:
 
     def _launch(self, feed: LaunchedStep | None, lengths: dict[int, int]) -> LaunchedStep | None:
         """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight, and drafts of the
-        decided `lengths`); advances each scheduled request past the tokens it feeds, with one pending token per
-        sampled request."""
+        decided `lengths`), and sample it unless its sampling must wait for feed's commit (reads_history)."""
         drafts = self.speculator.propose(self.scheduler.running, lengths) if lengths else Drafts()
         plan = self.scheduler.schedule(drafts.tokens)
         t = self.clock()  # the step is launched now: its prompts' processing starts (docs/architecture.md)
@@ -310,8 +314,22 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
-            launched = self.runner.launch(plan, drafts.probs, feed)
+            launched = self.runner.launch(plan, feed)
         except Exception as exc:  # a fault fails the request that caused it, never the server
+            self._fail(plan, exc, isolate=True)
+            return None
+        if feed is not None and launched.reads_history:
+            return launched
+        return self._sample(launched, drafts.probs)
+
+    def _sample(self, launched: LaunchedStep,
+                draft_probs: dict[int, torch.Tensor] | None = None) -> LaunchedStep | None:
+        """Enqueue a launched step's sampling; then advance each scheduled request past the tokens it feeds, with
+        one pending token per sampled request."""
+        plan = launched.plan
+        try:
+            self.runner.sample(launched, draft_probs)
+        except Exception as exc:  # (nothing was advanced yet: each request can run again alone)
             self._fail(plan, exc, isolate=True)
             return None
         for s in plan.scheduled:

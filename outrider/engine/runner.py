@@ -1,8 +1,10 @@
 """ModelRunner: owns the device side of a step — the model, its KV pool, batch tensors and the sampler.
 
 `prepare` turns a StepPlan into flat tensors and an explicit AttentionMetadata; `forward` runs the model and
-returns hidden states; `sample` runs the vectorised sampler. Nothing here decides policy (scheduler.py) or
-commits tokens (engine.py).
+returns hidden states. A step is enqueued in two phases: `launch` (the forward) and `sample` (the sampler or
+verification over its rows), so the engine can commit the step before it in between when this one's sampling
+reads host state that step advances (a grammar's matcher, a penalty's recent tokens). Nothing here decides policy
+(scheduler.py) or commits tokens (engine.py).
 """
 
 from __future__ import annotations
@@ -46,26 +48,31 @@ class StepOutput:
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is enqueued; its sampled tokens reach the host in ModelRunner.collect."""
+    """A step whose device work is enqueued (its forward by ModelRunner.launch, its sampling by
+    ModelRunner.sample); its sampled tokens reach the host in ModelRunner.collect."""
 
     plan: StepPlan
     sampling: list[int]  # plan indices of the requests sampled this step
     out: StepOutput  # tokens and log-probs filled in by collect
+    # A penalty reads a sampled request's recent tokens on the host, or a grammar its matcher state: sampling
+    # must wait until every earlier step of the request is committed.
+    reads_history: bool = False
+    logits: torch.Tensor | None = None  # [R, V] the sampling rows' logits, from launch until sample enqueues them
     tokens: list[list[int]] | None = None  # already on the host (a verify step decides there)
     starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
     token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
     host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
-    # A penalty read a sampled request's recent tokens on the host, or a grammar its matcher state: the next step
-    # needs this one's tokens there.
-    reads_history: bool = False
+
+    @property
+    def awaits_sampling(self) -> bool:
+        return self.logits is not None
 
     @property
     def overlappable(self) -> bool:
-        """May the next step launch before this one is committed? Not when the next step needs this one's tokens
-        on the host (penalties), nor after a verify (its tokens are decided on the host already, not fed from
-        the device)."""
-        return not self.reads_history and self.tokens is None
+        """May the next step launch before this one is committed? Not after a verify: its tokens are decided on
+        the host already, not fed from the device."""
+        return self.tokens is None
 
 
 @dataclass
@@ -227,13 +234,9 @@ class ModelRunner:
         return (*out, self.model.compute_logits(out[0], out=into))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, draft_probs: dict[int, torch.Tensor] | None = None,
-               feed: LaunchedStep | None = None) -> LaunchedStep:
-        """Enqueue one step: forward, then sample (or verify drafts on) the rows that need it. Sampled tokens
-        stay on the device (they can feed the next step) and start an asynchronous copy to the host; `collect`
-        waits for it. Verification decides on the host, so a step with drafts is complete when this returns.
-
-        draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts)."""
+    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue a step's forward (feeding pending tokens from `feed`, the step in flight) and the logits of the
+        rows it samples; `sample` enqueues their sampling."""
         batch = self.prepare(plan, feed)
         hidden, aux, logits = self.forward(batch)
         n = len(plan.scheduled)
@@ -241,17 +244,31 @@ class ModelRunner:
         step = LaunchedStep(plan, batch.sampling, out)
         if not batch.sampling:
             return step
-        sampling = batch.sampling
         rows = batch.logits_rows
         if logits is None:
             logits = self.model.compute_logits(hidden if rows is None else hidden.index_select(0, rows))
         elif rows is not None:  # a graph step with a row that does not sample (a one-token prefill chunk)
             logits = logits.index_select(0, rows)
+        step.logits = logits
+        step.reads_history = any(_reads_history(plan.scheduled[i].request) for i in batch.sampling)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, draft_probs: dict[int, torch.Tensor] | None = None) -> None:
+        """Enqueue the sampling (or the verification of drafts) of a launched step's rows. Sampled tokens stay on
+        the device (they can feed the next step) and start an asynchronous copy to the host; `collect` waits for
+        it. Verification decides on the host, so a step with drafts is complete when this returns. The rows'
+        host inputs (constrained masks, penalty windows) are computed here, while the device runs the forward.
+
+        draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts)."""
+        if not step.awaits_sampling:
+            return
+        plan, sampling, out = step.plan, step.sampling, step.out
+        logits, step.logits = step.logits, None
         sampled_reqs = [plan.scheduled[i] for i in sampling]
         specs = self.row_specs(sampled_reqs)
         verifies = len(specs.slots) > len(sampled_reqs)  # some request has draft rows
         sbatch = self.sampler.prepare(specs, sample_only=not verifies)
-        step.reads_history = specs.histories is not None or specs.allowed is not None
         if verifies:
             drafts = [s.draft_tokens for s in sampled_reqs]
             probs = draft_probs or {}
@@ -271,7 +288,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
-        return step
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step's tokens to reach the host; fill its StepOutput's tokens and log-probs."""
@@ -331,6 +347,12 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
     """A drafter's q for the drafts the scheduler kept (it may cut a proposal short)."""
     return None if q is None or k == 0 else q[:k]
+
+
+def _reads_history(req: Request) -> bool:
+    """Does sampling for the request read host state that its committed tokens advance (a grammar's matcher, a
+    penalty's recent tokens)?"""
+    return req.constraint is not None or req.params.penalized
 
 
 def _penalty_window(req: Request) -> list[int]:
