@@ -56,7 +56,7 @@ class Pass:
 class RoundSplit:
     """The mean ms of one round: an engine step that verifies drafts (for every request of the batch at once; no
     prefill in it), measured with synchronising timers. draft = the drafter's propose and on_commit, verify = the
-    runner's launch and collect, host = the rest of Engine.step."""
+    runner's launch, sample (the acceptance test) and collect, host = the rest of Engine.step."""
 
     draft_ms: float
     verify_ms: float
@@ -310,7 +310,8 @@ class RoundProfile:
     def instrumented(self):
         timed = self.timer.timed
         targets = [(self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
-                   (self.engine.runner, "collect", self._collect), (self.engine.runner, "forward_eager", self._eager),
+                   (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", self._collect),
+                   (self.engine.runner, "forward_eager", self._eager),
                    (self.drafter, "propose", timed("draft")), (self.drafter, "on_commit", timed("draft"))]
         if self.graphs is not None:
             targets.append((self.graphs, "can_run", self._drafter_graph))
