@@ -1,4 +1,4 @@
-"""The bundled demo model family, trained by scripts/train_demo.py on the Python standard library.
+"""The bundled demo model family, trained by scripts/train_demo.py on Python source (stdlib and installed packages).
 
 Layout of this package directory (see README.md here, the model card):
   target/  Qwen3ForCausalLM checkpoint; its model.safetensors also holds a Qwen3.5-style MTP layer (`mtp.*`,
