@@ -17,7 +17,8 @@ Usage, once per step (no host sync until the runner copies `token_ids` back):
 The runner passes SamplingRows instead: the same rows by column, over a ParamTable it keeps across steps, so a
 step's host work is a gather rather than a pass over every row's parameters.
 Speculative verification (speculative/verify.py) uses `processed` (the sparse processed distribution), `uniform`
-and `gumbel_argmax` on its own streams, and `with_logprobs` for the tokens it commits.
+and `gumbel_argmax` on its own streams, and `with_logprobs` for the tokens it commits; `greedy` alone when every
+row is greedy and the drafts are argmax ones.
 
 Log-probs reported for n_probs (`top_logprobs`, `chosen_logprob`) are log_softmax of the logits after logit
 bias and penalties, before truncation and temperature (llama-server's n_probs uses the raw model logits; we
@@ -422,12 +423,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Draw one token per row (stream 0), plus the top-n log-probs when any row asked for them."""
         if batch.all_greedy:  # fast path, same result: skips the candidate filters
-            adjusted = self.adjusted_logits(logits, batch)
-            tokens = adjusted.argmax(dim=-1)
-        else:
-            proc = self.processed(logits, batch)
-            adjusted, tokens = proc.adjusted, self.gumbel_argmax(proc.logp, proc.ids, batch, STREAM_SAMPLE)
-        return self.with_logprobs(SampleOutput(tokens), adjusted, batch)
+            return self.greedy(logits, batch)
+        proc = self.processed(logits, batch)
+        tokens = self.gumbel_argmax(proc.logp, proc.ids, batch, STREAM_SAMPLE)
+        return self.with_logprobs(SampleOutput(tokens), proc.adjusted, batch)
+
+    def greedy(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
+        """Every row's argmax after bias, bans, penalties and grammar (what a greedy row's processed distribution
+        is one-hot at), plus the top-n log-probs when any row asked for them."""
+        adjusted = self.adjusted_logits(logits, batch)
+        return self.with_logprobs(SampleOutput(adjusted.argmax(dim=-1)), adjusted, batch)
 
     def with_logprobs(self, out: SampleOutput, adjusted: torch.Tensor, batch: SamplingBatch) -> SampleOutput:
         """Fill the n_probs fields of `out` for its token_ids (no-op when no row asked for log-probs)."""

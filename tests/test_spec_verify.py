@@ -7,10 +7,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import stats
 
 import outrider.speculative.verify as verify_mod
-from outrider.sampler import RowSpec, Sampler
+from outrider.sampler import RowSpec, Sampler, SamplingRows, TokenMasks
 from outrider.params import SamplingParams
 from outrider.speculative.verify import verify
 
@@ -116,6 +118,60 @@ def test_logprobs_follow_committed_tokens():
     out = verdict.output
     torch.testing.assert_close(out.chosen_logprob, raw.gather(1, torch.tensor(best)[:, None])[:, 0])
     assert torch.equal(out.top_ids, raw.topk(3, -1).indices)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_greedy_batches_get_the_general_paths_verdict(data):
+    """An all-greedy batch of argmax drafts takes the greedy path (Sampler.greedy and a comparison on the host). Its
+    verdict (accepted counts, committed tokens, emitted ids and log-probs) equals the rejection-sampling path's,
+    which one-hot q forces, under logit biases, end-of-generation bans, penalties and grammar masks; drafts are
+    the processed argmax or not, at random."""
+    V = data.draw(st.integers(4, 40), label="V")
+    ks = data.draw(st.lists(st.integers(0, 4), min_size=1, max_size=4).filter(any), label="ks")
+    token = st.integers(0, V - 1)
+    sampler = Sampler(V, "cpu")
+    sampler.set_eog_ids([V - 1])
+    specs = []
+    for i, k in enumerate(ks):
+        params = SamplingParams(
+            temperature=0.0, n_probs=data.draw(st.integers(0, 3)), min_tokens=data.draw(st.integers(0, 3)),
+            logit_bias=tuple(data.draw(st.lists(st.tuples(token, st.sampled_from([-math.inf, -2.0, 4.0])),
+                                                max_size=3))),
+            repeat_penalty=data.draw(st.sampled_from([1.0, 1.5])), presence_penalty=data.draw(st.sampled_from([0, 1.0])))
+        history = data.draw(st.lists(token, max_size=6))
+        specs += [RowSpec(params, seed=i, step=j, history=history) for j in range(k + 1)]
+    rows = SamplingRows.of(specs)
+    constrained = sorted(data.draw(st.sets(st.integers(0, len(specs) - 1)), label="constrained rows"))
+    if constrained:
+        allowed = np.zeros((len(constrained), -(-V // 32) * 32), dtype=bool)
+        for r in range(len(constrained)):
+            allowed[r, data.draw(st.lists(token, min_size=1, max_size=V))] = True
+        bits = np.packbits(allowed, axis=1, bitorder="little").view("<i4")  # bit j % 32 of word j // 32
+        rows.allowed = TokenMasks(np.array(constrained, dtype=np.int64), bits)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="logits seed"))
+    logits = torch.randn(len(specs), V, generator=gen) * data.draw(st.sampled_from([0.1, 1.0, 5.0]))
+    best = sampler.greedy(logits, sampler.prepare(rows)).token_ids.tolist()
+    drafts, start = [], 0
+    for k in ks:
+        drafts.append([best[start + j] if data.draw(st.booleans()) else data.draw(token) for j in range(k)])
+        start += k + 1
+    one_hot = [torch.nn.functional.one_hot(torch.tensor(d, dtype=torch.int64), V).float() if d else None
+               for d in drafts]
+    processed = sampler.processed
+    calls = []
+    sampler.processed = lambda *args: calls.append(1) or processed(*args)
+    fast = verify(sampler, logits, sampler.prepare(rows), drafts)
+    assert not calls  # the greedy path processes no distributions
+    general = verify(sampler, logits, sampler.prepare(rows), drafts, one_hot)
+    assert calls
+    assert (fast.num_accepted, fast.tokens, fast.starts) == (general.num_accepted, general.tokens, general.starts)
+    assert torch.equal(fast.output.token_ids, general.output.token_ids)
+    for name in ("top_ids", "top_logprobs", "chosen_logprob"):
+        a, b = getattr(fast.output, name), getattr(general.output, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 # --- losslessness: speculative output has the plain joint distribution ---------------------------------

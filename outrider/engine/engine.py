@@ -283,7 +283,7 @@ class Engine:
             return
         if self.overlap and launched.overlappable:
             if self.speculator is not None:  # the drafter learns this step after the next one has replayed
-                launched.out.keep_hidden()
+                self.speculator.keep(launched.out)
             self.inflight = launched
             done = prev
         else:
@@ -380,7 +380,7 @@ class Engine:
                 self._mark_finished(live, output.finish_reason, t)
             live.on_output(output)
         if self.speculator is not None:  # (before finished requests release their blocks: they may serve prefix hits)
-            self.speculator.learn(plan, out.accepted, out.hidden, out.aux_hidden, self.live)
+            self.speculator.learn(plan, out, self.live)
         for live, output in emits:
             if output.finished:
                 self._release(live)

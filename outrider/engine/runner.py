@@ -38,12 +38,17 @@ class StepOutput:
     # next replay)
     hidden: torch.Tensor
     aux_hidden: torch.Tensor | None  # [T, A] outputs of model.aux_layer_ids, when a drafter reads them
+    kept: bool = False  # hidden and aux_hidden are own copies (keep_hidden)
 
     def keep_hidden(self) -> None:
-        """Own copies of the hidden rows (device-side, asynchronous), for a reader after the next graph replay."""
+        """Own copies of the hidden rows (device-side, asynchronous), for a reader after the next graph replay;
+        once only."""
+        if self.kept:
+            return
         self.hidden = self.hidden.clone()
         if self.aux_hidden is not None:
             self.aux_hidden = self.aux_hidden.clone()
+        self.kept = True
 
 
 @dataclass

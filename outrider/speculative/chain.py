@@ -24,6 +24,7 @@ from outrider.speculative.drafter import Commit, Proposals, TargetView, block_ca
 
 class ChainDrafter:
     aux_layer_ids: tuple[int, ...] = ()
+    reads_hidden = True  # the head's input at each committed pair
 
     def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int,
                  hidden_size: int, dtype: torch.dtype) -> None:

@@ -32,6 +32,7 @@ class CombinedDrafter:
         self.order = [m for m in members if not has_pool(m)] + models  # who is asked first
         self.kind = ",".join(m.kind for m in members)
         self.aux_layer_ids = self.model.aux_layer_ids if self.model else ()
+        self.reads_hidden = any(m.reads_hidden for m in members)
         self.max_draft = max(m.max_draft for m in members)
         self.step_cost = max(m.step_cost for m in members)  # the dearest member bounds what a round may cost
         self.kv_shape = self.model.kv_shape if self.model else (0, 0, 0)
@@ -68,7 +69,8 @@ class CombinedDrafter:
             out.probs = None
         return out
 
-    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
+                  aux_hidden: torch.Tensor | None) -> None:
         for m in self.members:
             m.on_commit(commits, hidden, aux_hidden)
 

@@ -54,6 +54,7 @@ class DFlashModel(nn.Module):
 
 class DFlashDrafter:
     kind = "dflash"
+    reads_hidden = True  # its context: the taps' outputs at every committed position
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,

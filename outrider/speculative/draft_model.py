@@ -22,6 +22,7 @@ from outrider.speculative.drafter import Commit, Proposals, block_capacity, coll
 class DraftModelDrafter:
     kind = "draft"
     aux_layer_ids: tuple[int, ...] = ()
+    reads_hidden = False  # it feeds committed tokens to its own model
     step_cost = 0.1  # [est] a draft model ~10x smaller than the target
 
     def __init__(self, path: str, vocab_size: int, block_size: int, dtype: torch.dtype,
@@ -85,7 +86,8 @@ class DraftModelDrafter:
             self._pending[req.request_id] = (req.num_tokens, out.tokens[i][:-1])
         return out
 
-    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
+                  aux_hidden: torch.Tensor | None) -> None:
         for c in commits:
             self._settle(c.request)
 

@@ -6,7 +6,9 @@ One engine step with a drafter (docs/speculative.md walks it through):
   2. ensure each request's blocks cover num_tokens - 1 + drafter.lookahead(k) positions (else k = 0)
   3. proposals = policy.trim(decoding, drafter.propose(decoding, ks))
   4. one ragged target forward over [last, d1..dk] per request; verify() per row; commit m+1 tokens
-  5. drafter.on_commit(commits, hidden, aux_hidden) for EVERY request the target computed rows for
+  5. drafter.on_commit(commits, hidden, aux_hidden) for EVERY committed target row, deferred and batched: the
+     Speculator queues each step's rows and hands a request's queue over as one Commit before the next propose,
+     when a step prefills, every LEARN_BACKLOG_STEPS steps, and before a finishing request's blocks are released
   6. policy.record(request_id, k, m) beside timing.mark_draft_round(k, m)
   7. drafter.release(request_id) / policy.release(request_id) whenever a request's blocks are freed
 """
@@ -64,6 +66,7 @@ class Commit:
 class Drafter(Protocol):
     kind: str  # "draft" | "mtp" | "dflash" | "eagle3" | "ngram", or several comma-joined (combined.py)
     aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads: set model.aux_layer_ids
+    reads_hidden: bool  # on_commit reads the target's hidden rows (else it gets None and no rows are kept for it)
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
     kv_shape: tuple[int, int, int]  # (layers, KV heads, head dim) of its own KV pool
@@ -79,8 +82,10 @@ class Drafter(Protocol):
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         """Up to ks[i] drafts for each decoding request (fewer near the end of its block table)."""
 
-    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
-        """Learn committed target rows: hidden [sum count, H] pre-norm, aux_hidden [sum count, A] or None."""
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
+                  aux_hidden: torch.Tensor | None) -> None:
+        """Learn committed target rows: hidden [sum count, H] pre-norm (None unless reads_hidden), aux_hidden
+        [sum count, A] or None. A commit may span several steps' rows: it is causal over them, like a prefill."""
 
     def release(self, request_id: int) -> None:
         """Forget a request whose blocks were freed (finish, abort, preemption)."""

@@ -107,6 +107,7 @@ class NgramIndex:
 class NgramDrafter:
     kind = "ngram"
     aux_layer_ids: tuple[int, ...] = ()
+    reads_hidden = False  # it indexes committed tokens
     step_cost = 0.01  # [est] a dictionary lookup on the host; nothing runs on the device
     kv_shape = (0, 0, 0)  # no KV pool: a pool of zero layers allocates nothing
 
@@ -140,7 +141,8 @@ class NgramDrafter:
             tokens.append(index.continuation(req, known, min(k, self.max_draft), self.config.min_hits))
         return Proposals(tokens, [[1.0] * len(t) for t in tokens])
 
-    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
+    def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
+                  aux_hidden: torch.Tensor | None) -> None:
         for c in commits:  # positions start..start+count-1 and the token after them are known
             self.index_of(c.request).catch_up(c.request, c.start + c.count + 1)
 

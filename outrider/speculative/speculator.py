@@ -1,6 +1,7 @@
 """Speculation's part of an engine step, in one object: which requests draft and how far (DraftPolicy), the
-drafter's proposals with blocks reserved for what it writes, the rows it learns after a step, the policy's
-bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were freed.
+drafter's proposals with blocks reserved for what it writes, the rows it learns after a step (queued, and handed
+over in batches), the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests
+whose blocks were freed.
 
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +20,17 @@ from outrider.engine.request import Request, Status
 from outrider.engine.scheduler import StepPlan
 from outrider.speculative.drafter import Commit, DraftPolicy, Drafter
 
+if TYPE_CHECKING:
+    from outrider.engine.runner import StepOutput
+
 log = logging.getLogger("outrider.engine")
+
+# Steps whose committed rows may wait before the drafter learns them. Learning is an eager forward of dozens of
+# kernel launches (DFlash: fc, norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever
+# the row count, which on a launch-bound target costs as much again as a plain step. Queued, it runs once per
+# round (before each propose) and once per this many undrafted steps, while the rows kept for it (the hidden and
+# aux rows of at most this many decode steps) stay small beside the KV pools.
+LEARN_BACKLOG_STEPS = 16
 
 
 @dataclass
@@ -29,12 +41,37 @@ class Drafts:
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class _Queued:
+    """A request's committed rows that the drafter has not learned yet: consecutive steps' rows merged into one
+    Commit (a new one only after a gap, which the engine never leaves), and their places in the Speculator's kept
+    hidden rows (when the drafter reads them)."""
+
+    commits: list[Commit]
+    rows: list[int]
+
+    def add(self, commit: Commit, rows: Iterable[int]) -> None:
+        last = self.commits[-1]
+        if last.start + last.count == commit.start:
+            self.commits[-1] = Commit(commit.request, last.start, last.count + commit.count)
+        else:
+            self.commits.append(commit)
+        self.rows.extend(rows)
+
+
 class Speculator:
     def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool):
         self.drafter = drafter
         self.policy = policy
         self.pool = pool
         self._kinds: dict[int, str] = {}  # request id -> the kind that drafted its latest round (combined kinds)
+        # The learning queue: rows by request id (in the order requests joined it), and the queued steps' hidden
+        # and aux rows (own copies; concatenated when first read), of which `_rows` there are in all.
+        self._queued: dict[int, _Queued] = {}
+        self._hidden: list[torch.Tensor] = []
+        self._aux: list[torch.Tensor] = []
+        self._rows = 0
+        self._steps = 0  # steps queued since the queue was last empty
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
@@ -57,6 +94,7 @@ class Speculator:
                 ks.append(k)
         if not decoding:
             return Drafts()
+        self.flush()  # drafts follow every committed row
         try:
             props = self.policy.trim(decoding, self.drafter.propose(decoding, ks))
         except Exception as exc:
@@ -69,12 +107,19 @@ class Speculator:
             drafts.probs = {r.request_id: q for r, q in zip(decoding, props.probs) if q is not None}
         return drafts
 
-    def learn(self, plan: StepPlan, accepted: Sequence[int], hidden: torch.Tensor, aux_hidden: torch.Tensor | None,
-              live: set[int] | dict) -> None:
-        """Let the drafter learn every committed row of the step for the requests that still hold their blocks
-        (finishing ones too: their blocks may serve prefix hits)."""
+    def keep(self, out: StepOutput) -> None:
+        """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
+        after the next one has launched (overlap scheduling): a graph replay overwrites the originals."""
+        if self.drafter.reads_hidden:
+            out.keep_hidden()
+
+    def learn(self, plan: StepPlan, out: StepOutput, live: set[int] | dict) -> None:
+        """Queue every committed row of the step for the requests that still hold their blocks, and let the drafter
+        learn the queue: all of it when the step prefilled (a heavy step anyway) or the queue spans
+        LEARN_BACKLOG_STEPS steps; a finishing request's rows now, before its blocks are released (they may serve
+        prefix hits). Propose learns the rest first."""
         commits: list[Commit] = []
-        rows: list[int] = []
+        firsts: list[int] = []  # each commit's first row in the step's hidden rows
         base = 0
         for i, s in enumerate(plan.scheduled):
             req = s.request
@@ -82,20 +127,58 @@ class Speculator:
                 # Target rows whose K/V stays valid and whose next token is on the host (a stop may cut a round;
                 # with overlap scheduling the next step may already have fed a token that is still pending).
                 known = req.num_prompt + len(req.output_ids)
-                count = min(s.num_new_tokens + accepted[i], known - 1 - s.start)
-                commits.append(Commit(req, s.start, count))
-                rows.extend(range(base, base + count))
+                count = min(s.num_new_tokens + out.accepted[i], known - 1 - s.start)
+                if count > 0:
+                    commits.append(Commit(req, s.start, count))
+                    firsts.append(base)
             base += s.num_query_tokens
         if not commits:
             return
-        # (built on the host and copied without blocking: torch.tensor(..., device=cuda) would synchronise, and
-        # with overlap scheduling the host would then wait out the step just launched on every step)
-        index = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-        aux = aux_hidden.index_select(0, index) if aux_hidden is not None else None
+        self._steps += 1
+        now = plan.has_prefill or self._steps >= LEARN_BACKLOG_STEPS
+        offset = self._rows
+        if self.drafter.reads_hidden:
+            if not now:
+                out.keep_hidden()  # (done at launch with overlap scheduling; else the next replay overwrites them)
+            self._hidden.append(out.hidden)
+            if out.aux_hidden is not None:
+                self._aux.append(out.aux_hidden)
+            self._rows += out.hidden.shape[0]
+        for c, first in zip(commits, firsts):
+            rows = range(offset + first, offset + first + c.count) if self.drafter.reads_hidden else ()
+            queued = self._queued.get(c.request.request_id)
+            if queued is None:
+                self._queued[c.request.request_id] = _Queued([c], list(rows))
+            else:
+                queued.add(c, rows)
+        if now:
+            self.flush()
+        else:
+            self.flush([c.request.request_id for c in commits if c.request.status is Status.FINISHED])
+
+    def flush(self, request_ids: Iterable[int] | None = None) -> None:
+        """Let the drafter learn the queued rows of these requests (default: every queued one), in one call."""
+        ids = list(self._queued) if request_ids is None else [r for r in request_ids if r in self._queued]
+        if not ids:
+            return
+        queued = [self._queued.pop(r) for r in ids]
+        hidden = aux = None
+        if self.drafter.reads_hidden:
+            # (the index is built on the host and copied without blocking: torch.tensor(..., device=cuda) would
+            # synchronise, and with overlap scheduling the host would then wait out the step just launched)
+            index = torch.tensor([r for q in queued for r in q.rows], dtype=torch.int64)
+            index = index.to(self._hidden[0].device, non_blocking=True)
+            hidden = _joined(self._hidden).index_select(0, index)
+            aux = _joined(self._aux).index_select(0, index) if self._aux else None
+        if not self._queued:
+            self._forget_rows()
         try:
-            self.drafter.on_commit(commits, hidden.index_select(0, index), aux)
+            self.drafter.on_commit([c for q in queued for c in q.commits], hidden, aux)
         except Exception as exc:  # a drafter fault costs acceptance, never correctness
             log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
+
+    def _forget_rows(self) -> None:
+        self._hidden, self._aux, self._rows, self._steps = [], [], 0, 0
 
     def record(self, request_id: int, proposed: int, accepted: int) -> None:
         self.policy.record(request_id, proposed, accepted)
@@ -112,6 +195,17 @@ class Speculator:
         self.policy.observe_step(len(plan.scheduled), k, seconds)
 
     def release(self, request_id: int) -> None:
+        """Forget a request whose blocks are freed: finished ones were learned in `learn`; what is still queued
+        (preemption, abort) is dropped, its blocks being gone."""
+        if self._queued.pop(request_id, None) is not None and not self._queued:
+            self._forget_rows()
         self.drafter.release(request_id)
         self.policy.release(request_id)
         self._kinds.pop(request_id, None)
+
+
+def _joined(kept: list[torch.Tensor]) -> torch.Tensor:
+    """The kept steps' rows as one tensor, concatenated once (a later flush of other requests reads it again)."""
+    if len(kept) > 1:
+        kept[:] = [torch.cat(kept)]
+    return kept[0]

@@ -10,8 +10,11 @@ drew each d from (one-hot when it took an argmax; passing a softmax for an argma
     when all k are accepted emit a draw from p at the bonus slot.
 
 The emitted tokens follow p exactly (Leviathan et al. 2023). At temperature 0, p is one-hot at the argmax, so
-the same formulas are the greedy rule: accept while d_j == argmax, then emit the argmax. All randomness is
-counter-based (Sampler streams keyed by seed and output index), so seeded rows stay reproducible.
+the same formulas are the greedy rule: accept while d_j == argmax, then emit the argmax. A batch whose rows are
+all greedy and whose drafts are all argmax ones (q one-hot) takes that rule directly (`_verify_greedy`): the
+argmax after bias, penalties and grammar (Sampler.greedy) and a comparison on the host, a handful of kernels
+where the general path launches about forty; a property test holds the two to the same verdicts. All randomness
+is counter-based (Sampler streams keyed by seed and output index), so seeded rows stay reproducible.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts:
     """Accept or reject every row's drafts. logits [T, V] and `batch` cover the T = sum(k_i + 1) positions, rows
     one after another; position j of row i is sampled as output index len(outputs) + j after drafts[:j]
     (ModelRunner.row_specs). draft_probs[i] is row i's q as [k_i, V] (None: one-hot at the draft)."""
-    device = logits.device
     lens = [len(d) + 1 for d in drafts]
     starts = list(itertools.accumulate(lens, initial=0))[:-1]
+    if batch.all_greedy and (draft_probs is None or all(q is None for q in draft_probs)):
+        return _verify_greedy(sampler, logits, batch, drafts, starts)
+    device = logits.device
     flat = [t for d in drafts for t in (*d, -1)]  # -1 marks each row's bonus slot
     draft = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
     is_draft = draft >= 0
@@ -83,6 +88,16 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts:
     host = torch.cat([accepted, emitted]).tolist()  # the one host synchronisation
     m, em = host[: len(lens)], host[len(lens) :]
     return Verdict(m, [em[s : s + k + 1] for s, k in zip(starts, m)], output, starts)
+
+
+def _verify_greedy(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence[int]],
+                   starts: list[int]) -> Verdict:
+    """Every row greedy, every q one-hot: p is one-hot at the argmax, so d_j is accepted iff it is the argmax, and
+    every emitted token, accepted or not, is the argmax at its position."""
+    output = sampler.greedy(logits, batch)
+    best = output.token_ids.tolist()  # the one host synchronisation
+    m = [next((j for j, d in enumerate(ds) if d != best[s + j]), len(ds)) for ds, s in zip(drafts, starts)]
+    return Verdict(m, [best[s : s + k + 1] for s, k in zip(starts, m)], output, starts)
 
 
 def _stack_probs(draft_probs: Sequence[torch.Tensor | None], lens: list[int], vocab: int,

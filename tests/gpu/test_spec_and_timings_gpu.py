@@ -38,22 +38,26 @@ def test_greedy_with_each_drafter_equals_plain_in_float32(families, kind, batch)
 
 @pytest.mark.parametrize("kind", list(SETUPS))
 def test_drafter_learning_never_waits_for_the_device(families, kind, caplog):
-    """With overlap scheduling the drafter learns a step while the next one runs: a synchronising call there
-    (a blocking host-to-device copy, say) would make the host wait out that step, every step. (A drafter's own
-    error is logged, not raised: the log is checked too.)"""
+    """With overlap scheduling the drafter queues (and now and then learns) a step while the next one runs: a
+    synchronising call there (a blocking host-to-device copy, say) would make the host wait out that step. Learning
+    the queue before a propose must not synchronise either. (A drafter's own error is logged, not raised: the log
+    is checked too.)"""
     arch, served, kwargs, _ = SETUPS[kind]
     llm = LLM(families[arch][served], device="cuda", max_num_seqs=8, **kwargs(families[arch]))
     speculator = llm.engine.speculator
-    learn = speculator.learn
 
-    def strict_learn(*args, **kw):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return learn(*args, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    def strict(method):
+        def run(*args, **kw):
+            before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*args, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(before)
 
-    speculator.learn = strict_learn
+        return run
+
+    speculator.learn, speculator.flush = strict(speculator.learn), strict(speculator.flush)
     got = llm.generate([[7 + i, 11, 13, 17 + i, 19] for i in range(4)], GREEDY)
     assert all(len(c.token_ids) == GREEDY.max_tokens for c in got)
     assert "failed to learn" not in caplog.text

@@ -1,0 +1,241 @@
+"""When drafters learn committed rows: queued, and handed over in batches (Speculator.learn / flush).
+
+Deferred learning must leave every drafter exactly as learning each step would (same proposals, token for
+token, in float32), learn a finishing request's rows before its blocks are released (they may serve prefix
+hits), drop a preempted request's queue, and keep undrafted decode steps free of the drafter's forward."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import outrider.speculative.speculator as speculator_mod
+from outrider import LLM, SamplingParams
+from outrider.engine.request import Request
+from outrider.engine.runner import StepOutput
+from outrider.speculative.speculator import LEARN_BACKLOG_STEPS
+from spec_helpers import H, LOOKUP_SETUPS, SETUPS, write_families
+
+HIDDEN_KINDS = ["dflash", "mtp", "mimo", "eagle3"]  # the drafters that read the target's hidden rows
+PROMPTS = [[5, 9, 100, 13, 7, 200, 11, 17, 19, 23], [42, 300, 8, 8, 9], list(range(60, 81)), [7, 100, 200, 300]]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """The spec_helpers family (drafters the target accepts part of the time), with each drafter's attention made
+    to count: there its output projection is zero, so its drafts would not depend on what it learned at all."""
+    out = write_families(tmp_path_factory.mktemp("learning"))
+    gen = torch.Generator().manual_seed(11)
+    for arch, member in (("qwen3", "dflash"), ("qwen3", "mtp"), ("qwen2", "mimo"), ("eagle", "eagle3")):
+        path = out[arch][member] / "model.safetensors"
+        t = load_file(path)
+        for name in t:
+            if name.endswith("self_attn.o_proj.weight") and not name.startswith("model.layers."):  # (not the target's)
+                t[name] = torch.randn(t[name].shape, generator=gen) / math.sqrt(H)
+        save_file(t, path, metadata={"format": "pt"})
+    return out
+
+
+def spec_llm(families, kind: str, **kwargs) -> LLM:
+    arch, served, engine_kwargs, _ = SETUPS[kind]
+    return LLM(families[arch][served], dtype="float32", max_num_seqs=8, overlap_schedule=True, spec_draft_n_max=3,
+               spec_measured_costs=False, **engine_kwargs(families[arch]), **kwargs)
+
+
+@dataclass
+class Recorder:
+    """What the drafter was asked and told: each propose (the requests' sequences, ks, the drafts) and each
+    on_commit (the (request id, start, count) of its commits, and its hidden row count); `freed` logs, in the same
+    order, each request whose blocks were released."""
+
+    proposals: list = field(default_factory=list)
+    events: list = field(default_factory=list)
+
+    def install(self, engine) -> Recorder:
+        drafter, pool = engine.drafter, engine.pool
+        propose, on_commit, free = drafter.propose, drafter.on_commit, pool.free_request
+
+        def recorded_propose(requests, ks):
+            props = propose(requests, ks)
+            self.proposals.append(([tuple(r.all_ids) for r in requests], list(ks), props.tokens, props.confidence))
+            return props
+
+        def recorded_on_commit(commits, hidden, aux_hidden):
+            rows = None if hidden is None else hidden.shape[0]
+            self.events.append(("learn", [(c.request.request_id, c.start, c.count) for c in commits], rows))
+            return on_commit(commits, hidden, aux_hidden)
+
+        def recorded_free(req):
+            self.events.append(("free", req.request_id, req.num_preemptions))
+            return free(req)
+
+        drafter.propose, drafter.on_commit, pool.free_request = recorded_propose, recorded_on_commit, recorded_free
+        return self
+
+    def learned(self, request_id: int) -> list[tuple[int, int]]:
+        """(start, count) of every commit of the request the drafter learned, in order."""
+        return [(s, n) for e in self.events if e[0] == "learn" for rid, s, n in e[1] if rid == request_id]
+
+
+def force_lengths(engine, drafts: bool = True) -> None:
+    """Drafted and undrafted steps in a fixed pattern: two rounds in a row, one six steps later, then 19 plain steps
+    (more than LEARN_BACKLOG_STEPS), over and over; k cycles through 1-3. Decided by step count and output length
+    only, so two engines that commit the same tokens draft the same steps."""
+    steps = itertools.count()
+
+    def lengths(running):
+        n = next(steps)
+        if not drafts or n % 29 not in (2, 3, 9):
+            return {}
+        ks = {r.request_id: min(1 + (len(r.output_ids) + n) % 3,
+                                r.max_output_tokens - len(r.output_ids) - r.num_pending - 1)
+              for r in running if r.num_computed == r.num_tokens - 1}
+        return {rid: k for rid, k in ks.items() if k > 0}
+
+    engine.speculator.draft_lengths = lengths
+
+
+def assert_same_proposals(got: list, want: list) -> None:
+    """The same requests, lengths and drafts token for token; the drafter's confidences equal up to float32
+    rounding (rows learned in one batch or another go through GEMMs of other shapes)."""
+    assert [p[:3] for p in got] == [p[:3] for p in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(sum(g[3], [])), torch.tensor(sum(w[3], [])), rtol=1e-5, atol=1e-6)
+
+
+def generate(llm: LLM, prompts, max_tokens) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    return [c.token_ids for c in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("kind", HIDDEN_KINDS)
+def test_deferred_learning_proposes_what_learning_every_step_proposes(families, kind, batch, monkeypatch):
+    """With rounds and long plain stretches alternating, and requests finishing at different steps, a drafter
+    that learns queued rows in batches proposes exactly (token for token, in float32) what one that learns every
+    step proposes, and the greedy output is the same."""
+    prompts, max_tokens = PROMPTS[:batch], [60 - 9 * i for i in range(batch)]
+    runs = {}
+    for cap in (1, LEARN_BACKLOG_STEPS):
+        monkeypatch.setattr(speculator_mod, "LEARN_BACKLOG_STEPS", cap)
+        llm = spec_llm(families, kind)
+        force_lengths(llm.engine)
+        record = Recorder().install(llm.engine)
+        runs[cap] = (generate(llm, prompts, max_tokens), record)
+    (eager_out, eager), (deferred_out, deferred) = runs[1], runs[LEARN_BACKLOG_STEPS]
+    assert deferred_out == eager_out
+    assert len(deferred.proposals) >= 4 and any(any(t) for _, _, tokens, _ in deferred.proposals for t in tokens)
+    assert_same_proposals(deferred.proposals, eager.proposals)
+    learns = [e for e in deferred.events if e[0] == "learn"]
+    assert len(learns) < len([e for e in eager.events if e[0] == "learn"]) / 2
+    assert any(s > 0 and n >= LEARN_BACKLOG_STEPS for e in learns for _, s, n in e[1])  # steps merged in one commit
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_undrafted_decode_steps_learn_nothing_until_the_queue_is_full(families, kind):
+    """A request that never drafts: the drafter learns its prompt with the prefill, then nothing for
+    LEARN_BACKLOG_STEPS - 1 decode steps, then all of them as one commit, and the rest before its blocks are
+    released; together exactly its rows 0..n-2, each once, with as many hidden rows."""
+    llm = spec_llm(families, kind)
+    force_lengths(llm.engine, drafts=False)
+    record = Recorder().install(llm.engine)
+    prompt, tokens = PROMPTS[0], 2 * LEARN_BACKLOG_STEPS + 9
+    req = Request(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    outs: list = []
+    llm.engine.add_request(req, outs.append)
+    learned_by_step = []
+    while llm.engine.has_work():
+        before = len(record.events)
+        llm.engine.step()
+        learned_by_step.append(len(record.events) - before)
+    decode = tokens - 1  # the prefill step commits the prompt rows; each decode step one row
+    counts = [len(prompt)] + [LEARN_BACKLOG_STEPS] * (decode // LEARN_BACKLOG_STEPS) + [decode % LEARN_BACKLOG_STEPS]
+    assert [n for _, n in record.learned(req.request_id)] == counts
+    starts = list(itertools.accumulate(counts, initial=0))[:-1]
+    assert [s for s, _ in record.learned(req.request_id)] == starts
+    assert [e[2] for e in record.events if e[0] == "learn"] == counts  # one hidden row per learned row
+    assert sum(learned_by_step) == len(counts) + 1  # the learning calls, and the release of the blocks
+    assert record.events[-1][0] == "free"
+
+
+def test_drafters_without_hidden_rows_keep_none(families, monkeypatch):
+    """N-gram lookup (alone or beside a draft model) reads committed tokens only: no step copies its hidden rows
+    for it, and on_commit gets none."""
+    copies = []
+    keep = StepOutput.keep_hidden
+    monkeypatch.setattr(StepOutput, "keep_hidden", lambda self: copies.append(1) or keep(self))
+    for kind in ("ngram", "ngram,draft"):
+        arch, served, kwargs, _, prompt = LOOKUP_SETUPS[kind]
+        llm = LLM(families[arch][served], max_num_seqs=4, overlap_schedule=True, **kwargs(families[arch]))
+        assert not llm.engine.drafter.reads_hidden
+        record = Recorder().install(llm.engine)
+        outs = llm.generate([prompt, prompt[::-1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        assert any(c.timing.draft_rounds for c in outs)
+        learns = [e for e in record.events if e[0] == "learn"]
+        assert learns and all(rows is None for _, _, rows in learns)
+    assert not copies
+
+
+@pytest.mark.parametrize("kind", HIDDEN_KINDS)
+def test_finished_request_is_learned_before_its_blocks_serve_a_prefix_hit(families, kind, monkeypatch):
+    """A finishes with rows still queued, some in a block its finish publishes; B's prompt is A's whole sequence,
+    so B reuses that block from the prefix cache. A's rows are all learned before its blocks are released, and B
+    then drafts exactly what it drafts when every step is learned at once."""
+    prompt, tokens = list(range(20, 40)), 30  # rows 36..48 are queued at A's finish; block 2 (32..47) is full
+    runs = {}
+    for cap in (1, LEARN_BACKLOG_STEPS):
+        monkeypatch.setattr(speculator_mod, "LEARN_BACKLOG_STEPS", cap)
+        llm = spec_llm(families, kind)
+        record = Recorder().install(llm.engine)
+        force_lengths(llm.engine, drafts=False)
+        first = generate(llm, [prompt], [tokens])[0]
+        a_id = next(e[1][0][0] for e in record.events if e[0] == "learn")
+        freed = next(i for i, e in enumerate(record.events) if e[0] == "free")
+        learned = record.learned(a_id)
+        assert [e for e in record.events[:freed] if e[0] == "learn"] == [e for e in record.events if e[0] == "learn"]
+        assert sum(n for _, n in learned) == len(prompt) + tokens - 1
+        force_lengths(llm.engine)
+        hits = llm.engine.pool.hits
+        runs[cap] = (generate(llm, [prompt + first], [24]), record.proposals)
+        assert llm.engine.pool.hits - hits == 48
+    assert runs[LEARN_BACKLOG_STEPS][0] == runs[1][0]
+    assert_same_proposals(runs[LEARN_BACKLOG_STEPS][1], runs[1][1])
+    assert any(any(t) for _, _, tokens, _ in runs[1][1] for t in tokens)
+
+
+def test_preempted_request_drops_its_queue(families):
+    """B is preempted with decode rows queued: they are never learned into its freed blocks; after it runs again
+    the drafter learns its recomputed rows, and the output is still the target's own."""
+    arch, served, kwargs, _ = SETUPS["mtp"]
+    path = families[arch][served]
+    # Four usable blocks of 16: A (30 + 30 tokens) takes its third while B (10 + 30) is decoding; B needs its
+    # second block after its first tokens, finds none and is preempted until A is done.
+    llm = LLM(path, dtype="float32", max_num_seqs=4, overlap_schedule=True, num_kv_blocks=5,
+              enable_prefix_caching=False, spec_measured_costs=False, **kwargs(families[arch]))
+    force_lengths(llm.engine, drafts=False)
+    record = Recorder().install(llm.engine)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    a, b = Request(list(range(3, 33)), params), Request(list(range(100, 110)), params)
+    outs: dict[int, list] = {a.request_id: [], b.request_id: []}
+    engine.add_request(a, outs[a.request_id].append)
+    engine.step()
+    engine.add_request(b, outs[b.request_id].append)
+    while engine.has_work():
+        engine.step()
+    assert b.num_preemptions > 0
+    preempted = next(i for i, e in enumerate(record.events) if e[:2] == ("free", b.request_id))
+    rows_then = next(i for i, e in enumerate(record.events) if e[0] == "learn" and i > preempted
+                     and any(rid == b.request_id for rid, _, _ in e[1]))
+    before = [(s, n) for e in record.events[:preempted] if e[0] == "learn" for rid, s, n in e[1]
+              if rid == b.request_id]
+    assert sum(n for _, n in before) == 10  # the prompt rows; the decode rows were still queued
+    assert record.events[rows_then][1][0][1] == 0  # after its re-admission: its recomputation, from position 0
+    plain = LLM(path, dtype="float32", max_num_seqs=4, spec_type="none")
+    assert [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in (a, b)] == generate(
+        plain, [a.prompt_ids, b.prompt_ids], [30, 30])
