@@ -262,10 +262,12 @@ class Sampler:
         self.eog_ids: torch.Tensor | None = None
 
     # --- building the step's tensors (host side, once per step) ---
-    def prepare(self, rows: SamplingRows | Sequence[RowSpec], sample_only: bool = False) -> SamplingBatch:
+    def prepare(self, rows: SamplingRows | Sequence[RowSpec], sample_only: bool = False,
+                argmax_drafts: bool = False) -> SamplingBatch:
         """Device tensors for these rows, uploaded in one copy. With `sample_only` (the batch goes to `sample`,
         not `processed`), an all-greedy batch skips the filter tensors, whose upload is most of a small step's
-        host time, and only the plain draws' noise stream is keyed."""
+        host time, and only the plain draws' noise stream is keyed. With `argmax_drafts` (the batch verifies
+        drafts that were argmax picks), an all-greedy batch skips them too: it takes verify's greedy path."""
         if not isinstance(rows, SamplingRows):
             rows = SamplingRows.of(rows)
         floats, ints = rows.table.floats[:, rows.slots], rows.table.ints[:, rows.slots]
@@ -281,7 +283,7 @@ class Sampler:
         if rows.allowed is not None:
             parts += [(rows.allowed.rows, np.int64), (rows.allowed.bits, np.int32)]
         all_greedy = bool(every & _Flag.GREEDY)
-        filters = not (all_greedy and sample_only)
+        filters = not (all_greedy and (sample_only or argmax_drafts))
         if filters:
             V = self.vocab_size
             width = V if some & _Flag.NO_TOP_K else min(V, int(ints[_WIDTH_K].max()))

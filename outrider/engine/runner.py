@@ -273,11 +273,12 @@ class ModelRunner:
         sampled_reqs = [plan.scheduled[i] for i in sampling]
         specs = self.row_specs(sampled_reqs)
         verifies = len(specs.slots) > len(sampled_reqs)  # some request has draft rows
-        sbatch = self.sampler.prepare(specs, sample_only=not verifies)
+        drafts = [s.draft_tokens for s in sampled_reqs]
+        probs = draft_probs or {}
+        q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
+        sbatch = self.sampler.prepare(specs, sample_only=not verifies,
+                                      argmax_drafts=verifies and all(x is None for x in q))
         if verifies:
-            drafts = [s.draft_tokens for s in sampled_reqs]
-            probs = draft_probs or {}
-            q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
             verdict = verify(self.sampler, logits, sbatch, drafts, q)
             step.tokens, step.starts = verdict.tokens, verdict.starts
             for r, i in enumerate(sampling):
