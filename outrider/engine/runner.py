@@ -272,20 +272,18 @@ class ModelRunner:
         logits, step.logits = step.logits, None
         sampled_reqs = [plan.scheduled[i] for i in sampling]
         specs = self.row_specs(sampled_reqs)
-        verifies = len(specs.slots) > len(sampled_reqs)  # some request has draft rows
-        drafts = [s.draft_tokens for s in sampled_reqs]
-        probs = draft_probs or {}
-        q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
-        sbatch = self.sampler.prepare(specs, sample_only=not verifies,
-                                      argmax_drafts=verifies and all(x is None for x in q))
-        if verifies:
+        if len(specs.slots) > len(sampled_reqs):  # some request has draft rows: verify them
+            drafts = [s.draft_tokens for s in sampled_reqs]
+            probs = draft_probs or {}
+            q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
+            sbatch = self.sampler.prepare(specs, argmax_drafts=all(x is None for x in q))
             verdict = verify(self.sampler, logits, sbatch, drafts, q)
             step.tokens, step.starts = verdict.tokens, verdict.starts
             for r, i in enumerate(sampling):
                 out.accepted[i] = verdict.num_accepted[r]
             sampled = verdict.output
         else:
-            sampled = self.sampler.sample(logits, sbatch)
+            sampled = self.sampler.sample(logits, self.sampler.prepare(specs, sample_only=True))
             step.token_ids = sampled.token_ids
             step.starts = range(len(sampling))
         step.host = [_to_host(t) for t in ((sampled.token_ids,) if step.tokens is None else ())
