@@ -40,6 +40,7 @@ import logging
 import math
 import platform
 import random
+import re
 import sys
 import sysconfig
 import tarfile
@@ -601,9 +602,10 @@ def code_requests(files: list[tuple[str, str]], methods: bool = False) -> list[C
             tree = ast.parse(text)
         except (SyntaxError, ValueError):
             continue
+        lines = SOURCE_LINE.findall(text)
         for owner, node in documented_defs(tree, methods):
             doc = ast.get_docstring(node)
-            src = ast.get_source_segment(text, node, padded=True)  # padded: a method's first line keeps its indent
+            src = source_segment(lines, node)
             if not doc or not doc.strip() or not src or len(src) > 1500:
                 continue
             summary = doc.strip().splitlines()[0].strip()
@@ -614,6 +616,23 @@ def code_requests(files: list[tuple[str, str]], methods: bool = False) -> list[C
                    f"Write a Python function `{node.name}({args})`: {summary}")
             out.append(CodeRequest(ask, textwrap.dedent(src)))
     return out
+
+
+# A line as the ast module splits source: ended by \r\n, \r or \n (str.splitlines would also split at \f and others)
+SOURCE_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(text, node, padded=True) over SOURCE_LINE.findall(text), split once per file (the ast
+    function splits the whole text again at every call, in pure Python). Padded: a method's first line keeps its
+    indent."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()
+    pad = "".join(c if c in "\f\t" else " " for c in head[:node.col_offset].decode())
+    return "".join([pad + head[node.col_offset:].decode(), *lines[first + 1:last],
+                    lines[last].encode()[:node.end_col_offset].decode()])
 
 
 def chat_examples(files: list[tuple[str, str]], limit: int, seed: int, methods: bool = False) -> list[str]:
@@ -1387,8 +1406,6 @@ def pack(out: Path, dest: Path, parts: dict = PACK_PARTS) -> list[Path]:
 def make_eval_prompts(held_files, per_kind: int, seed: int) -> list[dict]:
     """Held-out prompts: `def` lines (dedented, no newline, like the README's `def fibonacci(n):`) and ~400-char
     windows of held-out files ending at a line break."""
-    import re
-
     rng = random.Random(seed + 99)
     defs, windows = [], []
     for rel, text in held_files:
