@@ -34,12 +34,14 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
+import itertools
 import json
 import platform
 import random
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -152,15 +154,17 @@ class Prompt:
     text: str  # rendered with the chat template, ready to encode
 
 
-def prompts_of(files: list[tuple[str, str]], tok) -> list[Prompt]:
-    """Both kinds of chat prompt for every code request of `files`, in file order."""
-    out = []
+def chat_prompts(files: list[tuple[str, str]], tok, max_tokens: int) -> Iterator[tuple[Prompt, list[int]]]:
+    """(prompt, its token ids) of both kinds for every code request of `files`, in file order, leaving out those
+    over max_tokens; lazily, so that a caller wanting a few thousand parses only the files it needs."""
     for rel, text in files:
         for req in td.code_requests([(rel, text)]) + td.code_requests([(rel, text)], methods=True):
             asks = {"write": req.ask, "explain": f"Explain what this Python code does:\n\n```python\n{req.source}```"}
-            out += [Prompt(kind, rel, tok.apply_chat_template([{"role": "user", "content": ask}]))
-                    for kind, ask in asks.items()]
-    return out
+            for kind, ask in asks.items():
+                prompt = Prompt(kind, rel, tok.apply_chat_template([{"role": "user", "content": ask}]))
+                ids = tok.encode(prompt.text)
+                if len(ids) <= max_tokens:
+                    yield prompt, ids
 
 
 @dataclass(frozen=True)
@@ -276,13 +280,10 @@ def main(argv=None) -> int:
     train_files = [f for f in files if not td.is_held_out(f[0])]
     held_files = [f for f in files if td.is_held_out(f[0])]
 
-    def fitting(prompts):
-        return [(p, ids) for p in prompts if len(ids := tok.encode(p.text)) <= r.max_prompt_tokens]
-
-    train_prompts = fitting(prompts_of(train_files, tok))
-    random.Random(args.seed).shuffle(train_prompts)
-    train_prompts = train_prompts[:r.requests]
-    held = fitting(prompts_of(held_files, tok))
+    random.Random(args.seed).shuffle(train_files)  # the first files in this order give the requests
+    train_prompts = list(itertools.islice(chat_prompts(train_files, tok, r.max_prompt_tokens), r.requests))
+    random.Random(args.seed + 1).shuffle(train_prompts)
+    held = list(chat_prompts(held_files, tok, r.max_prompt_tokens))
     random.Random(args.seed + 99).shuffle(held)
     eval_prompts = [p for kind in KINDS for p in [x for x in held if x[0].kind == kind][:r.eval_prompts]]
     (out / "eval_prompts.json").write_text(json.dumps(
@@ -305,6 +306,7 @@ def main(argv=None) -> int:
                 "the documented functions and methods of the stdlib's training files; held-out files give the "
                 "evaluation prompts",
         "stdlib_files": len(files), "train_files": len(train_files), "held_out_files": len(held_files),
+        "requests": len(train_prompts),
         "conversations": len(convs), "sampled": sum(c.sampled for c in convs), "temperature": 0.8,
         "answer_tokens": sum(answers), "answer_tokens_mean": round(sum(answers) / len(answers), 1),
         "answers_at_cap": sum(a >= r.gen_new for a in answers), "trainable": len(train_convs),
