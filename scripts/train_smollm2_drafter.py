@@ -246,7 +246,8 @@ def gather(llm: LLM, r: Recipe, seed: int, mask_id: int) -> Data:
     random.Random(seed + 1).shuffle(requests)
     held = list(chat_prompts(held_files, tok, r.max_prompt_tokens))
     random.Random(seed + 99).shuffle(held)
-    evals = [p for kind in KINDS for p in [x for x in held if x[0].kind == kind][:r.eval_prompts]]
+    # the kinds alternate, so that the first n prompts (bench spec's --num-requests) hold both
+    evals = list(itertools.chain(*zip(*([x for x in held if x[0].kind == kind][:r.eval_prompts] for kind in KINDS))))
     rng = random.Random(seed + 21)
     sampled = [rng.random() < r.sampled_fraction for _ in requests]
     convs = answer(llm, [ids for _, ids in requests], sampled, r.gen_new, 2 * r.gen_batch, seed,
