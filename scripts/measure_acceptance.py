@@ -297,7 +297,11 @@ def kv_blocks(prompt_lens: list[int], max_tokens: int, batch: int, block_size: i
     return batch * need + 8
 
 
-def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks: int, batch: int):
+def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks: int, batch: int,
+             target: str | None = None, draft_model: str | None = None, fixed: bool = False):
+    """An engine for `target` (default: the demo target) with drafter `kind` (None: none) drafting up to k, from
+    `draft_model` (default: the demo's) for the kinds that have one. fixed: no measured step costs (the CUDA
+    default), so that a drafter with step_cost 0 always drafts the cap."""
     from outrider import LLM, demo
 
     kwargs = dict(device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, max_num_seqs=max(batch, 1))
@@ -306,8 +310,10 @@ def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks
     else:
         kwargs.update(spec_type=kind, spec_draft_n_max=k)
         if kind in ("draft", "dflash"):
-            kwargs["draft_model"] = str(demo.demo_path(kind))
-    llm = LLM(str(demo.demo_path("target")), **kwargs)
+            kwargs["draft_model"] = draft_model or str(demo.demo_path(kind))
+        if fixed:
+            kwargs["spec_measured_costs"] = False
+    llm = LLM(target or str(demo.demo_path("target")), **kwargs)
     if kind is not None and llm.engine.drafter_kind != kind:
         raise RuntimeError(f"the engine did not load the {kind} drafter (see the log)")
     return llm
@@ -326,25 +332,29 @@ def run_prompts(llm, prompts: list[tuple[int, dict]], max_tokens: int, batch: in
 
 def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *, max_tokens: int = 128,
             policies: tuple[str, ...] = ("fixed",), batch: int = 1, device: str = "cpu", dtype: str = "float32",
-            vs_training_code: bool = False, log=print) -> tuple[list[int], list[SettingResult]]:
+            vs_training_code: bool = False, target: str | None = None, draft_models: dict[str, str] | None = None,
+            log=print) -> tuple[list[int], list[SettingResult]]:
     """Plain greedy token ids per prompt, and one SettingResult per (policy, setting). vs_training_code: also
-    compare every round's drafts with what the training script's model code drafts at the same point."""
+    compare every round's drafts with what the training script's model code drafts at the same point. target and
+    draft_models (kind -> checkpoint): another model and its drafters than the demo family's."""
     from outrider import demo
     from outrider.tokenizer import Tokenizer
 
-    tok = Tokenizer.from_pretrained(str(demo.demo_path("target")))
+    target = target or str(demo.demo_path("target"))
+    tok = Tokenizer.from_pretrained(target)
     lens = [len(tok.encode(p["prompt"])) for _, p in prompts]
     blocks = kv_blocks(lens, max_tokens, batch)
     reference = TrainingCode() if vs_training_code else None
     t0 = time.time()
     plain = [o.token_ids for o in run_prompts(make_llm(None, 0, device=device, dtype=dtype, num_kv_blocks=blocks,
-                                                       batch=batch), prompts, max_tokens, batch)]
+                                                       batch=batch, target=target), prompts, max_tokens, batch)]
     log(f"plain greedy: {len(prompts)} prompts, {sum(map(len, plain))} tokens, {time.time() - t0:.1f}s")
     results = []
     for policy in policies:
         for kind, k in settings:
             t0 = time.time()
-            llm = make_llm(kind, k, device=device, dtype=dtype, num_kv_blocks=blocks, batch=batch)
+            llm = make_llm(kind, k, device=device, dtype=dtype, num_kv_blocks=blocks, batch=batch, target=target,
+                           draft_model=(draft_models or {}).get(kind), fixed=policy == "fixed")
             if policy == "fixed":
                 # expected_tokens(alpha, n) grows with n, so with no cost per draft the online rule always takes
                 # the cap: min(K, max_draft, tokens left - 1, batch cap).

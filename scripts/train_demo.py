@@ -40,6 +40,7 @@ import logging
 import math
 import platform
 import random
+import re
 import sys
 import sysconfig
 import tarfile
@@ -416,6 +417,46 @@ def dflash_weights(block_size, gamma, device):
     return torch.exp(-(k - 1) / gamma)
 
 
+def random_anchors(bsz, T, n, block_size, gen, device, allowed=None):
+    """n distinct anchors per row in [1, T - block_size], sorted. allowed [bsz, T - block_size] (column a - 1 for
+    anchor a) limits each row to its True columns; a row must allow at least n."""
+    r = torch.rand(bsz, T - block_size, generator=gen)
+    if allowed is not None:
+        r = r.masked_fill(~allowed, -1.0)
+    return (r.topk(n, dim=1).indices + 1).sort(dim=1).values.to(device)
+
+
+def dflash_outputs(drafter, target, x, anchors, block_size, taps, mask_id=MASK_ID):
+    """(drafter logits, teacher logits), each [B, N, block_size - 1, V], for one block per anchor of ids x [B, T].
+    target: the frozen target, called as target(x, taps=taps) -> (post-norm hidden, [tapped layer outputs]), with
+    model.embed_tokens and logits(hidden)."""
+    with torch.no_grad():
+        th, tapped = target(x, taps=taps)
+    block_ids, pos, mask = dflash_block(x, anchors, block_size, mask_id)
+    with torch.no_grad():
+        bemb = target.model.embed_tokens(block_ids)
+    hid = drafter(torch.cat(tapped, -1), bemb, pos, mask)
+    B, N = anchors.shape
+    hid = hid.view(B, N, block_size, -1)[:, :, 1:]
+    # slot k predicts x_{a+k}; the teacher is the target at a+k-1 (given the true prefix)
+    tpos = anchors[:, :, None] + torch.arange(0, block_size - 1, device=x.device)  # [B, N, Bk-1]
+    th_sel = th.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, th.shape[-1])).view(B, N, block_size - 1, -1)
+    return target.logits(hid), target.logits(th_sel)
+
+
+def dflash_loss(dl, tl, weights):
+    """Soft CE of the drafts to the teacher, block slot k weighted by weights[k - 1] (dflash_weights)."""
+    return (soft_ce(dl, tl) * weights).sum(-1).mean() / weights.sum()
+
+
+def dflash_scores(dl, tl, weights) -> dict:
+    """val (dflash_loss), agree1 (slot 1's argmax agreement) and eal (the expected acceptance length those
+    per-slot agreements give)."""
+    acc = (dl.argmax(-1) == tl.argmax(-1)).float().mean(dim=(0, 1))
+    eal = torch.cumprod(acc, 0).sum().item() + 1
+    return {"val": dflash_loss(dl, tl, weights).item(), "agree1": acc[0].item(), "eal": eal}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Data
 
@@ -545,19 +586,26 @@ def fingerprint(files: list[tuple[str, str]]) -> str:
     return fp.hexdigest()
 
 
-def chat_examples(files: list[tuple[str, str]], limit: int, seed: int, methods: bool = False) -> list[str]:
-    """ChatML documents from documented public top-level functions of training files (or, with methods, from the
-    documented public methods of their public top-level classes): ask for it by signature and the first
-    docstring line, answer with its source in a code fence. Shuffled by the seed, the first `limit` kept."""
+@dataclass(frozen=True)
+class CodeRequest:
+    """A request for a documented function or method, by signature and the first docstring line, and its source."""
+    ask: str
+    source: str  # dedented
+
+
+def code_requests(files: list[tuple[str, str]], methods: bool = False) -> list[CodeRequest]:
+    """One CodeRequest per documented public top-level function of `files` (or, with methods, per documented
+    public method of their public top-level classes) of at most 1500 characters, in file order."""
     out = []
     for rel, text in files:
         try:
             tree = ast.parse(text)
         except (SyntaxError, ValueError):
             continue
+        lines = SOURCE_LINE.findall(text)
         for owner, node in documented_defs(tree, methods):
             doc = ast.get_docstring(node)
-            src = ast.get_source_segment(text, node, padded=True)  # padded: a method's first line keeps its indent
+            src = source_segment(lines, node)
             if not doc or not doc.strip() or not src or len(src) > 1500:
                 continue
             summary = doc.strip().splitlines()[0].strip()
@@ -566,8 +614,32 @@ def chat_examples(files: list[tuple[str, str]], limit: int, seed: int, methods: 
             args = ast.unparse(node.args)
             ask = (f"Write the method `{owner}.{node.name}({args})`: {summary}" if owner else
                    f"Write a Python function `{node.name}({args})`: {summary}")
-            out.append(f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
-                       f"```python\n{textwrap.dedent(src)}\n```<|im_end|>\n")
+            out.append(CodeRequest(ask, textwrap.dedent(src)))
+    return out
+
+
+# A line as the ast module splits source: ended by \r\n, \r or \n (str.splitlines would also split at \f and others)
+SOURCE_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+")
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(text, node, padded=True) over SOURCE_LINE.findall(text), split once per file (the ast
+    function splits the whole text again at every call, in pure Python). Padded: a method's first line keeps its
+    indent."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    head = lines[first].encode()
+    pad = "".join(c if c in "\f\t" else " " for c in head[:node.col_offset].decode())
+    return "".join([pad + head[node.col_offset:].decode(), *lines[first + 1:last],
+                    lines[last].encode()[:node.end_col_offset].decode()])
+
+
+def chat_examples(files: list[tuple[str, str]], limit: int, seed: int, methods: bool = False) -> list[str]:
+    """ChatML documents from code_requests: the ask, answered with the source in a code fence. Shuffled by the
+    seed, the first `limit` kept."""
+    out = [f"<|im_start|>user\n{r.ask}<|im_end|>\n<|im_start|>assistant\n```python\n{r.source}\n```<|im_end|>\n"
+           for r in code_requests(files, methods)]
     rng = random.Random(seed + (1 if methods else 0))
     rng.shuffle(out)
     return out[:limit]
@@ -707,6 +779,21 @@ class Ctx:
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16) if self.cuda else torch.autocast("cpu", enabled=False)
+
+
+def start_run(device_name: str, seed: int, smoke: bool) -> Ctx:
+    """The run's device (auto: CUDA when there is one), torch and random seeded, TF32 matmuls on CUDA, and one CPU
+    thread for smoke sizes (tiny tensors: threads only add overhead)."""
+    auto = device_name == "auto"
+    ctx = Ctx(torch.device("cuda" if auto and torch.cuda.is_available() else ("cpu" if auto else device_name)))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    if ctx.cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if smoke:
+        torch.set_num_threads(1)
+    return ctx
 
 
 def lr_at(step: int, progress: float, lr: float, warmup: int) -> float:
@@ -878,17 +965,20 @@ def write_lm(path: Path, model: Qwen3LM, vocab: int, tok, extra_config=None, ext
     write_tokenizer(tok, path)
 
 
-def write_dflash(path: Path, drafter: DFlashDrafter, p: Profile) -> None:
+def write_dflash(path: Path, drafter: DFlashDrafter, *, block_size: int, target_layers: int, taps, mask_id: int,
+                 vocab: int) -> None:
+    """The DFlash checkpoint outrider/speculative/dflash.py loads; its layers are Qwen3 layers of drafter.s, with
+    this script's RoPE and norm constants."""
     path.mkdir(parents=True, exist_ok=True)
     save_safetensors(drafter.state_dict(), path / "model.safetensors")
-    s = p.dflash
+    s = drafter.s
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
-        "block_size": p.block_size,
-        "num_target_layers": p.target.layers,
-        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": list(p.dflash_taps)},
-        "vocab_size": p.vocab,
+        "block_size": block_size,
+        "num_target_layers": target_layers,
+        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(taps)},
+        "vocab_size": vocab,
         "hidden_size": s.hidden,
         "intermediate_size": s.ffn,
         "num_hidden_layers": s.layers,
@@ -974,16 +1064,8 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     p = SMOKE if args.smoke else FULL
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
-    ctx = Ctx(device)
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    if ctx.cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    if args.smoke:
-        torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+    ctx = start_run(args.device, args.seed, args.smoke)
+    device = ctx.device
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     log_to(out / "train_log.txt")
@@ -1108,9 +1190,9 @@ def main(argv=None) -> int:
         return torch.cat([sample_windows(train_stream_d, half, p.seq, gen),
                           sample_windows(gen_stream, batch_size - half, p.seq, gen)])
 
-    def target_view(x, taps=()):
+    def target_view(x):
         with torch.no_grad():
-            h, tapped = target(x, taps=taps)
+            h, tapped = target(x)
         return h, tapped
 
     # ---- draft model: forward KL to the target + 0.2 CE
@@ -1207,48 +1289,26 @@ def main(argv=None) -> int:
     steps, batch, lr, warmup = p.dflash_train
     gf = torch.Generator().manual_seed(args.seed + 14)
 
-    def dflash_outputs(x, anchors):
-        th, taps = target_view(x, p.dflash_taps)
-        block_ids, pos, mask = dflash_block(x, anchors, Bk)
-        with torch.no_grad():
-            bemb = target.model.embed_tokens(block_ids)
-        hid = dflash(torch.cat(taps, -1), bemb, pos, mask)
-        B, N = anchors.shape
-        hid = hid.view(B, N, Bk, -1)[:, :, 1:]
-        # slot k predicts x_{a+k}; the teacher is the target at a+k-1 (given the true prefix)
-        tpos = anchors[:, :, None] + torch.arange(0, Bk - 1, device=device)  # [B, N, Bk-1]
-        th_sel = th.gather(1, tpos.reshape(B, -1, 1).expand(-1, -1, th.shape[-1])).view(B, N, Bk - 1, -1)
-        return target.logits(hid), target.logits(th_sel)
-
-    def random_anchors(bsz, T, n, gen):
-        # distinct anchors in [1, T - Bk], sorted
-        r = torch.rand(bsz, T - Bk, generator=gen)
-        return (r.topk(n, dim=1).indices + 1).sort(dim=1).values.to(device)
-
-    def dflash_loss(step):
+    def train_step_loss(step):
         x = drafter_batch(batch, gf)
-        dl, tl = dflash_outputs(x, random_anchors(batch, p.seq, p.dflash_anchors, gf))
-        ce = soft_ce(dl, tl)  # [B, N, Bk-1]
-        return (ce * dw).sum(-1).mean() / dw.sum()
+        anchors = random_anchors(batch, p.seq, p.dflash_anchors, Bk, gf, device)
+        return dflash_loss(*dflash_outputs(dflash, target, x, anchors, Bk, p.dflash_taps), dw)
 
     def dflash_eval():
         x = vgen_windows
         ge = torch.Generator().manual_seed(1234)
-        anchors = random_anchors(len(x), x.shape[1], min(p.dflash_anchors, (x.shape[1] - Bk) // 2), ge)
-        dl, tl = dflash_outputs(x, anchors)
-        acc = (dl.argmax(-1) == tl.argmax(-1)).float().mean(dim=(0, 1))
-        eal = torch.cumprod(acc, 0).sum().item() + 1
-        return {"val": ((soft_ce(dl, tl) * dw).sum(-1).mean() / dw.sum()).item(),
-                "agree1": acc[0].item(), "eal": eal}
+        anchors = random_anchors(len(x), x.shape[1], min(p.dflash_anchors, (x.shape[1] - Bk) // 2), Bk, ge, device)
+        return dflash_scores(*dflash_outputs(dflash, target, x, anchors, Bk, p.dflash_taps), dw)
 
-    res = train_loop("dflash", dflash, list(dflash.parameters()), steps, lr, warmup, dflash_loss, dflash_eval,
+    res = train_loop("dflash", dflash, list(dflash.parameters()), steps, lr, warmup, train_step_loss, dflash_eval,
                      p.eval_every, ctx, p.stage_seconds["dflash"])
     dflash.requires_grad_(False)
     metrics["dflash"] = {"params": n_params(dflash), "shape": asdict(p.dflash), "block_size": Bk,
                          "target_layer_ids": list(p.dflash_taps), "mask_token_id": MASK_ID,
                          "gamma": p.dflash_gamma, "anchors_per_seq": p.dflash_anchors, "batch": batch, "lr": lr,
                          **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
-    write_dflash(out / "dflash", dflash, p)
+    write_dflash(out / "dflash", dflash, block_size=Bk, target_layers=p.target.layers, taps=p.dflash_taps,
+                 mask_id=MASK_ID, vocab=p.vocab)
     stage_t["dflash"] = round(time.time() - t0, 1)
     save_metrics()
 
@@ -1327,14 +1387,14 @@ PACK_PARTS = {"demo-target.tar": ("target",),
 PACK_FILE_LIMIT = 16 << 20
 
 
-def pack(out: Path, dest: Path) -> list[Path]:
-    """Write PACK_PARTS of the family in `out` into `dest`, and plain copies of metrics.json and train_log.txt
+def pack(out: Path, dest: Path, parts: dict = PACK_PARTS) -> list[Path]:
+    """Write `parts` (tar file name -> members; default PACK_PARTS, the family) of `out` into `dest`, and plain copies of metrics.json and train_log.txt
     to read without unpacking. Members not written yet are left out (a part with none is skipped), and each file
     replaces its previous version in one rename, so a run killed while packing leaves the last complete pack.
     Raises if a part is over PACK_FILE_LIMIT."""
     dest.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, members in PACK_PARTS.items():
+    for name, members in parts.items():
         present = [m for m in members if (out / m).exists()]
         if present:
             with tarfile.open(dest / f".{name}.partial", "w") as tar:
@@ -1353,8 +1413,6 @@ def pack(out: Path, dest: Path) -> list[Path]:
 def make_eval_prompts(held_files, per_kind: int, seed: int) -> list[dict]:
     """Held-out prompts: `def` lines (dedented, no newline, like the README's `def fibonacci(n):`) and ~400-char
     windows of held-out files ending at a line break."""
-    import re
-
     rng = random.Random(seed + 99)
     defs, windows = [], []
     for rel, text in held_files:
