@@ -128,6 +128,35 @@ def test_preemption_before_the_first_token_restarts_the_prompt(ckpt, overlap):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_prompt_admitted_into_a_failed_step_starts_when_it_really_runs(ckpt, overlap):
+    """A step holding A's decode and B's admission fails with its owner unknown, so each of them runs alone, A
+    first: B's prompt starts at the launch of the step that runs it, not at the failed step or at A's."""
+    engine, sim = setup(ckpt, overlap_schedule=overlap, max_num_seqs=4)
+    a, a_outs = submit(engine, sim, list(range(3, 20)), 40)
+    for _ in range(5):
+        engine.step()
+    launch, failed = engine.runner.launch, []
+
+    def faulty(plan, *args, **kwargs):
+        if not failed and len(plan.scheduled) > 1:
+            failed.append(sim.t)
+            raise RuntimeError("injected fault")
+        return launch(plan, *args, **kwargs)
+
+    engine.runner.launch = faulty
+    b, b_outs = submit(engine, sim, list(range(50, 90)), 4)
+    run_until_finished(engine, b_outs)
+    first = sim.steps_of(b)[0]
+    assert failed and first.requests == [b]  # the failed step, then B alone
+    assert any(s.requests == [a] and failed[0] <= s.launched < first.launched for s in sim.steps)  # A alone first
+    t = b.timing.to_timings()
+    assert (t["prompt_n"], t["cache_n"]) == (40, 0)
+    assert t["prompt_ms"] == MS((first_token_step(sim, b).end - first.launched) * 1e3)
+    assert b.timing.queue_ms == MS((first.launched - b.timing.t_arrival) * 1e3)
+    run_until_finished(engine, a_outs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_preemption_after_the_first_token_keeps_the_prompt_figures(ckpt, overlap):
     """B has its first token when A's growth preempts it: its prompt figures stay those of its first prefill; the
     stall (wait and recomputation) shows in predicted_ms, and the wait joins the queue wait."""

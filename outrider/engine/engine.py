@@ -125,6 +125,9 @@ class Engine:
         self.live: dict[int, _Live] = {}
         # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.
         self.suspects: set[int] = set()
+        # Requests admitted in a step they did not run in (it failed, or was cut down to one suspect): their
+        # prompt starts when they next run, so their admission is stamped again then.
+        self.restamp: set[int] = set()
         # With a drafter, plain steps overlap and speculative rounds run synchronously (speculative.md).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
@@ -305,7 +308,12 @@ class Engine:
             plan = self._isolate(plan)
         if not plan.scheduled:
             return None
-        for req in plan.admitted:
+        admitted = plan.admitted
+        if self.restamp:
+            admitted = admitted + [s.request for s in plan.scheduled
+                                   if s.request.request_id in self.restamp and s.request not in admitted]
+            self.restamp.difference_update(req.request_id for req in admitted)
+        for req in admitted:
             req.timing.mark_admitted(t, cache_n=req.num_computed, prompt_n=req.num_prompt - req.num_computed)
             if req.return_progress and req.timing.t_first_token is None:
                 # llama-server's first progress report: before any prompt work, the cache only
@@ -345,7 +353,8 @@ class Engine:
         if suspect is None:
             return plan
         self.suspects.discard(suspect.request.request_id)
-        return StepPlan([suspect], plan.preempted, plan.admitted)
+        self.restamp.update(req.request_id for req in plan.admitted if req is not suspect.request)
+        return StepPlan([suspect], plan.preempted, [req for req in plan.admitted if req is suspect.request])
 
     def _fail(self, plan: StepPlan, exc: Exception, isolate: bool = False) -> None:
         """A step failed: fail its requests, or with `isolate` and several of them, suspect them all (the fault's
@@ -357,6 +366,7 @@ class Engine:
             log.error("a step of %d requests failed, running each alone to find the one at fault: %s",
                       len(plan.scheduled), exc)
             self.suspects.update(s.request.request_id for s in plan.scheduled)
+            self.restamp.update(req.request_id for req in plan.admitted)
             return
         log.error("step failed: %s\n%s", exc, traceback.format_exc())
         for s in plan.scheduled:
@@ -483,6 +493,7 @@ class Engine:
         req = live.request
         self.scheduler.remove(req)
         self._release_drafter_state(req.request_id)
+        self.restamp.discard(req.request_id)
         self.live.pop(req.request_id, None)
         self.counters["requests_finished"] += 1
 
