@@ -15,12 +15,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from outrider.bench.profile import admission_times
+from outrider.bench.profile import admission_times, lone_first_token_s
 from outrider.bench.shapes import random_model, write_stub_checkpoint
 from outrider.config import EngineConfig
 from outrider.demo import demo_path
@@ -60,12 +59,7 @@ def prompt_case(engine: Engine, vocab: int) -> tuple[float, float]:
 
 
 def lone_ttft(engine: Engine, vocab: int) -> float:
-    req = Request([13 + i % (vocab - 13) for i in range(1024)], greedy(2))
-    t0, first = now(), []
-    engine.add_request(req, lambda out: first.append(now()) if out.new_token_ids and not first else None)
-    while engine.has_work():
-        engine.step()
-    return (first[0] - t0) * 1e3
+    return lone_first_token_s(engine, [13 + i % (vocab - 13) for i in range(1024)]) * 1e3
 
 
 def run_prompt(shapes: list[str]) -> None:

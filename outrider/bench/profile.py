@@ -53,6 +53,20 @@ def admission_times(engine):
         yield times
 
 
+
+def lone_first_token_s(engine, prompt: list[int], max_tokens: int = 2) -> float:
+    """Seconds from adding a greedy request alone to its first token reaching the callback, run to completion.
+    With max_tokens >= 2 the next step is already launched when the first token is handed over (overlap)."""
+    from outrider.engine.request import Request
+    from outrider.params import SamplingParams
+
+    req = Request(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    t0, first = now(), []
+    engine.add_request(req, lambda out: first.append(now()) if out.new_token_ids and not first else None)
+    while engine.has_work():
+        engine.step()
+    return first[0] - t0
+
 class PhaseTimer:
     """Seconds per label, summed over the calls of the functions wrapped by timed(label) (on a CUDA device,
     synchronised before and after each call)."""

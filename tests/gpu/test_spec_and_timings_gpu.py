@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from outrider import LLM, SamplingParams
-from outrider.bench.profile import admission_times
+from outrider.bench.profile import admission_times, lone_first_token_s
 from outrider.engine.request import Request
 from outrider.timing import now
 from tests.spec_helpers import SETUPS, write_families
@@ -100,15 +100,7 @@ def test_overlap_does_not_delay_a_lone_prompts_first_token(tmp_path):
     for overlap in (True, False):
         engine = Engine(EngineConfig(model=str(stub), max_num_seqs=4, max_model_len=2048, overlap_schedule=overlap,
                                      enable_prefix_caching=False, gpu_memory_utilization=0.3), preloaded=model)
-        ttfts = []
-        for trial in range(4):
-            req = Request([13 + (trial + i) % 400 for i in range(1024)],
-                          SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-            t0, first = now(), []
-            engine.add_request(req, lambda out: first.append(now()) if out.new_token_ids and not first else None)
-            while engine.has_work():
-                engine.step()
-            ttfts.append(first[0] - t0)
+        ttfts = [lone_first_token_s(engine, [13 + (trial + i) % 400 for i in range(1024)]) for trial in range(4)]
         best[overlap] = min(ttfts[1:])  # (the first trial warms this engine's buffers)
         del engine
         torch.cuda.empty_cache()
