@@ -115,6 +115,9 @@ def test_json_schema_runs_the_same_workload_constrained_and_free(tiny_checkpoint
     assert bench.main(argv) == 0
     rows = _rows(out)
     assert rows["json-schema"]["tok_s"] > 0 and rows["json-schema"]["free_tok_s"] == rows["latency"]["tok_s"]
+    # how long the host waited for the GPU, per step, in each run: what says which side sets the pace
+    assert rows["json-schema"]["free_blocked_ms_per_step"] == rows["latency"]["blocked_ms_per_step"] >= 0
+    assert rows["json-schema"]["blocked_ms_per_step"] >= 0
     assert "tok/s/seq constrained vs" in capsys.readouterr().out
     argv = ["throughput", "--model", str(model), "--device", "cpu", "--num-requests", "3", "--min-len", "4",
             "--max-len", "10", "--max-num-seqs", "4", "--json-schema", str(schema), "--json", str(out)]

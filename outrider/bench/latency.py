@@ -5,47 +5,66 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from outrider.bench.engine_setup import build_engine
+from outrider.bench.profile import CollectWaits
 from outrider.bench.report import Reporter
 from outrider.bench.shapes import config_weight_bytes, kv_bytes_per_token
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 
 
-def run_batch(engine, prompts: list[list[int]], gen: int, grammar=None) -> tuple[float, float]:
-    """Run the prompts together to `gen` tokens each (fewer if `grammar` completes first) -> (TTFT s of the
-    batch, decode tok/s per sequence)."""
+@dataclass(frozen=True)
+class BatchRun:
+    ttft_s: float  # until the batch's last request had its first token
+    tok_s: float  # decode tokens per second per sequence, after the first token
+    steps: int
+    blocked_s: float  # the host's time blocked on the GPU's tokens (runner.collect): ~0 when the host sets the pace
+
+    @property
+    def blocked_ms_per_step(self) -> float:
+        return 1e3 * self.blocked_s / max(self.steps, 1)
+
+
+def run_batch(engine, prompts: list[list[int]], gen: int, grammar=None) -> BatchRun:
+    """Run the prompts together to `gen` tokens each (fewer if `grammar` completes first)."""
     stamps: dict[int, list[float]] = {}
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True, grammar=grammar)
     requests = [Request(list(ids), params) for ids in prompts]
-    t0 = time.perf_counter()
-    for req in requests:
-        stamps[req.request_id] = []
-        engine.add_request(req, lambda out, s=stamps[req.request_id]: s.append(time.perf_counter()))
-    while engine.has_work():
-        engine.step()
+    waits = CollectWaits(engine)
+    steps0 = engine.counters["steps"]
+    with waits.active():
+        t0 = time.perf_counter()
+        for req in requests:
+            stamps[req.request_id] = []
+            engine.add_request(req, lambda out, s=stamps[req.request_id]: s.append(time.perf_counter()))
+        while engine.has_work():
+            engine.step()
     firsts = [s[0] for s in stamps.values()]
     lasts = [s[-1] for s in stamps.values()]
-    ttft = max(firsts) - t0
     after_first = sum(len(r.output_ids) - 1 for r in requests) / len(requests)
     span = max(lasts) - max(firsts)
-    decode_rate = after_first / span if span > 0 else 0.0
-    return ttft, decode_rate
+    return BatchRun(ttft_s=max(firsts) - t0, tok_s=after_first / span if span > 0 else 0.0,
+                    steps=engine.counters["steps"] - steps0, blocked_s=waits.seconds)
 
 
-def schema_rate(engine, args, reporter: Reporter, prompts, free_rate: float, name: str, step_bytes: float) -> None:
+def schema_rate(engine, args, reporter: Reporter, prompts, free: BatchRun, name: str, step_bytes: float) -> None:
     """The same batch constrained by --json-schema, against the unconstrained rate measured in this process. With
     overlap scheduling constrained steps overlap too: each forward is launched before the step in flight is
     committed, and the masks are computed on the host while it runs."""
     grammar = engine.grammars.json_schema(json.loads(Path(args.json_schema).read_text()))
     run_batch(engine, prompts(), 8, grammar)  # warm-up
-    _, rate = run_batch(engine, prompts(), args.gen, grammar)
+    constrained = run_batch(engine, prompts(), args.gen, grammar)
+    rate, free_rate = constrained.tok_s, free.tok_s
     reporter.line(f"json-schema {name} bs={args.batch}",
                   f"{rate:.1f} tok/s/seq constrained vs {free_rate:.1f} unconstrained "
-                  f"({100 * (1 - rate / free_rate):+.1f}% slower)", step_bytes * rate, 1.0, tok_s=rate,
-                  free_tok_s=free_rate)
+                  f"({100 * (1 - rate / free_rate):+.1f}% slower); host blocked on the GPU "
+                  f"{constrained.blocked_ms_per_step:.2f} vs {free.blocked_ms_per_step:.2f} ms/step",
+                  step_bytes * rate, 1.0, tok_s=rate, free_tok_s=free_rate,
+                  blocked_ms_per_step=constrained.blocked_ms_per_step,
+                  free_blocked_ms_per_step=free.blocked_ms_per_step)
 
 
 def run(args, reporter: Reporter) -> None:
@@ -63,11 +82,13 @@ def run(args, reporter: Reporter) -> None:
 
     # Warm-up at the measured shapes, so Triton's compiles (prefill and decode variants) stay out of TTFT.
     run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], 8)
-    ttft, rate = run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], args.gen)
+    free = run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], args.gen)
+    rate = free.tok_s
     step_bytes = w_bytes + args.batch * (args.prompt_len + args.gen / 2) * kv_tok
     reporter.line(f"latency {name} bs={args.batch} in={args.prompt_len} out={args.gen}",
                   f"{rate:.1f} tok/s/seq ({1e3 / rate:.2f} ms/step, {rate * args.batch:.0f} tok/s total), "
-                  f"TTFT {ttft * 1e3:.1f} ms", step_bytes * rate, 1.0, tok_s=rate, ttft_s=ttft)
+                  f"TTFT {free.ttft_s * 1e3:.1f} ms; host blocked on the GPU {free.blocked_ms_per_step:.2f} ms/step",
+                  step_bytes * rate, 1.0, tok_s=rate, ttft_s=free.ttft_s, blocked_ms_per_step=free.blocked_ms_per_step)
     if args.profile:
         from outrider.bench.profile import GRAPH_FORWARD, profiled
 
@@ -80,11 +101,11 @@ def run(args, reporter: Reporter) -> None:
         reporter.line(f"profile {name} bs={args.batch}", f"ms/step over {n} steps: {parts}",
                       step_bytes, fwd, **{k: v / n for k, v in timer.total.items()})
     if args.json_schema:
-        schema_rate(engine, args, reporter, lambda: [prompt(args.prompt_len) for _ in range(args.batch)], rate,
+        schema_rate(engine, args, reporter, lambda: [prompt(args.prompt_len) for _ in range(args.batch)], free,
                     name, step_bytes)
     if args.ttft_prompt_len:
         # Two tokens: the first is delivered while the second step is already scheduled (overlap), as in serving.
-        ttfts = [run_batch(engine, [prompt(args.ttft_prompt_len)], 2)[0] for _ in range(3)]
+        ttfts = [run_batch(engine, [prompt(args.ttft_prompt_len)], 2).ttft_s for _ in range(3)]
         best = min(ttfts)
         layer_params = (w_bytes - engine.dtype.itemsize * cfg.vocab_size * cfg.hidden_size) / engine.dtype.itemsize
         flops = 2 * layer_params * args.ttft_prompt_len

@@ -35,6 +35,31 @@ def patched(*targets):
                 setattr(obj, attr, old)
 
 
+class CollectWaits:
+    """Seconds the host spent blocked in runner.collect, waiting for the GPU's tokens, while `active()`. Near zero
+    per step means the host, not the GPU, sets the pace (with overlap scheduling the GPU then waits for the host
+    between steps). Adds no synchronisation."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.seconds = 0.0
+
+    def active(self):
+        return patched((self.engine.runner, "collect", self.wrap))
+
+    def wrap(self, collect):
+        """runner.collect, timed (for `patched`, beside other wrappers)."""
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return collect(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
 @contextmanager
 def admission_times(engine):
     """For the duration of the block, a dict request id -> the time (timing.now) the scheduler first admitted the

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from outrider.bench.engine_setup import build_engine
 from outrider.bench.latency import run_batch
-from outrider.bench.profile import patched
+from outrider.bench.profile import CollectWaits, patched
 from outrider.bench.report import Reporter
 from outrider.bench.shapes import config_weight_bytes, kv_bytes_per_token
 from outrider.engine.request import Request
@@ -70,27 +70,19 @@ class StepLog:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.rows: list[tuple[float, int, int]] = []  # (seconds, prompt tokens fed, sequences)
-        self.waited = 0.0  # in runner.collect: the host blocked on the GPU's tokens
+        self.waits = CollectWaits(engine)
         self._plan = None
 
     def instrumented(self):
-        """While active, the scheduler's plans are kept for step() and runner.collect is timed."""
+        """While active, the scheduler's plans are kept for step() and runner.collect's waits are timed."""
         def keep_plan(schedule):
             def logged(*args, **kwargs):
                 self._plan = schedule(*args, **kwargs)
                 return self._plan
             return logged
 
-        def time_collect(collect):
-            def timed(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return collect(*args, **kwargs)
-                finally:
-                    self.waited += time.perf_counter() - t0
-            return timed
-
-        return patched((self.engine.scheduler, "schedule", keep_plan), (self.engine.runner, "collect", time_collect))
+        return patched((self.engine.scheduler, "schedule", keep_plan),
+                       (self.engine.runner, "collect", self.waits.wrap))
 
     def step(self) -> None:
         self._plan = None
@@ -113,5 +105,6 @@ class StepLog:
                 t = sum(r[0] for r in rows)
                 parts.append(f"decode bs {lo}-{min(hi, max(r[2] for r in rows))}: {len(rows)} steps in {t:.2f} s "
                              f"({1e3 * t / len(rows):.2f} ms/step)")
-        parts.append(f"host blocked on the GPU's tokens {self.waited:.2f} s of {sum(r[0] for r in self.rows):.2f}")
+        total = sum(r[0] for r in self.rows)
+        parts.append(f"host blocked on the GPU's tokens {self.waits.seconds:.2f} s of {total:.2f}")
         return "throughput steps: " + "; ".join(parts)
