@@ -172,7 +172,7 @@ class AsyncEngine:
             if kind == "add":
                 req, deliver = arg
                 self.engine.abort(req.request_id)
-                deliver(RequestOutput(req.request_id, [], "", True, FinishReason.ERROR, error=str(exc)))
+                deliver(RequestOutput(req.request_id, [], True, FinishReason.ERROR, error=str(exc)))
 
     def _fail_all(self, exc: Exception) -> None:
         """The loop is over: fail every request it was given that has not finished, queued ones included."""
@@ -187,7 +187,7 @@ class AsyncEngine:
             if kind == "add":
                 self._open[arg[0].request_id] = arg[1]
         for request_id, deliver in list(self._open.items()):
-            deliver(RequestOutput(request_id, [], "", finished=True, finish_reason=FinishReason.ERROR,
+            deliver(RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ERROR,
                                   error=f"engine failed: {self.failure}"))
 
     def _publish(self) -> None:

@@ -31,7 +31,7 @@ from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
-from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status, TokenLogprob
+from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status
 from outrider.engine.runner import LaunchedStep, ModelRunner
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
@@ -56,6 +56,21 @@ class _Live:
     on_output: OutputCallback
     detok: Detokenizer
     stop_ids: frozenset[int]  # ids that end the request past min_tokens: stop_token_ids, and EOS unless ignore_eos
+
+
+@dataclass(frozen=True)
+class _Appended:
+    """What a step's tokens did to a request: the text each kept token added (tokens are kept up to the first
+    stop), and that stop, if one came."""
+
+    pieces: list[str]
+    reason: FinishReason | None = None
+    stop_type: str = "none"  # llama-server's: none | eos | word | limit
+    word: str = ""
+
+    @property
+    def kept(self) -> int:
+        return len(self.pieces)
 
 
 def pick_device(name: str) -> torch.device:
@@ -251,7 +266,7 @@ class Engine:
         stop_ids = frozenset(req.params.stop_token_ids) | (frozenset() if req.params.ignore_eos else self.eos_ids)
         live = _Live(req, on_output, detok, stop_ids)
         if not req.prompt_ids or req.num_prompt >= self.max_model_len:
-            self._finish(live, FinishReason.ERROR, [], "", error="prompt is empty or exceeds the context size")
+            self._finish(live, FinishReason.ERROR, error="prompt is empty or exceeds the context size")
             return
         req.limit_outputs(self.max_model_len)
         self.live[req.request_id] = live
@@ -261,7 +276,7 @@ class Engine:
         """End a request now; `error` tells its owner why (e.g. the server is shutting down)."""
         live = self.live.get(request_id)
         if live is not None:
-            self._finish(live, FinishReason.ABORT, [], "", error=error)
+            self._finish(live, FinishReason.ABORT, error=error)
 
     def has_work(self) -> bool:
         return self.inflight is not None or self.scheduler.has_work()
@@ -318,7 +333,7 @@ class Engine:
             if req.return_progress and req.timing.t_first_token is None:
                 # llama-server's first progress report: before any prompt work, the cache only
                 self.live[req.request_id].on_output(RequestOutput(
-                    req.request_id, [], "", progress=self._progress(req, req.num_computed), timing=req.timing))
+                    req.request_id, [], progress=self._progress(req, req.num_computed), timing=req.timing))
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
@@ -372,7 +387,7 @@ class Engine:
         for s in plan.scheduled:
             live = self.live.get(s.request.request_id)
             if live is not None:
-                self._finish(live, FinishReason.ERROR, [], "", error=f"internal error: {exc}")
+                self._finish(live, FinishReason.ERROR, error=f"internal error: {exc}")
 
     def _complete(self, launched: LaunchedStep) -> None:
         """Collect a launched step's tokens, commit and deliver them, then let the drafter learn the step (the
@@ -416,11 +431,11 @@ class Engine:
             progress = self._progress(req) if req.return_progress and not req.output_ids else None
             if not tokens:  # a prefill chunk that does not reach the end of the prompt yet
                 if progress is not None:
-                    emits.append((live, RequestOutput(req.request_id, [], "", progress=progress, timing=req.timing)))
+                    emits.append((live, RequestOutput(req.request_id, [], progress=progress, timing=req.timing)))
                 continue
             req.num_pending -= 1  # (the launch of the next step may have added another)
-            n, pieces, reason, stop_type, word = self._append(live, tokens)
-            text = "".join(pieces)
+            appended = self._append(live, tokens)
+            n = appended.kept
             if s.draft_tokens:  # count only accepted drafts that were committed (a stop can cut a round short)
                 self.speculator.record(req.request_id, len(s.draft_tokens), accepted)
                 req.timing.draft_kind = self.speculator.round_kind(req.request_id)
@@ -432,10 +447,11 @@ class Engine:
             self.pool.commit_full_blocks(req, req.num_computed)
             kept = tokens if n == len(tokens) else tokens[:n]  # (the step's lists are not reused: no copy needed)
             logprobs = out.logprobs[i][:n] or None
-            emits.append((live, RequestOutput(req.request_id, kept, text, finished=reason is not None,
-                                              finish_reason=reason, stop_type=stop_type, stopping_word=word,
-                                              logprobs=logprobs, accepted_drafts=min(accepted, n),
-                                              timing=req.timing, token_texts=pieces, progress=progress)))
+            emits.append((live, RequestOutput(req.request_id, kept, finished=appended.reason is not None,
+                                              finish_reason=appended.reason, stop_type=appended.stop_type,
+                                              stopping_word=appended.word, logprobs=logprobs,
+                                              accepted_drafts=min(accepted, n), timing=req.timing,
+                                              token_texts=appended.pieces, progress=progress)))
         self.counters["predicted_tokens"] += predicted
         return emits
 
@@ -445,36 +461,34 @@ class Engine:
         return PromptProgress(total=req.num_prompt, cache=req.timing.cache_n, processed=done, t=self.clock())
 
     @staticmethod
-    def _append(live: _Live, tokens: list[int]) -> tuple[int, list[str], FinishReason | None, str, str]:
-        """Append a step's tokens to the request's outputs up to the first stop: (tokens kept, the text each of
-        them added, finish reason, stop type, stop word)."""
+    def _append(live: _Live, tokens: list[int]) -> _Appended:
+        """Append a step's tokens to the request's outputs, up to the first stop."""
         req, detok = live.request, live.detok
         output_ids, min_tokens = req.output_ids, req.params.min_tokens
         pieces: list[str] = []
-        for n, tok in enumerate(tokens, start=1):
+        for tok in tokens:
             output_ids.append(tok)
             num_outputs = len(output_ids)
             if tok in live.stop_ids and num_outputs > min_tokens:
                 pieces.append(detok.flush())
-                return n, pieces, FinishReason.STOP, "eos", ""
+                return _Appended(pieces, FinishReason.STOP, "eos")
             piece, word = detok.push((tok,))
             pieces.append(piece)
             if word is not None:
-                return n, pieces, FinishReason.STOP, "word", word
+                return _Appended(pieces, FinishReason.STOP, "word", word)
             if req.constraint is not None and req.constraint.accept(tok):  # the grammar is complete
                 pieces[-1] += detok.flush()
-                return n, pieces, FinishReason.STOP, "eos", ""
+                return _Appended(pieces, FinishReason.STOP, "eos")
             if num_outputs >= req.max_output_tokens:
                 pieces[-1] += detok.flush()
-                return n, pieces, req.limit_reason(num_outputs), "limit", ""
-        return n, pieces, None, "none", ""
+                return _Appended(pieces, req.limit_reason(num_outputs), "limit")
+        return _Appended(pieces)
 
-    def _finish(self, live: _Live, reason: FinishReason, tokens: list[int], text: str, stop_type: str = "none",
-                word: str = "", logprobs: list[TokenLogprob] | None = None, error: str | None = None) -> None:
+    def _finish(self, live: _Live, reason: FinishReason, error: str | None = None) -> None:
+        """End a request outside a step's commit (refused, aborted, failed): no tokens, and `error` says why."""
         self._retire(live, reason)
         req = live.request
-        live.on_output(RequestOutput(req.request_id, tokens, text, finished=True, finish_reason=reason,
-                                     stop_type=stop_type, stopping_word=word, logprobs=logprobs, timing=req.timing,
+        live.on_output(RequestOutput(req.request_id, [], finished=True, finish_reason=reason, timing=req.timing,
                                      error=error))
 
     def _retire(self, live: _Live, reason: FinishReason) -> None:

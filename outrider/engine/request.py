@@ -52,7 +52,6 @@ class RequestOutput:
 
     request_id: int
     new_token_ids: list[int]
-    text: str  # new text, safe to show (complete UTF-8, held back while a stop string may still match)
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_type: str = "none"  # llama-server: none | eos | word | limit
@@ -65,9 +64,15 @@ class RequestOutput:
     # to_timings().
     timing: RequestTiming | None = None
     error: str | None = None
-    # The text each of new_token_ids added, in order: "".join(token_texts) == text (empty when there are no tokens).
+    # The text each of new_token_ids added, in order (one per token; "" inside a multi-byte character or while a
+    # stop string may still match: held-back text arrives with a later token).
     token_texts: list[str] = field(default_factory=list)
     progress: PromptProgress | None = None  # on prefill reports of a request with return_progress
+
+    @property
+    def text(self) -> str:
+        """The new text, safe to show (complete UTF-8, nothing a stop string may still claim)."""
+        return "".join(self.token_texts)
 
 
 @dataclass(eq=False)  # identity: the scheduler's queue operations compare requests, never their contents

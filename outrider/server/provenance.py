@@ -27,7 +27,7 @@ class TokenStep:
 def split_by_token(out: RequestOutput) -> list[TokenStep]:
     """An output's tokens one by one, each with its own text and log-prob: their texts concatenate to out.text.
     (A speculative round commits several tokens in one output; llama-server streams a frame per token.)"""
-    texts = out.token_texts or [""] * (len(out.new_token_ids) - 1) + [out.text]
+    texts = out.token_texts
     logprobs = out.logprobs or [None] * len(out.new_token_ids)
     return [TokenStep(tok, text, lp, i < out.accepted_drafts)
             for i, (tok, text, lp) in enumerate(zip(out.new_token_ids, texts, logprobs))]
