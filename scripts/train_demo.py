@@ -914,10 +914,9 @@ def greedy_continuations(model: Qwen3LM, prompts: list[list[int]], n_new: int, c
 # Writing checkpoints
 
 
-def qwen3_config(s: Shape, vocab: int, **extra) -> dict:
-    cfg = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+def layer_fields(s: Shape, vocab: int) -> dict:
+    """The config fields of Qwen3 decoder layers of shape `s` (a target's, or a DFlash drafter's)."""
+    return {
         "vocab_size": vocab,
         "hidden_size": s.hidden,
         "intermediate_size": s.ffn,
@@ -927,6 +926,14 @@ def qwen3_config(s: Shape, vocab: int, **extra) -> dict:
         "head_dim": s.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": MAX_POSITIONS,
+    }
+
+
+def qwen3_config(s: Shape, vocab: int, **extra) -> dict:
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **layer_fields(s, vocab),
         "initializer_range": 0.02,
         "rms_norm_eps": RMS_EPS,
         "rope_theta": ROPE_THETA,
@@ -978,15 +985,7 @@ def write_dflash(path: Path, drafter: DFlashDrafter, *, block_size: int, target_
         "block_size": block_size,
         "num_target_layers": target_layers,
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(taps)},
-        "vocab_size": vocab,
-        "hidden_size": s.hidden,
-        "intermediate_size": s.ffn,
-        "num_hidden_layers": s.layers,
-        "num_attention_heads": s.heads,
-        "num_key_value_heads": s.kv_heads,
-        "head_dim": s.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": MAX_POSITIONS,
+        **layer_fields(s, vocab),
         "rms_norm_eps": RMS_EPS,
         "rope_theta": ROPE_THETA,
         "rope_scaling": None,
