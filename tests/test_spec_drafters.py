@@ -152,14 +152,18 @@ def test_draft_model_equal_to_target_is_an_oracle(ckpts, plain):
     assert loop.rounds and all(m == k for k, m in loop.rounds)
 
 
-@pytest.mark.parametrize("kind,target,draft", [
+# (kind, target checkpoint, drafter checkpoint) of every drafter layout the fixtures write
+LAYOUTS = [
     ("draft", "target", "draft"),
     ("mtp", "mtp_qwen", None),
     ("mtp", "mtp_mimo", None),
     ("dflash", "target", "dflash"),
     ("eagle3", "target", "eagle3"),
     ("eagle3", "target", "eagle3_speculators"),
-])
+]
+
+
+@pytest.mark.parametrize("kind,target,draft", LAYOUTS)
 def test_greedy_output_is_the_targets(ckpts, plain, kind, target, draft):
     loop = Loop(ckpts[target], kind, ckpts[draft] if draft else None, k=4)
     assert loop.generate(PROMPTS) == plain(target)
@@ -187,13 +191,7 @@ def replay(loop, req):
     return fresh, copy
 
 
-@pytest.mark.parametrize("kind,target,draft", [
-    ("draft", "target", "draft"),
-    ("mtp", "mtp_qwen", None),
-    ("mtp", "mtp_mimo", None),
-    ("dflash", "target", "dflash"),
-    ("eagle3", "target", "eagle3"),
-])
+@pytest.mark.parametrize("kind,target,draft", LAYOUTS)
 def test_state_after_rollbacks_matches_recomputation(ckpts, kind, target, draft):
     """After rounds accepting 0..k drafts (and plain rounds between), the drafter proposes exactly what a fresh
     one fed the committed sequence at once proposes: its KV / context rollback and catch-up are right."""
