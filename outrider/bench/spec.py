@@ -115,6 +115,16 @@ class RoundSplit:
 
 
 @dataclass(frozen=True)
+class StepCost:
+    """The synchronised ms of an engine's pure decode steps that carried no drafts (no prefill, no draft token in
+    the step launched), in its profiled pass. The median beside the mean: one stalled step moves only the mean."""
+
+    mean_ms: float
+    median_ms: float
+    steps: int
+
+
+@dataclass(frozen=True)
 class Rounds:
     """What the target verified: (drafts k, accepted m) per request and round (a request round)."""
 
@@ -172,10 +182,8 @@ class SpecResult:
     # The GPU's SM clock (MHz) at the start and the end of each timed pass; None: not CUDA, or NVML unavailable
     plain_clock_mhz: list[tuple[int, int]] | None
     spec_clock_mhz: list[tuple[int, int]] | None
-    # Synchronised mean ms of a pure decode step (no prefill; no drafts), from each engine's profiled pass
-    plain_decode_step_ms: float
-    undrafted_step_ms: float | None  # None: every decode step of the speculative engine carried drafts
-    undrafted_steps: int
+    plain_decode_step: StepCost  # the plain engine's decode step
+    undrafted_step: StepCost | None  # the speculative engine's decode step without drafts; None: every one drafted
 
 
 @dataclass(frozen=True)
@@ -295,7 +303,8 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
 
     def plain_pass(profile: StepProfile | None = None) -> Pass:
         # The plain engine runs as it would alone (the model is shared: see the module docstring)
-        with patched((plain.model, "aux_layer_ids", lambda _: ())), profile.instrumented() if profile else nullcontext():
+        alone = patched((plain.model, "aux_layer_ids", lambda _: ()))
+        with alone, profile.instrumented() if profile is not None else nullcontext():
             return _decode(plain, prompts, batch, args)
 
     recorded = plain_pass()  # (the first pass at this batch size: it warms up too)
@@ -461,10 +470,12 @@ class StepProfile:
 
         return count
 
-    def undrafted_ms(self) -> float | None:
-        """The mean of the pure decode steps without drafts; None: there was none."""
+    def decode_step_cost(self) -> StepCost | None:
+        """The pure decode steps without drafts; None: there was none."""
         steps = self.undrafted_steps
-        return 1e3 * sum(steps) / len(steps) if steps else None
+        if not steps:
+            return None
+        return StepCost(1e3 * statistics.fmean(steps), 1e3 * statistics.median(steps), len(steps))
 
     def split(self) -> RoundSplit:
         n = len(self.splits)
@@ -493,8 +504,7 @@ def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: list[
         off_script=off_script, repeats=len(spec), plain_pass_s=[p.seconds for p in plain],
         spec_pass_s=[p.seconds for p in spec], paired_speedup=paired, plain_steps=StepTimes.of(plain),
         spec_steps=StepTimes.of(spec), plain_clock_mhz=_clocks(plain), spec_clock_mhz=_clocks(spec),
-        plain_decode_step_ms=plain_profile.undrafted_ms(), undrafted_step_ms=profile.undrafted_ms(),
-        undrafted_steps=len(profile.undrafted_steps))
+        plain_decode_step=plain_profile.decode_step_cost(), undrafted_step=profile.decode_step_cost())
 
 
 def _clocks(passes: Sequence[Pass]) -> list[tuple[int, int]] | None:
@@ -510,8 +520,9 @@ def report(r: SpecResult) -> str:
     slow = ", ".join(f"{name} {sum(t.slow)} (slowest {t.max_ms:.1f} ms)" for name, t, _ in sides)
     clock = "" if r.plain_clock_mhz is None or r.spec_clock_mhz is None else "; SM clock " + ", ".join(
         f"{name} {min(map(min, c))}-{max(map(max, c))} MHz" for name, _, c in sides)
-    undrafted = (f"{r.undrafted_step_ms:.3f} ms (mean of {r.undrafted_steps})" if r.undrafted_step_ms is not None
-                 else "none (every decode step drafted)")
+    plain, undrafted = r.plain_decode_step, r.undrafted_step
+    undrafted = (f"{undrafted.mean_ms:.3f} / {undrafted.median_ms:.3f} over {undrafted.steps} steps"
+                 if undrafted is not None else "none (every decode step drafted)")
     theory = ""
     if r.acceptance is not None:
         theory = (f" (theory {r.tau_theory:.2f} at the k each round drafted, {r.tau_theory_n_max:.2f} at "
@@ -524,10 +535,11 @@ def report(r: SpecResult) -> str:
             f"speculative {r.spec_tok_s:.1f} tok/s ({r.spec_step_ms:.2f} ms/step), best of {r.repeats}; speedup "
             f"{r.speedup:.2f}x (median of paired passes {r.paired_speedup:.2f}x); {r.requests} requests x "
             f"{r.tokens // r.requests} tokens, output identical {r.identical}/{r.requests}\n"
-            f"  timed steps: median plain {r.plain_steps.median_ms:.3f} ms, speculative {r.spec_steps.median_ms:.3f} ms; "
+            f"  timed steps: median plain {r.plain_steps.median_ms:.3f} ms, "
+            f"speculative {r.spec_steps.median_ms:.3f} ms; "
             f"slow steps (> {SLOW_FACTOR}x their kind's median): {slow}{clock}\n"
-            f"  decode step without drafts (synchronised, profiled passes): plain {r.plain_decode_step_ms:.3f} ms, "
-            f"speculative {undrafted}\n"
+            f"  decode step without drafts (synchronised, profiled passes; mean / median ms): plain "
+            f"{plain.mean_ms:.3f} / {plain.median_ms:.3f} over {plain.steps} steps, speculative {undrafted}\n"
             f"  tau {r.tau:.2f}{theory} over {r.rounds} request rounds of mean k {r.mean_k:.2f}, "
             f"{r.undrafted} undrafted decodes; accepted by draft position {by_position}; "
             f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
