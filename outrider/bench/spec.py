@@ -12,10 +12,10 @@ share the preloaded target weights, and each KV pool is sized to hold the worklo
 GPU. While the plain engine runs, the shared model's aux_layer_ids (the layers a DFlash or EAGLE-3 drafter reads)
 are cleared: it runs as it would alone.
 
-Per batch size, the plain engine runs the workload once to warm up and record every request's output, and once
-profiled. Per acceptance, the speculative engine warms up on one wave (at the first acceptance), runs a profiled
-pass (rounds counted; synchronising timers split each round into draft, verify and host), then --repeats rounds of
-one timed pass per side, the order alternating (plain first, then speculative first, ...) so that a drift does
+Per batch size, the plain engine runs the workload once to warm up and record every request's output. Per
+acceptance, the speculative engine warms up on one wave (at the first acceptance), each engine runs a profiled
+pass, back to back (speculative: rounds counted; synchronising timers split each round into draft, verify and
+host), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative first, ...) so that a drift does
 not favour one side. Each side's best pass is reported, speedup = best rate over best rate, with the median ratio
 of the paired passes beside it; every pass's seconds go to the JSON. A workload is --num-requests requests
 (rounded up to a multiple of the batch size) of --gen tokens each, greedy with ignore_eos, in waves of batch-size
@@ -25,10 +25,11 @@ What disturbs a host-bound target shows instead of becoming a speedup: every Eng
 timed, and a step slower than SLOW_FACTOR x the median of its kind (steps that commit a prompt's first token, and
 the rest) counts as slow (a JIT compile, a GC pause, a graph recapture); on CUDA the SM clock (NVML) is read at
 the start and the end of each timed pass. And what a step costs with a drafter loaded that drafts nothing: both
-profiled passes time, with the same synchronising timer, each pure decode step (no prefill, no drafts in the
-plan launched), so the speculative engine's undrafted step is set beside the plain engine's decode step measured
-the same way (the timed passes' step times are not used for this: a timed step overlaps the device work of the
-next one, and its wall time says when the host waited, not what a step costs).
+profiled passes time each pure decode step (no prefill, no drafts in the plan launched) with the same
+synchronising timer as the round split, so the speculative engine's undrafted step is set beside the plain
+engine's decode step measured the same way. (Not from the timed passes: they do not record which steps drafted,
+which would add work to the steps they time, and with overlap scheduling an unsynchronised step's wall time
+holds part of the step before it.)
 """
 
 from __future__ import annotations
@@ -308,8 +309,6 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
             return _decode(plain, prompts, batch, args)
 
     recorded = plain_pass()  # (the first pass at this batch size: it warms up too)
-    plain_profile = StepProfile(plain, None)
-    plain_pass(plain_profile)
     real = spec.drafter
     vocab = spec.model_config.vocab_size
     results = []
@@ -325,7 +324,9 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
         with patched((spec.speculator, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
             if n == 0:
                 _decode(spec, prompts[:batch], batch, args, register)  # warm-up: one wave at this batch size
-            profile = StepProfile(spec, real)
+            # The two profiled passes back to back: their decode steps are compared
+            plain_profile, profile = StepProfile(plain, None), StepProfile(spec, real)
+            plain_pass(plain_profile)
             with profile.instrumented():
                 passes["spec"]()
             for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
@@ -528,7 +529,7 @@ def report(r: SpecResult) -> str:
         theory = (f" (theory {r.tau_theory:.2f} at the k each round drafted, {r.tau_theory_n_max:.2f} at "
                   f"k={r.draft_n_max}; {r.off_script} requests left the recording)")
     s = r.split
-    by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position)
+    by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position) or "-"
     drafter_graphs = ("without CUDA graphs" if s.draft_graph is None else
                       f"{s.draft_graph} graph replays, {s.draft_eager} eager")
     return (f"spec {r.kind} bs={r.batch}{alpha}: plain {r.plain_tok_s:.1f} tok/s ({r.plain_step_ms:.2f} ms/step), "
