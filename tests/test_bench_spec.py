@@ -28,7 +28,7 @@ def _results(path) -> list[dict]:
     return json.loads(path.read_text())["results"]
 
 
-def _check_timed(row: dict) -> None:
+def _check_timed(row: dict, clocked: bool = False) -> None:
     """Both sides generated the whole workload in every timed pass, speculation changed no token, each side's
     best pass is the one reported, and every timed step was timed."""
     assert row["requests"] == math.ceil(REQUESTS / row["batch"]) * row["batch"]  # whole waves
@@ -45,7 +45,8 @@ def _check_timed(row: dict) -> None:
         steps = row[side]
         assert len(steps["slow"]) == repeats
         assert 0 < steps["median_ms"] <= steps["max_ms"] and 0 < steps["prefill_median_ms"] <= steps["max_ms"]
-    assert row["plain_clock_mhz"] is None and row["spec_clock_mhz"] is None  # no GPU clock on the CPU
+    if not clocked:
+        assert row["plain_clock_mhz"] is None and row["spec_clock_mhz"] is None  # no GPU clock on the CPU
     plain = row["plain_decode_step"]
     assert plain["steps"] > 0 and plain["mean_ms"] > 0 and plain["median_ms"] > 0
 
@@ -162,16 +163,20 @@ def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undistu
     assert aux["plain"] == {()} and len(aux["spec"]) == 1 and () not in aux["spec"]
 
 
-def test_a_drafter_that_drafts_nothing_reports_its_undrafted_step_beside_the_plain_decode_step(tmp_path, capsys):
+def test_a_drafter_that_drafts_nothing_reports_its_undrafted_step_beside_the_plain_decode_step(tmp_path, capsys,
+                                                                                              monkeypatch):
     """N-gram lookup that never finds enough earlier occurrences: every decode step of the speculative engine is
-    undrafted, and its synchronised cost is set beside the plain engine's decode step."""
+    undrafted, and its synchronised cost is set beside the plain engine's decode step. (And the GPU clock read
+    around each timed pass, here a stand-in for NVML's, reaches the JSON and the line.)"""
+    readings = iter(range(1000, 2000, 10))
+    monkeypatch.setattr(spec, "_sm_clock", lambda device: next(readings))
     out = tmp_path / "spec.json"
     argv = ["spec", "--model", str(demo.demo_path("target")), "--spec-type", "ngram",
             "--spec-ngram-simple-min-hits", "100000", "--device", "cpu", "--batch", "2", "--gen", str(GEN),
             "--num-requests", str(REQUESTS), "--repeats", str(REPEATS), "--json", str(out)]
     assert bench.main(argv) == 0
     (row,) = _results(out)
-    _check_timed(row)
+    _check_timed(row, clocked=True)
     assert row["rounds"] == 0 and row["split"]["steps"] == 0
     # Every step of the profiled pass but the first (it carries the prompts), on each side: one wave of GEN tokens
     undrafted, plain = row["undrafted_step"], row["plain_decode_step"]
@@ -180,6 +185,11 @@ def test_a_drafter_that_drafts_nothing_reports_its_undrafted_step_beside_the_pla
     printed = capsys.readouterr().out
     assert (f"speculative {undrafted['mean_ms']:.3f} / {undrafted['median_ms']:.3f} over {GEN - 1} steps"
             in printed)
+    clocks = {side: row[f"{side}_clock_mhz"] for side in ("plain", "spec")}
+    assert all(len(c) == REPEATS and all(start < end for start, end in c) for c in clocks.values())
+    for name, side in (("plain", "plain"), ("speculative", "spec")):
+        readings = [mhz for pair in clocks[side] for mhz in pair]
+        assert f"{name} {min(readings)}-{max(readings)} MHz" in printed
 
 
 def test_requests_leaving_the_recording_are_counted_per_timed_pass_not_summed_over_repeats(tmp_path, monkeypatch):

@@ -15,11 +15,12 @@ are cleared: it runs as it would alone.
 Per batch size, the plain engine runs the workload once to warm up and record every request's output. Per
 acceptance, the speculative engine warms up on one wave (at the first acceptance), each engine runs a profiled
 pass, back to back (speculative: rounds counted; synchronising timers split each round into draft, verify and
-host), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative first, ...) so that a drift does
-not favour one side. Each side's best pass is reported, speedup = best rate over best rate, with the median ratio
-of the paired passes beside it; every pass's seconds go to the JSON. A workload is --num-requests requests
-(rounded up to a multiple of the batch size) of --gen tokens each, greedy with ignore_eos, in waves of batch-size
-requests; tok/s is every generated token over a timed pass's wall time, prefill included.
+host), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative
+first, ...) so that a drift does not favour one side. Each side's best pass is reported, speedup = best rate over
+best rate, with the median ratio of the paired passes beside it; every pass's seconds go to the JSON. A workload
+is --num-requests requests (rounded up to a multiple of the batch size) of --gen tokens each, greedy with
+ignore_eos, in waves of batch-size requests; tok/s is every generated token over a timed pass's wall time, prefill
+included.
 
 What disturbs a host-bound target shows instead of becoming a speedup: every Engine.step of the timed passes is
 timed, and a step slower than SLOW_FACTOR x the median of its kind (steps that commit a prompt's first token, and
@@ -79,8 +80,8 @@ class Pass:
 @dataclass(frozen=True)
 class StepTimes:
     """One side's Engine.step wall times over its timed passes. A step that commits a prompt's first token (it
-    carries the prefill) is judged against the median of such steps, every other step against the median of those;
-    slower than SLOW_FACTOR x that median, it is slow: the pass was disturbed."""
+    carries the prefill) is judged against the median of such steps, any other step against the median of the
+    others; slower than SLOW_FACTOR x that median, it is slow: its pass was disturbed."""
 
     median_ms: float  # of the steps that commit no prompt
     prefill_median_ms: float
@@ -521,9 +522,9 @@ def report(r: SpecResult) -> str:
     slow = ", ".join(f"{name} {sum(t.slow)} (slowest {t.max_ms:.1f} ms)" for name, t, _ in sides)
     clock = "" if r.plain_clock_mhz is None or r.spec_clock_mhz is None else "; SM clock " + ", ".join(
         f"{name} {min(map(min, c))}-{max(map(max, c))} MHz" for name, _, c in sides)
-    plain, undrafted = r.plain_decode_step, r.undrafted_step
-    undrafted = (f"{undrafted.mean_ms:.3f} / {undrafted.median_ms:.3f} over {undrafted.steps} steps"
-                 if undrafted is not None else "none (every decode step drafted)")
+    plain, cost = r.plain_decode_step, r.undrafted_step
+    undrafted = (f"{cost.mean_ms:.3f} / {cost.median_ms:.3f} over {cost.steps} steps" if cost is not None
+                 else "none (every decode step drafted)")
     theory = ""
     if r.acceptance is not None:
         theory = (f" (theory {r.tau_theory:.2f} at the k each round drafted, {r.tau_theory_n_max:.2f} at "
