@@ -117,7 +117,7 @@ def test_checkpoint_with_its_drafter_on_the_demo_prompts(tmp_path, capsys):
 
 def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undisturbed_one(tmp_path, capsys,
                                                                                            monkeypatch):
-    """One step of the first timed speculative pass sleeps 50x the steps before it; and the plain engine, sharing
+    """One step of the first timed speculative pass sleeps 100x the steps before it; and the plain engine, sharing
     the model with a DFlash engine, runs its passes without the drafter's aux layers, as it would alone."""
     decode = spec._decode
     spec_passes, aux, slept = [], {"plain": set(), "spec": set()}, []
@@ -127,7 +127,7 @@ def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undistu
 
         def step_timed():
             if len(took) == 2:  # a decode step (the first commits the prompts)
-                slept.append(50 * max(took))
+                slept.append(100 * max(took))
                 time.sleep(slept[0])
             t = time.perf_counter()
             step()
