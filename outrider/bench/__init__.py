@@ -82,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--spec-ngram-simple-size-m", type=int, default=48, help="ngram: most tokens drafted")
     spc.add_argument("--spec-ngram-simple-min-hits", type=int, default=1,
                      help="ngram: earlier occurrences needed to draft (a huge value: lookup that never drafts)")
+    spc.add_argument("--repeats", type=int, default=3,
+                     help="timed passes per side, plain and speculative interleaved; the best of each is reported")
+    # Each engine's KV pool holds the workload exactly (both engines share the GPU): no memory share to choose
+    spc.set_defaults(gpu_memory_utilization=None)
     return p
 
 

@@ -13,10 +13,12 @@ from outrider.engine.engine import Engine
 
 
 def engine_config(args, model: str, **fields) -> EngineConfig:
-    """The benchmark flags every engine shares (device, eager, overlap, memory), plus `fields`."""
+    """The benchmark flags every engine shares (device, eager, overlap, memory), plus `fields`. A benchmark
+    without --gpu-memory-utilization (None) sizes the KV pools itself, in `fields`."""
+    if args.gpu_memory_utilization is not None:
+        fields["gpu_memory_utilization"] = args.gpu_memory_utilization
     return EngineConfig(model=model, dtype=args.dtype, device=args.device, enforce_eager=args.eager,
-                        overlap_schedule=False if args.no_overlap else None, enable_prefix_caching=False,
-                        gpu_memory_utilization=args.gpu_memory_utilization, **fields)
+                        overlap_schedule=False if args.no_overlap else None, enable_prefix_caching=False, **fields)
 
 
 def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,

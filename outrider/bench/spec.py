@@ -7,19 +7,37 @@ Sources:
   bench/drafter_shapes.py) on random prompts, with controlled acceptance (`--acceptance`, bench/controlled.py).
   `--acceptance` applies to a checkpoint's drafter too.
 
-The plain engine (no drafter) runs each batch size's workload twice: the first pass warms up and records every
-request's output, the second is timed. Then the speculative engine, per batch size, warms up on one wave and,
-per acceptance, runs a profiled pass (rounds counted; synchronising timers split each round into draft, verify
-and host) and a timed pass. A workload is --num-requests requests (rounded up to a multiple of the batch size)
-of --gen tokens each, greedy with ignore_eos, in waves of batch-size requests; tok/s is every generated token
-over the timed pass's wall time, prefill included.
+Both engines are built up front and stay alive together: the plain one (no drafter) and the speculative one
+share the preloaded target weights, and each KV pool is sized to hold the workload and no more, so both fit on one
+GPU. While the plain engine runs, the shared model's aux_layer_ids (the layers a DFlash or EAGLE-3 drafter reads)
+are cleared: it runs as it would alone.
+
+Per batch size, the plain engine runs the workload once to warm up and record every request's output. Per
+acceptance, the speculative engine warms up on one wave (at the first acceptance), each engine runs a profiled
+pass, back to back (speculative: rounds counted; synchronising timers split each round into draft, verify and
+host), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative
+first, ...) so that a drift does not favour one side. Each side's best pass is reported, speedup = best rate over
+best rate, with the median ratio of the paired passes beside it; every pass's seconds go to the JSON. A workload
+is --num-requests requests (rounded up to a multiple of the batch size) of --gen tokens each, greedy with
+ignore_eos, in waves of batch-size requests; tok/s is every generated token over a timed pass's wall time, prefill
+included.
+
+What disturbs a host-bound target shows instead of becoming a speedup: every Engine.step of the timed passes is
+timed, and a step slower than SLOW_FACTOR x the median of its kind (steps that commit a prompt's first token, and
+the rest) counts as slow (a JIT compile, a GC pause, a graph recapture); on CUDA the SM clock (NVML) is read at
+the start and the end of each timed pass. And what a step costs with a drafter loaded that drafts nothing: both
+profiled passes time each pure decode step (no prefill, no drafts in the plan launched) with the same
+synchronising timer as the round split, so the speculative engine's undrafted step is set beside the plain
+engine's decode step measured the same way. (Not from the timed passes: they do not record which steps drafted,
+which would add work to the steps they time, and with overlap scheduling an unsynchronised step's wall time
+holds part of the step before it.)
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import random
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -32,11 +50,14 @@ import torch
 from outrider.bench.controlled import ControlledDrafter
 from outrider.bench.engine_setup import engine_config
 from outrider.bench.profile import PhaseTimer, patched
-from outrider.config import NgramConfig
+from outrider.config import EngineConfig, NgramConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 from outrider.speculative.drafter import expected_tokens
+
+
+SLOW_FACTOR = 20  # a timed step this many times its kind's median was disturbed
 
 
 @dataclass(frozen=True)
@@ -44,12 +65,35 @@ class Pass:
     """One run of a workload."""
 
     outputs: list[list[int]]  # per request, in workload order
+    request_ids: list[int]  # in workload order
     seconds: float
-    steps: int  # engine steps
+    steps: int  # engine steps launched
+    step_s: list[float]  # the wall time of every Engine.step call
+    prefill: list[bool]  # per call: it committed a prompt's first token (the prompt's device time is in it)
+    clock_mhz: tuple[int, int] | None  # the GPU's SM clock at the start and the end; None: not CUDA, or no NVML
 
     @property
     def tokens(self) -> int:
         return sum(len(o) for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One side's Engine.step wall times over its timed passes. A step that commits a prompt's first token (it
+    carries the prefill) is judged against the median of such steps, any other step against the median of the
+    others; slower than SLOW_FACTOR x that median, it is slow: its pass was disturbed."""
+
+    median_ms: float  # of the steps that commit no prompt
+    prefill_median_ms: float
+    slow: list[int]  # per timed pass
+    max_ms: float  # the slowest step of any pass
+
+    @classmethod
+    def of(cls, passes: Sequence[Pass]) -> StepTimes:
+        median = {kind: statistics.median(s for p in passes for s, f in zip(p.step_s, p.prefill) if f == kind)
+                  for kind in (False, True)}
+        slow = [sum(s > SLOW_FACTOR * median[f] for s, f in zip(p.step_s, p.prefill)) for p in passes]
+        return cls(1e3 * median[False], 1e3 * median[True], slow, 1e3 * max(max(p.step_s) for p in passes))
 
 
 @dataclass(frozen=True)
@@ -70,6 +114,16 @@ class RoundSplit:
     @property
     def total_ms(self) -> float:
         return self.draft_ms + self.verify_ms + self.host_ms
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The synchronised ms of an engine's pure decode steps that carried no drafts (no prefill, no draft token in
+    the step launched), in its profiled pass. The median beside the mean: one stalled step moves only the mean."""
+
+    mean_ms: float
+    median_ms: float
+    steps: int
 
 
 @dataclass(frozen=True)
@@ -105,11 +159,11 @@ class SpecResult:
     acceptance: float | None  # controlled alpha; None: the drafter's own proposals
     draft_n_max: int  # the engine's draft length cap (--draft-n-max, else the drafter's default)
     requests: int
-    tokens: int  # generated tokens, in each of the plain and the speculative timed pass
-    plain_tok_s: float
+    tokens: int  # generated tokens, in each plain and each speculative timed pass
+    plain_tok_s: float  # each side's best timed pass
     spec_tok_s: float
-    speedup: float
-    plain_step_ms: float  # wall time per engine step of the timed passes
+    speedup: float  # spec_tok_s / plain_tok_s
+    plain_step_ms: float  # wall time per engine step of each side's best timed pass
     spec_step_ms: float
     tau: float  # tokens per request round
     tau_theory: float | None  # controlled: E[tau] at alpha for the k each round drafted
@@ -119,8 +173,19 @@ class SpecResult:
     undrafted: int
     accepted_by_position: list[float]
     split: RoundSplit
-    identical: int  # requests whose speculative output equals the plain output
-    off_script: int  # controlled: requests whose commits left the plain run's recording (numerics)
+    identical: int  # requests whose speculative output equals the plain output, in the worst timed pass
+    off_script: int  # controlled: requests whose commits left the plain run's recording, in the worst timed pass
+    repeats: int  # timed passes per side
+    plain_pass_s: list[float]  # every timed pass's seconds, in the order run
+    spec_pass_s: list[float]
+    paired_speedup: float  # the median over rounds of the round's speculative rate / plain rate
+    plain_steps: StepTimes
+    spec_steps: StepTimes
+    # The GPU's SM clock (MHz) at the start and the end of each timed pass; None: not CUDA, or NVML unavailable
+    plain_clock_mhz: list[tuple[int, int]] | None
+    spec_clock_mhz: list[tuple[int, int]] | None
+    plain_decode_step: StepCost  # the plain engine's decode step
+    undrafted_step: StepCost | None  # the speculative engine's decode step without drafts; None: every one drafted
 
 
 @dataclass(frozen=True)
@@ -141,13 +206,21 @@ def run(args) -> list[SpecResult]:
         batches = sorted(set(args.batch))
         workloads = {b: _workload(setup.prompts, b, args.num_requests) for b in batches}
         longest = max(len(p) for p in setup.prompts)
-        limits = dict(max_num_seqs=batches[-1], max_model_len=longest + args.gen + 32,
+        max_model_len = longest + args.gen + 32
+        # Every sequence at full length, and the null block: the engine wants no more (Engine._num_kv_blocks),
+        # and each engine taking a share of the free GPU memory would leave none for the other.
+        blocks = batches[-1] * -(-max_model_len // EngineConfig.block_size) + 1
+        limits = dict(max_num_seqs=batches[-1], max_model_len=max_model_len, num_kv_blocks=blocks,
                       max_num_batched_tokens=max(2048, batches[-1] * longest))
-        plain = _plain_passes(args, setup, workloads, limits)
-        gc.collect()  # the plain engine's KV pool and graphs (their closures form cycles) go before the next one
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        results = _spec_passes(args, setup, workloads, limits, plain)
+        plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
+        spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max, **setup.drafter, **limits),
+                      preloaded=setup.preloaded)
+        if spec.drafter is None:
+            raise SystemExit("the speculative engine has no drafter (see the log above for why)")
+        print(f"spec: {setup.name}, drafter {spec.drafter.kind}, draft length <= {spec.config.spec_draft_n_max}, "
+              f"{args.gen} tokens per request, greedy, device {spec.device} ({spec.dtype}), best of {args.repeats} "
+              f"timed passes per side", flush=True)
+        results = [r for b, prompts in workloads.items() for r in _compare(args, plain, spec, prompts, b)]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"target": setup.name, "device": args.device, "gen": args.gen,
@@ -166,8 +239,11 @@ def _check(args) -> None:
         raise SystemExit("--prompt-len needs --random-weights (a checkpoint's prompts come from --prompts)")
     if any(not 0.0 <= a <= 1.0 for a in args.acceptance or ()):
         raise SystemExit("--acceptance values must lie in [0, 1]")
-    if min(args.batch) < 1 or args.num_requests < 1 or args.gen < 2:
-        raise SystemExit("--batch and --num-requests must be >= 1, --gen >= 2")
+    if min(args.batch) < 1 or args.num_requests < 1 or args.gen < 2 or args.repeats < 1:
+        raise SystemExit("--batch, --num-requests and --repeats must be >= 1, --gen >= 2")
+    if args.gpu_memory_utilization is not None:
+        raise SystemExit("--gpu-memory-utilization does not apply to bench spec: each engine's KV pool is sized to "
+                         "hold the workload, so that both engines fit on the GPU together")
 
 
 def _setup(args, root: Path) -> Setup:
@@ -224,47 +300,44 @@ def _workload(prompts: list[list[int]], batch: int, num_requests: int) -> list[l
     return [prompts[i % len(prompts)] for i in range(_workload_size(batch, num_requests))]
 
 
-def _plain_passes(args, setup: Setup, workloads: dict[int, list[list[int]]],
-                  limits: dict) -> dict[int, tuple[Pass, Pass]]:
-    """(recording pass, timed pass) per batch size, from an engine without a drafter."""
-    engine = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
-    return {b: (_decode(engine, prompts, b, args), _decode(engine, prompts, b, args))
-            for b, prompts in workloads.items()}
+def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch: int) -> list[SpecResult]:
+    """One batch size's results, one per acceptance."""
 
+    def plain_pass(profile: StepProfile | None = None) -> Pass:
+        # The plain engine runs as it would alone (the model is shared: see the module docstring)
+        alone = patched((plain.model, "aux_layer_ids", lambda _: ()))
+        with alone, profile.instrumented() if profile is not None else nullcontext():
+            return _decode(plain, prompts, batch, args)
 
-def _spec_passes(args, setup: Setup, workloads: dict[int, list[list[int]]], limits: dict,
-                 plain: dict[int, tuple[Pass, Pass]]) -> list[SpecResult]:
-    engine = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max, **setup.drafter, **limits),
-                    preloaded=setup.preloaded)
-    real = engine.drafter
-    if real is None:
-        raise SystemExit("the speculative engine has no drafter (see the log above for why)")
-    print(f"spec: {setup.name}, drafter {real.kind}, draft length <= {engine.config.spec_draft_n_max}, "
-          f"{args.gen} tokens per request, greedy, device {engine.device} ({engine.dtype})", flush=True)
-    vocab = engine.model_config.vocab_size
+    recorded = plain_pass()  # (the first pass at this batch size: it warms up too)
+    real = spec.drafter
+    vocab = spec.model_config.vocab_size
     results = []
-    for b, prompts in workloads.items():
-        recorded, plain_timed = plain[b]
-        for n, alpha in enumerate(args.acceptance or [None]):
-            ctl = ControlledDrafter(real, alpha, vocab, args.seed) if alpha is not None else None
+    for n, alpha in enumerate(args.acceptance or [None]):
+        ctl = ControlledDrafter(real, alpha, vocab, args.seed) if alpha is not None else None
 
-            def register(i: int, req: Request) -> None:
-                if ctl is not None:
-                    ctl.expect(req.request_id, prompts[i] + recorded.outputs[i], stream=i)
+        def register(i: int, req: Request) -> None:
+            if ctl is not None:
+                ctl.expect(req.request_id, prompts[i] + recorded.outputs[i], stream=i)
 
-            with patched((engine.speculator, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
-                if n == 0:
-                    _decode(engine, prompts[:b], b, args, register)  # warm-up: one wave at this batch size
-                profile = RoundProfile(engine, real)
-                with profile.instrumented():
-                    _decode(engine, prompts, b, args, register)
-                before = len(ctl.off_script) if ctl is not None else 0
-                timed = _decode(engine, prompts, b, args, register)
-                off_script = len(ctl.off_script) - before if ctl is not None else 0
-            result = _result(real.kind, b, alpha, engine.config.spec_draft_n_max, plain_timed, timed, recorded,
-                             profile, off_script)
-            results.append(result)
-            print(report(result), flush=True)
+        passes = {"plain": plain_pass, "spec": lambda: _decode(spec, prompts, batch, args, register)}
+        timed: dict[str, list[Pass]] = {"plain": [], "spec": []}
+        with patched((spec.speculator, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
+            if n == 0:
+                _decode(spec, prompts[:batch], batch, args, register)  # warm-up: one wave at this batch size
+            # The two profiled passes back to back: their decode steps are compared
+            plain_profile, profile = StepProfile(plain, None), StepProfile(spec, real)
+            plain_pass(plain_profile)
+            with profile.instrumented():
+                passes["spec"]()
+            for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
+                for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+                    timed[side].append(passes[side]())
+        off_script = max(len(ctl.off_script.intersection(p.request_ids)) for p in timed["spec"]) if ctl else 0
+        result = _result(real.kind, batch, alpha, spec.config.spec_draft_n_max, timed["plain"], timed["spec"],
+                         recorded, profile, plain_profile, off_script)
+        results.append(result)
+        print(report(result), flush=True)
     return results
 
 
@@ -273,28 +346,51 @@ def _decode(engine: Engine, prompts: Sequence[list[int]], batch: int, args,
     """Greedy, --gen tokens each (ignore_eos), in waves of `batch` requests; register(i, request) runs before
     request i is added."""
     outputs: list[list[int]] = [[] for _ in prompts]
+    ids: list[int] = []
     params = SamplingParams(max_tokens=args.gen, temperature=0.0, ignore_eos=True, seed=args.seed)
-    steps0 = engine.counters["steps"]
+    counters = engine.counters
+    step_s: list[float] = []
+    prefill: list[bool] = []
+    steps0 = counters["steps"]
+    clock0 = _sm_clock(engine.device)
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
         for i in range(start, min(start + batch, len(prompts))):
             req = Request(list(prompts[i]), params)
+            ids.append(req.request_id)
             if register is not None:
                 register(i, req)
             engine.add_request(req, lambda out, got=outputs[i]: got.extend(out.new_token_ids))
         while engine.has_work():
+            prompted = counters["prompt_tokens"]
+            t = time.perf_counter()
             engine.step()
+            step_s.append(time.perf_counter() - t)
+            prefill.append(counters["prompt_tokens"] != prompted)
     seconds = time.perf_counter() - t0
+    clock1 = _sm_clock(engine.device)
     short = [i for i, o in enumerate(outputs) if len(o) != args.gen]
     if short:
         raise SystemExit(f"requests {short[:5]} produced fewer than {args.gen} tokens (see the log above)")
-    return Pass(outputs, seconds, engine.counters["steps"] - steps0)
+    clock = (clock0, clock1) if clock0 is not None and clock1 is not None else None
+    return Pass(outputs, ids, seconds, counters["steps"] - steps0, step_s, prefill, clock)
 
 
-class RoundProfile:
-    """Instruments one pass of the speculative engine: the (k, m) of every verified draft, and the split of
-    each round's time (RoundSplit), and which forwards ran as CUDA graphs. Synchronising timers serialise host and
-    GPU, so the profiled pass runs slower than the timed one; what it shows is each part's own cost."""
+def _sm_clock(device: torch.device) -> int | None:
+    """The GPU's SM clock in MHz (NVML's, through torch.cuda.clock_rate); None off CUDA or where NVML fails."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.clock_rate(device)
+    except Exception:  # (no pynvml installed, or NVML refused: the clock is unknown, the measurement stands)
+        return None
+
+
+class StepProfile:
+    """Instruments one pass of an engine with synchronising timers: the time of each pure decode step that carried
+    no drafts (no prefill in the plan launched), and with a drafter, the (k, m) of every verified draft, the split
+    of each round's time (RoundSplit) and which forwards ran as CUDA graphs. Synchronising timers serialise host
+    and GPU, so the profiled pass runs slower than a timed one; what it shows is each part's own cost."""
 
     def __init__(self, engine: Engine, drafter) -> None:
         self.engine, self.drafter = engine, drafter
@@ -302,6 +398,7 @@ class RoundProfile:
         self.rounds: list[tuple[int, int]] = []
         self.undrafted = 0
         self.splits: list[tuple[float, float, float]] = []  # seconds of draft, verify, host per round
+        self.undrafted_steps: list[float] = []  # seconds of each pure decode step without drafts
         self.verify_eager = 0
         self.graphs = getattr(drafter, "graphs", None)
         self.draft_paths = {True: 0, False: 0}  # the drafter's graph choice: replayed (True) or eager
@@ -311,8 +408,9 @@ class RoundProfile:
         timed = self.timer.timed
         targets = [(self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
                    (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", self._collect),
-                   (self.engine.runner, "forward_eager", self._eager),
-                   (self.drafter, "propose", timed("draft")), (self.drafter, "on_commit", timed("draft"))]
+                   (self.engine.runner, "forward_eager", self._eager)]
+        if self.drafter is not None:
+            targets += [(self.drafter, "propose", timed("draft")), (self.drafter, "on_commit", timed("draft"))]
         if self.graphs is not None:
             targets.append((self.graphs, "can_run", self._drafter_graph))
         return patched(*targets)
@@ -341,10 +439,13 @@ class RoundProfile:
             self._plan = None
             timed()
             plan = self._plan
-            if plan is None or plan.has_prefill or not any(s.draft_tokens for s in plan.scheduled):
+            if plan is None or plan.has_prefill:
                 return
             spent = {k: self.timer.total[k] - before.get(k, 0.0) for k in ("step", "draft", "verify")}
-            self.splits.append((spent["draft"], spent["verify"], spent["step"] - spent["draft"] - spent["verify"]))
+            if any(s.draft_tokens for s in plan.scheduled):
+                self.splits.append((spent["draft"], spent["verify"], spent["step"] - spent["draft"] - spent["verify"]))
+            else:
+                self.undrafted_steps.append(spent["step"])
 
         return split_step
 
@@ -371,6 +472,13 @@ class RoundProfile:
 
         return count
 
+    def decode_step_cost(self) -> StepCost | None:
+        """The pure decode steps without drafts; None: there was none."""
+        steps = self.undrafted_steps
+        if not steps:
+            return None
+        return StepCost(1e3 * statistics.fmean(steps), 1e3 * statistics.median(steps), len(steps))
+
     def split(self) -> RoundSplit:
         n = len(self.splits)
         mean = [1e3 * sum(x[i] for x in self.splits) / n if n else 0.0 for i in range(3)]
@@ -380,35 +488,60 @@ class RoundProfile:
                           draft_eager=self.draft_paths[False] if graphs else None)
 
 
-def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: Pass, spec: Pass, recorded: Pass,
-            profile: RoundProfile, off_script: int) -> SpecResult:
+def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: list[Pass], spec: list[Pass],
+            recorded: Pass, profile: StepProfile, plain_profile: StepProfile, off_script: int) -> SpecResult:
     rounds = Rounds(profile.rounds, profile.undrafted)
-    plain_rate, spec_rate = plain.tokens / plain.seconds, spec.tokens / spec.seconds
+    best_plain, best_spec = (min(passes, key=lambda p: p.seconds) for passes in (plain, spec))
+    plain_rate, spec_rate = best_plain.tokens / best_plain.seconds, best_spec.tokens / best_spec.seconds
+    paired = statistics.median((s.tokens / s.seconds) / (p.tokens / p.seconds) for p, s in zip(plain, spec))
     return SpecResult(
-        kind=kind, batch=batch, acceptance=alpha, draft_n_max=n_max, requests=len(spec.outputs), tokens=spec.tokens,
-        plain_tok_s=plain_rate, spec_tok_s=spec_rate, speedup=spec_rate / plain_rate,
-        plain_step_ms=1e3 * plain.seconds / plain.steps, spec_step_ms=1e3 * spec.seconds / spec.steps,
+        kind=kind, batch=batch, acceptance=alpha, draft_n_max=n_max, requests=len(recorded.outputs),
+        tokens=recorded.tokens, plain_tok_s=plain_rate, spec_tok_s=spec_rate, speedup=spec_rate / plain_rate,
+        plain_step_ms=1e3 * best_plain.seconds / best_plain.steps,
+        spec_step_ms=1e3 * best_spec.seconds / best_spec.steps,
         tau=rounds.tau, tau_theory=rounds.tau_theory(alpha) if alpha is not None else None,
         tau_theory_n_max=expected_tokens(alpha, n_max) if alpha is not None else None, mean_k=rounds.mean_k,
         rounds=len(rounds.rounds), undrafted=rounds.undrafted, accepted_by_position=rounds.accepted_by_position(),
-        split=profile.split(), identical=sum(a == b for a, b in zip(spec.outputs, recorded.outputs)),
-        off_script=off_script)
+        split=profile.split(), identical=min(sum(a == b for a, b in zip(p.outputs, recorded.outputs)) for p in spec),
+        off_script=off_script, repeats=len(spec), plain_pass_s=[p.seconds for p in plain],
+        spec_pass_s=[p.seconds for p in spec], paired_speedup=paired, plain_steps=StepTimes.of(plain),
+        spec_steps=StepTimes.of(spec), plain_clock_mhz=_clocks(plain), spec_clock_mhz=_clocks(spec),
+        plain_decode_step=plain_profile.decode_step_cost(), undrafted_step=profile.decode_step_cost())
+
+
+def _clocks(passes: Sequence[Pass]) -> list[tuple[int, int]] | None:
+    clocks = [p.clock_mhz for p in passes]
+    return None if None in clocks else clocks
 
 
 def report(r: SpecResult) -> str:
-    """Two printed lines: the speeds, then what the rounds did and cost."""
+    """Four printed lines: the speeds; how undisturbed the timed passes were; what a step that drafts nothing
+    costs; what the rounds did and cost."""
     alpha = f" acceptance={r.acceptance:g}" if r.acceptance is not None else ""
+    sides = (("plain", r.plain_steps, r.plain_clock_mhz), ("speculative", r.spec_steps, r.spec_clock_mhz))
+    slow = ", ".join(f"{name} {sum(t.slow)} (slowest {t.max_ms:.1f} ms)" for name, t, _ in sides)
+    clock = "" if r.plain_clock_mhz is None or r.spec_clock_mhz is None else "; SM clock " + ", ".join(
+        f"{name} {min(map(min, c))}-{max(map(max, c))} MHz" for name, _, c in sides)
+    plain, cost = r.plain_decode_step, r.undrafted_step
+    undrafted = (f"{cost.mean_ms:.3f} / {cost.median_ms:.3f} over {cost.steps} steps" if cost is not None
+                 else "none (every decode step drafted)")
     theory = ""
     if r.acceptance is not None:
         theory = (f" (theory {r.tau_theory:.2f} at the k each round drafted, {r.tau_theory_n_max:.2f} at "
                   f"k={r.draft_n_max}; {r.off_script} requests left the recording)")
     s = r.split
-    by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position)
+    by_position = " ".join(f"{a:.2f}" for a in r.accepted_by_position) or "-"
     drafter_graphs = ("without CUDA graphs" if s.draft_graph is None else
                       f"{s.draft_graph} graph replays, {s.draft_eager} eager")
     return (f"spec {r.kind} bs={r.batch}{alpha}: plain {r.plain_tok_s:.1f} tok/s ({r.plain_step_ms:.2f} ms/step), "
-            f"speculative {r.spec_tok_s:.1f} tok/s ({r.spec_step_ms:.2f} ms/step), speedup {r.speedup:.2f}x; "
-            f"{r.requests} requests x {r.tokens // r.requests} tokens, output identical {r.identical}/{r.requests}\n"
+            f"speculative {r.spec_tok_s:.1f} tok/s ({r.spec_step_ms:.2f} ms/step), best of {r.repeats}; speedup "
+            f"{r.speedup:.2f}x (median of paired passes {r.paired_speedup:.2f}x); {r.requests} requests x "
+            f"{r.tokens // r.requests} tokens, output identical {r.identical}/{r.requests}\n"
+            f"  timed steps: median plain {r.plain_steps.median_ms:.3f} ms, "
+            f"speculative {r.spec_steps.median_ms:.3f} ms; "
+            f"slow steps (> {SLOW_FACTOR}x their kind's median): {slow}{clock}\n"
+            f"  decode step without drafts (synchronised, profiled passes; mean / median ms): plain "
+            f"{plain.mean_ms:.3f} / {plain.median_ms:.3f} over {plain.steps} steps, speculative {undrafted}\n"
             f"  tau {r.tau:.2f}{theory} over {r.rounds} request rounds of mean k {r.mean_k:.2f}, "
             f"{r.undrafted} undrafted decodes; accepted by draft position {by_position}; "
             f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
