@@ -120,7 +120,6 @@ class TappedTarget(nn.Module):
         self.llama = llama
         self.model = llama.model
         self.taps = tuple(taps)
-        llama.aux_layer_ids = self.taps
         self.device = next(llama.parameters()).device
         self.backend = get_backend(self.device)
 
@@ -137,7 +136,7 @@ class TappedTarget(nn.Module):
         rows = [(list(range(b * per_row, (b + 1) * per_row)), 0, T) for b in range(B)]
         meta, positions = build_metadata(rows, self.BLOCK, self.device)
         with torch.autocast(self.device.type, enabled=False):  # the serving dtypes, whatever the caller's autocast
-            hidden = self.llama(ids.reshape(-1), positions, cache, meta, self.backend)
+            hidden = self.llama(ids.reshape(-1), positions, cache, meta, self.backend, self.taps)
             normed = self.model.norm(hidden)
         tapped = self.llama.aux_hidden.view(B, T, -1).split(cfg.hidden_size, dim=-1)
         return normed.view(B, T, -1), list(tapped)

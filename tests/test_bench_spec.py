@@ -118,7 +118,7 @@ def test_checkpoint_with_its_drafter_on_the_demo_prompts(tmp_path, capsys):
 def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undisturbed_one(tmp_path, capsys,
                                                                                            monkeypatch):
     """One step of the first timed speculative pass sleeps 100x the steps before it; and the plain engine, sharing
-    the model with a DFlash engine, runs its passes without the drafter's aux layers, as it would alone."""
+    the model with a DFlash engine, taps no layers for a drafter in its forwards, as it would alone."""
     decode = spec._decode
     spec_passes, aux, slept = [], {"plain": set(), "spec": set()}, []
 
@@ -137,7 +137,7 @@ def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undistu
 
     def watched(engine, *args, **kwargs):
         side = "spec" if engine.drafter is not None else "plain"
-        aux[side].add(engine.model.aux_layer_ids)
+        aux[side].add(engine.runner.aux_layer_ids)  # (what every forward of this engine taps)
         if side == "spec":
             spec_passes.append(engine)
             if len(spec_passes) == 3:  # warm-up, profiled, then the first timed pass

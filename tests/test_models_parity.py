@@ -57,9 +57,9 @@ class Runner:
         return torch.tensor(ids), torch.tensor(pos), meta
 
     @torch.no_grad()
-    def hidden(self, chunks: list[list[int]]) -> torch.Tensor:
+    def hidden(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor:
         ids, pos, meta = self.prepare(chunks)
-        return self.model(ids, pos, self.kv, meta, self.backend)
+        return self.model(ids, pos, self.kv, meta, self.backend, aux_layer_ids)
 
     def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
         """Run one ragged batch; return each chunk's logits [len, V]."""
@@ -120,12 +120,8 @@ def test_greedy_generation_matches_hf_generate(pair):
 def test_aux_hidden_is_the_cat_of_layer_outputs(pair):
     ours, cfg, hf = pair
     ids = PROMPTS[1]
-    ours.aux_layer_ids = (0, cfg.num_hidden_layers - 1)
-    try:
-        hidden = Runner(ours, cfg, 1).hidden([ids])
-        aux = ours.aux_hidden
-    finally:
-        ours.aux_layer_ids, ours.aux_hidden = (), None
+    hidden = Runner(ours, cfg, 1).hidden([ids], aux_layer_ids=(0, cfg.num_hidden_layers - 1))
+    aux = ours.aux_hidden
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i + 1] = output of layer i
     assert aux.shape == (len(ids), 2 * cfg.hidden_size)

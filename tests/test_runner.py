@@ -77,9 +77,10 @@ def test_forward_replays_the_graph_that_fits_and_unpacks_its_outputs():
 
     hidden, aux, logits = torch.zeros(2, 4), torch.ones(2, 8), torch.full((2, 16), 2.0)
     for with_aux in (False, True):
-        model = SimpleNamespace(aux_layer_ids=(1,) if with_aux else (), aux_hidden=aux)
+        model = SimpleNamespace(aux_hidden=aux)
         runner = ModelRunner.__new__(ModelRunner)
         runner.model, runner.kv_cache, runner.backend = model, None, None
+        runner.aux_layer_ids = (1,) if with_aux else ()
         model_out = (hidden + 5,) + ((aux,) if with_aux else ())
         runner.forward_eager = lambda ids, pos, meta: model_out if with_aux else model_out[0]
         decode = _FakeGraphs(1, (hidden, *((aux,) if with_aux else ()), logits))

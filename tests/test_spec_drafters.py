@@ -36,13 +36,14 @@ class Loop:
         self.sampler = Sampler(c.vocab_size, "cpu")
         self.k, self.path, self.kind, self.draft_path = k, target_path, kind, draft_path
         self.drafter = None
+        self.taps: tuple[int, ...] = ()  # the target layers the drafter reads, tapped in every target forward
         if kind is not None:
             self.drafter = load_drafter(kind, target=self.model, target_cfg=c, target_path=str(target_path),
                                         draft_path=str(draft_path) if draft_path else None,
                                         block_size=BLOCK, dtype=torch.float32, device="cpu")
             self.drafter.kv = KVCache.allocate(self.drafter.kv_shape[0], NUM_BLOCKS, BLOCK, *self.drafter.kv_shape[1:],
                                                torch.float32, "cpu")
-            self.model.aux_layer_ids = self.drafter.aux_layer_ids
+            self.taps = tuple(self.drafter.aux_layer_ids)
         self.rounds: list[tuple[int, int]] = []  # (proposed, accepted)
         self.force = None  # test hook: f(k) -> m overrides the verdict, committing d[:m] + a target token
 
@@ -68,7 +69,7 @@ class Loop:
         meta, positions = build_metadata([(r.block_ids, r.num_computed, len(f)) for r, f in zip(reqs, feeds)],
                                          BLOCK, "cpu")
         ids = torch.tensor([t for f in feeds for t in f])
-        hidden = self.model(ids, positions, self.kv, meta, self.backend)
+        hidden = self.model(ids, positions, self.kv, meta, self.backend, self.taps)
         aux = self.model.aux_hidden
         ends = list(itertools.accumulate(len(f) for f in feeds))
         ds = [drafts.get(r.request_id, []) for r in reqs]
@@ -185,7 +186,7 @@ def replay(loop, req):
     n = len(copy.all_ids) - 1  # every position but the last token has target rows
     with torch.inference_mode():
         meta, pos = build_metadata([(copy.block_ids, 0, n)], BLOCK, "cpu")
-        hidden = fresh.model(torch.tensor(copy.all_ids[:n]), pos, fresh.kv, meta, fresh.backend)
+        hidden = fresh.model(torch.tensor(copy.all_ids[:n]), pos, fresh.kv, meta, fresh.backend, fresh.taps)
         fresh.drafter.on_commit([Commit(copy, 0, n)], hidden, fresh.model.aux_hidden)
     copy.num_computed = n
     return fresh, copy

@@ -9,8 +9,8 @@ Sources:
 
 Both engines are built up front and stay alive together: the plain one (no drafter) and the speculative one
 share the preloaded target weights, and each KV pool is sized to hold the workload and no more, so both fit on one
-GPU. While the plain engine runs, the shared model's aux_layer_ids (the layers a DFlash or EAGLE-3 drafter reads)
-are cleared: it runs as it would alone.
+GPU. (Which target layers a forward taps for the drafter is the runner's, passed per call: the plain engine runs
+as it would alone.)
 
 Per batch size, the plain engine runs the workload once to warm up and record every request's output. Per
 acceptance, the speculative engine warms up on one wave (at the first acceptance), each engine runs a profiled
@@ -304,9 +304,7 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
     """One batch size's results, one per acceptance."""
 
     def plain_pass(profile: StepProfile | None = None) -> Pass:
-        # The plain engine runs as it would alone (the model is shared: see the module docstring)
-        alone = patched((plain.model, "aux_layer_ids", lambda _: ()))
-        with alone, profile.instrumented() if profile is not None else nullcontext():
+        with profile.instrumented() if profile is not None else nullcontext():
             return _decode(plain, prompts, batch, args)
 
     recorded = plain_pass()  # (the first pass at this batch size: it warms up too)

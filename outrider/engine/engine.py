@@ -116,7 +116,7 @@ class Engine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(self.drafter, self.policy, self.pool) if self.drafter is not None else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device, self._taps())
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.runner.sampler.set_eog_ids(self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.eos_ids)  # (the routes')
@@ -224,12 +224,15 @@ class Engine:
             self.drafter_error = f"{type(exc).__name__}: {exc}"
             log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
             return None, None
-        self.model.aux_layer_ids = tuple(drafter.aux_layer_ids)
         measured = cfg.spec_measured_costs if cfg.spec_measured_costs is not None else self.device.type == "cuda"
         policy = DraftPolicy(n_max=drafter.max_draft if asked is None else asked, n_min=cfg.spec_draft_n_min,
                              p_min=cfg.draft_p_min, measured=measured)
         log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
         return drafter, policy
+
+    def _taps(self) -> tuple[int, ...]:
+        """The target layers whose outputs the drafter reads (every target forward returns them)."""
+        return tuple(self.drafter.aux_layer_ids) if self.drafter is not None else ()
 
     @property
     def drafter_kind(self) -> str | None:
@@ -248,7 +251,8 @@ class Engine:
         tokens = max(1, min(cfg.max_num_batched_tokens, self.max_model_len))
         rows = min(tokens, max(cfg.max_num_seqs, self.policy.max_verify_tokens if self.policy is not None else 0))
         reserve = measure_step_reserve(self.model, self.model_config, tokens=tokens, rows=rows,
-                                       block_size=cfg.block_size, dtype=self.dtype, device=self.device)
+                                       block_size=cfg.block_size, dtype=self.dtype, device=self.device,
+                                       aux_layer_ids=self._taps())
         log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
         graphs = graph_reserve(cfg.max_num_seqs, self.model_config.vocab_size, drafted=self.drafter is not None,
                                eager=cfg.enforce_eager)

@@ -55,9 +55,10 @@ def cuda_budget(device: torch.device, utilization: float, reserve: int) -> float
 
 @torch.inference_mode()
 def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, rows: int, block_size: int,
-                         dtype: torch.dtype, device: torch.device) -> int:
+                         dtype: torch.dtype, device: torch.device, aux_layer_ids: tuple[int, ...] = ()) -> int:
     """Peak bytes a step allocates beyond what is allocated now (CUDA): a forward over `tokens` prompt tokens
-    (one sequence, over a scratch pool just big enough), and sampling `rows` of its logits with top-k off.
+    (one sequence, over a scratch pool just big enough; tapping aux_layer_ids, as a drafter's steps do), and
+    sampling `rows` of its logits with top-k off.
     FALLBACK_RESERVE when the measurement fails (logged)."""
     from outrider.attention.metadata import build_metadata
     from outrider.sampler import RowSpec, Sampler
@@ -73,7 +74,7 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
         torch.cuda.reset_peak_memory_stats(device)
         meta, positions = build_metadata([(list(range(1, blocks + 1)), 0, tokens)], block_size, device)
         hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device), positions, cache, meta,
-                       get_backend(device))
+                       get_backend(device), aux_layer_ids)
         logits = model.compute_logits(hidden[-rows:])
         sampler = Sampler(mc.vocab_size, device)
         spec = RowSpec(SamplingParams(temperature=1.0, top_k=0, top_p=0.95, min_p=0.05, seed=0), seed=0, step=0)

@@ -37,7 +37,7 @@ class StepOutput:
     # [T, H] pre-norm hidden states of every fed row (drafters read these; a CUDA-graph view, valid until the
     # next replay)
     hidden: torch.Tensor
-    aux_hidden: torch.Tensor | None  # [T, A] outputs of model.aux_layer_ids, when a drafter reads them
+    aux_hidden: torch.Tensor | None  # [T, A] outputs of the layers the runner taps for a drafter that reads them
     kept: bool = False  # hidden and aux_hidden are own copies (keep_hidden)
 
     def keep_hidden(self) -> None:
@@ -143,8 +143,12 @@ class BlockTables:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, device: torch.device,
+                 aux_layer_ids: tuple[int, ...] = ()):
+        """aux_layer_ids: the target layers whose outputs every forward also returns (aux_hidden), for a drafter
+        that reads them."""
         self.model = model
+        self.aux_layer_ids = aux_layer_ids
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
@@ -221,13 +225,13 @@ class ModelRunner:
         else:
             out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
         out = (out,) if isinstance(out, torch.Tensor) else out
-        with_aux = bool(self.model.aux_layer_ids)
+        with_aux = bool(self.aux_layer_ids)
         return out[0], (out[1] if with_aux else None), (out[1 + with_aux] if len(out) > 1 + with_aux else None)
 
     def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
         """The model call: the hidden states, plus aux_hidden when a drafter reads them."""
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
-        return (hidden, self.model.aux_hidden) if self.model.aux_layer_ids else hidden
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids)
+        return (hidden, self.model.aux_hidden) if self.aux_layer_ids else hidden
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:

@@ -117,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.aux_layer_ids: tuple[int, ...] = ()
+        # The outputs of the layers the latest forward was asked to tap (a drafter's inputs), concatenated: [T, A].
         self.aux_hidden: torch.Tensor | None = None
         self.tie_weights()
 
@@ -130,14 +130,16 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions [T] -> hidden [T, H] of the last layer, before the final norm."""
+                backend: AttentionBackend, aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor:
+        """input_ids, positions [T] -> hidden [T, H] of the last layer, before the final norm; with aux_layer_ids,
+        those layers' outputs go to aux_hidden (None without). A call argument, not model state: engines sharing
+        the weights (a benchmark's plain and speculative ones) tap different layers."""
         h, residual = self.embed(input_ids), None
         aux = []
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward_residual(h, residual, positions, self.model.rotary_emb, kv_cache, meta,
                                                  backend)
-            if i in self.aux_layer_ids:
+            if i in aux_layer_ids:
                 aux.append(h + residual)  # the layer's output, as HF's hidden_states[i + 1]
         self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
         return h + residual

@@ -93,7 +93,7 @@ class DFlashDrafter:
     @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         if aux_hidden is None:
-            raise ValueError("DFlash needs the target's aux_hidden: set model.aux_layer_ids = drafter.aux_layer_ids")
+            raise ValueError("DFlash needs the target's aux_hidden: tap drafter.aux_layer_ids in the target's forward")
         meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in commits],
                                          self.block_size, self.device)
         ctx = self.model.hidden_norm(self.model.fc(aux_hidden))

@@ -65,7 +65,7 @@ class Commit:
 
 class Drafter(Protocol):
     kind: str  # "draft" | "mtp" | "dflash" | "eagle3" | "ngram", or several comma-joined (combined.py)
-    aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads: set model.aux_layer_ids
+    aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads (the engine's runner taps them)
     reads_hidden: bool  # on_commit reads the target's hidden rows (else it gets None and no rows are kept for it)
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)

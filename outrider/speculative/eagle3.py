@@ -52,7 +52,7 @@ def layer_config(raw: dict) -> ModelConfig:
 
 
 def aux_layer_ids(raw: dict, num_target_layers: int) -> tuple[int, ...]:
-    """The target layers (our model.aux_layer_ids: layer outputs) whose outputs fc reads, in layer order."""
+    """The target layers (our aux_layer_ids: layer outputs, as the runner taps them) whose outputs fc reads, in layer order."""
     inputs = (raw.get("eagle_aux_hidden_state_layer_ids")
               or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
               or (2, num_target_layers // 2, num_target_layers - 3))
@@ -154,7 +154,7 @@ class Eagle3Drafter(ChainDrafter):
 
     def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
         if aux_hidden is None:
-            raise ValueError("EAGLE-3 needs the target's aux_hidden: set model.aux_layer_ids = drafter.aux_layer_ids")
+            raise ValueError("EAGLE-3 needs the target's aux_hidden: tap drafter.aux_layer_ids in the target's forward")
         return self.model.fc(aux_hidden)
 
     def run_head(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
