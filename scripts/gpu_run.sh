@@ -4,14 +4,16 @@
 # One device call runs at most 10 minutes, so the modes run in the order given against a deadline
 # (DEADLINE_S seconds after the start, default 570): a command gets the time left, capped at BENCH_TIMEOUT
 # (default 300 s; training, 560 s), and one that would get under 30 s is skipped and logged as such.
-# Wheels in .whl/ (carried; e.g. llguidance, which the device lacks) are installed first.
+# Wheels in .whl/ (carried; e.g. llguidance and gguf, which the device lacks, and nvidia-ml-py for bench spec's SM
+# clock readings) are installed first. bench spec runs SPEC_REPEATS (default 3) timed passes per side.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
 # train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
 # spec-demo: bench spec on the demo family (DEMO, default outrider/demo): DFlash, MTP, draft model at batch 1, 8.
 # ngram: n-gram drafting on the demo target, edit and unrepeated workloads, batch 1 (issue 19's targets).
-# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch 1, 8, 32; KINDS picks presets
+# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch SPEC8B_BATCH (default 1 8 32); KINDS
+#          picks presets
 #          (default "dflash mtp draft eagle3").
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
 #          drafter preset loaded drafting nothing (k = 0) and a full draft every step.
@@ -73,7 +75,10 @@ timed() {  # timed LOG CMD...: run with the budget, logging the command, its out
   echo "  (exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s)" | tee -a "$log"
 }
 
-bench() { timed "$OUT/bench.log" $PY -m outrider.bench "$@"; }
+bench() {  # bench spec gets --repeats SPEC_REPEATS
+  if [ "$1" = spec ]; then set -- "$@" --repeats "${SPEC_REPEATS:-3}"; fi
+  timed "$OUT/bench.log" $PY -m outrider.bench "$@"
+}
 
 smol_ready() {  # smol_ready MODE: assemble $SMOL from the parts carried so far; false (and logged) until it is whole
   cat /tmp/smol-parts/part-* > $SMOL 2>/dev/null
@@ -125,7 +130,7 @@ for MODE in "$@"; do
         mtp) a="--acceptance 0.7 0 --draft-n-max 3" ;;
         draft|eagle3) a="--acceptance 0.8 0.7 0 --draft-n-max 4" ;;
       esac
-      bench spec --random-weights qwen3-8b --spec-type $kind $a --batch 1 8 32 --json "$OUT/json/8b-$kind.json"
+      bench spec --random-weights qwen3-8b --spec-type $kind $a --batch ${SPEC8B_BATCH:-1 8 32} --json "$OUT/json/8b-$kind.json"
     done ;;
   spec-profile)
     prof() { timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3-8b --batch 1 --steps 32 --top 12 "$@"; }
@@ -181,5 +186,5 @@ done
 if compgen -G "$OUT/json/*.json" > /dev/null; then tar -cf "$OUT/json.tar" -C "$OUT" json; fi
 rm -rf "$OUT/json"
 echo "== summary [t+$((SECONDS - START))s]"
-grep -E '^(==|latency|ttft|prompt|hf-|throughput|json-schema|kernel|profile|spec|  tau|skipped|  \(exit|\[[0-9:]+\] engine: tau)' "$OUT/bench.log"
+grep -E '^(==|latency|ttft|prompt|hf-|throughput|json-schema|kernel|profile|spec|  tau|  timed steps|  decode step|skipped|  \(exit|\[[0-9:]+\] engine: tau)' "$OUT/bench.log"
 if [ -f "$OUT/tests.log" ]; then tail -3 "$OUT/tests.log"; fi
