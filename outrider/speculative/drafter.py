@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from outrider.attention import KVCache
@@ -104,9 +105,13 @@ def block_capacity(request: Request, block_size: int) -> int:
     return len(request.block_ids) * block_size
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """E[tokens per round] for per-position acceptance alpha and k drafts: (1 - a^(k+1)) / (1 - a)."""
-    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(alpha, k):
+    """E[tokens per round] for per-position acceptance alpha and k drafts: (1 - a^(k+1)) / (1 - a), k + 1 at a = 1.
+    Scalars give a float; numpy arrays (broadcast together) give an array, for the policy's per-step grid."""
+    a, k = np.asarray(alpha, dtype=np.float64), np.asarray(k)
+    with np.errstate(divide="ignore", invalid="ignore"):  # (the a = 1 branch is the other one)
+        out = np.where(a >= 1.0, k + 1.0, (1.0 - a ** (k + 1)) / (1.0 - a))
+    return float(out) if out.ndim == 0 else out
 
 
 @dataclass
@@ -219,11 +224,12 @@ class DraftPolicy:
         if self.measured and self.costs.get(batch, 0) is None:
             return 0  # a plain step first: every estimate is relative to it
 
-        def rate(k: int) -> float:  # expected tokens per second over the batch
-            tokens = sum(expected_tokens(a, min(k, c)) for a, c in zip(alphas, caps))
-            return tokens / self.round_seconds(batch, k, step_cost)
-
-        k = max(range(max(caps) + 1), key=rate)
+        # Expected tokens over the batch for every k at once (rows: k; columns: requests, each drafting up to its
+        # cap), then per second: this runs on every decode step, so as one numpy grid, not a Python loop per cell.
+        ks = np.arange(max(caps) + 1)
+        tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
+        seconds = np.array([self.round_seconds(batch, int(k), step_cost) for k in ks])
+        k = int(np.argmax(tokens.sum(axis=1) / seconds))  # (the first best, as max() picked)
         probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
         if k > 0:
             probe.every, probe.idle = self.probe_every, 0
