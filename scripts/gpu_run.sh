@@ -16,7 +16,8 @@
 #          picks presets
 #          (default "dflash mtp draft eagle3").
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
-#          drafter preset loaded drafting nothing (k = 0) and a full draft every step.
+#          drafter preset loaded drafting nothing (k = 0) and a full draft every step (with a timeline of the
+#          round's first 48 GPU events: where the GPU waits for the host).
 # schema: JSON-schema mask cost at the Qwen3-8B shape, batch 1 and 32 (issue 17).
 # latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles).
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
@@ -137,7 +138,7 @@ for MODE in "$@"; do
     prof
     for kind_k in dflash:15 mtp:3 eagle3:4 draft:4; do
       prof --spec-type "${kind_k%:*}" --k 0
-      prof --spec-type "${kind_k%:*}" --k "${kind_k#*:}"
+      prof --spec-type "${kind_k%:*}" --k "${kind_k#*:}" --timeline 48
     done ;;
   schema)
     cat > /tmp/schema.json <<'JSON'
