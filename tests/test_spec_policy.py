@@ -12,6 +12,7 @@ from outrider.params import SamplingParams
 from outrider.speculative.drafter import DraftPolicy, Proposals, expected_tokens
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
+NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make
 
 
 def req(prompt=(1, 2, 3), max_model_len=50, **params) -> Request:
@@ -88,8 +89,26 @@ def test_measured_costs_decide_whether_a_round_pays():
     fresh.observe_step(1, 0, 1e-3)
     assert fresh.round_seconds(1, 3, step_cost=0.1) == pytest.approx(1.3e-3)  # the drafter's estimate
     assert fresh.draft_lengths([r], DRAFTER) == [4]
-    fresh.observe_step(1, 4, 5e-3)  # measured: then the lengths between are interpolated
-    assert fresh.round_seconds(1, 2, step_cost=0.1) == pytest.approx(3e-3)
+    fresh.observe_step(1, 4, 5e-3)  # a measured round: shorter ones keep its fixed part, less 0.1 plain per draft
+    assert fresh.round_seconds(1, 2, step_cost=0.1) == pytest.approx(4.8e-3)
+    fresh.observe_step(1, 8, 6e-3)  # between two measured rounds: on the line between them
+    assert fresh.round_seconds(1, 6, step_cost=0.1) == pytest.approx(5.5e-3)
+
+
+def test_a_short_probe_round_does_not_price_longer_rounds_out_of_reach():
+    """A round's fixed part (synchronous drafting, verify, host work) is not a cost per draft. After a plain step
+    (0.74 ms) and a probe round of one draft (1.3 ms), on a launch-bound target where 8 drafts cost about what 1
+    does, the policy tries the long round, and keeps it once measured."""
+    r = req()
+    policy = DraftPolicy(n_max=8, measured=True)
+    for _ in range(30):
+        policy.record(r.request_id, proposed=8, accepted=8)  # alpha -> ~0.96
+    policy.observe_step(1, 0, 0.74e-3)
+    policy.observe_step(1, 1, 1.3e-3)
+    assert policy.round_seconds(1, 8, step_cost=0.01) == pytest.approx(1.3e-3 + 7 * 0.0074e-3)
+    assert policy.draft_lengths([r], NGRAM_LIKE) == [8]
+    policy.observe_step(1, 8, 1.45e-3)
+    assert policy.draft_lengths([r], NGRAM_LIKE) == [8]
 
 
 def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():

@@ -201,23 +201,27 @@ class DraftPolicy:
         return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
 
     def round_seconds(self, batch: int, k: int, step_cost: float) -> float:
-        """Seconds of a round with drafts of up to k: measured; else interpolated between the measured lengths
-        around k (a round's cost grows about linearly with k); else the drafter's estimate relative to a plain
-        step."""
-        if self.measured:
-            known = self.costs.at(batch)
-            if k in known:
-                return known[k]
-            below = max((n for n in known if n < k), default=None)
-            above = min((n for n in known if n > k), default=None)
-            if below is not None and above is not None:
-                w = (k - below) / (above - below)
-                return known[below] + w * (known[above] - known[below])
-            if below is not None and below > 0:  # extrapolate from the plain step through the longest measured
-                return known[0] + (known[below] - known[0]) * k / below
-            plain = known.get(0, 1.0)
-        else:
-            plain = 1.0
+        """Seconds of a step with drafts of up to k (k = 0: a plain step). Measured; else estimated from the measured
+        rounds. A round is synchronous, so it costs a fixed part (drafting, the verify forward, its host work: on a
+        launch- or weight-bound target most of it) and a part per draft. So an unmeasured k lies on the line between
+        the measured rounds around it; beyond them, it costs the nearest measured round plus the drafter's own
+        estimate per draft (step_cost plain steps). Never on a line through the plain step: that would charge the
+        fixed part per draft, and a probe round of one draft would then price every longer one out of reach, unmeasured.
+        With no round measured: the drafter's estimate relative to the plain step."""
+        known = self.costs.at(batch) if self.measured else {}
+        if k in known:
+            return known[k]
+        plain = known.get(0, 1.0)
+        per_draft = plain * step_cost
+        below = max((n for n in known if 0 < n < k), default=None)
+        above = min((n for n in known if n > k), default=None)
+        if below is not None and above is not None:
+            w = (k - below) / (above - below)
+            return known[below] + w * (known[above] - known[below])
+        if below is not None:
+            return known[below] + per_draft * (k - below)
+        if above is not None and k > 0:
+            return max(known[above] - per_draft * (above - k), plain)
         return plain * (1.0 + step_cost * k)
 
     def _batch_length(self, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
