@@ -152,11 +152,15 @@ def record_rounds(llm) -> tuple[dict[int, list[tuple[int, list[int]]]], list[int
     after it."""
     log: dict[int, list] = {}
     order: list[int] = []
-    propose, add = llm.engine.drafter.propose, llm.engine.add_request
+    drafter, add = llm.engine.drafter, llm.engine.add_request
+    # (a drafter that stages its drafts on the device proposes through `stage`; they are read here for the record)
+    name = "stage" if drafter.stages_on_device else "propose"
+    propose = getattr(drafter, name)
 
     def recording(requests, ks):
         out = propose(requests, ks)
-        for req, drafts in zip(requests, out.tokens):
+        tokens = out.to_host().tokens if name == "stage" else out.tokens
+        for req, drafts in zip(requests, tokens):
             if drafts:
                 log.setdefault(req.request_id, []).append((req.num_tokens - 1, list(drafts)))
         return out
@@ -165,7 +169,7 @@ def record_rounds(llm) -> tuple[dict[int, list[tuple[int, list[int]]]], list[int
         order.append(req.request_id)
         return add(req, on_output)
 
-    llm.engine.drafter.propose = recording
+    setattr(drafter, name, recording)
     llm.engine.add_request = adding
     return log, order
 

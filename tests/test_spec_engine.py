@@ -140,6 +140,35 @@ def timed_batches(llm: LLM, clock: StepClock) -> list:
     return outs
 
 
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "eagle3"])
+def test_model_drafts_stay_on_the_device_until_the_verdict_reads_them(families, kind):
+    """A model drafter's argmax drafts feed the verify forward from the device and reach the host with the verdict
+    (one sync): the drafter is staged, never asked to propose, and every plan ends up holding the real drafts
+    (no placeholder left), which the target accepted where they were right. A request with a confidence stop (p_min > 0) needs the values
+    before scheduling, so its drafts are proposed to the host."""
+    llm = family_llm(families, kind)
+    engine, drafter = llm.engine, llm.engine.drafter
+    calls, plans = {"stage": 0, "propose": 0}, []
+
+    def counted(name, method):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return method(*args, **kwargs)
+        return call
+
+    drafter.stage, drafter.propose = counted("stage", drafter.stage), counted("propose", drafter.propose)
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *a, **kw: plans.append(schedule(*a, **kw)) or plans[-1]
+    outs = llm.generate(PROMPTS[:4], [greedy(16)] * 4)
+    assert calls["stage"] > 0 and calls["propose"] == 0
+    drafted = [s.draft_tokens for p in plans for s in p.scheduled if s.draft_tokens]
+    assert drafted and all(0 <= t < engine.model_config.vocab_size for d in drafted for t in d)  # (PENDING < 0)
+    assert sum(o.timing.draft_n_accepted for o in outs) > 0
+    calls.update(stage=0, propose=0)
+    llm.generate([PROMPTS[0]], [greedy(16, spec_p_min=1e-9)])
+    assert calls["propose"] > 0
+
+
 @pytest.mark.parametrize("kind", list(FAMILY))
 def test_timings_cover_prefill_and_rounds(families, kind):
     """Test hook: prefill steps last P, every later step R; prompt_ms ~ P and predicted_ms ~ the rounds' total,

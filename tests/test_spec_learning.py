@@ -65,6 +65,12 @@ class Recorder:
             self.proposals.append(([tuple(r.all_ids) for r in requests], list(ks), props.tokens, props.confidence))
             return props
 
+        def recorded_stage(requests, ks):  # (drafts left on the device: read here for the record only)
+            staged = stage(requests, ks)
+            props = staged.to_host()
+            self.proposals.append(([tuple(r.all_ids) for r in requests], list(ks), props.tokens, props.confidence))
+            return staged
+
         def recorded_on_commit(commits, hidden, aux_hidden):
             rows = None if hidden is None else hidden.shape[0]
             self.events.append(("learn", [(c.request.request_id, c.start, c.count) for c in commits], rows))
@@ -75,6 +81,9 @@ class Recorder:
             return free(req)
 
         drafter.propose, drafter.on_commit, pool.free_request = recorded_propose, recorded_on_commit, recorded_free
+        if drafter.stages_on_device:
+            stage = drafter.stage
+            drafter.stage = recorded_stage
         return self
 
     def learned(self, request_id: int) -> list[tuple[int, int]]:

@@ -9,7 +9,7 @@ import torch
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative.drafter import DraftPolicy, Proposals, expected_tokens
+from outrider.speculative.drafter import PENDING, DraftPolicy, PendingDrafts, Proposals, expected_tokens, stage_drafts
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make
@@ -119,3 +119,22 @@ def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():
     fixed = DraftPolicy(measured=False)
     fixed.observe_step(1, 0, 1.0)
     assert fixed.costs.get(1, 0) is None
+
+
+def test_staged_drafts_regroup_a_chains_steps_by_request_and_fill_the_plans_lists():
+    """A chain drafts step by step (each step's rows in request order); staged, the drafts stay on the device
+    grouped by request, and a plan's (possibly shortened) placeholder lists get their values from them."""
+    owners = [0, 2, 0, 2, 2]  # step 1: requests 0 and 2; step 2: both; step 3: request 2
+    tokens = [torch.tensor([10, 30]), torch.tensor([11, 31]), torch.tensor([32])]
+    conf = [torch.tensor([0.9, 0.8]), torch.tensor([0.7, 0.6]), torch.tensor([0.5])]
+    staged = stage_drafts(owners, tokens, conf, 3)
+    assert staged.counts == [2, 0, 3] and staged.ids.tolist() == [10, 11, 30, 31, 32]
+    host = staged.to_host()
+    assert host.tokens == [[10, 11], [], [30, 31, 32]]
+    assert host.confidence[2] == pytest.approx([0.8, 0.6, 0.5])
+    pending = PendingDrafts(staged.ids, {7: 0, 9: 2})  # request ids 7 and 9 drafted
+    drafts = [[PENDING, PENDING], [], [PENDING, PENDING], [4]]  # request 9's cut to 2 by the scheduler; 5: host
+    sources = pending.sources([7, 8, 9, 5], drafts)
+    assert sources == [0, None, 2, None]
+    pending.fill(drafts, sources)
+    assert drafts == [[10, 11], [], [30, 31], [4]]

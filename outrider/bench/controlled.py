@@ -12,8 +12,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import torch
+
 from outrider.engine.request import Request
-from outrider.speculative.drafter import Drafter, Proposals
+from outrider.speculative.drafter import Drafter, Proposals, StagedDrafts
 
 
 class ControlledDrafter:
@@ -46,6 +48,14 @@ class ControlledDrafter:
         tokens = [self._substitute(req, len(drafts)) for req, drafts in zip(requests, real.tokens)]
         # Argmax drafts (q one-hot), each fully confident: only greedy verification is measured.
         return Proposals(tokens, [[1.0] * len(t) for t in tokens])
+
+    def stage(self, requests: Sequence[Request], ks: Sequence[int]) -> StagedDrafts:
+        """As propose, for a drafter that leaves its drafts on the device: the real drafter really runs, and its
+        drafts are replaced by these (uploaded without a sync), as its counts allow."""
+        real = self.inner.stage(requests, ks)
+        tokens = [t for req, n in zip(requests, real.counts) for t in self._substitute(req, n)]
+        ids = torch.tensor(tokens, dtype=torch.int64).to(real.ids.device, non_blocking=True)
+        return StagedDrafts(ids, torch.ones(len(tokens), dtype=torch.float64, device=real.ids.device), real.counts)
 
     def _substitute(self, req: Request, n: int) -> list[int]:
         rid = req.request_id

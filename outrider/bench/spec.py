@@ -408,7 +408,9 @@ class StepProfile:
                    (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", self._collect),
                    (self.engine.runner, "forward_eager", self._eager)]
         if self.drafter is not None:
-            targets += [(self.drafter, "propose", timed("draft")), (self.drafter, "on_commit", timed("draft"))]
+            # (a drafter that stages its drafts on the device proposes through `stage` too: timed once, there)
+            drafts = "stage" if self.drafter.stages_on_device else "propose"
+            targets += [(self.drafter, drafts, timed("draft")), (self.drafter, "on_commit", timed("draft"))]
         if self.graphs is not None:
             targets.append((self.graphs, "can_run", self._drafter_graph))
         return patched(*targets)

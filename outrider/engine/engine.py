@@ -341,7 +341,7 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
-            launched = self.runner.launch(plan, feed)
+            launched = self.runner.launch(plan, feed, drafts.pending)
         except Exception as exc:  # a fault fails the request that caused it, never the server
             self._fail(plan, exc, isolate=True)
             return None

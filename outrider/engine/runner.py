@@ -22,6 +22,7 @@ from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import to_device
 from outrider.engine.request import Request, TokenLogprob
+from outrider.speculative.drafter import PendingDrafts
 from outrider.speculative.verify import verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
 from outrider.structured.grammar import token_masks
@@ -62,6 +63,7 @@ class LaunchedStep:
     # A penalty reads a sampled request's recent tokens on the host, or a grammar its matcher state: sampling
     # must wait until every earlier step of the request is committed.
     reads_history: bool = False
+    drafts_on_device: PendingDrafts | None = None  # the values of the plan's PENDING draft tokens
     logits: torch.Tensor | None = None  # [R, V] the sampling rows' logits, from launch until sample enqueues them
     tokens: list[list[int]] | None = None  # already on the host (a verify step decides there)
     starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
@@ -163,9 +165,11 @@ class ModelRunner:
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
 
-    def prepare(self, plan: StepPlan, feed: LaunchedStep | None = None) -> StepBatch:
+    def prepare(self, plan: StepPlan, feed: LaunchedStep | None = None,
+                drafts_on_device: PendingDrafts | None = None) -> StepBatch:
         """Flat batch tensors for the plan. A request's pending token (sampled by `feed`, the step still in
-        flight) is not on the host yet: its input id is copied from feed's device output instead."""
+        flight) is not on the host yet: its input id is copied from feed's device output instead; so are drafts
+        that stayed on the device (`drafts_on_device`), from the drafter's output."""
         ids: list[int] = []
         starts: list[int] = []
         qsl = [0]
@@ -174,6 +178,8 @@ class ModelRunner:
         rows: list[int] = []
         dst: list[int] = []  # flat rows whose input id comes from feed.token_ids[src]
         src: list[int] = []
+        draft_dst: list[int] = []  # flat rows whose input id is drafts_on_device.ids[draft_src]
+        draft_src: list[int] = []
         total = 0  # len(ids)
         for i, s in enumerate(plan.scheduled):
             req = s.request
@@ -188,7 +194,11 @@ class ModelRunner:
                 ids += req.token_slice(start, start + n)
             count = n
             if s.draft_tokens:
-                ids += s.draft_tokens
+                first = drafts_on_device.offsets.get(req.request_id) if drafts_on_device is not None else None
+                if first is not None:
+                    draft_dst.extend(range(total + n, total + n + len(s.draft_tokens)))
+                    draft_src.extend(range(first, first + len(s.draft_tokens)))
+                ids += s.draft_tokens  # (placeholders where the values are on the device: overwritten there)
                 count += len(s.draft_tokens)
             if s.samples:
                 # A sampling row reads the last known token's logits, then one row per draft token.
@@ -205,14 +215,19 @@ class ModelRunner:
         parts = [(ids, np.int64), (positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32),
                  (table, np.int32)]
         # Optional parts go last, so the fixed ones keep their places (each part costs host time per step).
+        copies = []  # (flat rows, indices into the device tensor, the device tensor their input ids come from)
         if dst:
-            parts += [(dst, np.int64), (src, np.int64)]
+            copies.append((dst, src, feed.token_ids))
+        if draft_dst:
+            copies.append((draft_dst, draft_src, drafts_on_device.ids))
+        for rows_to, rows_from, _ in copies:
+            parts += [(rows_to, np.int64), (rows_from, np.int64)]
         if not every_row:
             parts.append((rows, np.int64))
         dev = to_device(parts, self.device)
         input_ids = dev[0]
-        if dst:
-            input_ids.index_copy_(0, dev[6], feed.token_ids.index_select(0, dev[7]))
+        for j, (_, _, values) in enumerate(copies):
+            input_ids.index_copy_(0, dev[6 + 2 * j], values.index_select(0, dev[7 + 2 * j]))
         meta = metadata_over(qsl, lens, dev[2:6], causal=True)
         return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1])
 
@@ -243,14 +258,15 @@ class ModelRunner:
         return (*out, self.model.compute_logits(out[0], out=into))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None) -> LaunchedStep:
-        """Enqueue a step's forward (feeding pending tokens from `feed`, the step in flight) and the logits of the
-        rows it samples; `sample` enqueues their sampling."""
-        batch = self.prepare(plan, feed)
+    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None,
+               drafts_on_device: PendingDrafts | None = None) -> LaunchedStep:
+        """Enqueue a step's forward (feeding pending tokens from `feed`, the step in flight, and drafts that stayed
+        on the device) and the logits of the rows it samples; `sample` enqueues their sampling."""
+        batch = self.prepare(plan, feed, drafts_on_device)
         hidden, aux, logits = self.forward(batch)
         n = len(plan.scheduled)
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
-        step = LaunchedStep(plan, batch.sampling, out)
+        step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device)
         if not batch.sampling:
             return step
         rows = batch.logits_rows
@@ -275,13 +291,18 @@ class ModelRunner:
         plan, sampling, out = step.plan, step.sampling, step.out
         logits, step.logits = step.logits, None
         sampled_reqs = [plan.scheduled[i] for i in sampling]
+        drafts = [s.draft_tokens for s in sampled_reqs]
+        on_device = step.drafts_on_device
+        sources = on_device.sources([s.request.request_id for s in sampled_reqs], drafts) if on_device else None
+        if on_device is not None and step.reads_history:  # masks or penalty windows over the drafts: values first
+            on_device.fill(drafts, sources)
+            on_device = None
         specs = self.row_specs(sampled_reqs)
         if len(specs.slots) > len(sampled_reqs):  # some request has draft rows: verify them
-            drafts = [s.draft_tokens for s in sampled_reqs]
             probs = draft_probs or {}
             q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
             sbatch = self.sampler.prepare(specs, argmax_drafts=all(x is None for x in q))
-            verdict = verify(self.sampler, logits, sbatch, drafts, q)
+            verdict = verify(self.sampler, logits, sbatch, drafts, q, pending=on_device, sources=sources)
             step.tokens, step.starts = verdict.tokens, verdict.starts
             for r, i in enumerate(sampling):
                 out.accepted[i] = verdict.num_accepted[r]

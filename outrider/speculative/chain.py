@@ -19,12 +19,13 @@ from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import build_metadata
 from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
-from outrider.speculative.drafter import Commit, Proposals, TargetView, block_capacity, collect_drafts
+from outrider.speculative.drafter import Commit, Proposals, StagedDrafts, TargetView, block_capacity, stage_drafts
 
 
 class ChainDrafter:
     aux_layer_ids: tuple[int, ...] = ()
     reads_hidden = True  # the head's input at each committed pair
+    stages_on_device = True
 
     def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int,
                  hidden_size: int, dtype: torch.dtype) -> None:
@@ -116,8 +117,11 @@ class ChainDrafter:
         graphs.capture()
         self.graphs = graphs  # (only once every bucket is captured: a failed capture leaves drafting eager)
 
-    @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        return self.stage(requests, ks).to_host()
+
+    @torch.inference_mode()
+    def stage(self, requests: Sequence[Request], ks: Sequence[int]) -> StagedDrafts:
         ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - r.num_tokens + 2)
               if r.request_id in self._last else 0 for r, k in zip(requests, ks)]
         rows = [i for i, k in enumerate(ks) if k > 0]
@@ -134,5 +138,5 @@ class ChainDrafter:
             y, tokens, conf = self._chain_step(tokens.index_select(0, keep), y.index_select(0, keep),
                                                [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
             steps.append((rows, tokens, conf))
-        return collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
-                              [c for _, _, c in steps], len(requests))
+        return stage_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
+                            [c for _, _, c in steps], len(requests))

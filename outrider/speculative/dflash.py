@@ -28,8 +28,8 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.speculative.drafter import (Commit, Proposals, TargetView, block_capacity, collect_drafts,
-                                         greedy_drafts)
+from outrider.speculative.drafter import (Commit, Proposals, StagedDrafts, TargetView, block_capacity, greedy_drafts,
+                                         stage_drafts)
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -55,6 +55,7 @@ class DFlashModel(nn.Module):
 class DFlashDrafter:
     kind = "dflash"
     reads_hidden = True  # its context: the taps' outputs at every committed position
+    stages_on_device = True
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
@@ -117,14 +118,17 @@ class DFlashDrafter:
             h = layer(h, positions, self.rotary, self.kv, meta, self.backend)
         return self.model.norm(h)
 
-    @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
+        return self.stage(requests, ks).to_host()
+
+    @torch.inference_mode()
+    def stage(self, requests: Sequence[Request], ks: Sequence[int]) -> StagedDrafts:
         # A block shrinks (as the reference does near max length) rather than write past the block table.
         lens = [min(self.block, block_capacity(r, self.block_size) - r.num_tokens + 1) for r in requests]
         ks = [min(k, n - 1) for k, n in zip(ks, lens)]
         rows = [i for i, k in enumerate(ks) if k > 0]
         if not rows:
-            return collect_drafts([], [], [], len(requests))
+            return stage_drafts([], [], [], len(requests))
         ids = [t for i in rows for t in [requests[i].all_ids[-1]] + [self.mask_token_id] * (lens[i] - 1)]
         tokens = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.block_hidden(tokens, [(requests[i].block_ids, requests[i].num_tokens - 1, lens[i]) for i in rows])
@@ -132,7 +136,7 @@ class DFlashDrafter:
         picks = [s + j for s, i in zip(starts, rows) for j in range(1, ks[i] + 1)]  # block slots 1..k
         index = torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)
         drafts, conf = greedy_drafts(self.target.lm_head(hidden.index_select(0, index)).float(), self.vocab_size)
-        return collect_drafts([i for i in rows for _ in range(ks[i])], [drafts], [conf], len(requests))
+        return stage_drafts([i for i in rows for _ in range(ks[i])], [drafts], [conf], len(requests))
 
     def release(self, request_id: int) -> None:
         """Nothing per request: the context lives in the request's own blocks."""

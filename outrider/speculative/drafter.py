@@ -83,6 +83,14 @@ class Drafter(Protocol):
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         """Up to ks[i] drafts for each decoding request (fewer near the end of its block table)."""
 
+    # Drafters whose argmax drafts are made on the device also `stage` them (stages_on_device): what propose does,
+    # without reading the drafts back, so the verify forward is fed from the device and the host reads drafts and
+    # verdict in one sync.
+    stages_on_device: bool
+
+    def stage(self, requests: Sequence[Request], ks: Sequence[int]) -> StagedDrafts:
+        """propose's drafts, left on the device (only when stages_on_device)."""
+
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
                   aux_hidden: torch.Tensor | None) -> None:
         """Learn committed target rows: hidden [sum count, H] pre-norm (None unless reads_hidden), aux_hidden
@@ -244,13 +252,22 @@ class DraftPolicy:
         probe.idle, probe.every = 0, min(2 * probe.every, self.probe_max)
         return 1  # the cheapest round re-measures acceptance and cost
 
+    def limits(self, req: Request) -> tuple[float, int]:
+        """The request's confidence stop p_min and minimum draft length n_min (its own, else the server's)."""
+        p = req.params
+        return (p.spec_p_min if p.spec_p_min is not None else self.p_min,
+                p.spec_n_min if p.spec_n_min is not None else self.n_min)
+
+    def trims(self, req: Request) -> bool:
+        """Could `trim` cut this request's drafts? (Not with p_min 0 and n_min <= 1: then it needs no values.)"""
+        p_min, n_min = self.limits(req)
+        return p_min > 0.0 or n_min > 1
+
     def trim(self, requests: Sequence[Request], proposals: Proposals) -> Proposals:
         """Apply each request's confidence stop (p_min) and minimum length (n_min) to fresh proposals."""
         out = Proposals([], [], [] if proposals.probs is not None else None, proposals.kinds)
         for i, req in enumerate(requests):
-            p = req.params
-            p_min = p.spec_p_min if p.spec_p_min is not None else self.p_min
-            n_min = p.spec_n_min if p.spec_n_min is not None else self.n_min
+            p_min, n_min = self.limits(req)
             conf = proposals.confidence[i]
             n = next((j for j, c in enumerate(conf) if c < p_min), len(conf))
             if n < max(n_min, 1):
@@ -293,14 +310,75 @@ def greedy_drafts(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, 
     return tokens, conf
 
 
-def collect_drafts(owners: list[int], tokens: list[torch.Tensor], conf: list[torch.Tensor], n: int) -> Proposals:
-    """Drafts still on the device -> Proposals for n requests, in one host sync. The concatenated `tokens` and
-    `conf` list drafts in order; owners[j] is the index of the request draft j belongs to."""
-    out = Proposals([[] for _ in range(n)], [[] for _ in range(n)])
-    if not owners:
+@dataclass(frozen=True)
+class StagedDrafts:
+    """Argmax drafts still on the device, one request's after another: ids and conf [sum counts]; counts[i] drafts
+    for request i (known on the host without a sync)."""
+
+    ids: torch.Tensor
+    conf: torch.Tensor
+    counts: list[int]
+
+    def to_host(self) -> Proposals:
+        """The drafts as Proposals, in one host synchronisation."""
+        out = Proposals([[] for _ in self.counts], [[] for _ in self.counts])
+        total = sum(self.counts)
+        if not total:
+            return out
+        host = torch.cat([self.ids.double(), self.conf.double()]).tolist()
+        at = 0
+        for i, c in enumerate(self.counts):
+            out.tokens[i] = [int(t) for t in host[at : at + c]]
+            out.confidence[i] = host[total + at : total + at + c]
+            at += c
         return out
-    host = torch.cat([torch.cat(tokens).double(), torch.cat(conf).double()]).tolist()
-    for i, tok, c in zip(owners, host[: len(owners)], host[len(owners) :]):
-        out.tokens[i].append(int(tok))
-        out.confidence[i].append(c)
-    return out
+
+
+def stage_drafts(owners: list[int], tokens: list[torch.Tensor], conf: list[torch.Tensor], n: int) -> StagedDrafts:
+    """Drafts still on the device -> StagedDrafts for n requests, without a host sync. The concatenated `tokens`
+    and `conf` list drafts in order; owners[j] is the index of the request draft j belongs to (a chain lists each
+    step's drafts in turn: they are regrouped by request, in order)."""
+    counts = [0] * n
+    for i in owners:
+        counts[i] += 1
+    if not owners:
+        empty = torch.empty(0, dtype=torch.int64)
+        return StagedDrafts(empty, empty.double(), counts)
+    ids, cf = torch.cat(tokens), torch.cat(conf)
+    order = sorted(range(len(owners)), key=owners.__getitem__)  # (stable: a request's drafts keep their order)
+    if order != list(range(len(owners))):
+        index = torch.tensor(order, dtype=torch.int64).to(ids.device, non_blocking=True)
+        ids, cf = ids.index_select(0, index), cf.index_select(0, index)
+    return StagedDrafts(ids, cf, counts)
+
+
+def collect_drafts(owners: list[int], tokens: list[torch.Tensor], conf: list[torch.Tensor], n: int) -> Proposals:
+    """Drafts still on the device -> Proposals for n requests, in one host sync (see stage_drafts)."""
+    return stage_drafts(owners, tokens, conf, n).to_host()
+
+
+PENDING = -1  # a draft token still on the device, in a plan's draft list: PendingDrafts holds its value
+
+
+@dataclass(frozen=True)
+class PendingDrafts:
+    """A step's drafts that stayed on the device (Drafter.stage): the ids, and each drafting request's first index
+    in them. The plan's draft lists hold PENDING until the verify step reads the values, in the one host sync it
+    makes anyway; whatever needs them earlier (grammar masks or penalty windows over drafts, the general
+    acceptance path) reads them first (`fill`)."""
+
+    ids: torch.Tensor
+    offsets: dict[int, int]  # request id -> its first draft's index in ids
+
+    def sources(self, request_ids: Sequence[int], drafts: Sequence[Sequence[int]]) -> list[int | None]:
+        """Per row: the index of its first pending draft in ids, or None (no drafts, or drafts on the host)."""
+        return [self.offsets.get(rid) if d else None for rid, d in zip(request_ids, drafts)]
+
+    def fill(self, drafts: Sequence[list[int]], sources: Sequence[int | None], host: list[int] | None = None) -> None:
+        """Write the drafts' values into the rows' lists, from `host` (ids already read) or with a sync now."""
+        if all(src is None for src in sources):
+            return
+        host = self.ids.tolist() if host is None else host
+        for d, src in zip(drafts, sources):
+            if src is not None:
+                d[:] = host[src : src + len(d)]

@@ -108,6 +108,7 @@ class NgramDrafter:
     kind = "ngram"
     aux_layer_ids: tuple[int, ...] = ()
     reads_hidden = False  # it indexes committed tokens
+    stages_on_device = False  # (its drafts are made on the host)
     step_cost = 0.01  # [est] a dictionary lookup on the host; nothing runs on the device
     kv_shape = (0, 0, 0)  # no KV pool: a pool of zero layers allocates nothing
 

@@ -18,7 +18,7 @@ import torch
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import Request, Status
 from outrider.engine.scheduler import StepPlan
-from outrider.speculative.drafter import Commit, DraftPolicy, Drafter
+from outrider.speculative.drafter import PENDING, Commit, DraftPolicy, Drafter, PendingDrafts, StagedDrafts
 
 if TYPE_CHECKING:
     from outrider.engine.runner import StepOutput
@@ -35,10 +35,12 @@ LEARN_BACKLOG_STEPS = 16
 
 @dataclass
 class Drafts:
-    """This step's proposals by request id: tokens, and q [k, V] where the drafts were sampled (absent: argmax)."""
+    """This step's proposals by request id: tokens (PENDING while `pending` holds them on the device), and q [k, V]
+    where the drafts were sampled (absent: argmax)."""
 
     tokens: dict[int, list[int]] = field(default_factory=dict)
     probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: PendingDrafts | None = None
 
 
 @dataclass
@@ -95,7 +97,10 @@ class Speculator:
         if not decoding:
             return Drafts()
         self.flush()  # drafts follow every committed row
+        on_device = self.drafter.stages_on_device and not any(self.policy.trims(r) for r in decoding)
         try:
+            if on_device:
+                return self._staged(decoding, self.drafter.stage(decoding, ks))
             props = self.policy.trim(decoding, self.drafter.propose(decoding, ks))
         except Exception as exc:
             log.error("drafter failed to propose: %s\n%s", exc, traceback.format_exc())
@@ -106,6 +111,17 @@ class Speculator:
         if props.probs is not None:
             drafts.probs = {r.request_id: q for r, q in zip(decoding, props.probs) if q is not None}
         return drafts
+
+    @staticmethod
+    def _staged(decoding: Sequence[Request], staged: StagedDrafts) -> Drafts:
+        """Drafts left on the device: PENDING placeholders of the right lengths, the values in `pending`."""
+        tokens, offsets, at = {}, {}, 0
+        for req, count in zip(decoding, staged.counts):
+            if count:
+                tokens[req.request_id] = [PENDING] * count
+                offsets[req.request_id] = at
+            at += count
+        return Drafts(tokens, pending=PendingDrafts(staged.ids, offsets) if offsets else None)
 
     def keep(self, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only

@@ -27,6 +27,7 @@ import torch
 
 from outrider.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, Sampler, SampleOutput,
                                      SamplingBatch)
+from outrider.speculative.drafter import PendingDrafts
 
 
 @dataclass
@@ -42,15 +43,20 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (p - q).clamp_min(0.0)
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence[int]],
-           draft_probs: Sequence[torch.Tensor | None] | None = None) -> Verdict:
+def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[list[int]],
+           draft_probs: Sequence[torch.Tensor | None] | None = None, pending: PendingDrafts | None = None,
+           sources: Sequence[int | None] = ()) -> Verdict:
     """Accept or reject every row's drafts. logits [T, V] and `batch` cover the T = sum(k_i + 1) positions, rows
     one after another; position j of row i is sampled as output index len(outputs) + j after drafts[:j]
-    (ModelRunner.row_specs). draft_probs[i] is row i's q as [k_i, V] (None: one-hot at the draft)."""
+    (ModelRunner.row_specs). draft_probs[i] is row i's q as [k_i, V] (None: one-hot at the draft). Rows whose
+    drafts stayed on the device (`pending`, at `sources[i]`) hold placeholders: their values are read in the
+    verdict's sync and written into `drafts`."""
     lens = [len(d) + 1 for d in drafts]
     starts = list(itertools.accumulate(lens, initial=0))[:-1]
     if batch.all_greedy and (draft_probs is None or all(q is None for q in draft_probs)):
-        return _verify_greedy(sampler, logits, batch, drafts, starts)
+        return _verify_greedy(sampler, logits, batch, drafts, starts, pending, sources)
+    if pending is not None:  # (the general path builds its draft tensor from the host lists)
+        pending.fill(drafts, sources)
     device = logits.device
     flat = [t for d in drafts for t in (*d, -1)]  # -1 marks each row's bonus slot
     draft = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
@@ -90,12 +96,17 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts:
     return Verdict(m, [em[s : s + k + 1] for s, k in zip(starts, m)], output, starts)
 
 
-def _verify_greedy(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[Sequence[int]],
-                   starts: list[int]) -> Verdict:
+def _verify_greedy(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts: Sequence[list[int]],
+                   starts: list[int], pending: PendingDrafts | None, sources: Sequence[int | None]) -> Verdict:
     """Every row greedy, every q one-hot: p is one-hot at the argmax, so d_j is accepted iff it is the argmax, and
     every emitted token, accepted or not, is the argmax at its position."""
     output = sampler.greedy(logits, batch)
-    best = output.token_ids.tolist()  # the one host synchronisation
+    if pending is None:
+        best = output.token_ids.tolist()  # the one host synchronisation
+    else:  # the drafts that stayed on the device come back in the same one
+        host = torch.cat([output.token_ids, pending.ids.to(output.token_ids.dtype)]).tolist()
+        best = host[: len(output.token_ids)]
+        pending.fill(drafts, sources, host[len(output.token_ids) :])
     m = [next((j for j, d in enumerate(ds) if d != best[s + j]), len(ds)) for ds, s in zip(drafts, starts)]
     return Verdict(m, [best[s : s + k + 1] for s, k in zip(starts, m)], output, starts)
 
