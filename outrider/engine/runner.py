@@ -291,14 +291,16 @@ class ModelRunner:
         plan, sampling, out = step.plan, step.sampling, step.out
         logits, step.logits = step.logits, None
         sampled_reqs = [plan.scheduled[i] for i in sampling]
-        drafts = [s.draft_tokens for s in sampled_reqs]
-        on_device = step.drafts_on_device
-        sources = on_device.sources([s.request.request_id for s in sampled_reqs], drafts) if on_device else None
-        if on_device is not None and step.reads_history:  # masks or penalty windows over the drafts: values first
-            on_device.fill(drafts, sources)
-            on_device = None
+        on_device, sources = step.drafts_on_device, ()
+        if on_device is not None:  # (a verify step whose drafts stayed on the device)
+            sources = on_device.sources([s.request.request_id for s in sampled_reqs],
+                                        [s.draft_tokens for s in sampled_reqs])
+            if step.reads_history:  # masks or penalty windows over the drafts: their values first
+                on_device.fill([s.draft_tokens for s in sampled_reqs], sources)
+                on_device = None
         specs = self.row_specs(sampled_reqs)
         if len(specs.slots) > len(sampled_reqs):  # some request has draft rows: verify them
+            drafts = [s.draft_tokens for s in sampled_reqs]
             probs = draft_probs or {}
             q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
             sbatch = self.sampler.prepare(specs, argmax_drafts=all(x is None for x in q))
