@@ -99,8 +99,8 @@ class StepTimes:
 @dataclass(frozen=True)
 class RoundSplit:
     """The mean ms of one round: an engine step that verifies drafts (for every request of the batch at once; no
-    prefill in it), measured with synchronising timers. draft = the drafter's propose (or stage) and on_commit, verify = the
-    runner's launch, sample (the acceptance test) and collect, host = the rest of Engine.step."""
+    prefill in it), measured with synchronising timers. draft = the drafter's propose (or stage) and on_commit,
+    verify = the runner's launch, sample (the acceptance test) and collect, host = the rest of Engine.step."""
 
     draft_ms: float
     verify_ms: float

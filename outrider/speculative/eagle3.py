@@ -52,7 +52,8 @@ def layer_config(raw: dict) -> ModelConfig:
 
 
 def aux_layer_ids(raw: dict, num_target_layers: int) -> tuple[int, ...]:
-    """The target layers (our aux_layer_ids: layer outputs, as the runner taps them) whose outputs fc reads, in layer order."""
+    """The target layers (our aux_layer_ids: layer outputs, as the runner taps them) whose outputs fc reads, in
+    layer order."""
     inputs = (raw.get("eagle_aux_hidden_state_layer_ids")
               or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
               or (2, num_target_layers // 2, num_target_layers - 3))
