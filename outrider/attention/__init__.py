@@ -95,6 +95,12 @@ class AttentionBackend(Protocol):
         meta.causal is False). Rows may be strided views of a packed QKV output (last dim contiguous)."""
         ...
 
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
+              meta: AttentionMetadata, rope: QKNormRope) -> None:
+        """forward's first half alone: prepare k, store k and v at meta.slot_mapping (slot -1: skip), attend
+        nothing (keys and values for later queries, e.g. DFlash's context). q is the packed projection's, unused."""
+        ...
+
 
 def get_backend(device: torch.device | str) -> AttentionBackend:
     if torch.device(device).type == "cuda":

@@ -27,6 +27,11 @@ def gather_context(kv_cache: KVCache, layer: int, block_table: torch.Tensor, n: 
 
 
 class TorchReferenceBackend:
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
+              meta: AttentionMetadata, rope: QKNormRope) -> None:
+        _, k = rope.apply(q, k)
+        store_kv(k, v, kv_cache, layer, meta.slot_mapping)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
                 meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
         q, k = rope.apply(q, k)

@@ -22,3 +22,9 @@ class TritonAttentionBackend:
         q = qk_norm_rope_store_kv(q, k, v, rope.positions, rope.inv_freq, rope.q_weight, rope.k_weight, rope.eps,
                                   k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
+              meta: AttentionMetadata, rope: QKNormRope) -> None:
+        """One kernel (it prepares q too: that costs less than a kernel of its own for k)."""
+        qk_norm_rope_store_kv(q, k, v, rope.positions, rope.inv_freq, rope.q_weight, rope.k_weight, rope.eps,
+                              kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping)

@@ -55,12 +55,12 @@ class Attention(nn.Module):
         q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         return QKNormRope(positions, rotary.inv_freq, q_w, k_w, self.eps)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor,
-            rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v of x with q and k prepared: for callers that store K/V themselves (DFlash's context)."""
+    def store_context(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, kv_cache: KVCache,
+                      meta: AttentionMetadata, backend: AttentionBackend) -> None:
+        """K/V of x stored at meta.slot_mapping, attending nothing: keys only later queries read (DFlash's
+        context)."""
         q, k, v = self.split_qkv(self.qkv_proj(x))
-        q, k = self.rope(positions, rotary).apply(q, k)
-        return q, k, v
+        backend.store(q, k, v, kv_cache, self.layer_idx, meta, self.rope(positions, rotary))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
                 rotary: RotaryEmbedding, kv_cache: KVCache, meta: AttentionMetadata,

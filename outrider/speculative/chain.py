@@ -19,7 +19,8 @@ from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import build_metadata
 from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
-from outrider.speculative.drafter import Commit, Proposals, StagedDrafts, TargetView, block_capacity, stage_drafts
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, block_capacity,
+                                         row_seqs, stage_drafts)
 
 
 class ChainDrafter:
@@ -37,9 +38,10 @@ class ChainDrafter:
         self.block_size = block_size
         self.max_draft = max_draft
         self.backend = get_backend(self.device)
-        # request id -> (head output y [H], its logits) at the last committed pair: d_1 comes for free.
-        self._last: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.graphs: CudaGraphRunner | None = None  # chain steps at batch 1-8 (capture_graphs, CUDA)
+        # request id -> (head output y [H], d_1, its probability) at the last committed pair: d_1 comes for free.
+        self._last: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # chain steps at batch 1-8, which also learn up to LEARN_ROWS[-1] rows (capture_graphs, CUDA)
+        self.graphs: CudaGraphRunner | None = None
         self._hidden_in: torch.Tensor | None = None  # the graphs' static hidden input
 
     # --- what a head defines ---
@@ -94,21 +96,25 @@ class ChainDrafter:
         if len(nxt) != hidden.shape[0]:
             raise ValueError("on_commit needs every committed row's next token in the request")
         tokens = torch.tensor(nxt, dtype=torch.int64).to(self.device, non_blocking=True)
-        y = self._run(tokens, self.context(hidden, aux_hidden),
-                      [(c.request.block_ids, c.start, c.count) for c in commits])
-        ends = [n - 1 for n in itertools.accumulate(c.count for c in commits)]
-        y_last = y.index_select(0, torch.tensor(ends).to(self.device, non_blocking=True))
-        logits = self.logits(y_last)
+        ctx = self.context(hidden, aux_hidden)
+        ends = torch.tensor([n - 1 for n in itertools.accumulate(c.count for c in commits)])
+        ends = ends.to(self.device, non_blocking=True)
+        if len(nxt) <= LEARN_ROWS[-1]:  # a round's rows: one chain step over them as one-token sequences
+            y, drafts, conf = (t.index_select(0, ends) for t in self._chain_step(tokens, ctx, row_seqs(commits)))
+        else:  # (a prefill's: ragged, and logits only where d_1 comes from)
+            y = self._run(tokens, ctx, [(c.request.block_ids, c.start, c.count) for c in commits]).index_select(0, ends)
+            drafts, conf = self.drafts(self.logits(y))
         for i, c in enumerate(commits):
-            self._last[c.request.request_id] = (y_last[i], logits[i])
+            self._last[c.request.request_id] = (y[i], drafts[i], conf[i])
 
     def release(self, request_id: int) -> None:
         self._last.pop(request_id, None)
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """The chain steps after d_1 (head, logits, drafts) as CUDA graphs at the verify batch sizes: an eager
-        step costs a launch per kernel, and a round of k drafts runs k - 1 of them. Learning stays eager."""
-        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
+        """The chain step (head, logits, drafts) as CUDA graphs, at the verify batch sizes for drafting and up to
+        LEARN_ROWS[-1] rows for learning: an eager step costs a launch per kernel, and every round runs k - 1 chain
+        steps and one learning step."""
+        buckets = sorted({b for b in VERIFY_BUCKETS if b <= max_batch} | set(LEARN_ROWS))
         self._hidden_in = torch.zeros(buckets[-1], self.hidden_size, dtype=self.dtype, device=self.device)
         graphs = CudaGraphRunner(
             lambda ids, pos, meta: self._step(ids, self._hidden_in[: ids.shape[0]], pos, meta),
@@ -127,9 +133,7 @@ class ChainDrafter:
         rows = [i for i, k in enumerate(ks) if k > 0]
         steps = []
         if rows:
-            y = torch.stack([self._last[requests[i].request_id][0] for i in rows])
-            logits = torch.stack([self._last[requests[i].request_id][1] for i in rows])
-            tokens, conf = self.drafts(logits)
+            y, tokens, conf = (torch.stack(parts) for parts in zip(*(self._last[requests[i].request_id] for i in rows)))
             steps.append((rows, tokens, conf))
         for j in range(2, max((ks[i] for i in rows), default=0) + 1):
             prev, rows = rows, [i for i in rows if ks[i] >= j]

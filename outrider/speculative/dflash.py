@@ -28,8 +28,8 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.speculative.drafter import (Commit, Proposals, StagedDrafts, TargetView, block_capacity, greedy_drafts,
-                                         stage_drafts)
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, block_capacity,
+                                         greedy_drafts, row_seqs, stage_drafts)
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -84,6 +84,8 @@ class DFlashDrafter:
         self.vocab_size = target_cfg.vocab_size
         self.backend = get_backend(self.device)
         self.graphs: CudaGraphRunner | None = None  # full-block drafting at batch 1-8 (capture_graphs, CUDA)
+        self.learn_graphs: CudaGraphRunner | None = None  # learning up to LEARN_ROWS[-1] rows (capture_graphs)
+        self._aux_in: torch.Tensor | None = None  # the learning graphs' static input
 
     def lookahead(self, k: int) -> int:
         return self.block if k > 0 else 0  # the whole block's K/V is written, whatever k is
@@ -95,14 +97,21 @@ class DFlashDrafter:
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
         if aux_hidden is None:
             raise ValueError("DFlash needs the target's aux_hidden: tap drafter.aux_layer_ids in the target's forward")
-        meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in commits],
-                                         self.block_size, self.device)
+        graphed = self.learn_graphs is not None and aux_hidden.shape[0] <= LEARN_ROWS[-1]
+        seqs = row_seqs(commits) if graphed else [(c.request.block_ids, c.start, c.count) for c in commits]
+        meta, positions = build_metadata(seqs, self.block_size, self.device)
+        if graphed and self.learn_graphs.can_run(meta):
+            self._aux_in[: aux_hidden.shape[0]].copy_(aux_hidden)
+            self.learn_graphs.run(positions, positions, meta)  # (its input is _aux_in: the ids are unused)
+        else:
+            self._store_context(aux_hidden, positions, meta)
+
+    def _store_context(self, aux_hidden: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The committed rows' context K/V into every draft layer's cache; returns the fused context."""
         ctx = self.model.hidden_norm(self.model.fc(aux_hidden))
-        for i, layer in enumerate(self.model.layers):
-            _, k, v = layer.self_attn.qkv(ctx, positions, self.rotary)  # the packed GEMM; q is not needed
-            # Every slot here is real, so plain index_copy (no padding mask, no host sync).
-            for cache, x in ((self.kv.k[i], k), (self.kv.v[i], v)):
-                cache.view(-1, *cache.shape[2:]).index_copy_(0, meta.slot_mapping, x.to(cache.dtype))
+        for layer in self.model.layers:
+            layer.self_attn.store_context(ctx, positions, self.rotary, self.kv, meta, self.backend)
+        return ctx
 
     def block_hidden(self, tokens: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
         """Normed drafter outputs [sum L, H] for blocks `tokens` at (block table, first position, L) each: a
@@ -142,11 +151,18 @@ class DFlashDrafter:
         """Nothing per request: the context lives in the request's own blocks."""
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """Whole-block drafting as CUDA graphs at the verify batch sizes: one eager forward of even a few layers
-        costs a launch per kernel, and every round runs one. Learning (ragged row counts) stays eager."""
+        """Whole-block drafting at the verify batch sizes, and learning a round's committed rows, as CUDA graphs: one
+        eager forward of even a few layers costs a launch per kernel, and every round runs one of each."""
+        common = dict(max_blocks_per_seq=-(-max_model_len // self.block_size), max_seq_len=max_model_len,
+                      device=self.device, pool=pool)
         buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
         graphs = CudaGraphRunner(self._block_forward, max_batch=buckets[-1], tokens_per_seq=self.block, causal=False,
-                                 buckets=buckets, max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                 max_seq_len=max_model_len, device=self.device, pool=pool)
+                                 buckets=buckets, **common)
         graphs.capture()
-        self.graphs = graphs  # (only once every bucket is captured: a failed capture leaves drafting eager)
+        self._aux_in = torch.zeros(LEARN_ROWS[-1], self.model.fc.in_features, dtype=self.model.fc.weight.dtype,
+                                   device=self.device)
+        learn = CudaGraphRunner(lambda ids, pos, meta: self._store_context(self._aux_in[: ids.shape[0]], pos, meta),
+                                max_batch=LEARN_ROWS[-1], buckets=LEARN_ROWS, **common)
+        learn.capture()
+        # (only once every bucket is captured: a failed capture leaves drafting and learning eager)
+        self.graphs, self.learn_graphs = graphs, learn

@@ -105,6 +105,17 @@ class Drafter(Protocol):
         replays never interleave). A drafter may have none to capture."""
 
 
+# Learning a round's few committed rows replays a CUDA graph of up to this many rows. Each row is its own one-token
+# sequence (attention reads the keys the rows before it wrote in the same launch), so a learn has the uniform shape
+# of a decode step; a larger one (a prefill's) runs eager, ragged.
+LEARN_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def row_seqs(commits: Sequence[Commit]) -> list[tuple[list[int], int, int]]:
+    """The committed rows as one-token sequences (block table, position, 1), in commit order (see LEARN_ROWS)."""
+    return [(c.request.block_ids, c.start + j, 1) for c in commits for j in range(c.count)]
+
+
 DEFAULT_N_MAX = 4  # drafts per round when neither the server nor the drafter says otherwise
 
 
