@@ -13,6 +13,7 @@ from outrider.speculative.drafter import PENDING, DraftPolicy, PendingDrafts, Pr
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make
+EAGLE_LIKE = SimpleNamespace(max_draft=4, step_cost=0.05)
 
 
 def req(prompt=(1, 2, 3), max_model_len=50, **params) -> Request:
@@ -109,6 +110,27 @@ def test_a_short_probe_round_does_not_price_longer_rounds_out_of_reach():
     assert policy.draft_lengths([r], NGRAM_LIKE) == [8]
     policy.observe_step(1, 8, 1.45e-3)
     assert policy.draft_lengths([r], NGRAM_LIKE) == [8]
+
+
+def test_one_slow_early_round_does_not_rule_its_draft_length_out_for_good():
+    """The EAGLE-3 shape at 8B: a plain step 4.3 ms, rounds of one draft 6.8 ms. The first 4-draft round ran slow
+    (20 ms: a warm-up, a busy host), so the policy settles on k = 1, which it keeps measuring. Once the 4-draft
+    cost has gone stale it is priced from its neighbours again, tried, and kept at its true 7.7 ms."""
+    r = req()
+    policy = DraftPolicy(n_max=4, measured=True)
+    for _ in range(30):
+        policy.record(r.request_id, proposed=1, accepted=1)
+        policy.record(r.request_id, proposed=4, accepted=3)  # alpha ~0.8
+    policy.observe_step(1, 0, 4.3e-3)
+    policy.observe_step(1, 4, 20e-3)
+    policy.observe_step(1, 1, 6.8e-3)
+    decisions = []
+    for _ in range(2 * policy.costs.stale_after):
+        k = policy.draft_lengths([r], EAGLE_LIKE)[0]
+        decisions.append(k)
+        policy.observe_step(1, k, {1: 6.8e-3, 2: 7.1e-3, 3: 7.4e-3, 4: 7.7e-3}[k])
+    assert decisions[0] == 1 and decisions[-1] == 4
+    assert policy.costs.get(1, 4) == pytest.approx(7.7e-3)  # measured afresh, not averaged with the slow round
 
 
 def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():

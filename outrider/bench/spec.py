@@ -15,7 +15,7 @@ as it would alone.)
 Per batch size, the plain engine runs the workload once to warm up and record every request's output. Per
 acceptance, the speculative engine warms up on one wave (at the first acceptance), each engine runs a profiled
 pass, back to back (speculative: rounds counted; synchronising timers split each round into draft, verify and
-host), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative
+host; these slower steps do not feed the policy's measured costs), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative
 first, ...) so that a drift does not favour one side. Each side's best pass is reported, speedup = best rate over
 best rate, with the median ratio of the paired passes beside it; every pass's seconds go to the JSON. A workload
 is --num-requests requests (rounded up to a multiple of the batch size) of --gen tokens each, greedy with
@@ -384,6 +384,10 @@ def _sm_clock(device: torch.device) -> int | None:
         return None
 
 
+def _unmeasured(batch: int, k: int, seconds: float) -> None:
+    """DraftPolicy.observe_step during a profiled pass."""
+
+
 class StepProfile:
     """Instruments one pass of an engine with synchronising timers: the time of each pure decode step that carried
     no drafts (no prefill in the plan launched), and with a drafter, the (k, m) of every verified draft, the split
@@ -407,6 +411,8 @@ class StepProfile:
         targets = [(self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
                    (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", self._collect),
                    (self.engine.runner, "forward_eager", self._eager)]
+        if self.engine.policy is not None:  # (synchronised steps run slower than served ones: not the policy's costs)
+            targets.append((self.engine.policy, "observe_step", lambda _: _unmeasured))
         if self.drafter is not None:
             # (a drafter that stages its drafts on the device proposes through `stage` too: timed once, there)
             drafts = "stage" if self.drafter.stages_on_device else "propose"

@@ -152,22 +152,34 @@ def batch_bucket(n: int) -> int:
 class StepCosts:
     """Measured seconds of one engine step of pure decoding by batch bucket and draft length (k = 0: a plain
     step; k > 0: a speculative round with drafts of up to k, drafting, verifying and learning included), as
-    moving averages. The engine feeds it from its clock, at warm-up and while serving."""
+    moving averages. The engine feeds it from its clock, at warm-up and while serving.
+
+    A draft length not measured again within `stale_after` measurements of its bucket counts as unmeasured (`at`
+    leaves it out, and its next measurement starts afresh): the policy stops choosing a k whose cost looks high,
+    so without this one slow early round (a warm-up, a busy host) would rule that k out for good. Re-priced from
+    its neighbours, it is tried again if it then looks best. The plain step never goes stale: it is the scale."""
 
     weight: float = 0.25  # of a new measurement
+    stale_after: int = 256
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # batch bucket -> k -> seconds
+    _measured_at: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> k -> its count then
+    _counts: dict[int, int] = field(default_factory=dict)  # measurements per bucket
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        at = self.seconds.setdefault(batch_bucket(batch), {})
-        old = at.get(k)
-        at[k] = seconds if old is None else old + self.weight * (seconds - old)
+        bucket = batch_bucket(batch)
+        old = self.at(batch).get(k)
+        self.seconds.setdefault(bucket, {})[k] = seconds if old is None else old + self.weight * (seconds - old)
+        self._counts[bucket] = count = self._counts.get(bucket, 0) + 1
+        self._measured_at.setdefault(bucket, {})[k] = count
 
     def get(self, batch: int, k: int) -> float | None:
         return self.at(batch).get(k)
 
     def at(self, batch: int) -> dict[int, float]:
-        """Every measured draft length of the batch's bucket, with its seconds (the table itself: read only)."""
-        return self.seconds.get(batch_bucket(batch), {})
+        """Every draft length of the batch's bucket measured lately (and the plain step), with its seconds."""
+        bucket = batch_bucket(batch)
+        since, count = self._measured_at.get(bucket, {}), self._counts.get(bucket, 0)
+        return {k: s for k, s in self.seconds.get(bucket, {}).items() if k == 0 or count - since[k] <= self.stale_after}
 
 
 @dataclass
@@ -219,15 +231,17 @@ class DraftPolicy:
         left = req.max_output_tokens - len(req.output_ids) - req.num_pending
         return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
 
-    def round_seconds(self, batch: int, k: int, step_cost: float) -> float:
+    def round_seconds(self, batch: int, k: int, step_cost: float, known: dict[int, float] | None = None) -> float:
         """Seconds of a step with drafts of up to k (k = 0: a plain step). Measured; else estimated from the measured
         rounds. A round is synchronous, so it costs a fixed part (drafting, the verify forward, its host work: on a
         launch- or weight-bound target most of it) and a part per draft. So an unmeasured k lies on the line between
         the measured rounds around it; beyond them, it costs the nearest measured round plus the drafter's own
         estimate per draft (step_cost plain steps). Never on a line through the plain step: that would charge the
         fixed part per draft, and a probe round of one draft would then price every longer one out of reach, unmeasured.
-        With no round measured: the drafter's estimate relative to the plain step."""
-        known = self.costs.at(batch) if self.measured else {}
+        With no round measured: the drafter's estimate relative to the plain step. (`known`: the measured costs,
+        when the caller has them already.)"""
+        if known is None:
+            known = self.costs.at(batch) if self.measured else {}
         if k in known:
             return known[k]
         plain = known.get(0, 1.0)
@@ -251,7 +265,8 @@ class DraftPolicy:
         # cap), then per second: this runs on every decode step, so as one numpy grid, not a Python loop per cell.
         ks = np.arange(max(caps) + 1)
         tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
-        seconds = np.array([self.round_seconds(batch, int(k), step_cost) for k in ks])
+        known = self.costs.at(batch) if self.measured else {}
+        seconds = np.array([self.round_seconds(batch, int(k), step_cost, known) for k in ks])
         k = int(np.argmax(tokens.sum(axis=1) / seconds))  # (the first best, as max() picked)
         probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
         if k > 0:

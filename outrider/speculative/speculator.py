@@ -25,9 +25,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outrider.engine")
 
-# Steps whose committed rows may wait before the drafter learns them. Learning is an eager forward of dozens of
-# kernel launches (DFlash: fc, norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever
-# the row count, which on a launch-bound target costs as much again as a plain step. Queued, it runs once per
+# Steps whose committed rows may wait before the drafter learns them. Learning is a drafter forward (DFlash: fc,
+# norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever the row count, a graph replay
+# and its copies on CUDA, dozens of eager launches elsewhere: on a launch-bound target it costs as much again as a
+# plain step. Queued, it runs once per
 # round (before each propose) and once per this many undrafted steps, while the rows kept for it (the hidden and
 # aux rows of at most this many decode steps) stay small beside the KV pools.
 LEARN_BACKLOG_STEPS = 16
