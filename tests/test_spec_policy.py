@@ -128,9 +128,27 @@ def test_one_slow_early_round_does_not_rule_its_draft_length_out_for_good():
     for _ in range(2 * policy.costs.stale_after):
         k = policy.draft_lengths([r], EAGLE_LIKE)[0]
         decisions.append(k)
-        policy.observe_step(1, k, {1: 6.8e-3, 2: 7.1e-3, 3: 7.4e-3, 4: 7.7e-3}[k])
+        policy.observe_step(1, k, {0: 4.3e-3, 1: 6.8e-3, 2: 7.1e-3, 3: 7.4e-3, 4: 7.7e-3}[k])
     assert decisions[0] == 1 and decisions[-1] == 4
     assert policy.costs.get(1, 4) == pytest.approx(7.7e-3)  # measured afresh, not averaged with the slow round
+
+
+def test_nothing_accepted_brings_plain_steps_back_even_after_a_slow_plain_measurement():
+    """At alpha = 0 a round yields one token, as a plain step does, for more time. A plain step measured slow once
+    (10 ms against its true 4.3) makes one-draft rounds (6.8 ms) look better, and rounds do not measure plain
+    steps; once the plain cost goes stale, a plain step is measured again and wins."""
+    r = req()
+    policy = DraftPolicy(n_max=1, measured=True)
+    for _ in range(30):
+        policy.record(r.request_id, proposed=1, accepted=0)
+    policy.observe_step(1, 0, 10e-3)
+    policy.observe_step(1, 1, 6.8e-3)
+    decisions = []
+    for _ in range(2 * policy.costs.stale_after):
+        k = policy.draft_lengths([r], EAGLE_LIKE)[0]
+        decisions.append(k)
+        policy.observe_step(1, k, {0: 4.3e-3, 1: 6.8e-3}[k])
+    assert decisions[0] == 1 and decisions[-10:] == [0] * 10
 
 
 def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():

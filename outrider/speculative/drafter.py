@@ -157,7 +157,8 @@ class StepCosts:
     A draft length not measured again within `stale_after` measurements of its bucket counts as unmeasured (`at`
     leaves it out, and its next measurement starts afresh): the policy stops choosing a k whose cost looks high,
     so without this one slow early round (a warm-up, a busy host) would rule that k out for good. Re-priced from
-    its neighbours, it is tried again if it then looks best. The plain step never goes stale: it is the scale."""
+    its neighbours, it is tried again if it then looks best. The plain step goes stale too (speculation that always
+    wins stops measuring it): then the policy takes a plain step first, as it does before anything is measured."""
 
     weight: float = 0.25  # of a new measurement
     stale_after: int = 256
@@ -176,10 +177,10 @@ class StepCosts:
         return self.at(batch).get(k)
 
     def at(self, batch: int) -> dict[int, float]:
-        """Every draft length of the batch's bucket measured lately (and the plain step), with its seconds."""
+        """Every draft length of the batch's bucket measured lately, with its seconds."""
         bucket = batch_bucket(batch)
         since, count = self._measured_at.get(bucket, {}), self._counts.get(bucket, 0)
-        return {k: s for k, s in self.seconds.get(bucket, {}).items() if k == 0 or count - since[k] <= self.stale_after}
+        return {k: s for k, s in self.seconds.get(bucket, {}).items() if count - since[k] <= self.stale_after}
 
 
 @dataclass
