@@ -232,31 +232,30 @@ class DraftPolicy:
         left = req.max_output_tokens - len(req.output_ids) - req.num_pending
         return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
 
-    def round_seconds(self, batch: int, k: int, step_cost: float, known: dict[int, float] | None = None) -> float:
+    def round_seconds(self, batch: int, k, step_cost: float):
         """Seconds of a step with drafts of up to k (k = 0: a plain step). Measured; else estimated from the measured
         rounds. A round is synchronous, so it costs a fixed part (drafting, the verify forward, its host work: on a
         launch- or weight-bound target most of it) and a part per draft. So an unmeasured k lies on the line between
         the measured rounds around it; beyond them, it costs the nearest measured round plus the drafter's own
         estimate per draft (step_cost plain steps). Never on a line through the plain step: that would charge the
         fixed part per draft, and a probe round of one draft would then price every longer one out of reach, unmeasured.
-        With no round measured: the drafter's estimate relative to the plain step. (`known`: the measured costs,
-        when the caller has them already.)"""
-        if known is None:
-            known = self.costs.at(batch) if self.measured else {}
-        if k in known:
-            return known[k]
+        With no round measured: the drafter's estimate relative to the plain step. A scalar k gives a float; an array
+        of them (the policy's grid, every step) an array, computed at once."""
+        known = self.costs.at(batch) if self.measured else {}
+        k = np.asarray(k, dtype=np.float64)
         plain = known.get(0, 1.0)
-        per_draft = plain * step_cost
-        below = max((n for n in known if 0 < n < k), default=None)
-        above = min((n for n in known if n > k), default=None)
-        if below is not None and above is not None:
-            w = (k - below) / (above - below)
-            return known[below] + w * (known[above] - known[below])
-        if below is not None:
-            return known[below] + per_draft * (k - below)
-        if above is not None and k > 0:
-            return max(known[above] - per_draft * (above - k), plain)
-        return plain * (1.0 + step_cost * k)
+        rounds = sorted(n for n in known if n > 0)
+        if rounds:
+            measured = np.array(rounds, dtype=np.float64)
+            cost = np.array([known[n] for n in rounds])
+            per_draft = plain * step_cost
+            out = np.interp(k, measured, cost)  # measured, or on the line between the measured rounds around k
+            out = np.where(k > measured[-1], cost[-1] + per_draft * (k - measured[-1]), out)
+            out = np.where(k < measured[0], np.maximum(cost[0] - per_draft * (measured[0] - k), plain), out)
+        else:
+            out = plain * (1.0 + step_cost * k)
+        out = np.where(k == 0, plain, out)
+        return float(out) if out.ndim == 0 else out
 
     def _batch_length(self, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
         if self.measured and self.costs.get(batch, 0) is None:
@@ -266,8 +265,7 @@ class DraftPolicy:
         # cap), then per second: this runs on every decode step, so as one numpy grid, not a Python loop per cell.
         ks = np.arange(max(caps) + 1)
         tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
-        known = self.costs.at(batch) if self.measured else {}
-        seconds = np.array([self.round_seconds(batch, int(k), step_cost, known) for k in ks])
+        seconds = self.round_seconds(batch, ks, step_cost)
         k = int(np.argmax(tokens.sum(axis=1) / seconds))  # (the first best, as max() picked)
         probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
         if k > 0:

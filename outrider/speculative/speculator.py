@@ -80,10 +80,11 @@ class Speculator:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
         those whose last token is still on the device (the engine then commits the step in flight first)."""
         decoding = [r for r in running if r.num_computed == r.num_tokens - 1]
-        if not decoding:
+        may = [self.drafter.may_propose(r) for r in decoding]
+        if not any(may):  # (n-gram lookup that finds nothing: not even the policy's decision to pay for)
             return {}
         ks = self.policy.draft_lengths(decoding, self.drafter)  # (the whole decoding batch sizes the costs)
-        return {r.request_id: k for r, k in zip(decoding, ks) if k and self.drafter.may_propose(r)}
+        return {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
 
     def propose(self, running: Sequence[Request], lengths: dict[int, int]) -> Drafts:
         """Drafts of the decided lengths, with blocks reserved for what the drafter writes. A drafter fault costs
