@@ -112,6 +112,16 @@ def test_a_short_probe_round_does_not_price_longer_rounds_out_of_reach():
     assert policy.draft_lengths([r], NGRAM_LIKE) == [8]
 
 
+def serve(policy: DraftPolicy, r: Request, true_seconds: dict[int, float]) -> list[int]:
+    """The policy's k for r at batch 1, each step then measured at its true cost, for twice stale_after steps."""
+    decisions = []
+    for _ in range(2 * policy.costs.stale_after):
+        k = policy.draft_lengths([r], EAGLE_LIKE)[0]
+        decisions.append(k)
+        policy.observe_step(1, k, true_seconds[k])
+    return decisions
+
+
 def test_one_slow_early_round_does_not_rule_its_draft_length_out_for_good():
     """The EAGLE-3 shape at 8B: a plain step 4.3 ms, rounds of one draft 6.8 ms. The first 4-draft round ran slow
     (20 ms: a warm-up, a busy host), so the policy settles on k = 1, which it keeps measuring. Once the 4-draft
@@ -124,11 +134,7 @@ def test_one_slow_early_round_does_not_rule_its_draft_length_out_for_good():
     policy.observe_step(1, 0, 4.3e-3)
     policy.observe_step(1, 4, 20e-3)
     policy.observe_step(1, 1, 6.8e-3)
-    decisions = []
-    for _ in range(2 * policy.costs.stale_after):
-        k = policy.draft_lengths([r], EAGLE_LIKE)[0]
-        decisions.append(k)
-        policy.observe_step(1, k, {0: 4.3e-3, 1: 6.8e-3, 2: 7.1e-3, 3: 7.4e-3, 4: 7.7e-3}[k])
+    decisions = serve(policy, r, {0: 4.3e-3, 1: 6.8e-3, 2: 7.1e-3, 3: 7.4e-3, 4: 7.7e-3})
     assert decisions[0] == 1 and decisions[-1] == 4
     assert policy.costs.get(1, 4) == pytest.approx(7.7e-3)  # measured afresh, not averaged with the slow round
 
@@ -143,11 +149,7 @@ def test_nothing_accepted_brings_plain_steps_back_even_after_a_slow_plain_measur
         policy.record(r.request_id, proposed=1, accepted=0)
     policy.observe_step(1, 0, 10e-3)
     policy.observe_step(1, 1, 6.8e-3)
-    decisions = []
-    for _ in range(2 * policy.costs.stale_after):
-        k = policy.draft_lengths([r], EAGLE_LIKE)[0]
-        decisions.append(k)
-        policy.observe_step(1, k, {0: 4.3e-3, 1: 6.8e-3}[k])
+    decisions = serve(policy, r, {0: 4.3e-3, 1: 6.8e-3})
     assert decisions[0] == 1 and decisions[-10:] == [0] * 10
 
 
