@@ -12,8 +12,9 @@
 # train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
 # spec-demo: bench spec on the demo family (DEMO, default outrider/demo): DFlash, MTP, draft model at batch 1, 8.
 # ngram: n-gram drafting on the demo target, edit and unrepeated workloads, batch 1 (issue 19's targets).
-# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch SPEC8B_BATCH (default 1 8 32); KINDS
-#          picks presets
+# spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch SPEC8B_BATCH (default 1 8 32),
+#          SPEC8B_REQUESTS requests per batch size (default 16; batch 1 dominates the time: a pass of 16 x 128 tokens
+#          is ~9 s plain, and each acceptance runs 2 + 2 x SPEC_REPEATS passes); KINDS picks presets
 #          (default "dflash mtp draft eagle3").
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
 #          drafter preset loaded drafting nothing (k = 0) and a full draft every step (with a timeline of the
@@ -131,7 +132,8 @@ for MODE in "$@"; do
         mtp) a="--acceptance 0.7 0 --draft-n-max 3" ;;
         draft|eagle3) a="--acceptance 0.8 0.7 0 --draft-n-max 4" ;;
       esac
-      bench spec --random-weights qwen3-8b --spec-type $kind $a --batch ${SPEC8B_BATCH:-1 8 32} --json "$OUT/json/8b-$kind.json"
+      bench spec --random-weights qwen3-8b --spec-type $kind $a --batch ${SPEC8B_BATCH:-1 8 32} \
+        --num-requests ${SPEC8B_REQUESTS:-16} --json "$OUT/json/8b-$kind.json"
     done ;;
   spec-profile)
     prof() { timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3-8b --batch 1 --steps 32 --top 12 "$@"; }
