@@ -137,9 +137,11 @@ class ChainDrafter:
             steps.append((rows, tokens, conf))
         for j in range(2, max((ks[i] for i in rows), default=0) + 1):
             prev, rows = rows, [i for i in rows if ks[i] >= j]
-            keep = torch.tensor([prev.index(i) for i in rows]).to(self.device, non_blocking=True)
+            if rows != prev:  # some requests' chains ended (at batch 1, or one k for all, none do)
+                keep = torch.tensor([prev.index(i) for i in rows]).to(self.device, non_blocking=True)
+                tokens, y = tokens.index_select(0, keep), y.index_select(0, keep)
             p = [requests[i].num_tokens - 1 for i in rows]
-            y, tokens, conf = self._chain_step(tokens.index_select(0, keep), y.index_select(0, keep),
+            y, tokens, conf = self._chain_step(tokens, y,
                                                [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
             steps.append((rows, tokens, conf))
         return stage_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
