@@ -32,34 +32,43 @@ def _eager_us(fn, n: int = 200) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def _decode_meta(batch: int, ctx: int, page: int, device: torch.device, bound: int = 0) -> AttentionMetadata:
-    """`bound`: the max_seq_len the launch is planned for (0: ctx; CUDA graphs plan for the model's limit)."""
+def _step_meta(batch: int, ctx: int, page: int, device: torch.device, bound: int = 0, q_len: int = 1,
+               causal: bool = True) -> AttentionMetadata:
+    """Each of `batch` sequences attends q_len new queries over ctx keys (decode: 1; a verify step: k + 1; a
+    DFlash block: its size, not causal). `bound`: the max_seq_len the launch is planned for (0: ctx; CUDA graphs
+    plan for the model's limit)."""
     per_seq = -(-ctx // page)
     tables = torch.randperm(batch * per_seq, device=device).view(batch, per_seq).to(torch.int32)
     return AttentionMetadata(
-        slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=device),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((batch * q_len,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.arange(0, batch * q_len + 1, q_len, dtype=torch.int32, device=device),
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=device),
-        block_tables=tables, max_query_len=1, max_seq_len=bound or ctx)
+        block_tables=tables, max_query_len=q_len, max_seq_len=bound or ctx, causal=causal)
 
 
 def attention(reporter: Reporter, device: torch.device, n_heads=32, n_kv=8, head_dim=128, page=16) -> None:
-    """Decode attention over one layer of a Qwen3-8B-shaped cache: bytes = the K and V it must read."""
+    """Attention over one layer of a Qwen3-8B-shaped cache, at decode and at the speculative shapes (a verify
+    step's k + 1 queries per sequence, a DFlash block's 16 without causality): bytes = the K and V it must read."""
     from outrider.kernels.attention import paged_attention
 
-    # (batch, ctx, planned bound): the engine's decode graphs plan every launch for the context limit (40960).
-    for batch, ctx, bound in ((1, 128, 40960), (1, 300, 40960), (1, 1024, 0), (1, 1024, 40960), (1, 8192, 0),
-                              (1, 32768, 0), (32, 1024, 0), (64, 4096, 0), (256, 1024, 0)):
+    # (batch, ctx, planned bound, queries per sequence, causal): the engine's graphs plan every launch for the
+    # context limit (40960).
+    decode = [(1, 128, 40960), (1, 300, 40960), (1, 1024, 0), (1, 1024, 40960), (1, 8192, 0), (1, 32768, 0),
+              (32, 1024, 0), (64, 4096, 0), (256, 1024, 0)]
+    spec = [(1, 300, 40960, 5, True), (1, 300, 40960, 16, True), (1, 1024, 40960, 16, True),
+            (8, 300, 40960, 16, True), (1, 300, 40960, 16, False)]
+    for batch, ctx, bound, q_len, causal in [(*c, 1, True) for c in decode] + spec:
         blocks = batch * -(-ctx // page)
         kc = torch.randn(blocks, page, n_kv, head_dim, device=device, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
-        q = torch.randn(batch, n_heads, head_dim, device=device, dtype=torch.bfloat16)
-        meta = _decode_meta(batch, ctx, page, device, bound)
+        q = torch.randn(batch * q_len, n_heads, head_dim, device=device, dtype=torch.bfloat16)
+        meta = _step_meta(batch, ctx, page, device, bound, q_len, causal)
         fn = lambda: paged_attention(q, kc, vc, meta, head_dim ** -0.5)  # noqa: E731
         torch.cuda.synchronize()  # do_bench_cudagraph runs on a side stream: the inputs must be ready
         ms, eager = _time_ms(fn), _eager_us(fn)
         moved = 2 * batch * ctx * n_kv * head_dim * 2
-        reporter.line(f"kernel decode-attention bs={batch} ctx={ctx}" + (f" (planned for {bound})" if bound else ""),
+        name = "decode-attention" if q_len == 1 else f"{'verify' if causal else 'dflash-block'}-attention q={q_len}"
+        reporter.line(f"kernel {name} bs={batch} ctx={ctx}" + (f" (planned for {bound})" if bound else ""),
                       f"{ms * 1e3:.1f} us GPU (eager {eager:.0f} us/call)", moved, ms / 1e3, us=ms * 1e3,
                       eager_us=eager)
         del kc, vc
