@@ -54,6 +54,19 @@ def test_low_acceptance_turns_drafting_off_then_probes_ever_less_often():
     assert policy.draft_lengths([r], DRAFTER) == [4]
 
 
+def test_a_standing_plain_decision_is_revisited_when_the_batch_changes():
+    """k = 0 stands for a batch of two poorly accepted requests (the grid is not recomputed for it every step); when
+    one of them leaves and a fresh request (prior acceptance) takes its place, the policy decides again and drafts."""
+    policy = DraftPolicy(n_max=4)
+    poor = [req(), req()]
+    for r in poor:
+        for _ in range(30):
+            policy.record(r.request_id, proposed=4, accepted=0)
+    assert policy.draft_lengths(poor, DRAFTER) == [0, 0]
+    assert policy.draft_lengths(poor, DRAFTER) == [0, 0]
+    assert min(policy.draft_lengths([poor[0], req()], DRAFTER)) > 0
+
+
 def test_expensive_drafts_need_high_acceptance():
     policy = DraftPolicy(n_max=8, prior_alpha=0.5)
     costly = SimpleNamespace(max_draft=8, step_cost=1.0)  # e.g. verify on a CPU: every token costs a step

@@ -189,6 +189,9 @@ class _Probe:
 
     every: int
     idle: int = 0
+    # The caps, acceptances and drafter estimate k = 0 was last chosen from: while they hold, k = 0 stands without
+    # recomputing the grid every step (the measured costs drift meanwhile; the next probe re-decides from them).
+    standing: tuple | None = None
 
 
 @dataclass
@@ -261,20 +264,23 @@ class DraftPolicy:
         if self.measured and self.costs.get(batch, 0) is None:
             return 0  # a plain step first: every estimate is relative to it
 
-        # Expected tokens over the batch for every k at once (rows: k; columns: requests, each drafting up to its
-        # cap), then per second: this runs on every decode step, so as one numpy grid, not a Python loop per cell.
-        ks = np.arange(max(caps) + 1)
-        tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
-        seconds = self.round_seconds(batch, ks, step_cost)
-        k = int(np.argmax(tokens.sum(axis=1) / seconds))  # (the first best, as max() picked)
         probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
-        if k > 0:
-            probe.every, probe.idle = self.probe_every, 0
-            return k
+        inputs = (tuple(caps), tuple(alphas), step_cost)
+        if probe.standing != inputs:
+            # Expected tokens over the batch for every k at once (rows: k; columns: requests, each drafting up to
+            # its cap), then per second: this runs on decode steps, so as one numpy grid, not a loop per cell.
+            ks = np.arange(max(caps) + 1)
+            tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
+            seconds = self.round_seconds(batch, ks, step_cost)
+            k = int(np.argmax(tokens.sum(axis=1) / seconds))  # (the first best, as max() picked)
+            if k > 0:
+                probe.every, probe.idle, probe.standing = self.probe_every, 0, None
+                return k
+            probe.standing = inputs
         probe.idle += 1
         if probe.idle < probe.every:
             return 0
-        probe.idle, probe.every = 0, min(2 * probe.every, self.probe_max)
+        probe.idle, probe.every, probe.standing = 0, min(2 * probe.every, self.probe_max), None
         return 1  # the cheapest round re-measures acceptance and cost
 
     def limits(self, req: Request) -> tuple[float, int]:
