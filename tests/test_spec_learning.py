@@ -22,6 +22,7 @@ from outrider.speculative.speculator import LEARN_BACKLOG_STEPS
 from spec_helpers import H, LOOKUP_SETUPS, SETUPS, write_families
 
 HIDDEN_KINDS = ["dflash", "mtp", "mimo", "eagle3"]  # the drafters that read the target's hidden rows
+LEARNING_KINDS = HIDDEN_KINDS + ["draft"]  # and the draft model, which learns committed tokens
 PROMPTS = [[5, 9, 100, 13, 7, 200, 11, 17, 19, 23], [42, 300, 8, 8, 9], list(range(60, 81)), [7, 100, 200, 300]]
 
 
@@ -123,7 +124,7 @@ def generate(llm: LLM, prompts, max_tokens) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("kind", HIDDEN_KINDS)
+@pytest.mark.parametrize("kind", LEARNING_KINDS)
 def test_deferred_learning_proposes_what_learning_every_step_proposes(families, kind, batch, monkeypatch):
     """With rounds and long plain stretches alternating, and requests finishing at different steps, a drafter
     that learns queued rows in batches proposes exactly (token for token, in float32) what one that learns every
@@ -143,6 +144,31 @@ def test_deferred_learning_proposes_what_learning_every_step_proposes(families, 
     learns = [e for e in deferred.events if e[0] == "learn"]
     assert len(learns) < len([e for e in eager.events if e[0] == "learn"]) / 2
     assert any(s > 0 and n >= LEARN_BACKLOG_STEPS for e in learns for _, s, n in e[1])  # steps merged in one commit
+
+
+def test_a_draft_model_feeds_one_token_per_request_when_it_proposes(families):
+    """The draft model learns the prompt with the prefill and committed tokens in the Speculator's batches, so a
+    propose's first forward feeds each drafting request its last token alone (a decode step's shape: a CUDA graph on
+    a GPU), even after 19 plain steps; before, it caught up there on everything unseen, eagerly."""
+    llm = spec_llm(families, "draft")
+    force_lengths(llm.engine)
+    drafter = llm.engine.drafter
+    propose, forward, fed = drafter.propose, drafter.model.forward, []
+    firsts: list[tuple[int, int]] = []  # (rows fed by a propose's first forward, drafting requests)
+
+    def counted_forward(input_ids, *args, **kwargs):
+        fed.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+
+    def counted_propose(requests, ks):
+        fed.clear()
+        out = propose(requests, ks)
+        firsts.append((fed[0], sum(1 for k in ks if k > 0)))
+        return out
+
+    drafter.model.forward, drafter.propose = counted_forward, counted_propose
+    generate(llm, PROMPTS, [60, 50, 40, 30])
+    assert len(firsts) >= 4 and all(rows == drafting for rows, drafting in firsts)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "mtp"])

@@ -1,8 +1,10 @@
 """Classic speculative decoding with a separate small checkpoint (llama-server --model-draft).
 
 The draft model keeps its own paged KV pool indexed by the target's block ids, so a request's block table
-serves both. Its KV lags the target lazily: each propose first feeds the committed tokens it has not seen
-(the whole prompt the first time), then drafts argmax tokens one position at a time.
+serves both. It learns committed tokens as the other drafters learn their rows (on_commit, in the Speculator's
+batches): each token it has not seen is fed as a one-token sequence, through its decode graphs when they fit. So a
+propose feeds the last committed token (its logits give d_1), then drafts argmax tokens one position at a time,
+every step a decode graph, however long the policy left it idle.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from collections.abc import Sequence
 import torch
 
 from outrider.attention import KVCache, get_backend
-from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata
 from outrider.models import load_model
-from outrider.speculative.drafter import Commit, Proposals, block_capacity, collect_drafts, greedy_drafts
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, block_capacity, collect_drafts, greedy_drafts,
+                                         row_seqs)
 
 
 class DraftModelDrafter:
@@ -87,17 +90,39 @@ class DraftModelDrafter:
             self._pending[req.request_id] = (req.num_tokens, out.tokens[i][:-1])
         return out
 
+    @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
                   aux_hidden: torch.Tensor | None) -> None:
+        """Feed the committed tokens whose draft KV is missing (accepted drafts that propose fed are kept)."""
+        fed: list[Commit] = []
         for c in commits:
             self._settle(c.request)
+            rid, end = c.request.request_id, c.start + c.count
+            begin = max(c.start, self._computed.get(rid, 0))
+            if begin < end:
+                fed.append(Commit(c.request, begin, end - begin))
+                self._computed[rid] = end
+        if not fed:
+            return
+        ids = [t for c in fed for t in c.request.token_slice(c.start, c.start + c.count)]
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        if len(ids) <= LEARN_ROWS[-1]:  # a round's tokens: one-token sequences, a decode graph's shape
+            meta, positions = build_metadata(row_seqs(fed), self.block_size, self.device)
+            if self.graphs is not None and self.graphs.can_run(meta):
+                self.graphs.run(input_ids, positions, meta)
+                return
+        else:  # (a prompt's: ragged)
+            meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in fed], self.block_size,
+                                             self.device)
+        self.model(input_ids, positions, self.kv, meta, self.backend)
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """The draft model's decode steps (drafts after the first, and catch-ups of one token per request) as
-        CUDA graphs: one eager forward of even a small model costs a launch per kernel, tens of them per layer.
-        Every graph writes its logits into one buffer, as the target's decode graphs do."""
-        self._logits = torch.empty((max_batch, self.config.vocab_size), dtype=torch.float32, device=self.device)
-        self.graphs = CudaGraphRunner(self._decode_logits, max_batch=max_batch,
+        """The draft model's decode steps (each draft, and learning up to LEARN_ROWS[-1] committed tokens) as CUDA
+        graphs: one eager forward of even a small model costs a launch per kernel, tens of them per layer. Every
+        graph writes its logits into one buffer, as the target's decode graphs do."""
+        buckets = sorted(set(default_buckets(max_batch)) | set(LEARN_ROWS))
+        self._logits = torch.empty((buckets[-1], self.config.vocab_size), dtype=torch.float32, device=self.device)
+        self.graphs = CudaGraphRunner(self._decode_logits, max_batch=buckets[-1], buckets=buckets,
                                       max_blocks_per_seq=-(-max_model_len // self.block_size),
                                       max_seq_len=max_model_len, device=self.device, pool=pool)
         self.graphs.capture()
