@@ -304,17 +304,23 @@ def test_eagle3_taps_are_layer_inputs():
 
 @pytest.mark.parametrize("kind,name", [("mtp", "mtp_qwen"), ("eagle3", "eagle3")])
 def test_chain_steps_go_through_graphs_when_they_fit(ckpts, kind, name):
-    """A chain drafter's steps after d_1 (head, logits, drafts) go to its CUDA graphs when captured (a stand-in
-    here: graphs need CUDA), reading their hidden input from the static buffer; the drafts are the same."""
+    """A chain drafter's steps after d_1 (head, logits, drafts, each step's metadata advanced on the device) go to
+    one CUDA graph per chain length when captured (a stand-in here: graphs need CUDA), reading the head output and
+    each row's k from static buffers; the drafts are the same. A request with a shorter k keeps its own drafts."""
     target = ckpts["target"] if kind == "eagle3" else ckpts[name]
     loop = Loop(target, kind, ckpts[name] if kind == "eagle3" else None, k=3)
     loop.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=2))
     drafter, reqs = loop.drafter, loop.reqs
     eager = drafter.propose(reqs, [3, 3]).tokens
+    assert drafter.propose(reqs, [3, 1]).tokens == [eager[0], eager[1][:1]]
     drafter._hidden_in = torch.zeros(8, drafter.hidden_size, dtype=drafter.dtype)
+    drafter._ks_in = torch.zeros(8, dtype=torch.int64)
 
-    drafter.graphs = replays = GraphStandIn(
-        lambda meta: meta.max_query_len == 1,
-        lambda ids, pos, meta: drafter._step(ids, drafter._hidden_in[: ids.shape[0]], pos, meta))
-    assert drafter.propose(reqs, [3, 3]).tokens == eager and replays.calls == 2  # d_2 and d_3
+    def chain(ids, pos, meta):
+        n = ids.shape[0]
+        return drafter._chain_steps(ids, drafter._hidden_in[:n], pos, drafter._ks_in[:n], meta.block_tables, 2)
+
+    drafter.chains = {2: (replays := GraphStandIn(lambda meta: meta.max_query_len == 1, chain))}
+    assert drafter.propose(reqs, [3, 3]).tokens == eager and replays.calls == 1  # d_2 and d_3 in one replay
+    assert drafter.propose(reqs, [3, 2]).tokens == [eager[0], eager[1][:2]] and replays.calls == 2
     assert all(len(d) == 3 for d in eager)

@@ -51,3 +51,18 @@ def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int, devi
     dev = to_device([(positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32), (table, np.int32)],
                     torch.device(device))
     return metadata_over(qsl, lens, dev[1:], causal), dev[0]
+
+
+def decode_metadata_on_device(positions: torch.Tensor, live: torch.Tensor, block_tables: torch.Tensor,
+                              block_size: int) -> AttentionMetadata:
+    """One query per sequence at `positions` [B] (int64), computed on the device from the block tables [B, W]: no
+    host copy, so a chain of decode steps can run (and be captured in one CUDA graph) without the host. Rows not
+    `live` write no K/V and read no keys; their positions may lie past their block tables."""
+    width = block_tables.shape[1]
+    block = torch.clamp(positions // block_size, max=width - 1)
+    slots = block_tables.gather(1, block[:, None])[:, 0].to(torch.int64) * block_size + positions % block_size
+    n = positions.shape[0]
+    return AttentionMetadata(
+        slot_mapping=torch.where(live, slots, -1), seq_lens=torch.where(live, positions + 1, 0).to(torch.int32),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=positions.device), block_tables=block_tables,
+        max_query_len=1, max_seq_len=width * block_size, causal=True)

@@ -43,7 +43,7 @@ class TorchReferenceBackend:
         for i, ctx_len in enumerate(lens):
             start, end = qsl[i], qsl[i + 1]
             q_len = end - start
-            if q_len == 0:
+            if q_len == 0 or ctx_len == 0:  # (no keys: zero output, as the kernel gives)
                 continue
             ck, cv = gather_context(kv_cache, layer, meta.block_tables[i], ctx_len)
             qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
-from outrider.attention.metadata import build_metadata
+from outrider.attention.metadata import build_metadata, decode_metadata_on_device
 from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, block_capacity,
@@ -40,9 +40,12 @@ class ChainDrafter:
         self.backend = get_backend(self.device)
         # request id -> (head output y [H], d_1, its probability) at the last committed pair: d_1 comes for free.
         self._last: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # chain steps at batch 1-8, which also learn up to LEARN_ROWS[-1] rows (capture_graphs, CUDA)
+        # CUDA graphs (capture_graphs): learning up to LEARN_ROWS[-1] rows (a chain step over them, which gives
+        # d_1 too), and by length d the chain of drafts d_2..d_{d+1} at batch 1-8
         self.graphs: CudaGraphRunner | None = None
-        self._hidden_in: torch.Tensor | None = None  # the graphs' static hidden input
+        self.chains: dict[int, CudaGraphRunner] = {}
+        self._hidden_in: torch.Tensor | None = None  # the graphs' static inputs: head output, and per row its k
+        self._ks_in: torch.Tensor | None = None
 
     # --- what a head defines ---
     def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
@@ -79,10 +82,10 @@ class ChainDrafter:
         y = self.run_head(tokens, hidden, positions, meta)
         return (y, *self.drafts(self.logits(y)))
 
-    def _chain_step(self, tokens: torch.Tensor, hidden: torch.Tensor,
+    def _learn_rows(self, tokens: torch.Tensor, hidden: torch.Tensor,
                     seqs: list[tuple[list[int], int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A chain step through a captured graph when one fits (its outputs copied out: the next replay
-        overwrites them), else eager."""
+        """A chain step over committed rows as one-token sequences `seqs`: through a learning graph when one fits
+        (its outputs copied out: the next replay overwrites them), else eager."""
         meta, positions = build_metadata(seqs, self.block_size, self.device)
         if self.graphs is None or not self.graphs.can_run(meta):
             return self._step(tokens, hidden, positions, meta)
@@ -100,7 +103,7 @@ class ChainDrafter:
         ends = torch.tensor([n - 1 for n in itertools.accumulate(c.count for c in commits)])
         ends = ends.to(self.device, non_blocking=True)
         if len(nxt) <= LEARN_ROWS[-1]:  # a round's rows: one chain step over them as one-token sequences
-            y, drafts, conf = (t.index_select(0, ends) for t in self._chain_step(tokens, ctx, row_seqs(commits)))
+            y, drafts, conf = (t.index_select(0, ends) for t in self._learn_rows(tokens, ctx, row_seqs(commits)))
         else:  # (a prefill's: ragged, and logits only where d_1 comes from)
             y = self._run(tokens, ctx, [(c.request.block_ids, c.start, c.count) for c in commits]).index_select(0, ends)
             drafts, conf = self.drafts(self.logits(y))
@@ -111,17 +114,26 @@ class ChainDrafter:
         self._last.pop(request_id, None)
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """The chain step (head, logits, drafts) as CUDA graphs, at the verify batch sizes for drafting and up to
-        LEARN_ROWS[-1] rows for learning: an eager step costs a launch per kernel, and every round runs k - 1 chain
-        steps and one learning step."""
-        buckets = sorted({b for b in VERIFY_BUCKETS if b <= max_batch} | set(LEARN_ROWS))
-        self._hidden_in = torch.zeros(buckets[-1], self.hidden_size, dtype=self.dtype, device=self.device)
-        graphs = CudaGraphRunner(
-            lambda ids, pos, meta: self._step(ids, self._hidden_in[: ids.shape[0]], pos, meta),
-            max_batch=buckets[-1], buckets=buckets, max_blocks_per_seq=-(-max_model_len // self.block_size),
-            max_seq_len=max_model_len, device=self.device, pool=pool)
-        graphs.capture()
-        self.graphs = graphs  # (only once every bucket is captured: a failed capture leaves drafting eager)
+        """Learning (a chain step over up to LEARN_ROWS[-1] rows) and, per length, the chain of drafts after d_1 at
+        the verify batch sizes, as CUDA graphs: an eager step costs a launch per kernel, and every round learns once
+        and chains k - 1 steps. A chain's steps advance their metadata on the device, so one replay runs them all."""
+        common = dict(max_blocks_per_seq=-(-max_model_len // self.block_size), max_seq_len=max_model_len,
+                      device=self.device, pool=pool)
+        self._hidden_in = torch.zeros(LEARN_ROWS[-1], self.hidden_size, dtype=self.dtype, device=self.device)
+        self._ks_in = torch.zeros(LEARN_ROWS[-1], dtype=torch.int64, device=self.device)
+        learn = CudaGraphRunner(lambda ids, pos, meta: self._step(ids, self._hidden_in[: ids.shape[0]], pos, meta),
+                                max_batch=LEARN_ROWS[-1], buckets=LEARN_ROWS, **common)
+        learn.capture()
+        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
+        chains = {}
+        for depth in range(1, self.max_draft):
+            chains[depth] = CudaGraphRunner(
+                lambda ids, pos, meta, depth=depth: self._chain_steps(
+                    ids, self._hidden_in[: ids.shape[0]], pos, self._ks_in[: ids.shape[0]], meta.block_tables, depth),
+                max_batch=buckets[-1], buckets=buckets, **common)
+            chains[depth].capture()
+        # (only once every graph is captured: a failed capture leaves drafting and learning eager)
+        self.graphs, self.chains = learn, chains
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         return self.stage(requests, ks).to_host()
@@ -131,18 +143,48 @@ class ChainDrafter:
         ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - r.num_tokens + 2)
               if r.request_id in self._last else 0 for r, k in zip(requests, ks)]
         rows = [i for i, k in enumerate(ks) if k > 0]
-        steps = []
-        if rows:
-            y, tokens, conf = (torch.stack(parts) for parts in zip(*(self._last[requests[i].request_id] for i in rows)))
-            steps.append((rows, tokens, conf))
-        for j in range(2, max((ks[i] for i in rows), default=0) + 1):
-            prev, rows = rows, [i for i in rows if ks[i] >= j]
-            if rows != prev:  # some requests' chains ended (at batch 1, or one k for all, none do)
-                keep = torch.tensor([prev.index(i) for i in rows]).to(self.device, non_blocking=True)
-                tokens, y = tokens.index_select(0, keep), y.index_select(0, keep)
-            p = [requests[i].num_tokens - 1 for i in rows]
-            y, tokens, conf = self._chain_step(tokens, y,
-                                               [(requests[i].block_ids, pos + j - 2, 1) for i, pos in zip(rows, p)])
-            steps.append((rows, tokens, conf))
-        return stage_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
-                            [c for _, _, c in steps], len(requests))
+        if not rows:
+            return stage_drafts([], [], [], len(requests))
+        y, tokens, conf = (torch.stack(parts) for parts in zip(*(self._last[requests[i].request_id] for i in rows)))
+        owners, drafts, probs = list(rows), [tokens], [conf]
+        depth = max(ks[i] for i in rows) - 1
+        if depth > 0:
+            chained, chained_conf = self._chain(tokens, y, [requests[i] for i in rows], [ks[i] for i in rows], depth)
+            kept = [r * depth + j for r, i in enumerate(rows) for j in range(ks[i] - 1)]  # [n, depth] flat, row-major
+            flat, flat_conf = chained.reshape(-1), chained_conf.reshape(-1)
+            if len(kept) < flat.shape[0]:  # (some request's k is below the longest)
+                index = torch.tensor(kept).to(self.device, non_blocking=True)
+                flat, flat_conf = flat.index_select(0, index), flat_conf.index_select(0, index)
+            owners += [i for i in rows for _ in range(ks[i] - 1)]
+            drafts.append(flat)
+            probs.append(flat_conf)
+        return stage_drafts(owners, drafts, probs, len(requests))
+
+    def _chain(self, tokens: torch.Tensor, y: torch.Tensor, requests: Sequence[Request], ks: list[int],
+               depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts d_2..d_{depth+1} and their probabilities, [n, depth] each, for n requests whose d_1 is `tokens`
+        (head output y): a captured graph when one fits, else the same steps eagerly."""
+        meta, start = build_metadata([(r.block_ids, r.num_tokens - 1, 1) for r in requests], self.block_size,
+                                     self.device)
+        ks_dev = torch.tensor(ks, dtype=torch.int64).to(self.device, non_blocking=True)
+        graphs = self.chains.get(depth)
+        if graphs is None or not graphs.can_run(meta):
+            return self._chain_steps(tokens, y, start, ks_dev, meta.block_tables, depth)
+        n = len(requests)
+        self._hidden_in[:n].copy_(y)
+        self._ks_in.zero_()  # (rows padding the batch draft nothing)
+        self._ks_in[:n].copy_(ks_dev)
+        return graphs.run(tokens, start, meta)  # (views until the next replay: stage copies them out at once)
+
+    def _chain_steps(self, tokens: torch.Tensor, y: torch.Tensor, start: torch.Tensor, ks: torch.Tensor,
+                     block_tables: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`depth` chain steps from d_1, the head at positions start, start + 1, ...: step j drafts d_{j+2}, and
+        writes KV, only for rows whose k reaches it. The metadata of each step is computed on the device."""
+        drafted, confidence = [], []
+        for j in range(depth):
+            positions = start + j
+            meta = decode_metadata_on_device(positions, ks > j + 1, block_tables, self.block_size)
+            y, tokens, conf = self._step(tokens, y, positions, meta)
+            drafted.append(tokens)
+            confidence.append(conf)
+        return torch.stack(drafted, dim=1), torch.stack(confidence, dim=1)
