@@ -238,8 +238,9 @@ def test_mtp_fusion_order_follows_the_checkpoint_layout(ckpts, layout, hidden_ha
 
 
 def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
-    """A draft model's uniform steps (one token per request) go to its CUDA graphs when captured (a stand-in
-    here: graphs need CUDA); other steps, and a drafter without graphs, run eager. Drafts are the same."""
+    """A draft model's uniform steps (one token per request: learning, d_1) go to its decode graphs and the drafts
+    after d_1 to one chain graph when captured (stand-ins here: graphs need CUDA); other steps, and a drafter
+    without graphs, run eager. Drafts are the same."""
     import torch
 
     from outrider.engine.request import Request
@@ -255,9 +256,18 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
     eager = drafter.propose([req], [3]).tokens
     drafter.release(req.request_id)
 
-    drafter.graphs = replays = GraphStandIn(lambda meta: meta.max_query_len == 1, drafter._decode_logits)
+    drafter.graphs = decode = GraphStandIn(lambda meta: meta.max_query_len == 1, drafter._decode_logits)
+    chain = drafter.chain
+    chain._ks_in = torch.zeros(8, dtype=torch.int64)
+    chained = GraphStandIn(lambda meta: meta.max_query_len == 1, lambda ids, pos, meta: chain.steps(
+        ids, None, pos, chain._ks_in[: ids.shape[0]], meta.block_tables, 2))
+    chain.graphs = {2: chained}
     assert drafter.propose([req], [3]).tokens == eager
-    assert replays.calls == 2  # drafts 2 and 3; the first fed the whole prompt (eager)
+    assert (decode.calls, chained.calls) == (0, 1)  # d_1 fed the whole prompt (eager); d_2 and d_3: one replay
+    drafter.release(req.request_id)
+    drafter.on_commit([Commit(req, 0, req.num_tokens - 1)], None, None)  # learned as one-token sequences
+    assert drafter.propose([req], [3]).tokens == eager
+    assert (decode.calls, chained.calls) == (2, 2)  # learning, then d_1 from the last token alone
 
 
 def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
@@ -313,14 +323,15 @@ def test_chain_steps_go_through_graphs_when_they_fit(ckpts, kind, name):
     drafter, reqs = loop.drafter, loop.reqs
     eager = drafter.propose(reqs, [3, 3]).tokens
     assert drafter.propose(reqs, [3, 1]).tokens == [eager[0], eager[1][:1]]
-    drafter._hidden_in = torch.zeros(8, drafter.hidden_size, dtype=drafter.dtype)
-    drafter._ks_in = torch.zeros(8, dtype=torch.int64)
+    device_chain = drafter.chain
+    device_chain._state_in = torch.zeros(8, drafter.hidden_size, dtype=drafter.dtype)
+    device_chain._ks_in = torch.zeros(8, dtype=torch.int64)
 
     def chain(ids, pos, meta):
         n = ids.shape[0]
-        return drafter._chain_steps(ids, drafter._hidden_in[:n], pos, drafter._ks_in[:n], meta.block_tables, 2)
+        return device_chain.steps(ids, device_chain._state_in[:n], pos, device_chain._ks_in[:n], meta.block_tables, 2)
 
-    drafter.chains = {2: (replays := GraphStandIn(lambda meta: meta.max_query_len == 1, chain))}
+    device_chain.graphs = {2: (replays := GraphStandIn(lambda meta: meta.max_query_len == 1, chain))}
     assert drafter.propose(reqs, [3, 3]).tokens == eager and replays.calls == 1  # d_2 and d_3 in one replay
     assert drafter.propose(reqs, [3, 2]).tokens == [eager[0], eager[1][:2]] and replays.calls == 2
     assert all(len(d) == 3 for d in eager)

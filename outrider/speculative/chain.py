@@ -16,9 +16,10 @@ from collections.abc import Sequence
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
-from outrider.attention.metadata import build_metadata, decode_metadata_on_device
-from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
+from outrider.attention.metadata import build_metadata
+from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.request import Request
+from outrider.speculative.device_chain import DeviceChain
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, block_capacity,
                                          row_seqs, stage_drafts)
 
@@ -40,12 +41,12 @@ class ChainDrafter:
         self.backend = get_backend(self.device)
         # request id -> (head output y [H], d_1, its probability) at the last committed pair: d_1 comes for free.
         self._last: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # CUDA graphs (capture_graphs): learning up to LEARN_ROWS[-1] rows (a chain step over them, which gives
-        # d_1 too), and by length d the chain of drafts d_2..d_{d+1} at batch 1-8
+        # Learning up to LEARN_ROWS[-1] rows as CUDA graphs (capture_graphs): a chain step over them, which gives
+        # d_1 too. The drafts after d_1 chain on the device, from the head's output at d_1's position.
         self.graphs: CudaGraphRunner | None = None
-        self.chains: dict[int, CudaGraphRunner] = {}
-        self._hidden_in: torch.Tensor | None = None  # the graphs' static inputs: head output, and per row its k
-        self._ks_in: torch.Tensor | None = None
+        self._hidden_in: torch.Tensor | None = None  # the learning graphs' static hidden input
+        self.chain = DeviceChain(lambda tokens, y, positions, meta: self._step(tokens, y, positions, meta),
+                                 block_size, self.device, offset=0, state_size=hidden_size, dtype=dtype)
 
     # --- what a head defines ---
     def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:
@@ -116,24 +117,15 @@ class ChainDrafter:
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
         """Learning (a chain step over up to LEARN_ROWS[-1] rows) and, per length, the chain of drafts after d_1 at
         the verify batch sizes, as CUDA graphs: an eager step costs a launch per kernel, and every round learns once
-        and chains k - 1 steps. A chain's steps advance their metadata on the device, so one replay runs them all."""
-        common = dict(max_blocks_per_seq=-(-max_model_len // self.block_size), max_seq_len=max_model_len,
-                      device=self.device, pool=pool)
+        and chains k - 1 steps (one replay: DeviceChain)."""
         self._hidden_in = torch.zeros(LEARN_ROWS[-1], self.hidden_size, dtype=self.dtype, device=self.device)
-        self._ks_in = torch.zeros(LEARN_ROWS[-1], dtype=torch.int64, device=self.device)
         learn = CudaGraphRunner(lambda ids, pos, meta: self._step(ids, self._hidden_in[: ids.shape[0]], pos, meta),
-                                max_batch=LEARN_ROWS[-1], buckets=LEARN_ROWS, **common)
+                                max_batch=LEARN_ROWS[-1], buckets=LEARN_ROWS,
+                                max_blocks_per_seq=-(-max_model_len // self.block_size), max_seq_len=max_model_len,
+                                device=self.device, pool=pool)
         learn.capture()
-        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
-        chains = {}
-        for depth in range(1, self.max_draft):
-            chains[depth] = CudaGraphRunner(
-                lambda ids, pos, meta, depth=depth: self._chain_steps(
-                    ids, self._hidden_in[: ids.shape[0]], pos, self._ks_in[: ids.shape[0]], meta.block_tables, depth),
-                max_batch=buckets[-1], buckets=buckets, **common)
-            chains[depth].capture()
-        # (only once every graph is captured: a failed capture leaves drafting and learning eager)
-        self.graphs, self.chains = learn, chains
+        self.graphs = learn  # (only once captured: a failed capture leaves learning eager)
+        self.chain.capture(max_batch, max_model_len, self.max_draft - 1, pool)
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         return self.stage(requests, ks).to_host()
@@ -146,45 +138,4 @@ class ChainDrafter:
         if not rows:
             return stage_drafts([], [], [], len(requests))
         y, tokens, conf = (torch.stack(parts) for parts in zip(*(self._last[requests[i].request_id] for i in rows)))
-        owners, drafts, probs = list(rows), [tokens], [conf]
-        depth = max(ks[i] for i in rows) - 1
-        if depth > 0:
-            chained, chained_conf = self._chain(tokens, y, [requests[i] for i in rows], [ks[i] for i in rows], depth)
-            kept = [r * depth + j for r, i in enumerate(rows) for j in range(ks[i] - 1)]  # [n, depth] flat, row-major
-            flat, flat_conf = chained.reshape(-1), chained_conf.reshape(-1)
-            if len(kept) < flat.shape[0]:  # (some request's k is below the longest)
-                index = torch.tensor(kept).to(self.device, non_blocking=True)
-                flat, flat_conf = flat.index_select(0, index), flat_conf.index_select(0, index)
-            owners += [i for i in rows for _ in range(ks[i] - 1)]
-            drafts.append(flat)
-            probs.append(flat_conf)
-        return stage_drafts(owners, drafts, probs, len(requests))
-
-    def _chain(self, tokens: torch.Tensor, y: torch.Tensor, requests: Sequence[Request], ks: list[int],
-               depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts d_2..d_{depth+1} and their probabilities, [n, depth] each, for n requests whose d_1 is `tokens`
-        (head output y): a captured graph when one fits, else the same steps eagerly."""
-        meta, start = build_metadata([(r.block_ids, r.num_tokens - 1, 1) for r in requests], self.block_size,
-                                     self.device)
-        ks_dev = torch.tensor(ks, dtype=torch.int64).to(self.device, non_blocking=True)
-        graphs = self.chains.get(depth)
-        if graphs is None or not graphs.can_run(meta):
-            return self._chain_steps(tokens, y, start, ks_dev, meta.block_tables, depth)
-        n = len(requests)
-        self._hidden_in[:n].copy_(y)
-        self._ks_in.zero_()  # (rows padding the batch draft nothing)
-        self._ks_in[:n].copy_(ks_dev)
-        return graphs.run(tokens, start, meta)  # (views until the next replay: stage copies them out at once)
-
-    def _chain_steps(self, tokens: torch.Tensor, y: torch.Tensor, start: torch.Tensor, ks: torch.Tensor,
-                     block_tables: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`depth` chain steps from d_1, the head at positions start, start + 1, ...: step j drafts d_{j+2}, and
-        writes KV, only for rows whose k reaches it. The metadata of each step is computed on the device."""
-        drafted, confidence = [], []
-        for j in range(depth):
-            positions = start + j
-            meta = decode_metadata_on_device(positions, ks > j + 1, block_tables, self.block_size)
-            y, tokens, conf = self._step(tokens, y, positions, meta)
-            drafted.append(tokens)
-            confidence.append(conf)
-        return torch.stack(drafted, dim=1), torch.stack(confidence, dim=1)
+        return self.chain.stage(requests, ks, rows, tokens, conf, y)

@@ -18,8 +18,8 @@ from outrider.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata
 from outrider.models import load_model
-from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, block_capacity, collect_drafts, greedy_drafts,
-                                         row_seqs)
+from outrider.speculative.device_chain import DeviceChain
+from outrider.speculative.drafter import LEARN_ROWS, Commit, Proposals, block_capacity, greedy_drafts, row_seqs
 
 
 class DraftModelDrafter:
@@ -44,6 +44,7 @@ class DraftModelDrafter:
         self._logits: torch.Tensor | None = None  # [max batch, V] float32 the graphs write their logits into
         self._computed: dict[int, int] = {}  # request id -> leading positions whose draft KV is valid
         self._pending: dict[int, tuple[int, list[int]]] = {}  # request id -> (position, drafts fed there on)
+        self.chain = DeviceChain(self._chain_step, block_size, self.device, offset=1)  # drafts after d_1
 
     def lookahead(self, k: int) -> int:
         return k  # writes x_last and d_1..d_{k-1}
@@ -55,40 +56,36 @@ class DraftModelDrafter:
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         ks = [min(k, self.max_draft, block_capacity(r, self.block_size) - (r.num_tokens - 1))
               for r, k in zip(requests, ks)]
-        active = [i for i, k in enumerate(ks) if k > 0]
-        steps = []  # (request indices, draft tokens, confidences) per drafting position
-        for j in range(max((ks[i] for i in active), default=0)):
-            rows = [i for i in active if ks[i] > j]
-            if j == 0:  # catch up on unseen committed tokens, ending with the last one
-                for i in rows:
-                    self._settle(requests[i])
-                # At least the last committed token is fed: its logits give d_1.
-                starts = [min(self._computed.get(requests[i].request_id, 0), requests[i].num_tokens - 1)
-                          for i in rows]
-                ids = [t for i, c in zip(rows, starts) for t in requests[i].all_ids[c:]]
-                input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-                seqs = [(requests[i].block_ids, c, requests[i].num_tokens - c) for i, c in zip(rows, starts)]
-            else:  # feed each request its previous draft
-                keep = torch.tensor([prev_rows.index(i) for i in rows]).to(self.device, non_blocking=True)
-                input_ids = tokens.index_select(0, keep)
-                seqs = [(requests[i].block_ids, requests[i].num_tokens - 1 + j, 1) for i in rows]
-            meta, positions = build_metadata(seqs, self.block_size, self.device)
-            if self.graphs is not None and self.graphs.can_run(meta):  # one token per row: every row is last
-                logits = self.graphs.run(input_ids, positions, meta)
-            else:
-                hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
-                last = torch.tensor(meta.query_start_loc_host[1:]).to(self.device, non_blocking=True) - 1
-                logits = self.model.compute_logits(hidden.index_select(0, last))
-            tokens, conf = greedy_drafts(logits, self.vocab_size)
-            steps.append((rows, tokens, conf))
-            prev_rows = rows
-        out = collect_drafts([i for rows, _, _ in steps for i in rows], [t for _, t, _ in steps],
-                             [c for _, _, c in steps], len(requests))
-        for i in active:
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        if not rows:
+            return Proposals([[] for _ in requests], [[] for _ in requests])
+        for i in rows:
+            self._settle(requests[i])
+        # Feed the last committed token (its logits give d_1), after any the draft KV still lacks.
+        starts = [min(self._computed.get(requests[i].request_id, 0), requests[i].num_tokens - 1) for i in rows]
+        ids = [t for i, c in zip(rows, starts) for t in requests[i].all_ids[c:]]
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        meta, positions = build_metadata([(requests[i].block_ids, c, requests[i].num_tokens - c)
+                                          for i, c in zip(rows, starts)], self.block_size, self.device)
+        if self.graphs is not None and self.graphs.can_run(meta):  # one token per row: every row is last
+            logits = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+            last = torch.tensor(meta.query_start_loc_host[1:]).to(self.device, non_blocking=True) - 1
+            logits = self.model.compute_logits(hidden.index_select(0, last))
+        tokens, conf = greedy_drafts(logits, self.vocab_size)
+        out = self.chain.stage(requests, ks, rows, tokens, conf, None).to_host()
+        for i in rows:
             req = requests[i]
             self._computed[req.request_id] = req.num_tokens
             self._pending[req.request_id] = (req.num_tokens, out.tokens[i][:-1])
         return out
+
+    def _chain_step(self, tokens: torch.Tensor, state: None, positions: torch.Tensor,
+                    meta) -> tuple[None, torch.Tensor, torch.Tensor]:
+        """A draft after the first: feed the previous one (DeviceChain's step)."""
+        hidden = self.model(tokens, positions, self.kv, meta, self.backend)
+        return (None, *greedy_drafts(self.model.compute_logits(hidden), self.vocab_size))
 
     @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
@@ -117,15 +114,17 @@ class DraftModelDrafter:
         self.model(input_ids, positions, self.kv, meta, self.backend)
 
     def capture_graphs(self, max_batch: int, max_model_len: int, pool) -> None:
-        """The draft model's decode steps (each draft, and learning up to LEARN_ROWS[-1] committed tokens) as CUDA
-        graphs: one eager forward of even a small model costs a launch per kernel, tens of them per layer. Every
-        graph writes its logits into one buffer, as the target's decode graphs do."""
+        """The draft model's decode steps (d_1, and learning up to LEARN_ROWS[-1] committed tokens) and, per length,
+        the chain of drafts after d_1 (DeviceChain) as CUDA graphs: one eager forward of even a small model costs a
+        launch per kernel, tens of them per layer. The decode graphs write their logits into one buffer, as the
+        target's decode graphs do."""
         buckets = sorted(set(default_buckets(max_batch)) | set(LEARN_ROWS))
         self._logits = torch.empty((buckets[-1], self.config.vocab_size), dtype=torch.float32, device=self.device)
         self.graphs = CudaGraphRunner(self._decode_logits, max_batch=buckets[-1], buckets=buckets,
                                       max_blocks_per_seq=-(-max_model_len // self.block_size),
                                       max_seq_len=max_model_len, device=self.device, pool=pool)
         self.graphs.capture()
+        self.chain.capture(max_batch, max_model_len, self.max_draft - 1, pool)
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         hidden = self.model(input_ids, positions, self.kv, meta, self.backend)

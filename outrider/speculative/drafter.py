@@ -383,11 +383,6 @@ def stage_drafts(owners: list[int], tokens: list[torch.Tensor], conf: list[torch
     return StagedDrafts(ids, cf, counts)
 
 
-def collect_drafts(owners: list[int], tokens: list[torch.Tensor], conf: list[torch.Tensor], n: int) -> Proposals:
-    """Drafts still on the device -> Proposals for n requests, in one host sync (see stage_drafts)."""
-    return stage_drafts(owners, tokens, conf, n).to_host()
-
-
 PENDING = -1  # a draft token still on the device, in a plan's draft list: PendingDrafts holds its value
 
 
