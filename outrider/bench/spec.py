@@ -51,6 +51,7 @@ from outrider.bench.controlled import ControlledDrafter
 from outrider.bench.engine_setup import engine_config
 from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
+from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -402,8 +403,9 @@ class StepProfile:
         self.splits: list[tuple[float, float, float]] = []  # seconds of draft, verify, host per round
         self.undrafted_steps: list[float] = []  # seconds of each pure decode step without drafts
         self.verify_eager = 0
-        self.graphs = getattr(drafter, "graphs", None)
-        self.draft_paths = {True: 0, False: 0}  # the drafter's graph choice: replayed (True) or eager
+        # Each choice between a drafter's CUDA graph and an eager forward (learning, drafting, chaining): replayed
+        # (True) or eager; none at all for a drafter without graphs.
+        self.draft_paths = {True: 0, False: 0}
         self._plan = None
 
     def instrumented(self):
@@ -417,8 +419,7 @@ class StepProfile:
             # (a drafter that stages its drafts on the device proposes through `stage` too: timed once, there)
             drafts = "stage" if self.drafter.stages_on_device else "propose"
             targets += [(self.drafter, drafts, timed("draft")), (self.drafter, "on_commit", timed("draft"))]
-        if self.graphs is not None:
-            targets.append((self.graphs, "can_run", self._drafter_graph))
+            targets.append((CudaGraphRunner, "can_run", self._drafter_graph))
         return patched(*targets)
 
     def _eager(self, forward_eager):
@@ -430,9 +431,12 @@ class StepProfile:
         return count
 
     def _drafter_graph(self, can_run):
-        def count(meta) -> bool:
-            fits = can_run(meta)
-            self.draft_paths[fits] += 1
+        target = self.engine.runner.graphs or ()
+
+        def count(runner: CudaGraphRunner, meta) -> bool:
+            fits = can_run(runner, meta)
+            if not any(runner is g for g in target):
+                self.draft_paths[fits] += 1
             return fits
 
         return count
@@ -488,7 +492,7 @@ class StepProfile:
     def split(self) -> RoundSplit:
         n = len(self.splits)
         mean = [1e3 * sum(x[i] for x in self.splits) / n if n else 0.0 for i in range(3)]
-        graphs = self.graphs is not None
+        graphs = sum(self.draft_paths.values()) > 0
         return RoundSplit(*mean, steps=n, verify_eager=self.verify_eager,
                           draft_graph=self.draft_paths[True] if graphs else None,
                           draft_eager=self.draft_paths[False] if graphs else None)
