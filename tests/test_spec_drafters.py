@@ -214,10 +214,11 @@ def test_dflash_block_attention_is_not_causal(ckpts):
     loop.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=2))
     req = loop.reqs[0]
     mask = loop.drafter.mask_token_id
-    seqs = [(req.block_ids, req.num_tokens - 1, 5)]
+    meta, positions = build_metadata([(req.block_ids, req.num_tokens - 1, 5)], loop.drafter.block_size,
+                                     torch.device("cpu"), causal=False)
     with torch.inference_mode():
-        h1 = loop.drafter.block_hidden(torch.tensor([req.all_ids[-1], mask, mask, mask, mask]), seqs)
-        h2 = loop.drafter.block_hidden(torch.tensor([req.all_ids[-1], mask, mask, 3, mask]), seqs)
+        h1 = loop.drafter._block_forward(torch.tensor([req.all_ids[-1], mask, mask, mask, mask]), positions, meta)
+        h2 = loop.drafter._block_forward(torch.tensor([req.all_ids[-1], mask, mask, 3, mask]), positions, meta)
     assert not torch.allclose(h1[1], h2[1])
 
 
@@ -279,7 +280,7 @@ def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
     eager = drafter.propose(reqs, [4, 4]).tokens
 
     drafter.graphs = replays = GraphStandIn(lambda meta: not meta.causal and meta.max_query_len == drafter.block,
-                                            drafter._block_forward)
+                                            drafter._block_drafts)
     assert drafter.propose(reqs, [4, 4]).tokens == eager and replays.calls == 1
     assert all(len(d) == 4 for d in eager)
 

@@ -113,13 +113,19 @@ class DFlashDrafter:
             layer.self_attn.store_context(ctx, positions, self.rotary, self.kv, meta, self.backend)
         return ctx
 
-    def block_hidden(self, tokens: torch.Tensor, seqs: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """Normed drafter outputs [sum L, H] for blocks `tokens` at (block table, first position, L) each: a
-        captured graph when every block is whole and the batch fits one, else eager."""
+    def block_drafts(self, tokens: torch.Tensor,
+                     seqs: list[tuple[list[int], int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Argmax drafts and their probabilities [sum L] at every slot of blocks `tokens` at (block table, first
+        position, L) each: a captured graph when every block is whole and the batch fits one, else eager."""
         meta, positions = build_metadata(seqs, self.block_size, self.device, causal=False)
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(tokens, positions, meta)
-        return self._block_forward(tokens, positions, meta)
+        return self._block_drafts(tokens, positions, meta)
+
+    def _block_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole block through the target's LM head: as cheap as the drafted slots alone (the head's weights
+        are the cost), and in the graph, not a handful of launches after it."""
+        return greedy_drafts(self.target.lm_head(self._block_forward(tokens, positions, meta)).float(), self.vocab_size)
 
     def _block_forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         h = self.target.embed(tokens)
@@ -140,12 +146,13 @@ class DFlashDrafter:
             return stage_drafts([], [], [], len(requests))
         ids = [t for i in rows for t in [requests[i].all_ids[-1]] + [self.mask_token_id] * (lens[i] - 1)]
         tokens = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.block_hidden(tokens, [(requests[i].block_ids, requests[i].num_tokens - 1, lens[i]) for i in rows])
+        drafts, conf = self.block_drafts(tokens, [(requests[i].block_ids, requests[i].num_tokens - 1, lens[i])
+                                                  for i in rows])
         starts = itertools.accumulate((lens[i] for i in rows), initial=0)
         picks = [s + j for s, i in zip(starts, rows) for j in range(1, ks[i] + 1)]  # block slots 1..k
         index = torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)
-        drafts, conf = greedy_drafts(self.target.lm_head(hidden.index_select(0, index)).float(), self.vocab_size)
-        return stage_drafts([i for i in rows for _ in range(ks[i])], [drafts], [conf], len(requests))
+        return stage_drafts([i for i in rows for _ in range(ks[i])], [drafts.index_select(0, index)],
+                            [conf.index_select(0, index)], len(requests))
 
     def release(self, request_id: int) -> None:
         """Nothing per request: the context lives in the request's own blocks."""
@@ -156,7 +163,7 @@ class DFlashDrafter:
         common = dict(max_blocks_per_seq=-(-max_model_len // self.block_size), max_seq_len=max_model_len,
                       device=self.device, pool=pool)
         buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
-        graphs = CudaGraphRunner(self._block_forward, max_batch=buckets[-1], tokens_per_seq=self.block, causal=False,
+        graphs = CudaGraphRunner(self._block_drafts, max_batch=buckets[-1], tokens_per_seq=self.block, causal=False,
                                  buckets=buckets, **common)
         graphs.capture()
         self._aux_in = torch.zeros(LEARN_ROWS[-1], self.model.fc.in_features, dtype=self.model.fc.weight.dtype,
