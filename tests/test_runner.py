@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outrider.engine.request import Request
-from outrider.attention.metadata import build_metadata
+from outrider.attention.metadata import build_metadata, decode_metadata_on_device
 from outrider.engine.runner import BlockTables
 from outrider.upload import to_device
 from outrider.params import SamplingParams
@@ -27,6 +27,22 @@ def test_build_metadata_matches_per_token_definition(seqs, rnd):
     assert meta.seq_lens.tolist() == meta.seq_lens_host == [s + n for s, n in seqs]
     assert meta.block_tables.tolist() == [b + [0] * (max(map(len, blocks)) - len(b)) for b in blocks]
     assert meta.max_query_len == max(n for _, n in seqs) and meta.max_seq_len == max(s + n for s, n in seqs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans()), min_size=1, max_size=6), st.randoms())
+def test_decode_metadata_on_the_device_matches_the_host_built_one_for_live_rows(rows, rnd):
+    """One query per sequence, metadata computed on the device from the block tables: for live rows what
+    build_metadata gives; a row not live writes nothing and reads nothing, even at a position past its table."""
+    blocks = [rnd.sample(range(1, 100), pos // BS + 1) for pos, _ in rows]
+    host, _ = build_metadata([(b, pos, 1) for b, (pos, _) in zip(blocks, rows)], BS, torch.device("cpu"))
+    live = torch.tensor([ok for _, ok in rows])
+    beyond = [pos + (0 if ok else 2 * BS) for pos, ok in rows]  # (a dead row's position may lie past its table)
+    meta = decode_metadata_on_device(torch.tensor(beyond), live, host.block_tables, BS)
+    assert meta.slot_mapping.tolist() == [s if ok else -1 for s, (_, ok) in zip(host.slot_mapping.tolist(), rows)]
+    assert meta.seq_lens.tolist() == [n if ok else 0 for n, (_, ok) in zip(host.seq_lens.tolist(), rows)]
+    assert meta.query_start_loc.tolist() == host.query_start_loc.tolist() and meta.max_query_len == 1
+    assert meta.max_seq_len >= max(host.seq_lens_host) and meta.causal
 
 
 def test_to_device_round_trip_is_aligned():
