@@ -271,6 +271,23 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
     assert (decode.calls, chained.calls) == (2, 2)  # learning, then d_1 from the last token alone
 
 
+def test_a_draft_chain_beside_a_request_whose_block_table_is_full(tmp_path):
+    """Two requests draft together: one with room for three drafts, one whose block table ends at its last token,
+    so it gets one draft (d_1) and no chained position. The chain runs for the first and skips the second."""
+    from outrider.speculative.draft_model import DraftModelDrafter
+
+    path = write_tiny_checkpoint(tmp_path / "draft", hidden_size=32, layers=1, seed=6)
+    drafter = DraftModelDrafter(str(path), 512, block_size=16, dtype=torch.float32, device="cpu")
+    drafter.kv = KVCache.allocate(drafter.kv_shape[0], 16, 16, *drafter.kv_shape[1:], torch.float32, "cpu")
+    roomy, full = Request(list(range(3, 20)), SamplingParams()), Request(list(range(3, 35)), SamplingParams())
+    roomy.block_ids, full.block_ids = [1, 2], [3, 4]  # 17 tokens in 32 slots; 32 tokens in 32
+    alone = drafter.propose([roomy], [3]).tokens[0]
+    drafter.release(roomy.request_id)
+    assert [len(d) for d in drafter.propose([roomy, full], [3, 3]).tokens] == [3, 1]
+    drafter.release(roomy.request_id)
+    assert drafter.propose([roomy, full], [3, 3]).tokens[0] == alone
+
+
 def test_dflash_drafts_whole_blocks_through_its_graphs_when_they_fit(ckpts):
     """DFlash's whole-block drafting goes to its CUDA graphs when captured (a stand-in here: graphs need CUDA);
     a block cut short near the end of the block table runs eager. Drafts are the same either way."""

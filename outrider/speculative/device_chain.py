@@ -14,7 +14,7 @@ from outrider.attention import AttentionMetadata
 from outrider.attention.metadata import build_metadata, decode_metadata_on_device
 from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
-from outrider.speculative.drafter import StagedDrafts, stage_drafts
+from outrider.speculative.drafter import StagedDrafts, block_capacity, stage_drafts
 
 # One draft step: (the previous drafts [n], the drafter's state [n, S] or None, positions [n], metadata) ->
 # (the next state, the next drafts, their probabilities).
@@ -56,8 +56,11 @@ class DeviceChain:
              depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts d_2..d_{depth+1} and their probabilities, [n, depth] each: a captured graph when one fits, else
         the same steps eagerly."""
-        meta, start = build_metadata([(r.block_ids, r.num_tokens - 1 + self.offset, 1) for r in requests],
-                                     self.block_size, self.device)
+        # (A request whose own k is 1 drafts nothing here, and its block table may end before the first chained
+        # position: it starts at its last slot instead, which it never writes.)
+        first = [min(r.num_tokens - 1 + self.offset, block_capacity(r, self.block_size) - 1) for r in requests]
+        meta, start = build_metadata([(r.block_ids, p, 1) for r, p in zip(requests, first)], self.block_size,
+                                     self.device)
         ks_dev = torch.tensor(ks, dtype=torch.int64).to(self.device, non_blocking=True)
         graphs = self.graphs.get(depth)
         if graphs is None or not graphs.can_run(meta):
