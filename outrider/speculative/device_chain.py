@@ -16,6 +16,10 @@ from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.drafter import StagedDrafts, block_capacity, stage_drafts
 
+# Chains captured as graphs go up to this length (k <= 8): every length is a graph of its own per batch size, so a
+# draft model's capture grows with the square of it; a longer chain runs the same steps eagerly.
+MAX_GRAPH_DEPTH = 7
+
 # One draft step: (the previous drafts [n], the drafter's state [n, S] or None, positions [n], metadata) ->
 # (the next state, the next drafts, their probabilities).
 Step = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, AttentionMetadata],
@@ -86,13 +90,14 @@ class DeviceChain:
         return torch.stack(drafted, dim=1), torch.stack(confidence, dim=1)
 
     def capture(self, max_batch: int, max_model_len: int, max_depth: int, pool) -> None:
-        """A graph per chain length 1..max_depth at the verify batch sizes, into the target graphs' pool."""
+        """A graph per chain length 1..max_depth (at most MAX_GRAPH_DEPTH) at the verify batch sizes, into the target
+        graphs' pool."""
         buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
         self._ks_in = torch.zeros(buckets[-1], dtype=torch.int64, device=self.device)
         if self.state_size:
             self._state_in = torch.zeros(buckets[-1], self.state_size, dtype=self.dtype, device=self.device)
         graphs = {}
-        for depth in range(1, max_depth + 1):
+        for depth in range(1, min(max_depth, MAX_GRAPH_DEPTH) + 1):
             graphs[depth] = CudaGraphRunner(
                 lambda ids, pos, meta, depth=depth: self.steps(
                     ids, None if self._state_in is None else self._state_in[: ids.shape[0]], pos,
