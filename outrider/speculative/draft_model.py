@@ -3,8 +3,8 @@
 The draft model keeps its own paged KV pool indexed by the target's block ids, so a request's block table
 serves both. It learns committed tokens as the other drafters learn their rows (on_commit, in the Speculator's
 batches): each token it has not seen is fed as a one-token sequence, through its decode graphs when they fit. So a
-propose feeds the last committed token (its logits give d_1), then drafts argmax tokens one position at a time,
-every step a decode graph, however long the policy left it idle.
+propose feeds the last committed token alone (its logits give d_1), however long the policy left it idle, then
+drafts argmax tokens one position at a time on the device (DeviceChain: one graph for the whole chain).
 """
 
 from __future__ import annotations
