@@ -32,7 +32,7 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
 from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status
-from outrider.engine.runner import LaunchedStep, ModelRunner
+from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
