@@ -22,6 +22,7 @@
 # schema: JSON-schema mask cost at the Qwen3-8B shape, batch 1 and 32 (issue 17).
 # latency: batch-1 latency (8B vs HF, 0.6B, with phase profiles).
 # kernels: kernel micro-benchmarks (attention, fused ops, skinny GEMM configs vs cuBLAS).
+# sweep-attn: tile/split variants of paged attention at the verify and DFlash-block shapes (scripts/sweep_verify_attention.py).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
 # smollm2: SmolLM2-135M (GGUF, Q4_1) batch-1 latency and n-gram speculation on its own chat answers (issue 20).
 #          The 98 MB file is over a call's 64 MiB: split it here (`split -b 33M -d FILE .smol/part-`) and carry
@@ -36,7 +37,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -173,6 +174,8 @@ JSON
     fi ;;
   kernels)
     bench kernels ;;
+  sweep-attn)
+    timed "$OUT/bench.log" $PY scripts/sweep_verify_attention.py ;;
   latency)
     bench latency --random-weights qwen3-8b --compare hf --profile
     bench latency --random-weights qwen3-0.6b --profile ;;
