@@ -7,7 +7,7 @@ and makes each K/V tile serve every head that shares it.
 Long contexts with few programs are split along the KV axis (flash-decoding). The grid is sized from host
 upper bounds (AttentionMetadata), so a CUDA graph captured with max_seq_len = the model's limit replays for any
 shorter context; each program derives its split's key range from the sequence's ACTUAL length, with at least
-MIN_SPLIT_KEYS keys per split. A sequence whose keys fit one split is written directly by that split's program
+MIN_SPLIT_KEYS keys per split (VERIFY_MIN_SPLIT_KEYS for tiles of several query tokens). A sequence whose keys fit one split is written directly by that split's program
 (the other splits return at once); otherwise each split writes a partial output and its log-sum-exp, and the
 last split of a tile to finish (an arrival counter) merges them, so no second kernel is ever launched.
 """
@@ -29,6 +29,10 @@ _LOG2E = 1.4426950408889634
 # reads); two 64-key tiles cost about as much, so a context of up to 128 keys is one program and no merge.
 # 256 (a 256-key context one program) measured no faster on an H200: Qwen3-0.6B batch 1, 1068 vs 1076 tok/s.
 MIN_SPLIT_KEYS = 128
+# Fewest keys a split gets when a tile holds several query tokens (verify, DFlash block): there a split's partial
+# outputs and merge cost more than walking the keys. H200, Qwen3-8B layer, 16 queries over 300 keys planned for
+# 40960 (scripts/sweep_verify_attention.py): 27.8 us split 3 ways, 9.6 us in one program; 5 queries 17.3 -> 9.9.
+VERIFY_MIN_SPLIT_KEYS = 1024
 # A split launch has at most this many programs per SM, so that many arrival counters per SM suffice.
 _PROGRAMS_PER_SM = 4
 
@@ -76,8 +80,8 @@ def _attn_kernel(
     scale_log2, num_splits, num_tokens, stride_bt,
     GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, MERGE_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-    KEY_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, PREFETCH_KEYS: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    PRECISION: tl.constexpr, KEY_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # Every tensor is contiguous (the wrapper guarantees it), so strides follow from the shapes: fewer
     # launch arguments, which is most of Triton's per-launch host cost.
@@ -121,11 +125,11 @@ def _attn_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
         # The keys before this step's are in the cache already (L2 is coherent, so prefetching the newest ones
-        # early is harmless too): bring this program's first MIN_SPLIT keys (all of a decode split's, usually) of
-        # K and V into L2 while the previous kernel finishes. Positions and in-key offsets are clamped: every
+        # early is harmless too): bring this program's first PREFETCH_KEYS keys (all of a decode split's, usually)
+        # of K and V into L2 while the previous kernel finishes. Positions and in-key offsets are clamped: every
         # prefetched address is valid.
         if idle == 0:
-            p_pos = tl.minimum(lo + tl.arange(0, MIN_SPLIT), tl.maximum(hi - 1, 0))
+            p_pos = tl.minimum(lo + tl.arange(0, PREFETCH_KEYS), tl.maximum(hi - 1, 0))
             p_blk = tl.load(bt_row + p_pos // PAGE).to(tl.int64)
             p_off = p_blk * stride_kb + (p_pos % PAGE) * stride_ks + kvh * HEAD_DIM
             p_off = p_off[:, None] + tl.minimum(tl.arange(0, KEY_LINES) * LINE, HEAD_DIM - 1)[None, :]
@@ -220,6 +224,7 @@ class LaunchPlan(NamedTuple):
     num_stages: int
     m_blocks: int
     splits: int
+    min_split: int  # fewest keys a split gets (the kernel spreads each sequence's actual keys by it)
 
 
 def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, max_seq_len: int,
@@ -233,17 +238,18 @@ def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, 
     m_blocks = triton.cdiv(rows, block_m)
     programs = num_seqs * n_kv_heads * m_blocks
     splits, stages = 1, 2
+    min_split = MIN_SPLIT_KEYS if rows <= 16 else VERIFY_MIN_SPLIT_KEYS
     if rows <= 64 and programs < _PROGRAMS_PER_SM * num_sms:
         # Resident programs run their KV loops side by side, so time ~ keys per program: split up to 4 programs
         # per SM, never more (one arrival counter each). The kernel spreads each sequence's actual keys over at
         # most this many splits.
-        splits = max(1, min(_PROGRAMS_PER_SM * num_sms // programs, triton.cdiv(max_seq_len, MIN_SPLIT_KEYS), 32))
+        splits = max(1, min(_PROGRAMS_PER_SM * num_sms // programs, triton.cdiv(max_seq_len, min_split), 32))
         if splits > 1 and block_m == 16:
             # A decode split walks a few tiles, each a dependent memory round trip: fewer, larger tiles and no
             # software pipelining (its prologue is pure latency here). H200, batch 1, 200-330 keys planned for
             # 40960: 9.3 -> 6.0-7.8 us. (Taller verify tiles keep 64 keys: registers.)
             block_n, stages = 128, 1
-    return LaunchPlan(block_m, block_n, warps, stages, m_blocks, splits)
+    return LaunchPlan(block_m, block_n, warps, stages, m_blocks, splits, min_split)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -279,7 +285,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * _LOG2E, splits, t, meta.block_tables.stride(0),
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
-        MIN_SPLIT=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
+        MIN_SPLIT=plan.min_split, PREFETCH_KEYS=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,
         KEY_LINES=triton.next_power_of_2(triton.cdiv(head_dim * k_cache.element_size(), PREFETCH_LINE_BYTES)),
         LINE=PREFETCH_LINE_BYTES // k_cache.element_size(), num_warps=plan.num_warps, num_stages=plan.num_stages,
         **pdl_args(pdl),

@@ -153,13 +153,12 @@ def test_backends_agree_on_prepare_store_attend(device, half):
 
 def _live_splits(seq_len: int, plan) -> int:
     """How many of a launch's splits the kernel gives keys to (its per-sequence split rule, restated): whole
-    tiles of plan.block_n keys, at least MIN_SPLIT_KEYS a split."""
-    from outrider.kernels.attention import MIN_SPLIT_KEYS
+    tiles of plan.block_n keys, at least plan.min_split a split."""
 
     def cdiv(a, b):
         return -(-a // b)
 
-    per_split = max(cdiv(cdiv(seq_len, plan.splits), plan.block_n) * plan.block_n, MIN_SPLIT_KEYS)
+    per_split = max(cdiv(cdiv(seq_len, plan.splits), plan.block_n) * plan.block_n, plan.min_split)
     return max(cdiv(seq_len, per_split), 1)
 
 
@@ -206,10 +205,11 @@ def test_split_boundaries(seq_len, device, half):
 
 @pytest.mark.parametrize("q_len", [5, 16])
 def test_verify_shape_split_matches_reference(q_len, device, half):
-    # q_len * group rows > 16: the merge runs over several 16-row slices of the tile. With 129 keys the last
+    # q_len * group rows > 16: the merge runs over several 16-row slices of the tile. With 1025 keys the last
     # split holds only the last query token's key, so the other tokens' rows see none there (lse = -inf).
-    seq_lens = [q_len, 129, 700, 3000]
-    assert _capture_plan(len(seq_lens), q_len=q_len).splits > 1
+    seq_lens = [q_len, 1025, 700, 3000]
+    plan = _capture_plan(len(seq_lens), q_len=q_len)
+    assert [_live_splits(n, plan) for n in seq_lens] == [1, 2, 1, 3]
     out, ref, *_ = _run_both([q_len] * len(seq_lens), seq_lens, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
                              device=device)
     assert _rel_err(out, ref) < 1e-2
@@ -217,7 +217,7 @@ def test_verify_shape_split_matches_reference(q_len, device, half):
 
 
 def test_non_causal_split_matches_reference(device, half):
-    out, ref, *_ = _run_both([8, 3], [40, 900], causal=False, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
+    out, ref, *_ = _run_both([8, 3], [40, 2500], causal=False, max_seq_len=CAPTURE_MAX_SEQ_LEN, dtype=half,
                              device=device)
     assert _rel_err(out, ref) < 1e-2
     _assert_counters_rearmed(device)
@@ -278,3 +278,4 @@ def test_plan_launch_grid_stays_within_the_counters():
                 assert m_blocks == 1
                 assert num_seqs * 8 * splits <= _PROGRAMS_PER_SM * 132
     assert plan_launch(1, 8, 4, 1, 300, 132).splits == 3  # the host's bound: no more splits than 128-key pieces
+    assert plan_launch(1, 8, 4, 16, 3000, 132).splits == 3  # verify tiles: 1024-key pieces
