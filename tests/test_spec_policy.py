@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -56,15 +57,59 @@ def test_low_acceptance_turns_drafting_off_then_probes_ever_less_often():
 
 def test_a_standing_plain_decision_is_revisited_when_the_batch_changes():
     """k = 0 stands for a batch of two poorly accepted requests (the grid is not recomputed for it every step); when
-    one of them leaves and a fresh request (prior acceptance) takes its place, the policy decides again and drafts."""
+    one of them leaves and a well accepted request takes its place, the policy decides again and drafts."""
     policy = DraftPolicy(n_max=4)
-    poor = [req(), req()]
+    poor, good = [req(), req()], req()
     for r in poor:
         for _ in range(30):
             policy.record(r.request_id, proposed=4, accepted=0)
+    for _ in range(30):
+        policy.record(good.request_id, proposed=4, accepted=4)
     assert policy.draft_lengths(poor, DRAFTER) == [0, 0]
     assert policy.draft_lengths(poor, DRAFTER) == [0, 0]
-    assert min(policy.draft_lengths([poor[0], req()], DRAFTER)) > 0
+    assert min(policy.draft_lengths([poor[0], good], DRAFTER)) > 0
+
+
+def test_a_new_request_starts_halfway_between_the_prior_and_the_acceptance_of_those_before_it():
+    dear = SimpleNamespace(max_draft=4, step_cost=0.3)  # (drafts that pay only at a good acceptance)
+    ks = {}
+    for accepted in (0, 4):
+        policy = DraftPolicy(n_max=4)
+        assert policy.draft_lengths([req()], dear) == [4]  # the prior (0.7)
+        for _ in range(3):
+            earlier = req()
+            for _ in range(40):
+                policy.record(earlier.request_id, proposed=4, accepted=accepted)
+            policy.release(earlier.request_id)
+        ks[accepted] = policy.draft_lengths([req()], dear)[0]
+    assert ks == {0: 1, 4: 4}  # nothing accepted before: a probing round of one draft (alpha 0.35)
+
+
+def test_a_few_unlucky_rounds_do_not_keep_a_well_accepted_request_off_until_the_next_probe():
+    """A run of misses turns a request's own estimate down (k = 0); plain steps measure no acceptance, so its
+    estimate drifts back toward the one pooled over all rounds (0.8 here), and it drafts again long before the
+    first probe (probe_every decisions)."""
+    policy = DraftPolicy(n_max=4, probe_every=1000)
+    rng = random.Random(0)
+
+    def round_of(k):  # each draft kept with probability 0.8 until the first miss
+        return next((j for j in range(k) if rng.random() >= 0.8), k)
+
+    earlier = req()
+    for _ in range(200):
+        policy.record(earlier.request_id, proposed=4, accepted=round_of(4))
+    r = req()
+    for _ in range(8):
+        policy.record(r.request_id, proposed=4, accepted=0)
+    ks = []
+    dear = SimpleNamespace(max_draft=4, step_cost=0.3)  # (drafts that pay only at a good acceptance)
+    for _ in range(40):
+        k = policy.draft_lengths([r], dear)[0]
+        ks.append(k)
+        if k:
+            policy.record(r.request_id, proposed=k, accepted=round_of(k))
+    assert ks[0] == 0
+    assert 4 in ks[:30]
 
 
 def test_expensive_drafts_need_high_acceptance():

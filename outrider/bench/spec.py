@@ -13,10 +13,11 @@ GPU. (Which target layers a forward taps for the drafter is the runner's, passed
 as it would alone.)
 
 Per batch size, the plain engine runs the workload once to warm up and record every request's output. Per
-acceptance, the speculative engine warms up on one wave (at the first acceptance), each engine runs a profiled
-pass, back to back (speculative: rounds counted; synchronising timers split each round into draft, verify and
-host; these slower steps do not feed the policy's measured costs), then --repeats rounds of one timed pass per side, the order alternating (plain first, then speculative
-first, ...) so that a drift does not favour one side. Each side's best pass is reported, speedup = best rate over
+acceptance, the speculative engine warms up on one wave (at the first acceptance), then --repeats rounds of one
+timed pass per side, the order alternating (plain first, then speculative first, ...) so that a drift does not
+favour one side, then each engine runs a profiled pass, back to back (speculative: rounds counted; synchronising
+timers split each round into draft, verify and host; these slower steps do not feed the policy's measured costs,
+and coming last, they see the policy as the timed passes left it, not as warm-up did). Each side's best pass is reported, speedup = best rate over
 best rate, with the median ratio of the paired passes beside it; every pass's seconds go to the JSON. A workload
 is --num-requests requests (rounded up to a multiple of the batch size) of --gen tokens each, greedy with
 ignore_eos, in waves of batch-size requests; tok/s is every generated token over a timed pass's wall time, prefill
@@ -324,14 +325,14 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
         with patched((spec.speculator, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
             if n == 0:
                 _decode(spec, prompts[:batch], batch, args, register)  # warm-up: one wave at this batch size
+            for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
+                for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
+                    timed[side].append(passes[side]())
             # The two profiled passes back to back: their decode steps are compared
             plain_profile, profile = StepProfile(plain, None), StepProfile(spec, real)
             plain_pass(plain_profile)
             with profile.instrumented():
                 passes["spec"]()
-            for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
-                for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
-                    timed[side].append(passes[side]())
         off_script = max(len(ctl.off_script.intersection(p.request_ids)) for p in timed["spec"]) if ctl else 0
         result = _result(real.kind, batch, alpha, spec.config.spec_draft_n_max, timed["plain"], timed["spec"],
                          recorded, profile, plain_profile, off_script)

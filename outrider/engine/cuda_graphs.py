@@ -88,6 +88,9 @@ class CudaGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.forward(*args)
+            # A graph's first replay uploads it to the device, slower than any later one: done now, not in the first
+            # step that uses it (the speculative policy's cost of a draft length can rest on one such step).
+            graph.replay()
             if self.pool is None:
                 self.pool = graph.pool()
             self._single = isinstance(out, torch.Tensor)

@@ -174,8 +174,10 @@ class Engine:
                 self.add_request(Request(prompt, one), lambda out: None)
                 self._run_until_idle()
             q_len *= 2
-        if self.policy is not None and self.policy.measured:
-            self._calibrate_speculation()
+        if self.policy is not None:
+            if self.policy.measured:
+                self._calibrate_speculation()
+            self.policy.forget_acceptance()
         self.pool.reset_prefix_cache()
         self.pool.hits = 0
         self.counters = dict.fromkeys(self.counters, 0)
@@ -187,6 +189,7 @@ class Engine:
         batch = 1
         while batch <= min(self.config.max_num_seqs, self.policy.max_batch):
             for k in range(self.policy.n_max + 1):
+                self.policy.forget_acceptance()  # (the drafts of synthetic prompts miss: each k starts from the prior)
                 params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, spec_n_max=k)
                 for i in range(batch):
                     self.add_request(Request([5 + (7 * i + j) % (vocab - 5) for j in range(8)], params),

@@ -142,6 +142,15 @@ class _Acceptance:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    def add(self, decay: float, accepted: float, rejected: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + rejected
+
+    def relax(self, toward: _Acceptance, rate: float) -> None:
+        """Move a step of `rate` toward another estimate's counts (its alpha and its weight)."""
+        self.accepted += rate * (toward.accepted - self.accepted)
+        self.rejected += rate * (toward.rejected - self.rejected)
+
 
 def batch_bucket(n: int) -> int:
     """The power of two at or above n: step costs are measured per bucket of decoding sequences."""
@@ -202,7 +211,12 @@ class DraftPolicy:
     `costs` (measured, when `measured`), else from the drafter's own estimate of a draft's cost relative to a
     plain step (`Drafter.step_cost`). k = 0 (a plain step) competes too, so speculation turns itself down or off
     where it does not pay. While it is off, an exploratory round now and then (with a doubling interval)
-    re-measures acceptance and cost."""
+    re-measures acceptance and cost.
+
+    A request's estimate starts from the prior and the drafter's acceptance over all requests (slowly decayed), and
+    drifts back toward the latter on each step the request does not draft: a few unlucky rounds (at alpha 0.7, three misses in a row
+    happen every ~40 rounds) would otherwise switch a good request to plain steps until the next probe, since
+    plain steps measure no acceptance."""
 
     n_max: int = DEFAULT_N_MAX  # server default for SamplingParams.spec_n_max (--draft-max)
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
@@ -211,11 +225,13 @@ class DraftPolicy:
     max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
     max_batch: int = 64  # no drafting above this many decoding requests
     prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
-    decay: float = 0.9  # weight of the past per round
+    decay: float = 0.9  # weight of the past per round (a request's estimate; its drift per undrafted step: 1 - decay)
+    pooled_decay: float = 0.99  # weight of the past per round in the estimate over all requests
     probe_every: int = 32  # first interval (in decisions) of exploratory rounds while k = 0 wins
     probe_max: int = 2048  # the interval doubles after each probe that changes nothing, up to this
     costs: StepCosts = field(default_factory=StepCosts)
     _stats: dict[int, _Acceptance] = field(default_factory=dict, repr=False)
+    _pooled: _Acceptance | None = field(default=None, repr=False)  # over all requests' rounds
     _probes: dict[int, _Probe] = field(default_factory=dict, repr=False)
 
     def draft_lengths(self, requests: Sequence[Request], drafter: Drafter) -> list[int]:
@@ -226,8 +242,13 @@ class DraftPolicy:
         caps = [self._cap(r, batch_cap) for r in requests]
         if max(caps, default=0) <= 0:
             return [0] * len(requests)
-        alphas = [self._acceptance(r.request_id).alpha for r in requests]
-        k = self._batch_length(len(requests), caps, alphas, drafter.step_cost)
+        stats = [self._acceptance(r.request_id) for r in requests]
+        k = self._batch_length(len(requests), caps, [st.alpha for st in stats], drafter.step_cost)
+        if k == 0 and self._pooled is not None:
+            pooled = _Acceptance(2 * self._pooled.alpha, 2 * (1 - self._pooled.alpha))
+            for st, cap in zip(stats, caps):
+                if cap > 0:
+                    st.relax(pooled, 1.0 - self.decay)
         return [min(k, c) for c in caps]
 
     def _cap(self, req: Request, cap: int) -> int:
@@ -265,7 +286,8 @@ class DraftPolicy:
             return 0  # a plain step first: every estimate is relative to it
 
         probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
-        inputs = (tuple(caps), tuple(alphas), step_cost)
+        # (acceptances rounded: drifting toward the pooled estimate, they settle there only to within rounding)
+        inputs = (tuple(caps), tuple(round(a, 3) for a in alphas), step_cost)
         if probe.standing != inputs:
             # Expected tokens over the batch for every k at once (rows: k; columns: requests, each drafting up to
             # its cap), then per second: this runs on decode steps, so as one numpy grid, not a loop per cell.
@@ -314,9 +336,10 @@ class DraftPolicy:
         """One verify round's outcome for a request."""
         if proposed <= 0:
             return
-        st = self._acceptance(request_id)
-        st.accepted = self.decay * st.accepted + accepted
-        st.rejected = self.decay * st.rejected + (1 if accepted < proposed else 0)
+        rejected = 1 if accepted < proposed else 0
+        self._acceptance(request_id).add(self.decay, accepted, rejected)
+        self._pooled = self._pooled or self._prior()
+        self._pooled.add(self.pooled_decay, accepted, rejected)
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         """A pure decode step of `batch` sequences with drafts of up to k (0: none) took `seconds`."""
@@ -326,11 +349,25 @@ class DraftPolicy:
     def release(self, request_id: int) -> None:
         self._stats.pop(request_id, None)
 
+    def forget_acceptance(self) -> None:
+        """Drop what rounds so far said of acceptance (warm-up traffic: synthetic prompts)."""
+        self._stats, self._pooled = {}, None
+
     def _acceptance(self, request_id: int) -> _Acceptance:
-        """The request's decayed counts; a new one starts from the prior as two pseudo-rounds."""
+        """The request's decayed counts; a new one starts fresh (`_fresh`)."""
         if request_id not in self._stats:
-            self._stats[request_id] = _Acceptance(2 * self.prior_alpha, 2 * (1 - self.prior_alpha))
+            self._stats[request_id] = self._fresh()
         return self._stats[request_id]
+
+    def _prior(self) -> _Acceptance:
+        return _Acceptance(2 * self.prior_alpha, 2 * (1 - self.prior_alpha))
+
+    def _fresh(self) -> _Acceptance:
+        """What a request knows before its own rounds, worth two rounds: one of the prior, one of the pooled
+        acceptance (the prior again until any round). The prior's half keeps a new request trying a round or two
+        where earlier ones were not accepted, as it is not measured otherwise."""
+        alpha = (self.prior_alpha + (self._pooled.alpha if self._pooled is not None else self.prior_alpha)) / 2
+        return _Acceptance(2 * alpha, 2 * (1 - alpha))
 
 
 def greedy_drafts(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
