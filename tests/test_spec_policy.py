@@ -75,7 +75,7 @@ def test_a_new_request_starts_halfway_between_the_prior_and_the_acceptance_of_th
     ks = {}
     for accepted in (0, 4):
         policy = DraftPolicy(n_max=4)
-        assert policy.draft_lengths([req()], dear) == [4]  # the prior (0.7)
+        assert policy.draft_lengths([req()], dear) == [2]  # the prior (0.7)
         for _ in range(3):
             earlier = req()
             for _ in range(40):

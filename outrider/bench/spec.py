@@ -17,11 +17,11 @@ acceptance, the speculative engine warms up on one wave (at the first acceptance
 timed pass per side, the order alternating (plain first, then speculative first, ...) so that a drift does not
 favour one side, then each engine runs a profiled pass, back to back (speculative: rounds counted; synchronising
 timers split each round into draft, verify and host; these slower steps do not feed the policy's measured costs,
-and coming last, they see the policy as the timed passes left it, not as warm-up did). Each side's best pass is reported, speedup = best rate over
-best rate, with the median ratio of the paired passes beside it; every pass's seconds go to the JSON. A workload
-is --num-requests requests (rounded up to a multiple of the batch size) of --gen tokens each, greedy with
-ignore_eos, in waves of batch-size requests; tok/s is every generated token over a timed pass's wall time, prefill
-included.
+and coming last, they see the policy as the timed passes left it, not as warm-up did). Each side's best pass is
+reported, speedup = best rate over best rate, with the median ratio of the paired passes beside it; every pass's
+seconds go to the JSON. A workload is --num-requests requests (rounded up to a multiple of the batch size) of
+--gen tokens each, greedy with ignore_eos, in waves of batch-size requests; tok/s is every generated token over a
+timed pass's wall time, prefill included.
 
 What disturbs a host-bound target shows instead of becoming a speedup: every Engine.step of the timed passes is
 timed, and a step slower than SLOW_FACTOR x the median of its kind (steps that commit a prompt's first token, and

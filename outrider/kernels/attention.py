@@ -7,9 +7,10 @@ and makes each K/V tile serve every head that shares it.
 Long contexts with few programs are split along the KV axis (flash-decoding). The grid is sized from host
 upper bounds (AttentionMetadata), so a CUDA graph captured with max_seq_len = the model's limit replays for any
 shorter context; each program derives its split's key range from the sequence's ACTUAL length, with at least
-MIN_SPLIT_KEYS keys per split (VERIFY_MIN_SPLIT_KEYS for tiles of several query tokens). A sequence whose keys fit one split is written directly by that split's program
-(the other splits return at once); otherwise each split writes a partial output and its log-sum-exp, and the
-last split of a tile to finish (an arrival counter) merges them, so no second kernel is ever launched.
+MIN_SPLIT_KEYS keys per split (VERIFY_MIN_SPLIT_KEYS for tiles of several query tokens). A sequence whose keys fit
+one split is written directly by that split's program (the other splits return at once); otherwise each split
+writes a partial output and its log-sum-exp, and the last split of a tile to finish (an arrival counter) merges
+them, so no second kernel is ever launched.
 """
 
 from __future__ import annotations

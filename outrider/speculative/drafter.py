@@ -142,6 +142,10 @@ class _Acceptance:
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    @classmethod
+    def worth_two_rounds(cls, alpha: float) -> _Acceptance:
+        return cls(2 * alpha, 2 * (1 - alpha))
+
     def add(self, decay: float, accepted: float, rejected: float) -> None:
         self.accepted = decay * self.accepted + accepted
         self.rejected = decay * self.rejected + rejected
@@ -214,9 +218,9 @@ class DraftPolicy:
     re-measures acceptance and cost.
 
     A request's estimate starts from the prior and the drafter's acceptance over all requests (slowly decayed), and
-    drifts back toward the latter on each step the request does not draft: a few unlucky rounds (at alpha 0.7, three misses in a row
-    happen every ~40 rounds) would otherwise switch a good request to plain steps until the next probe, since
-    plain steps measure no acceptance."""
+    drifts back toward the latter on each step the request does not draft: a few unlucky rounds (at alpha 0.7,
+    three misses in a row happen every ~40 rounds) would otherwise switch a good request to plain steps until the
+    next probe, since plain steps measure no acceptance."""
 
     n_max: int = DEFAULT_N_MAX  # server default for SamplingParams.spec_n_max (--draft-max)
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
@@ -245,7 +249,7 @@ class DraftPolicy:
         stats = [self._acceptance(r.request_id) for r in requests]
         k = self._batch_length(len(requests), caps, [st.alpha for st in stats], drafter.step_cost)
         if k == 0 and self._pooled is not None:
-            pooled = _Acceptance(2 * self._pooled.alpha, 2 * (1 - self._pooled.alpha))
+            pooled = _Acceptance.worth_two_rounds(self._pooled.alpha)
             for st, cap in zip(stats, caps):
                 if cap > 0:
                     st.relax(pooled, 1.0 - self.decay)
@@ -338,7 +342,7 @@ class DraftPolicy:
             return
         rejected = 1 if accepted < proposed else 0
         self._acceptance(request_id).add(self.decay, accepted, rejected)
-        self._pooled = self._pooled or self._prior()
+        self._pooled = self._pooled or _Acceptance.worth_two_rounds(self.prior_alpha)
         self._pooled.add(self.pooled_decay, accepted, rejected)
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
@@ -359,15 +363,12 @@ class DraftPolicy:
             self._stats[request_id] = self._fresh()
         return self._stats[request_id]
 
-    def _prior(self) -> _Acceptance:
-        return _Acceptance(2 * self.prior_alpha, 2 * (1 - self.prior_alpha))
-
     def _fresh(self) -> _Acceptance:
         """What a request knows before its own rounds, worth two rounds: one of the prior, one of the pooled
         acceptance (the prior again until any round). The prior's half keeps a new request trying a round or two
         where earlier ones were not accepted, as it is not measured otherwise."""
-        alpha = (self.prior_alpha + (self._pooled.alpha if self._pooled is not None else self.prior_alpha)) / 2
-        return _Acceptance(2 * alpha, 2 * (1 - alpha))
+        pooled = self._pooled.alpha if self._pooled is not None else self.prior_alpha
+        return _Acceptance.worth_two_rounds((self.prior_alpha + pooled) / 2)
 
 
 def greedy_drafts(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
