@@ -30,7 +30,7 @@ SHAPES = {  # name: (batch, ctx, queries per sequence, causal)
 
 def variants(rows: int):
     """(block_m, block_n, warps, stages, splits): splits 0 = the default plan's count."""
-    block_ms = sorted({16, 32, 64} & set(range(16, 2 * max(16, triton.next_power_of_2(rows)) + 1))) or [16]
+    block_ms = [bm for bm in (16, 32, 64) if bm <= max(16, triton.next_power_of_2(rows))]  # (taller: idle rows)
     for bm, bn, w, st, sp in itertools.product(block_ms, (32, 64, 128), (4, 8), (1, 2), (0, 1, 4, 16)):
         if bm * bn > 64 * 128 and w == 4:
             continue  # too many registers per thread
