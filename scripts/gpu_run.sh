@@ -11,7 +11,7 @@
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
 # train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
 # spec-demo: bench spec on the demo family (DEMO, default outrider/demo): DFlash, MTP, draft model at batch 1, 8.
-# ngram: n-gram drafting on the demo target, edit and unrepeated workloads, batch 1 (issue 19's targets).
+# ngram: n-gram drafting on the demo target, edit (draft cap 8 and 16) and unrepeated workloads, batch 1 (issue 19).
 # spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch SPEC8B_BATCH (default 1 8 32),
 #          SPEC8B_REQUESTS requests per batch size (default 16; batch 1 dominates the time: a pass of 16 x 128 tokens
 #          is ~9 s plain, and each acceptance runs 2 + 2 x SPEC_REPEATS passes); KINDS picks presets
@@ -124,6 +124,7 @@ for MODE in "$@"; do
     $PY -c "from outrider.bench.workloads import write_workload as w; w('edit', '/tmp/edit.json'); w('novel', '/tmp/novel.json')"
     p="--model $DEMO/target --spec-type ngram --spec-ngram-simple-size-n 3 --draft-n-max 8 --batch 1"
     bench spec $p --prompts /tmp/edit.json --json "$OUT/json/ngram-edit.json"
+    bench spec ${p/--draft-n-max 8/--draft-n-max 16} --prompts /tmp/edit.json --json "$OUT/json/ngram-edit-16.json"
     bench spec $p --prompts /tmp/novel.json --json "$OUT/json/ngram-novel.json"
     bench spec $p --prompts /tmp/novel.json --spec-ngram-simple-min-hits 100000 --json "$OUT/json/ngram-lookup.json" ;;
   spec-8b)
