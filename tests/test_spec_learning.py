@@ -18,6 +18,7 @@ import outrider.speculative.speculator as speculator_mod
 from outrider import LLM, SamplingParams
 from outrider.engine.request import Request
 from outrider.engine.runner import StepOutput
+from outrider.speculative.drafter import LEARN_ROWS
 from outrider.speculative.speculator import LEARN_BACKLOG_STEPS
 from spec_helpers import H, LOOKUP_SETUPS, SETUPS, write_families
 
@@ -200,7 +201,7 @@ def test_undrafted_decode_steps_learn_nothing_until_the_queue_is_full(families, 
 
 def test_drafters_without_hidden_rows_keep_none(families, monkeypatch):
     """N-gram lookup (alone or beside a draft model) reads committed tokens only: no step copies its hidden rows
-    for it, and on_commit gets none."""
+    for it, and on_commit gets none; alone, nothing is queued for it at all (its lookups index what they read)."""
     copies = []
     keep = StepOutput.keep_hidden
     monkeypatch.setattr(StepOutput, "keep_hidden", lambda self: copies.append(1) or keep(self))
@@ -212,7 +213,8 @@ def test_drafters_without_hidden_rows_keep_none(families, monkeypatch):
         outs = llm.generate([prompt, prompt[::-1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         assert any(c.timing.draft_rounds for c in outs)
         learns = [e for e in record.events if e[0] == "learn"]
-        assert learns and all(rows is None for _, _, rows in learns)
+        assert all(rows is None for _, _, rows in learns)
+        assert bool(learns) == llm.engine.drafter.learns == (kind != "ngram")
     assert not copies
 
 
@@ -274,3 +276,19 @@ def test_preempted_request_drops_its_queue(families):
     plain = LLM(path, dtype="float32", max_num_seqs=4, spec_type="none")
     assert [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in (a, b)] == generate(
         plain, [a.prompt_ids, b.prompt_ids], [30, 30])
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft"])
+def test_undrafted_steps_at_a_large_batch_learn_in_pieces_that_fit_one_learning_graph(families, kind):
+    """Eight requests that never draft fill the queue with eight rows a step: it is handed over before it would
+    outgrow the largest learning graph (LEARN_ROWS), not after LEARN_BACKLOG_STEPS steps as one eager, ragged
+    forward; and every decode row is still learned, once."""
+    llm = spec_llm(families, kind)
+    force_lengths(llm.engine, drafts=False)
+    record = Recorder().install(llm.engine)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [400 + i] for i in range(8)]
+    generate(llm, prompts, [3 * LEARN_BACKLOG_STEPS] * 8)
+    decode_learns = [sum(n for _, _, n in e[1]) for e in record.events
+                     if e[0] == "learn" and all(s > 0 for _, s, _ in e[1])]
+    assert max(decode_learns) == LEARN_ROWS[-1]
+    assert sum(decode_learns) == 8 * (3 * LEARN_BACKLOG_STEPS - 1)

@@ -197,6 +197,24 @@ def test_one_slow_early_round_does_not_rule_its_draft_length_out_for_good():
     assert policy.costs.get(1, 4) == pytest.approx(7.7e-3)  # measured afresh, not averaged with the slow round
 
 
+def test_a_stalled_first_round_does_not_price_speculation_out_until_it_goes_stale():
+    """A probe round that stalled (200 ms against a 1 ms plain step: a kernel compiled on first use, as seen on the
+    H200 at batch 8) counts as at most first_factor plain steps, and the true cost (3 ms) takes over within a few
+    rounds; a later stall moves the average by a bounded step only."""
+    r = req()
+    policy = DraftPolicy(n_max=4, measured=True)
+    for _ in range(30):
+        policy.record(r.request_id, proposed=4, accepted=4)  # alpha ~0.97: a 3 ms round of 4 drafts pays
+    policy.observe_step(1, 0, 1e-3)
+    policy.observe_step(1, 4, 200e-3)
+    assert policy.costs.get(1, 4) == pytest.approx(policy.costs.first_factor * 1e-3)
+    for _ in range(12):
+        policy.observe_step(1, 4, 3e-3)
+    assert policy.costs.get(1, 4) < 3.5e-3 and policy.draft_lengths([r], DRAFTER) == [4]
+    policy.observe_step(1, 4, 500e-3)
+    assert policy.costs.get(1, 4) < 2 * 3.5e-3
+
+
 def test_nothing_accepted_brings_plain_steps_back_even_after_a_slow_plain_measurement():
     """At alpha = 0 a round yields one token, as a plain step does, for more time. A plain step measured slow once
     (10 ms against its true 4.3) makes one-draft rounds (6.8 ms) look better, and rounds do not measure plain

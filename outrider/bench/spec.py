@@ -188,6 +188,9 @@ class SpecResult:
     spec_clock_mhz: list[tuple[int, int]] | None
     plain_decode_step: StepCost  # the plain engine's decode step
     undrafted_step: StepCost | None  # the speculative engine's decode step without drafts; None: every one drafted
+    # What DraftPolicy had measured of a step at this batch size after the timed passes, ms by draft length (0: a
+    # plain step); empty where it chooses from estimates (the CPU's default)
+    policy_ms: dict[int, float]
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,7 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
             for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
                 for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
                     timed[side].append(passes[side]())
+            policy_ms = {k: 1e3 * s for k, s in sorted(spec.policy.costs.at(batch).items())}
             # The two profiled passes back to back: their decode steps are compared
             plain_profile, profile = StepProfile(plain, None), StepProfile(spec, real)
             plain_pass(plain_profile)
@@ -335,7 +339,7 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
                 passes["spec"]()
         off_script = max(len(ctl.off_script.intersection(p.request_ids)) for p in timed["spec"]) if ctl else 0
         result = _result(real.kind, batch, alpha, spec.config.spec_draft_n_max, timed["plain"], timed["spec"],
-                         recorded, profile, plain_profile, off_script)
+                         recorded, profile, plain_profile, off_script, policy_ms)
         results.append(result)
         print(report(result), flush=True)
     return results
@@ -500,7 +504,8 @@ class StepProfile:
 
 
 def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: list[Pass], spec: list[Pass],
-            recorded: Pass, profile: StepProfile, plain_profile: StepProfile, off_script: int) -> SpecResult:
+            recorded: Pass, profile: StepProfile, plain_profile: StepProfile, off_script: int,
+            policy_ms: dict[int, float]) -> SpecResult:
     rounds = Rounds(profile.rounds, profile.undrafted)
     best_plain, best_spec = (min(passes, key=lambda p: p.seconds) for passes in (plain, spec))
     plain_rate, spec_rate = best_plain.tokens / best_plain.seconds, best_spec.tokens / best_spec.seconds
@@ -517,7 +522,8 @@ def _result(kind: str, batch: int, alpha: float | None, n_max: int, plain: list[
         off_script=off_script, repeats=len(spec), plain_pass_s=[p.seconds for p in plain],
         spec_pass_s=[p.seconds for p in spec], paired_speedup=paired, plain_steps=StepTimes.of(plain),
         spec_steps=StepTimes.of(spec), plain_clock_mhz=_clocks(plain), spec_clock_mhz=_clocks(spec),
-        plain_decode_step=plain_profile.decode_step_cost(), undrafted_step=profile.decode_step_cost())
+        plain_decode_step=plain_profile.decode_step_cost(), undrafted_step=profile.decode_step_cost(),
+        policy_ms=policy_ms)
 
 
 def _clocks(passes: Sequence[Pass]) -> list[tuple[int, int]] | None:
@@ -526,8 +532,8 @@ def _clocks(passes: Sequence[Pass]) -> list[tuple[int, int]] | None:
 
 
 def report(r: SpecResult) -> str:
-    """Four printed lines: the speeds; how undisturbed the timed passes were; what a step that drafts nothing
-    costs; what the rounds did and cost."""
+    """Four or five printed lines: the speeds; how undisturbed the timed passes were; what a step that drafts
+    nothing costs; what the rounds did and cost; what the policy had measured of them (when it measures)."""
     alpha = f" acceptance={r.acceptance:g}" if r.acceptance is not None else ""
     sides = (("plain", r.plain_steps, r.plain_clock_mhz), ("speculative", r.spec_steps, r.spec_clock_mhz))
     slow = ", ".join(f"{name} {sum(t.slow)} (slowest {t.max_ms:.1f} ms)" for name, t, _ in sides)
@@ -557,4 +563,6 @@ def report(r: SpecResult) -> str:
             f"{r.undrafted} undrafted decodes; accepted by draft position {by_position}; "
             f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
             f"{s.total_ms:.3f} (synchronised, mean of {s.steps} verify steps); verify eager in {s.verify_eager}; "
-            f"drafter forwards {drafter_graphs}")
+            f"drafter forwards {drafter_graphs}"
+            + (f"\n  the policy's measured step ms by draft length: " + ", ".join(
+                f"k={k} {ms:.3f}" for k, ms in r.policy_ms.items()) if r.policy_ms else ""))

@@ -27,6 +27,7 @@ from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedD
 class ChainDrafter:
     aux_layer_ids: tuple[int, ...] = ()
     reads_hidden = True  # the head's input at each committed pair
+    learns = True
     stages_on_device = True
 
     def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int,

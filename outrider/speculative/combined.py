@@ -33,6 +33,7 @@ class CombinedDrafter:
         self.kind = ",".join(m.kind for m in members)
         self.aux_layer_ids = self.model.aux_layer_ids if self.model else ()
         self.reads_hidden = any(m.reads_hidden for m in members)
+        self.learns = any(m.learns for m in members)
         self.stages_on_device = False  # (members' proposals are merged on the host)
         self.max_draft = max(m.max_draft for m in members)
         self.step_cost = max(m.step_cost for m in members)  # the dearest member bounds what a round may cost

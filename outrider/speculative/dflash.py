@@ -55,6 +55,7 @@ class DFlashModel(nn.Module):
 class DFlashDrafter:
     kind = "dflash"
     reads_hidden = True  # its context: the taps' outputs at every committed position
+    learns = True
     stages_on_device = True
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 

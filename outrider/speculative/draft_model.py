@@ -26,6 +26,7 @@ class DraftModelDrafter:
     kind = "draft"
     aux_layer_ids: tuple[int, ...] = ()
     reads_hidden = False  # it feeds committed tokens to its own model
+    learns = True
     stages_on_device = False  # its KV catch-up keeps the drafts as host lists
     step_cost = 0.1  # [est] a draft model ~10x smaller than the target
 

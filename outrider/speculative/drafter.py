@@ -68,6 +68,7 @@ class Drafter(Protocol):
     kind: str  # "draft" | "mtp" | "dflash" | "eagle3" | "ngram", or several comma-joined (combined.py)
     aux_layer_ids: tuple[int, ...]  # target decoder layers whose outputs it reads (the engine's runner taps them)
     reads_hidden: bool  # on_commit reads the target's hidden rows (else it gets None and no rows are kept for it)
+    learns: bool  # on_commit does anything (False: the engine never queues committed rows for it)
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
     kv_shape: tuple[int, int, int]  # (layers, KV heads, head dim) of its own KV pool
@@ -171,17 +172,30 @@ class StepCosts:
     leaves it out, and its next measurement starts afresh): the policy stops choosing a k whose cost looks high,
     so without this one slow early round (a warm-up, a busy host) would rule that k out for good. Re-priced from
     its neighbours, it is tried again if it then looks best. The plain step goes stale too (speculation that always
-    wins stops measuring it): then the policy takes a plain step first, as it does before anything is measured."""
+    wins stops measuring it): then the policy takes a plain step first, as it does before anything is measured.
+
+    A measurement counts at most `stall_factor` times what the length cost before (a first one: `first_factor`
+    times the plain step): a stall (a kernel compiled on first use, a collection, a busy host) would otherwise
+    price a draft length out of reach until it goes stale, while a real change still moves the average, a bounded
+    step at a time."""
 
     weight: float = 0.25  # of a new measurement
     stale_after: int = 256
+    stall_factor: float = 4.0
+    first_factor: float = 16.0  # (a round may cost several plain steps: the demo's draft model at batch 8, eight)
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # batch bucket -> k -> seconds
     _measured_at: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> k -> its count then
     _counts: dict[int, int] = field(default_factory=dict)  # measurements per bucket
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         bucket = batch_bucket(batch)
-        old = self.at(batch).get(k)
+        known = self.at(batch)
+        old = known.get(k)
+        plain = known.get(0)
+        if old is not None:
+            seconds = min(seconds, self.stall_factor * old)
+        elif plain is not None:
+            seconds = min(seconds, self.first_factor * plain)
         self.seconds.setdefault(bucket, {})[k] = seconds if old is None else old + self.weight * (seconds - old)
         self._counts[bucket] = count = self._counts.get(bucket, 0) + 1
         self._measured_at.setdefault(bucket, {})[k] = count

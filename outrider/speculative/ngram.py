@@ -107,7 +107,10 @@ class NgramIndex:
 class NgramDrafter:
     kind = "ngram"
     aux_layer_ids: tuple[int, ...] = ()
-    reads_hidden = False  # it indexes committed tokens
+    reads_hidden = False
+    # Indexing committed tokens (on_commit) can wait until a lookup (may_propose, propose catch up first): the
+    # engine queues nothing for it alone, which would cost host work on every step.
+    learns = False
     stages_on_device = False  # (its drafts are made on the host)
     step_cost = 0.01  # [est] a dictionary lookup on the host; nothing runs on the device
     kv_shape = (0, 0, 0)  # no KV pool: a pool of zero layers allocates nothing

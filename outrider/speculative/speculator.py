@@ -18,7 +18,8 @@ import torch
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import Request, Status
 from outrider.engine.scheduler import StepPlan
-from outrider.speculative.drafter import PENDING, Commit, DraftPolicy, Drafter, PendingDrafts, StagedDrafts
+from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, PendingDrafts,
+                                         StagedDrafts)
 
 if TYPE_CHECKING:
     from outrider.engine.runner import StepOutput
@@ -28,9 +29,9 @@ log = logging.getLogger("outrider.engine")
 # Steps whose committed rows may wait before the drafter learns them. Learning is a drafter forward (DFlash: fc,
 # norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever the row count, a graph replay
 # and its copies on CUDA, dozens of eager launches elsewhere: on a launch-bound target it costs as much again as a
-# plain step. Queued, it runs once per
-# round (before each propose) and once per this many undrafted steps, while the rows kept for it (the hidden and
-# aux rows of at most this many decode steps) stay small beside the KV pools.
+# plain step. Queued, it runs once per round (before each propose) and once per this many undrafted steps, or
+# sooner where more rows would no longer fit one learning graph (LEARN_ROWS): a larger learn runs eager and ragged,
+# as a prefill's does, at many times a replay's host cost (and, on the first of a shape, a kernel compile).
 LEARN_BACKLOG_STEPS = 16
 
 
@@ -52,6 +53,10 @@ class _Queued:
 
     commits: list[Commit]
     rows: list[int]
+
+    @property
+    def count(self) -> int:
+        return sum(c.count for c in self.commits)
 
     def add(self, commit: Commit, rows: Iterable[int]) -> None:
         last = self.commits[-1]
@@ -75,6 +80,7 @@ class Speculator:
         self._aux: list[torch.Tensor] = []
         self._rows = 0
         self._steps = 0  # steps queued since the queue was last empty
+        self._committed = 0  # committed rows queued (what one learn will run over)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
@@ -136,6 +142,8 @@ class Speculator:
         learn the queue: all of it when the step prefilled (a heavy step anyway) or the queue spans
         LEARN_BACKLOG_STEPS steps; a finishing request's rows now, before its blocks are released (they may serve
         prefix hits). Propose learns the rest first."""
+        if not self.drafter.learns:
+            return
         commits: list[Commit] = []
         firsts: list[int] = []  # each commit's first row in the step's hidden rows
         base = 0
@@ -152,7 +160,11 @@ class Speculator:
             base += s.num_query_tokens
         if not commits:
             return
+        added = sum(c.count for c in commits)
+        if self._committed and self._committed + added > LEARN_ROWS[-1]:
+            self.flush()  # (what is queued still fits one learning graph; with this step's rows it would not)
         self._steps += 1
+        self._committed += added
         now = plan.has_prefill or self._steps >= LEARN_BACKLOG_STEPS
         offset = self._rows
         if self.drafter.reads_hidden:
@@ -180,6 +192,7 @@ class Speculator:
         if not ids:
             return
         queued = [self._queued.pop(r) for r in ids]
+        self._committed -= sum(q.count for q in queued)
         hidden = aux = None
         if self.drafter.reads_hidden:
             # (the index is built on the host and copied without blocking: torch.tensor(..., device=cuda) would
@@ -196,7 +209,7 @@ class Speculator:
             log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
 
     def _forget_rows(self) -> None:
-        self._hidden, self._aux, self._rows, self._steps = [], [], 0, 0
+        self._hidden, self._aux, self._rows, self._steps, self._committed = [], [], 0, 0, 0
 
     def record(self, request_id: int, proposed: int, accepted: int) -> None:
         self.policy.record(request_id, proposed, accepted)
@@ -215,8 +228,11 @@ class Speculator:
     def release(self, request_id: int) -> None:
         """Forget a request whose blocks are freed: finished ones were learned in `learn`; what is still queued
         (preemption, abort) is dropped, its blocks being gone."""
-        if self._queued.pop(request_id, None) is not None and not self._queued:
-            self._forget_rows()
+        queued = self._queued.pop(request_id, None)
+        if queued is not None:
+            self._committed -= queued.count
+            if not self._queued:
+                self._forget_rows()
         self.drafter.release(request_id)
         self.policy.release(request_id)
         self._kinds.pop(request_id, None)

@@ -1,0 +1,78 @@
+"""Where an engine step's host time goes: cProfile over decode steps of a real checkpoint, with and without a
+drafter, the draft policy live (as served). On a launch-bound target (the demo family on a GPU) the host is the
+step's critical path, so what a loaded drafter adds here is what it costs, drafting or not.
+
+    python scripts/profile_host.py --model outrider/demo/target --batch 8 [--draft-model outrider/demo/dflash |
+        --spec-type mtp|ngram] [--tokens 128] [--top 30]
+
+Prints, for the plain engine and then the speculative one: ms per step over a timed pass, the policy's rounds,
+then the profiled pass's functions by own time and by cumulative time (outrider's and the libraries' alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+from outrider.config import EngineConfig
+from outrider.engine.engine import Engine
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
+from outrider.tokenizer import Tokenizer
+
+
+def run(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, int, int]:
+    """One wave of greedy requests to completion: (seconds, engine steps, drafted request rounds)."""
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    rounds = 0
+
+    def count(out) -> None:
+        nonlocal rounds
+        if out.finished:
+            rounds += out.timing.draft_rounds
+
+    steps0, t0 = engine.counters["steps"], time.perf_counter()
+    for ids in prompts:
+        engine.add_request(Request(list(ids), params), count)
+    while engine.has_work():
+        engine.step()
+    return time.perf_counter() - t0, engine.counters["steps"] - steps0, rounds
+
+
+def profile(name: str, engine: Engine, prompts: list[list[int]], args) -> None:
+    run(engine, prompts, args.tokens)  # warm: the policy measures this batch size
+    seconds, steps, rounds = run(engine, prompts, args.tokens)
+    print(f"== {name}: {1e3 * seconds / steps:.3f} ms/step over {steps} steps, {rounds} request rounds", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    run(engine, prompts, args.tokens)
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(args.top)
+        print("ncalls" + text.getvalue().split("ncalls", 1)[-1].rstrip(), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model")
+    ap.add_argument("--spec-type")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    tok = Tokenizer.from_pretrained(args.model)
+    prompts = [tok.encode(f"def function_{i}(x):") for i in range(args.batch)]
+    limits = dict(max_num_seqs=args.batch, max_model_len=1024, device=args.device)
+    profile("plain", Engine(EngineConfig(args.model, spec_type="none", **limits)), prompts, args)
+    spec = Engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type, **limits))
+    profile(f"speculative ({spec.drafter.kind})", spec, prompts, args)
+
+
+if __name__ == "__main__":
+    main()
