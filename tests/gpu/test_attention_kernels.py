@@ -267,6 +267,36 @@ def test_pdl_launch_with_kv_prefetch_equals_eager():
     _assert_counters_rearmed(torch.device("cuda"))
 
 
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("n_heads, head_dim", [(4, 64), (32, 128)])
+def test_eager_launches_after_the_warm_up_compile_nothing(n_heads, head_dim):
+    """After compile_eager_variants, eager batches of any query heights (ragged: a verify whose requests draft
+    different lengths) over short and long contexts launch kernels that are all compiled: serving never stalls on
+    a compile (it did for 0.8-2.5 s at batch 8 on the demo target)."""
+    from triton import knobs
+
+    from outrider.kernels.attention import compile_eager_variants, paged_attention
+
+    gen = torch.Generator().manual_seed(9)
+    n_kv, page, blocks, max_len = 2 if n_heads == 4 else 8, 16, 400, 4000
+    kc = torch.randn(blocks, page, n_kv, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    vc = torch.randn(blocks, page, n_kv, head_dim, generator=gen).to(torch.bfloat16).cuda()
+    compile_eager_variants(kc, vc, n_heads, max_len)
+    compiled = []
+    knobs.runtime.jit_cache_hook = lambda **kw: compiled.append(kw["fn"].name) and False
+    try:
+        for q_lens, seq_lens in (([1] * 8, [150 + 7 * i for i in range(8)]), ([4, 1, 8, 2], [300, 40, 1500, 2100]),
+                                 ([3, 5], [20, 3000]), ([16 // (n_heads // n_kv)], [1800]),
+                                 ([32 // (n_heads // n_kv)], [2500]), ([1], [5])):
+            meta, t = make_meta(q_lens, seq_lens, page, blocks, torch.device("cuda"), gen=gen)
+            q = torch.randn(t, n_heads, head_dim, generator=gen).to(torch.bfloat16).cuda()
+            paged_attention(q, kc, vc, meta, 0.125)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = None
+    assert compiled == []
+
+
 def test_plan_launch_grid_stays_within_the_counters():
     from outrider.kernels.attention import _PROGRAMS_PER_SM, plan_launch
 
