@@ -13,7 +13,7 @@ from outrider.config import NgramConfig
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 from outrider.speculative import Commit, load_drafter
-from outrider.speculative.ngram import NgramDrafter
+from outrider.speculative.ngram import NgramDrafter, NgramIndex
 
 
 class NoScanRequest(Request):
@@ -155,3 +155,19 @@ def test_lookup_misses_leave_the_step_plain_before_its_token_is_known():
     # "2 x" may follow "1 2 3 9 1 2" (2 came after 1 before); nothing can complete "... 5 6 x".
     assert set(spec.draft_lengths([repeats, novel])) == {repeats.request_id}
     assert spec.draft_lengths([novel]) == {}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_indexing_a_token_at_a_time_equals_indexing_in_bulk(n):
+    """A decode step indexes one new gram (its own short path); the index it builds is the one indexing the same
+    tokens in one catch-up builds."""
+    rng = random.Random(n)
+    tokens = [rng.randrange(6) for _ in range(80)]  # a small alphabet: grams repeat
+    bulk, stepwise = NgramIndex(n), NgramIndex(n)
+    req = request(tokens)
+    bulk.catch_up(req, len(tokens))
+    stepwise.catch_up(req, 7)
+    for known in range(8, len(tokens) + 1):
+        stepwise.catch_up(req, known)
+    assert (stepwise.last, stepwise.hits, stepwise.prefix_hits) == (bulk.last, bulk.hits, bulk.prefix_hits)
+    assert stepwise.indexed == bulk.indexed == len(tokens)

@@ -189,19 +189,24 @@ class StepCosts:
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         bucket = batch_bucket(batch)
-        known = self.at(batch)
-        old = known.get(k)
-        plain = known.get(0)
+        old = self._current(bucket, k)
         if old is not None:
             seconds = min(seconds, self.stall_factor * old)
-        elif plain is not None:
+        elif (plain := self._current(bucket, 0)) is not None:
             seconds = min(seconds, self.first_factor * plain)
         self.seconds.setdefault(bucket, {})[k] = seconds if old is None else old + self.weight * (seconds - old)
         self._counts[bucket] = count = self._counts.get(bucket, 0) + 1
         self._measured_at.setdefault(bucket, {})[k] = count
 
     def get(self, batch: int, k: int) -> float | None:
-        return self.at(batch).get(k)
+        return self._current(batch_bucket(batch), k)
+
+    def _current(self, bucket: int, k: int) -> float | None:
+        """The bucket's seconds for k, unless unmeasured or stale (one lookup: `observe` runs every step)."""
+        seconds = self.seconds.get(bucket, {}).get(k)
+        if seconds is None or self._counts[bucket] - self._measured_at[bucket][k] > self.stale_after:
+            return None
+        return seconds
 
     def at(self, batch: int) -> dict[int, float]:
         """Every draft length of the batch's bucket measured lately, with its seconds."""

@@ -53,6 +53,9 @@ class NgramIndex:
         start, n = self.indexed, self.n
         if known <= start:
             return
+        if known == start + 1:  # (a decode step's one new gram: what the general path does, without its machinery)
+            self._index_one(req, start)
+            return
         first = max(0, start - n)  # the grams ending at start.. known - 1 read tokens first.. known - 2
         tokens = req.token_slice(first, known - 1)
         self.ops += len(tokens)
@@ -68,6 +71,21 @@ class NgramIndex:
             self.prefix_hits.update(keys)
             self.ops += len(keys)
         self.indexed = known
+
+    def _index_one(self, req: Request, end: int) -> None:
+        """Index the n-gram and the (n-1)-gram that end at `end` (exclusive), whose next token is known."""
+        n = self.n
+        tokens = req.token_slice(max(0, end - n), end)
+        self.ops += len(tokens)
+        if end >= n:
+            key = hash(tuple(tokens))
+            self.last[key] = end
+            self.hits[key] += 1
+            self.ops += 1
+        if end >= n - 1:
+            self.prefix_hits[hash(tuple(tokens[len(tokens) - (n - 1):]))] += 1
+            self.ops += 1
+        self.indexed = end + 1
 
     def continuation(self, req: Request, known: int, k: int, min_hits: int) -> list[int]:
         """Up to k tokens that followed the newest earlier occurrence of the last n known tokens, if that n-gram
