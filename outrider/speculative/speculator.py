@@ -47,24 +47,29 @@ class Drafts:
 
 @dataclass
 class _Queued:
-    """A request's committed rows that the drafter has not learned yet: consecutive steps' rows merged into one
-    Commit (a new one only after a gap, which the engine never leaves), and their places in the Speculator's kept
-    hidden rows (when the drafter reads them)."""
+    """A request's committed rows that the drafter has not learned yet: positions start..start+count-1, merged over
+    consecutive steps (plain ints: this runs for every request on every step; Commits are built when handed over),
+    the spans before a gap (which the engine never leaves), and the rows' places in the Speculator's kept hidden
+    rows (when the drafter reads them)."""
 
-    commits: list[Commit]
+    request: Request
+    start: int
+    count: int
     rows: list[int]
+    before: list[Commit] = field(default_factory=list)
 
     @property
-    def count(self) -> int:
-        return sum(c.count for c in self.commits)
+    def total(self) -> int:
+        return self.count + sum(c.count for c in self.before)
 
-    def add(self, commit: Commit, rows: Iterable[int]) -> None:
-        last = self.commits[-1]
-        if last.start + last.count == commit.start:
-            self.commits[-1] = Commit(commit.request, last.start, last.count + commit.count)
-        else:
-            self.commits.append(commit)
-        self.rows.extend(rows)
+    def add(self, start: int, count: int) -> None:
+        if self.start + self.count != start:
+            self.before.append(Commit(self.request, self.start, self.count))
+            self.start, self.count = start, 0
+        self.count += count
+
+    def commits(self) -> list[Commit]:
+        return [*self.before, Commit(self.request, self.start, self.count)]
 
 
 class Speculator:
@@ -144,47 +149,43 @@ class Speculator:
         prefix hits). Propose learns the rest first."""
         if not self.drafter.learns:
             return
-        commits: list[Commit] = []
-        firsts: list[int] = []  # each commit's first row in the step's hidden rows
-        base = 0
+        if self._committed and self._committed + out.hidden.shape[0] > LEARN_ROWS[-1]:
+            self.flush()  # (what is queued fits one learning graph; with this step's rows it might not)
+        reads_hidden, queue = self.drafter.reads_hidden, self._queued
+        offset = base = self._rows  # the step's first row among the kept ones
+        added = 0
+        finished = []
         for i, s in enumerate(plan.scheduled):
             req = s.request
-            if req.request_id in live and req.status is not Status.WAITING:  # (preempted meanwhile: blocks gone)
+            rid = req.request_id
+            if rid in live and req.status is not Status.WAITING:  # (preempted meanwhile: blocks gone)
                 # Target rows whose K/V stays valid and whose next token is on the host (a stop may cut a round;
                 # with overlap scheduling the next step may already have fed a token that is still pending).
-                known = req.num_prompt + len(req.output_ids)
-                count = min(s.num_new_tokens + out.accepted[i], known - 1 - s.start)
+                count = min(s.num_new_tokens + out.accepted[i], req.num_prompt + len(req.output_ids) - 1 - s.start)
                 if count > 0:
-                    commits.append(Commit(req, s.start, count))
-                    firsts.append(base)
-            base += s.num_query_tokens
-        if not commits:
+                    added += count
+                    queued = queue.get(rid)
+                    if queued is None:
+                        queue[rid] = queued = _Queued(req, s.start, 0, [])
+                    queued.add(s.start, count)
+                    if reads_hidden:
+                        queued.rows.extend(range(base, base + count))
+                    if req.status is Status.FINISHED:
+                        finished.append(rid)
+            base += s.num_new_tokens + len(s.draft_tokens)
+        if not added:
             return
-        added = sum(c.count for c in commits)
-        if self._committed and self._committed + added > LEARN_ROWS[-1]:
-            self.flush()  # (what is queued still fits one learning graph; with this step's rows it would not)
         self._steps += 1
         self._committed += added
         now = plan.has_prefill or self._steps >= LEARN_BACKLOG_STEPS
-        offset = self._rows
-        if self.drafter.reads_hidden:
+        if reads_hidden:
             if not now:
                 out.keep_hidden()  # (done at launch with overlap scheduling; else the next replay overwrites them)
             self._hidden.append(out.hidden)
             if out.aux_hidden is not None:
                 self._aux.append(out.aux_hidden)
-            self._rows += out.hidden.shape[0]
-        for c, first in zip(commits, firsts):
-            rows = range(offset + first, offset + first + c.count) if self.drafter.reads_hidden else ()
-            queued = self._queued.get(c.request.request_id)
-            if queued is None:
-                self._queued[c.request.request_id] = _Queued([c], list(rows))
-            else:
-                queued.add(c, rows)
-        if now:
-            self.flush()
-        else:
-            self.flush([c.request.request_id for c in commits if c.request.status is Status.FINISHED])
+            self._rows = offset + out.hidden.shape[0]
+        self.flush(None if now else finished)
 
     def flush(self, request_ids: Iterable[int] | None = None) -> None:
         """Let the drafter learn the queued rows of these requests (default: every queued one), in one call."""
@@ -192,7 +193,7 @@ class Speculator:
         if not ids:
             return
         queued = [self._queued.pop(r) for r in ids]
-        self._committed -= sum(q.count for q in queued)
+        self._committed -= sum(q.total for q in queued)
         hidden = aux = None
         if self.drafter.reads_hidden:
             # (the index is built on the host and copied without blocking: torch.tensor(..., device=cuda) would
@@ -204,7 +205,7 @@ class Speculator:
         if not self._queued:
             self._forget_rows()
         try:
-            self.drafter.on_commit([c for q in queued for c in q.commits], hidden, aux)
+            self.drafter.on_commit([c for q in queued for c in q.commits()], hidden, aux)
         except Exception as exc:  # a drafter fault costs acceptance, never correctness
             log.error("drafter failed to learn committed rows: %s\n%s", exc, traceback.format_exc())
 
@@ -230,7 +231,7 @@ class Speculator:
         (preemption, abort) is dropped, its blocks being gone."""
         queued = self._queued.pop(request_id, None)
         if queued is not None:
-            self._committed -= queued.count
+            self._committed -= queued.total
             if not self._queued:
                 self._forget_rows()
         self.drafter.release(request_id)
