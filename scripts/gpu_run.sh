@@ -16,6 +16,8 @@
 #          SPEC8B_REQUESTS requests per batch size (default 16; batch 1 dominates the time: a pass of 16 x 128 tokens
 #          is ~9 s plain, and each acceptance runs 2 + 2 x SPEC_REPEATS passes); KINDS picks presets
 #          (default "dflash mtp draft eagle3").
+# host: where a demo step's host time goes with a drafter loaded (scripts/profile_host.py): n-gram lookup that never
+#          drafts at batch 1, DFlash at batch 8, each against the plain engine.
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
 #          drafter preset loaded drafting nothing (k = 0) and a full draft every step (with a timeline of the
 #          round's first 48 GPU events: where the GPU waits for the host).
@@ -37,7 +39,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|host|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -127,6 +129,9 @@ for MODE in "$@"; do
     bench spec ${p/--draft-n-max 8/--draft-n-max 16} --prompts /tmp/edit.json --json "$OUT/json/ngram-edit-16.json"
     bench spec $p --prompts /tmp/novel.json --json "$OUT/json/ngram-novel.json"
     bench spec $p --prompts /tmp/novel.json --spec-ngram-simple-min-hits 100000 --json "$OUT/json/ngram-lookup.json" ;;
+  host)
+    timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --spec-type ngram --ngram-min-hits 100000 --batch 1
+    timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --batch 8 ;;
   spec-8b)
     for kind in ${KINDS:-dflash mtp draft eagle3}; do
       case $kind in

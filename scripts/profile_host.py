@@ -3,7 +3,9 @@ drafter, the draft policy live (as served). On a launch-bound target (the demo f
 step's critical path, so what a loaded drafter adds here is what it costs, drafting or not.
 
     python scripts/profile_host.py --model outrider/demo/target --batch 8 [--draft-model outrider/demo/dflash |
-        --spec-type mtp|ngram] [--tokens 128] [--top 30]
+        --spec-type mtp|ngram [--ngram-min-hits 100000]] [--tokens 128] [--top 30]
+
+(`--ngram-min-hits 100000`: n-gram lookup that never drafts, what a loaded drafter costs when it finds nothing.)
 
 Prints, for the plain engine and then the speculative one: ms per step over a timed pass, the policy's rounds,
 then the profiled pass's functions by own time and by cumulative time (outrider's and the libraries' alike).
@@ -17,7 +19,7 @@ import io
 import pstats
 import time
 
-from outrider.config import EngineConfig
+from outrider.config import EngineConfig, NgramConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--draft-model")
     ap.add_argument("--spec-type")
+    ap.add_argument("--ngram-min-hits", type=int, default=1)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=30)
@@ -70,7 +73,8 @@ def main() -> None:
     prompts = [tok.encode(f"def function_{i}(x):") for i in range(args.batch)]
     limits = dict(max_num_seqs=args.batch, max_model_len=1024, device=args.device)
     profile("plain", Engine(EngineConfig(args.model, spec_type="none", **limits)), prompts, args)
-    spec = Engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type, **limits))
+    spec = Engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type,
+                               spec_ngram=NgramConfig(size_n=3, min_hits=args.ngram_min_hits), **limits))
     profile(f"speculative ({spec.drafter.kind})", spec, prompts, args)
 
 
