@@ -10,7 +10,8 @@ import torch
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative.drafter import PENDING, DraftPolicy, PendingDrafts, Proposals, expected_tokens, stage_drafts
+from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, DraftPolicy, PendingDrafts, Proposals, _Acceptance,
+                                         expected_tokens, stage_drafts)
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make
@@ -227,6 +228,34 @@ def test_nothing_accepted_brings_plain_steps_back_even_after_a_slow_plain_measur
     policy.observe_step(1, 1, 6.8e-3)
     decisions = serve(policy, r, {0: 4.3e-3, 1: 6.8e-3})
     assert decisions[0] == 1 and decisions[-10:] == [0] * 10
+
+
+def test_a_standing_plain_decision_reads_no_request_until_its_next_full_decision(monkeypatch):
+    """Where rounds do not pay, k = 0 stands: of every QUIET_DECISIONS decisions for the same requests, one reads
+    them (caps, estimates), and the drift toward the pooled acceptance it applies makes up for the skipped steps
+    exactly; a request joining the batch is read at once."""
+    policy = DraftPolicy(n_max=4, measured=True)
+    a, b, d = req(), req(), req()
+    for _ in range(30):
+        policy.record(a.request_id, proposed=4, accepted=4)  # the pooled estimate: high
+    policy.record(b.request_id, proposed=4, accepted=0)  # b's own: low
+    policy.observe_step(4, 0, 1e-3)
+    policy.observe_step(4, 4, 50e-3)  # rounds far too dear: k = 0 at any acceptance (batch bucket 4)
+    reads = []
+    cap = policy._cap
+    monkeypatch.setattr(policy, "_cap", lambda r, c: reads.append(r.request_id) or cap(r, c))
+    st = policy._stats[b.request_id]
+    per_step = _Acceptance(st.accepted, st.rejected)  # drifting one step at a time, for comparison
+    pooled = _Acceptance.worth_two_rounds(policy._pooled.alpha)
+    decisions = 2 * QUIET_DECISIONS + 1
+    assert all(policy.draft_lengths([a, b, d], DRAFTER) == [0, 0, 0] for _ in range(decisions))
+    assert len(reads) == 3 * 3  # decisions 1, 1 + QUIET_DECISIONS and 1 + 2 * QUIET_DECISIONS read the three
+    for _ in range(decisions):
+        per_step.relax(pooled, 1.0 - policy.decay)
+    assert (st.accepted, st.rejected) == pytest.approx((per_step.accepted, per_step.rejected))
+    c = req()
+    policy.draft_lengths([a, b, c, d], DRAFTER)  # (the same batch bucket)
+    assert reads[-4:] == [a.request_id, b.request_id, c.request_id, d.request_id]
 
 
 def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():

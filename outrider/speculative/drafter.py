@@ -224,6 +224,15 @@ class _Probe:
     # The caps, acceptances and drafter estimate k = 0 was last chosen from: while they hold, k = 0 stands without
     # recomputing the grid every step (the measured costs drift meanwhile; the next probe re-decides from them).
     standing: tuple | None = None
+    # The requests it stood for, and the decisions since taken without looking (QUIET_DECISIONS)
+    ids: tuple = ()
+    quiet: int = 0
+
+
+# While k = 0 stands for the same requests, this many decisions in a row return it without reading any request: the
+# caps, estimates and their drift cost host work per request on every undrafted step, the whole of a launch-bound
+# target's step. (The drift of the skipped steps is applied at the next full decision.)
+QUIET_DECISIONS = 8
 
 
 @dataclass
@@ -259,20 +268,39 @@ class DraftPolicy:
 
     def draft_lengths(self, requests: Sequence[Request], drafter: Drafter) -> list[int]:
         """k for each decoding request this step: one k for the batch, capped per request."""
-        if len(requests) > self.max_batch:
-            return [0] * len(requests)
-        batch_cap = min(self.max_verify_tokens // max(len(requests), 1) - 1, drafter.max_draft)
+        n = len(requests)
+        if n > self.max_batch:
+            return [0] * n
+        probe = self._probes.get(batch_bucket(n))
+        ids = tuple(r.request_id for r in requests)
+        if (probe is not None and probe.standing is not None and probe.ids == ids and probe.quiet < QUIET_DECISIONS - 1
+                and probe.idle + 1 < probe.every):
+            probe.quiet += 1
+            probe.idle += 1
+            return [0] * n
+        batch_cap = min(self.max_verify_tokens // max(n, 1) - 1, drafter.max_draft)
         caps = [self._cap(r, batch_cap) for r in requests]
         if max(caps, default=0) <= 0:
-            return [0] * len(requests)
+            return [0] * n
         stats = [self._acceptance(r.request_id) for r in requests]
-        k = self._batch_length(len(requests), caps, [st.alpha for st in stats], drafter.step_cost)
-        if k == 0 and self._pooled is not None:
-            pooled = _Acceptance.worth_two_rounds(self._pooled.alpha)
-            for st, cap in zip(stats, caps):
-                if cap > 0:
-                    st.relax(pooled, 1.0 - self.decay)
+        pooled = _Acceptance.worth_two_rounds(self._pooled.alpha) if self._pooled is not None else None
+        quiet = probe.quiet if probe is not None else 0
+        if quiet and pooled is not None:  # the drift of the decisions taken without looking
+            self._relax(stats, caps, pooled, 1.0 - self.decay ** quiet)
+        k = self._batch_length(n, caps, [st.alpha for st in stats], drafter.step_cost)
+        probe = self._probes.get(batch_bucket(n))
+        if probe is not None:
+            probe.quiet, probe.ids = 0, ids
+        if k == 0 and pooled is not None:
+            self._relax(stats, caps, pooled, 1.0 - self.decay)
         return [min(k, c) for c in caps]
+
+    @staticmethod
+    def _relax(stats: list[_Acceptance], caps: list[int], pooled: _Acceptance, rate: float) -> None:
+        """Undrafted requests' estimates drift toward the pooled one (those that may draft at all)."""
+        for st, cap in zip(stats, caps):
+            if cap > 0:
+                st.relax(pooled, rate)
 
     def _cap(self, req: Request, cap: int) -> int:
         p = req.params
