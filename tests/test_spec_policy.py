@@ -231,14 +231,16 @@ def test_nothing_accepted_brings_plain_steps_back_even_after_a_slow_plain_measur
 
 
 def test_a_standing_plain_decision_reads_no_request_until_its_next_full_decision(monkeypatch):
-    """Where rounds do not pay, k = 0 stands: of every QUIET_DECISIONS decisions for the same requests, one reads
-    them (caps, estimates), and the drift toward the pooled acceptance it applies makes up for the skipped steps
-    exactly; a request joining the batch is read at once."""
+    """Where rounds do not pay (here nothing is accepted), k = 0 stands: of every QUIET_DECISIONS decisions for the
+    same requests, one reads them (caps, estimates), and the drift toward the pooled acceptance it applies makes up
+    for the skipped steps exactly; a request joining the batch is read at once, and every decision reads the
+    requests while an estimate lies below the pooled one (the drift lifts it toward drafting)."""
     policy = DraftPolicy(n_max=4, measured=True)
     a, b, d = req(), req(), req()
     for _ in range(30):
-        policy.record(a.request_id, proposed=4, accepted=4)  # the pooled estimate: high
-    policy.record(b.request_id, proposed=4, accepted=0)  # b's own: low
+        policy.record(a.request_id, proposed=4, accepted=0)  # the pooled estimate: low
+    policy.record(b.request_id, proposed=4, accepted=4)  # b's own: higher
+    policy._stats[a.request_id] = _Acceptance.worth_two_rounds(policy._pooled.alpha)  # a's: the pooled one
     policy.observe_step(4, 0, 1e-3)
     policy.observe_step(4, 4, 50e-3)  # rounds far too dear: k = 0 at any acceptance (batch bucket 4)
     reads = []
@@ -253,9 +255,17 @@ def test_a_standing_plain_decision_reads_no_request_until_its_next_full_decision
     for _ in range(decisions):
         per_step.relax(pooled, 1.0 - policy.decay)
     assert (st.accepted, st.rejected) == pytest.approx((per_step.accepted, per_step.rejected))
-    c = req()
-    policy.draft_lengths([a, b, c, d], DRAFTER)  # (the same batch bucket)
-    assert reads[-4:] == [a.request_id, b.request_id, c.request_id, d.request_id]
+    e = req()  # joins (the same batch bucket): read at once, then quiet again
+    reads.clear()
+    for _ in range(QUIET_DECISIONS):
+        assert policy.draft_lengths([a, b, d, e], DRAFTER) == [0] * 4
+    assert reads == [a.request_id, b.request_id, d.request_id, e.request_id]
+    c = req()  # joins instead of e, its estimate below the pooled one: the drift lifts it, every decision reads
+    policy._stats[c.request_id] = _Acceptance(0.0, 2.0)
+    reads.clear()
+    for _ in range(3):
+        assert policy.draft_lengths([a, b, c, d], DRAFTER) == [0] * 4
+    assert reads == [a.request_id, b.request_id, c.request_id, d.request_id] * 3
 
 
 def test_costs_are_kept_per_batch_bucket_and_only_when_measuring():

@@ -231,8 +231,10 @@ class _Probe:
 
 # While k = 0 stands for the same requests, this many decisions in a row return it without reading any request: the
 # caps, estimates and their drift cost host work per request on every undrafted step, the whole of a launch-bound
-# target's step. (The drift of the skipped steps is applied at the next full decision.)
+# target's step. (The drift of the skipped steps is applied at the next full decision; none are skipped while an
+# estimate lies below the pooled one, as the drift then raises it toward drafting.)
 QUIET_DECISIONS = 8
+QUIET_MARGIN = 0.005  # an estimate this far below the pooled one still drifts up: decisions stay full
 
 
 @dataclass
@@ -290,7 +292,10 @@ class DraftPolicy:
         k = self._batch_length(n, caps, [st.alpha for st in stats], drafter.step_cost)
         probe = self._probes.get(batch_bucket(n))
         if probe is not None:
-            probe.quiet, probe.ids = 0, ids
+            # (quiet only where the drift cannot lift an estimate toward drafting: after a few misses a request's
+            # estimate climbs back to the pooled one, and the step it pays again should not wait for a full decision)
+            lifts = pooled is not None and any(st.alpha < pooled.alpha - QUIET_MARGIN for st, c in zip(stats, caps) if c)
+            probe.quiet, probe.ids = 0, () if lifts else ids
         if k == 0 and pooled is not None:
             self._relax(stats, caps, pooled, 1.0 - self.decay)
         return [min(k, c) for c in caps]
