@@ -101,6 +101,10 @@ class AttentionBackend(Protocol):
         nothing (keys and values for later queries, e.g. DFlash's context). q is the packed projection's, unused."""
         ...
 
+    def compile_eager_variants(self, kv_cache: KVCache, n_heads: int, max_seq_len: int) -> None:
+        """Compile now whatever a step outside the CUDA graphs could otherwise compile while serving (warm-up)."""
+        ...
+
 
 def get_backend(device: torch.device | str) -> AttentionBackend:
     if torch.device(device).type == "cuda":

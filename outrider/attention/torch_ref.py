@@ -27,6 +27,9 @@ def gather_context(kv_cache: KVCache, layer: int, block_table: torch.Tensor, n: 
 
 
 class TorchReferenceBackend:
+    def compile_eager_variants(self, kv_cache: KVCache, n_heads: int, max_seq_len: int) -> None:
+        """Nothing is compiled: PyTorch's own operators."""
+
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
               meta: AttentionMetadata, rope: QKNormRope) -> None:
         _, k = rope.apply(q, k)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, QKNormRope
-from outrider.kernels.attention import paged_attention
+from outrider.kernels.attention import compile_eager_variants, paged_attention
 from outrider.kernels.fused import qk_norm_rope_store_kv
 
 
 class TritonAttentionBackend:
+    def compile_eager_variants(self, kv_cache: KVCache, n_heads: int, max_seq_len: int) -> None:
+        """Every tile variant of paged attention an eager step can launch (kernels.attention)."""
+        compile_eager_variants(kv_cache.k[0], kv_cache.v[0], n_heads, max_seq_len)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
                 meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
         """Two kernels: one prepares q and k and writes k/v at meta.slot_mapping, then attention only reads."""

@@ -175,9 +175,7 @@ class Engine:
                 self._run_until_idle()
             q_len *= 2
         # (and each variant an eager step over a longer context than these meets: the split ones)
-        from outrider.kernels.attention import compile_eager_variants
-
-        compile_eager_variants(self.kv_cache.k[0], self.kv_cache.v[0], mc.num_attention_heads, self.max_model_len)
+        self.runner.backend.compile_eager_variants(self.kv_cache, mc.num_attention_heads, self.max_model_len)
         if self.policy is not None:
             if self.policy.measured:
                 self._calibrate_speculation()
