@@ -152,7 +152,7 @@ class EngineConfig:
     draft_model: str | None = None
     spec_type: str | None = None  # None = detect: draft | mtp | dflash | eagle3; comma-separated kinds combine
     spec_ngram: NgramConfig = field(default_factory=NgramConfig)  # the ngram kind's settings
-    spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: its block - 1), else 4
+    spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: block - 1; n-gram: 16; else 4)
     spec_draft_n_min: int = 0
     draft_p_min: float = 0.0
     # Choose draft lengths from measured step costs (None: on for CUDA; on the CPU, where costs vary with the

@@ -205,6 +205,17 @@ def test_default_draft_length_is_the_drafters(families, kind):
     assert family_llm(families, kind).engine.policy.n_max == 3
 
 
+def test_ngram_lookup_drafts_up_to_sixteen_by_default_and_each_combined_kind_keeps_its_own(families):
+    """Without --spec-draft-n-max, n-gram lookup drafts up to 16 (its drafts cost nothing to make); beside a draft
+    model, the lookup keeps 16 and the draft model its 4, and the policy's length is the longer."""
+    target = families["qwen3"]["target"]
+    lookup = LLM(target, max_num_seqs=2, spec_type="ngram").engine
+    assert lookup.drafter.max_draft == lookup.policy.n_max == lookup.config.spec_draft_n_max == 16
+    both = LLM(target, max_num_seqs=2, spec_type="ngram,draft", draft_model=str(families["qwen3"]["draft"])).engine
+    assert [m.max_draft for m in both.drafter.members] == [16, 4] and both.policy.n_max == 16
+    assert LLM(target, max_num_seqs=2, spec_type="ngram", spec_draft_n_max=5).engine.policy.n_max == 5
+
+
 @pytest.mark.parametrize("kind", list(SETUPS))
 def test_one_memory_budget_sizes_the_target_and_drafter_pools(ckpts, kind):
     """The drafter's KV pool has as many blocks as the target's, so the budget is split over both: together

@@ -222,7 +222,7 @@ class Engine:
             drafter = load_drafter(kind, target=self.model, target_cfg=self.model_config,
                                    target_path=str(self.model_path), draft_path=cfg.draft_model,
                                    block_size=cfg.block_size, dtype=self.dtype, ngram=cfg.spec_ngram,
-                                   device=self.device, max_draft=max(asked if asked is not None else DEFAULT_N_MAX, 1))
+                                   device=self.device, max_draft=max(asked, 1) if asked is not None else None)
         except Exception as exc:
             if cfg.spec_required:  # asked for on the command line: refusing to start says so plainly
                 raise

@@ -16,7 +16,7 @@ from outrider.config import ModelConfig, NgramConfig
 from outrider.models import resolve_model_path
 from outrider.models.gguf import is_gguf
 from outrider.speculative.compat import IncompatibleDrafter, check_vocabulary
-from outrider.speculative.drafter import Commit, DraftPolicy, Drafter, Proposals, TargetView
+from outrider.speculative.drafter import DEFAULT_N_MAX, Commit, DraftPolicy, Drafter, Proposals, TargetView
 
 KINDS = ("draft", "mtp", "dflash", "eagle3", "ngram")
 
@@ -40,8 +40,9 @@ def detect_kind(draft_path: str, target_path: str | None = None) -> str:
 
 def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, target_path: str,
                  draft_path: str | None, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, max_draft: int = 16, ngram: NgramConfig = NgramConfig()) -> Drafter:
-    """Build a drafter, weights loaded; its KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids
+                 device: torch.device | str, max_draft: int | None = None,
+                 ngram: NgramConfig = NgramConfig()) -> Drafter:
+    """Build a drafter, weights loaded, drafting up to max_draft tokens a round (None: its kind's own default); its KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids
     and block count) is the caller's to allocate, once the memory budget is known. `kind` may name several kinds,
     comma-separated: they are combined (combined.py). A drafter whose vocabulary does not match the target's is
     refused (IncompatibleDrafter, speculative/compat.py)."""
@@ -57,9 +58,11 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
     check_vocabulary(kind, target_cfg, target_path, draft_path)
     pool = dict(block_size=block_size, dtype=dtype, device=device)
     if kind == "ngram":
-        from outrider.speculative.ngram import NgramDrafter
+        from outrider.speculative.ngram import NATURAL_N_MAX, NgramDrafter
 
-        return NgramDrafter(ngram, max_draft)
+        return NgramDrafter(ngram, max_draft if max_draft is not None else NATURAL_N_MAX)
+    if max_draft is None:
+        max_draft = DEFAULT_N_MAX
     if kind == "draft":
         from outrider.speculative.draft_model import DraftModelDrafter
 
