@@ -42,9 +42,10 @@ def load_drafter(kind: str, *, target: nn.Module, target_cfg: ModelConfig, targe
                  draft_path: str | None, block_size: int, dtype: torch.dtype,
                  device: torch.device | str, max_draft: int | None = None,
                  ngram: NgramConfig = NgramConfig()) -> Drafter:
-    """Build a drafter, weights loaded, drafting up to max_draft tokens a round (None: its kind's own default); its KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids
-    and block count) is the caller's to allocate, once the memory budget is known. `kind` may name several kinds,
-    comma-separated: they are combined (combined.py). A drafter whose vocabulary does not match the target's is
+    """Build a drafter, weights loaded, drafting up to max_draft tokens a round (None: its kind's own default); its
+    KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids and block count) is the caller's to
+    allocate, once the memory budget is known. `kind` may name several kinds, comma-separated: they are combined
+    (combined.py). A drafter whose vocabulary does not match the target's is
     refused (IncompatibleDrafter, speculative/compat.py)."""
     kinds = kind.split(",")
     if len(kinds) > 1:

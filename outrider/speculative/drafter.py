@@ -294,7 +294,8 @@ class DraftPolicy:
         if probe is not None:
             # (quiet only where the drift cannot lift an estimate toward drafting: after a few misses a request's
             # estimate climbs back to the pooled one, and the step it pays again should not wait for a full decision)
-            lifts = pooled is not None and any(st.alpha < pooled.alpha - QUIET_MARGIN for st, c in zip(stats, caps) if c)
+            lifts = pooled is not None and any(st.alpha < pooled.alpha - QUIET_MARGIN
+                                               for st, c in zip(stats, caps) if c)
             probe.quiet, probe.ids = 0, () if lifts else ids
         if k == 0 and pooled is not None:
             self._relax(stats, caps, pooled, 1.0 - self.decay)
