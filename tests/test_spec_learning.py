@@ -278,11 +278,16 @@ def test_preempted_request_drops_its_queue(families):
         plain, [a.prompt_ids, b.prompt_ids], [30, 30])
 
 
+@pytest.mark.parametrize("largest_graph", [LEARN_ROWS[-1], 16])
 @pytest.mark.parametrize("kind", ["dflash", "draft"])
-def test_undrafted_steps_at_a_large_batch_learn_in_pieces_that_fit_one_learning_graph(families, kind):
-    """Eight requests that never draft fill the queue with eight rows a step: it is handed over before it would
-    outgrow the largest learning graph (LEARN_ROWS), not after LEARN_BACKLOG_STEPS steps as one eager, ragged
-    forward; and every decode row is still learned, once."""
+def test_undrafted_steps_learn_in_graph_sized_pieces_at_small_batches_and_in_backlogs_at_large_ones(
+        families, kind, largest_graph, monkeypatch):
+    """Eight requests that never draft fill the queue with eight rows a step. Where that is at most a quarter of the
+    largest learning graph (LEARN_ROWS: 64), the queue is handed over before it would outgrow the graph, not after
+    LEARN_BACKLOG_STEPS steps as one eager, ragged forward; where it is more (a largest graph of 16 here, as a batch
+    of 32 against 64 rows), a replay every step or two would cost more, and the backlog waits its steps. Every
+    decode row is learned, once."""
+    monkeypatch.setattr(speculator_mod, "LEARN_ROWS", LEARN_ROWS[: LEARN_ROWS.index(largest_graph) + 1])
     llm = spec_llm(families, kind)
     force_lengths(llm.engine, drafts=False)
     record = Recorder().install(llm.engine)
@@ -290,5 +295,5 @@ def test_undrafted_steps_at_a_large_batch_learn_in_pieces_that_fit_one_learning_
     generate(llm, prompts, [3 * LEARN_BACKLOG_STEPS] * 8)
     decode_learns = [sum(n for _, _, n in e[1]) for e in record.events
                      if e[0] == "learn" and all(s > 0 for _, s, _ in e[1])]
-    assert max(decode_learns) == LEARN_ROWS[-1]
+    assert max(decode_learns) == (largest_graph if largest_graph == LEARN_ROWS[-1] else 8 * LEARN_BACKLOG_STEPS)
     assert sum(decode_learns) == 8 * (3 * LEARN_BACKLOG_STEPS - 1)

@@ -30,8 +30,9 @@ log = logging.getLogger("outrider.engine")
 # norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever the row count, a graph replay
 # and its copies on CUDA, dozens of eager launches elsewhere: on a launch-bound target it costs as much again as a
 # plain step. Queued, it runs once per round (before each propose) and once per this many undrafted steps, or
-# sooner where more rows would no longer fit one learning graph (LEARN_ROWS): a larger learn runs eager and ragged,
-# as a prefill's does, at many times a replay's host cost (and, on the first of a shape, a kernel compile).
+# sooner at small batches, where more rows would no longer fit one learning graph (LEARN_ROWS): a larger learn runs
+# eager and ragged, as a prefill's does, at several times a replay's host cost. (Not at larger batches: a replay
+# every step or two costs more than one eager learn every LEARN_BACKLOG_STEPS steps.)
 LEARN_BACKLOG_STEPS = 16
 
 
@@ -149,7 +150,8 @@ class Speculator:
         prefix hits). Propose learns the rest first."""
         if not self.drafter.learns:
             return
-        if self._committed and self._committed + out.hidden.shape[0] > LEARN_ROWS[-1]:
+        rows = out.hidden.shape[0]
+        if 0 < self._committed <= LEARN_ROWS[-1] < self._committed + rows and rows <= LEARN_ROWS[-1] // 4:
             self.flush()  # (what is queued fits one learning graph; with this step's rows it might not)
         reads_hidden, queue = self.drafter.reads_hidden, self._queued
         offset = base = self._rows  # the step's first row among the kept ones
