@@ -273,9 +273,9 @@ class DraftPolicy:
         n = len(requests)
         if n > self.max_batch:
             return [0] * n
-        probe = self._probes.get(batch_bucket(n))
+        probe = self._probes.setdefault(batch_bucket(n), _Probe(self.probe_every))
         ids = tuple(r.request_id for r in requests)
-        if (probe is not None and probe.standing is not None and probe.ids == ids and probe.quiet < QUIET_DECISIONS - 1
+        if (probe.standing is not None and probe.ids == ids and probe.quiet < QUIET_DECISIONS - 1
                 and probe.idle + 1 < probe.every):
             probe.quiet += 1
             probe.idle += 1
@@ -286,17 +286,13 @@ class DraftPolicy:
             return [0] * n
         stats = [self._acceptance(r.request_id) for r in requests]
         pooled = _Acceptance.worth_two_rounds(self._pooled.alpha) if self._pooled is not None else None
-        quiet = probe.quiet if probe is not None else 0
-        if quiet and pooled is not None:  # the drift of the decisions taken without looking
-            self._relax(stats, caps, pooled, 1.0 - self.decay ** quiet)
-        k = self._batch_length(n, caps, [st.alpha for st in stats], drafter.step_cost)
-        probe = self._probes.get(batch_bucket(n))
-        if probe is not None:
-            # (quiet only where the drift cannot lift an estimate toward drafting: after a few misses a request's
-            # estimate climbs back to the pooled one, and the step it pays again should not wait for a full decision)
-            lifts = pooled is not None and any(st.alpha < pooled.alpha - QUIET_MARGIN
-                                               for st, c in zip(stats, caps) if c)
-            probe.quiet, probe.ids = 0, () if lifts else ids
+        if probe.quiet and pooled is not None:  # the drift of the decisions taken without looking
+            self._relax(stats, caps, pooled, 1.0 - self.decay ** probe.quiet)
+        k = self._batch_length(probe, n, caps, [st.alpha for st in stats], drafter.step_cost)
+        # (quiet only where the drift cannot lift an estimate toward drafting: after a few misses a request's
+        # estimate climbs back to the pooled one, and the step it pays again should not wait for a full decision)
+        lifts = pooled is not None and any(st.alpha < pooled.alpha - QUIET_MARGIN for st, c in zip(stats, caps) if c)
+        probe.quiet, probe.ids = 0, () if lifts else ids
         if k == 0 and pooled is not None:
             self._relax(stats, caps, pooled, 1.0 - self.decay)
         return [min(k, c) for c in caps]
@@ -338,11 +334,10 @@ class DraftPolicy:
         out = np.where(k == 0, plain, out)
         return float(out) if out.ndim == 0 else out
 
-    def _batch_length(self, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
+    def _batch_length(self, probe: _Probe, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
         if self.measured and self.costs.get(batch, 0) is None:
             return 0  # a plain step first: every estimate is relative to it
 
-        probe = self._probes.setdefault(batch_bucket(batch), _Probe(self.probe_every))
         # (acceptances rounded: drifting toward the pooled estimate, they settle there only to within rounding)
         inputs = (tuple(caps), tuple(round(a, 3) for a in alphas), step_cost)
         if probe.standing != inputs:

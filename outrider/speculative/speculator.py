@@ -186,7 +186,7 @@ class Speculator:
             self._hidden.append(out.hidden)
             if out.aux_hidden is not None:
                 self._aux.append(out.aux_hidden)
-            self._rows = offset + out.hidden.shape[0]
+            self._rows = offset + rows
         self.flush(None if now else finished)
 
     def flush(self, request_ids: Iterable[int] | None = None) -> None:
