@@ -1,4 +1,5 @@
-"""One host-to-device transfer per step for many small arrays (batch layout, sampling parameters)."""
+"""Transfers: one host-to-device copy per step for many small arrays (batch layout, sampling parameters), and
+asynchronous device-to-host copies the host waits for alone."""
 
 from __future__ import annotations
 
@@ -45,3 +46,15 @@ def to_device(parts: Sequence[tuple[Sequence | np.ndarray, type]], device: torch
         view = dev_views[dtype][start : start + size]
         out.append(view if shape is None else view.view(shape))
     return out
+
+
+def copy_to_host(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Start copying device tensors into pinned host memory, and an event recorded after the copies: the host waits
+    on that event for these copies alone, not for device work enqueued after them. (CPU tensors: themselves, no
+    event.)"""
+    if not tensors or not tensors[0].is_cuda:
+        return list(tensors), None
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
+    ready = torch.cuda.Event()
+    ready.record()
+    return hosts, ready

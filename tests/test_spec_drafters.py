@@ -77,7 +77,7 @@ class Loop:
         specs = [RowSpec(r.params, r.seed, len(r.output_ids) + j, r.all_ids + d[:j])
                  for r, d in zip(reqs, ds) for j in range(len(d) + 1)]
         logits = self.model.compute_logits(hidden[rows])
-        verdict = verify(self.sampler, logits, self.sampler.prepare(specs), ds)
+        verdict = verify(self.sampler, logits, self.sampler.prepare(specs), ds).settle()
         commits, keep = [], []
         for r, f, e, d, m, toks in zip(reqs, feeds, ends, ds, verdict.num_accepted, verdict.tokens):
             if self.force is not None and d:

@@ -28,7 +28,7 @@ def rows_for(params, seed, step, drafts):
 def run(sampler, logits_per_row, params, drafts, seeds=None, probs=None):
     seeds = seeds or list(range(len(drafts)))
     rows = [r for d, s in zip(drafts, seeds) for r in rows_for(params, s, 0, d)]
-    return verify(sampler, torch.cat(logits_per_row), sampler.prepare(rows), drafts, probs)
+    return verify(sampler, torch.cat(logits_per_row), sampler.prepare(rows), drafts, probs).settle()
 
 
 def test_greedy_rule_accepts_while_draft_is_argmax():
@@ -86,7 +86,7 @@ def test_rows_without_drafts_draw_what_plain_sampling_draws():
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(3))
     rows = [RowSpec(SAMPLED, seed=s, step=7) for s in range(6)]
     plain = sampler.sample(logits, sampler.prepare(rows)).token_ids.tolist()
-    verdict = verify(sampler, logits, sampler.prepare(rows), [[]] * 6)
+    verdict = verify(sampler, logits, sampler.prepare(rows), [[]] * 6).settle()
     assert [t[0] for t in verdict.tokens] == plain
 
 
@@ -161,11 +161,16 @@ def test_greedy_batches_get_the_general_paths_verdict(data):
     processed = sampler.processed
     calls = []
     sampler.processed = lambda *args: calls.append(1) or processed(*args)
-    fast = verify(sampler, logits, sampler.prepare(rows), drafts)
+    fast = verify(sampler, logits, sampler.prepare(rows), drafts).settle()
     assert not calls  # the greedy path processes no distributions
-    general = verify(sampler, logits, sampler.prepare(rows), drafts, one_hot)
+    general = verify(sampler, logits, sampler.prepare(rows), drafts, one_hot).settle()
     assert calls
     assert (fast.num_accepted, fast.tokens, fast.starts) == (general.num_accepted, general.tokens, general.starts)
+    # (counted on the device, as when the drafter drafts its next round from the verdict: the same)
+    pending = verify(sampler, logits, sampler.prepare(rows), drafts, accepted_on_device=True)
+    assert pending.accepted.tolist() == fast.num_accepted
+    on_device = pending.settle()
+    assert (on_device.num_accepted, on_device.tokens) == (fast.num_accepted, fast.tokens)
     assert torch.equal(fast.output.token_ids, general.output.token_ids)
     for name in ("top_ids", "top_logprobs", "chosen_logprob"):
         a, b = getattr(fast.output, name), getattr(general.output, name)
@@ -215,7 +220,7 @@ def speculative_pairs(mode: str) -> np.ndarray:
         logits = target[feed.flatten()]
         rows = [r for n, i in enumerate(active) for r in rows_for(SAMPLED, i, len(outs[i]), drafts[n].tolist())]
         given = None if mode == "greedy_draft" else list(probs)
-        verdict = verify(sampler, logits, sampler.prepare(rows), drafts.tolist(), given)
+        verdict = verify(sampler, logits, sampler.prepare(rows), drafts.tolist(), given).settle()
         for n, i in enumerate(active):
             outs[i].extend(verdict.tokens[n])
     counts = np.zeros((V_TOY, V_TOY))

@@ -20,10 +20,10 @@ from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, metadata_over
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.sampler import ParamTable, Sampler, SamplingRows
-from outrider.upload import to_device
+from outrider.upload import copy_to_host, to_device
 from outrider.engine.request import Request, TokenLogprob
 from outrider.speculative.drafter import PendingDrafts
-from outrider.speculative.verify import verify
+from outrider.speculative.verify import PendingVerdict, verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
 from outrider.structured.grammar import token_masks
 
@@ -65,7 +65,7 @@ class LaunchedStep:
     reads_history: bool = False
     drafts_on_device: PendingDrafts | None = None  # the values of the plan's PENDING draft tokens
     logits: torch.Tensor | None = None  # [R, V] the sampling rows' logits, from launch until sample enqueues them
-    tokens: list[list[int]] | None = None  # already on the host (a verify step decides there)
+    verdict: PendingVerdict | None = None  # a verify step's, decided on the device; collect reads it
     starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
     token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
     host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
@@ -77,9 +77,9 @@ class LaunchedStep:
 
     @property
     def overlappable(self) -> bool:
-        """May the next step launch before this one is committed? Not after a verify: its tokens are decided on
-        the host already, not fed from the device."""
-        return self.tokens is None
+        """May the next step launch before this one is committed? Not after a verify: the next step's positions
+        follow how many drafts were accepted."""
+        return self.verdict is None
 
 
 @dataclass
@@ -279,16 +279,18 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def sample(self, step: LaunchedStep, draft_probs: dict[int, torch.Tensor] | None = None) -> None:
-        """Enqueue the sampling (or the verification of drafts) of a launched step's rows. Sampled tokens stay on
-        the device (they can feed the next step) and start an asynchronous copy to the host; `collect` waits for
-        it. Verification decides on the host, so a step with drafts is complete when this returns. The rows'
-        host inputs (constrained masks, penalty windows) are computed here, while the device runs the forward.
+    def sample(self, step: LaunchedStep, draft_probs: dict[int, torch.Tensor] | None = None,
+               accepted_on_device: bool = False) -> None:
+        """Enqueue the sampling (or the verification of drafts) of a launched step's rows. Sampled tokens and
+        verdicts stay on the device (tokens can feed the next step; a verdict, the drafter's next round) and start
+        an asynchronous copy to the host; `collect` waits for it. The rows' host inputs (constrained masks, penalty
+        windows) are computed here, while the device runs the forward.
 
-        draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts)."""
+        draft_probs: request_id -> q [k, V] for drafts that were sampled (absent: argmax drafts).
+        accepted_on_device: a verify step counts accepted drafts on the device (Speculator.draft_ahead reads them)."""
         if not step.awaits_sampling:
             return
-        plan, sampling, out = step.plan, step.sampling, step.out
+        plan, sampling = step.plan, step.sampling
         logits, step.logits = step.logits, None
         sampled_reqs = [plan.scheduled[i] for i in sampling]
         on_device, sources = step.drafts_on_device, ()
@@ -304,21 +306,17 @@ class ModelRunner:
             probs = draft_probs or {}
             q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
             sbatch = self.sampler.prepare(specs, argmax_drafts=all(x is None for x in q))
-            verdict = verify(self.sampler, logits, sbatch, drafts, q, pending=on_device, sources=sources)
-            step.tokens, step.starts = verdict.tokens, verdict.starts
-            for r, i in enumerate(sampling):
-                out.accepted[i] = verdict.num_accepted[r]
-            sampled = verdict.output
+            step.verdict = verify(self.sampler, logits, sbatch, drafts, q, pending=on_device, sources=sources,
+                                  accepted_on_device=accepted_on_device)
+            sampled = step.verdict.output
+            step.starts = step.verdict.starts
         else:
             sampled = self.sampler.sample(logits, self.sampler.prepare(specs, sample_only=True))
             step.token_ids = sampled.token_ids
             step.starts = range(len(sampling))
-        step.host = [_to_host(t) for t in ((sampled.token_ids,) if step.tokens is None else ())
-                     + ((sampled.top_ids, sampled.top_logprobs, sampled.chosen_logprob)
-                        if sampled.top_ids is not None else ())]
-        if self.device.type == "cuda":
-            step.ready = torch.cuda.Event()
-            step.ready.record()
+        parts = ((sampled.token_ids,) if step.verdict is None else ()) + (
+            (sampled.top_ids, sampled.top_logprobs, sampled.chosen_logprob) if sampled.top_ids is not None else ())
+        step.host, step.ready = copy_to_host(*parts)
 
     def collect(self, step: LaunchedStep) -> StepOutput:
         """Wait for a launched step's tokens to reach the host; fill its StepOutput's tokens and log-probs."""
@@ -327,10 +325,16 @@ class ModelRunner:
             self.step_hook(plan)
         if not step.sampling:
             return out
+        if step.verdict is not None:
+            verdict = step.verdict.settle()  # the step's one host synchronisation (its copies run in order)
+            tokens = verdict.tokens
+            for r, i in enumerate(step.sampling):
+                out.accepted[i] = verdict.num_accepted[r]
         if step.ready is not None:
-            step.ready.synchronize()  # the step's one host synchronisation
+            step.ready.synchronize()  # (a plain step's one host synchronisation)
         host = [t.tolist() for t in step.host]
-        tokens = step.tokens if step.tokens is not None else [[t] for t in host.pop(0)]
+        if step.verdict is None:
+            tokens = [[t] for t in host.pop(0)]
         for i, toks in zip(step.sampling, tokens):
             out.tokens[i] = toks
         if host:  # log-prob parts, for the requests that asked
@@ -365,14 +369,6 @@ class ModelRunner:
                 histories += [window + s.draft_tokens[:j] for j in range(len(s.draft_tokens) + 1)]
         allowed = token_masks(sampled, self.sampler.vocab_size)
         return SamplingRows(self.sampling_table, slots, steps, histories, allowed)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """Start copying a device tensor into pinned host memory (asynchronous on CUDA; no-op on the CPU)."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:
