@@ -158,6 +158,9 @@ class EngineConfig:
     # Choose draft lengths from measured step costs (None: on for CUDA; on the CPU, where costs vary with the
     # machine's load, the drafter's fixed cost estimate keeps tests deterministic).
     spec_measured_costs: bool | None = None
+    # Draft the next round from a verify step's verdict on the device, before the host reads it (MTP, EAGLE-3,
+    # DFlash; docs/speculative.md). Off: every round drafts after the host commits the last one (for comparison).
+    spec_draft_ahead: bool = True
     # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
     # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.
     spec_required: bool = False

@@ -44,7 +44,10 @@ def families(tmp_path_factory):
 
 
 def spec_llm(families, kind: str, **kwargs) -> LLM:
+    """(Rounds drafted after each commit: this file holds the learning queue to learning every step; drafting ahead
+    learns a round's rows from its verdict, and test_spec_draft_ahead.py holds it to this path.)"""
     arch, served, engine_kwargs, _ = SETUPS[kind]
+    kwargs.setdefault("spec_draft_ahead", False)
     return LLM(families[arch][served], dtype="float32", max_num_seqs=8, overlap_schedule=True, spec_draft_n_max=3,
                spec_measured_costs=False, **engine_kwargs(families[arch]), **kwargs)
 

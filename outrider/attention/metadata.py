@@ -3,6 +3,7 @@ passes (they import this, not the engine's runner)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 
@@ -66,3 +67,17 @@ def decode_metadata_on_device(positions: torch.Tensor, live: torch.Tensor, block
         slot_mapping=torch.where(live, slots, -1), seq_lens=torch.where(live, positions + 1, 0).to(torch.int32),
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=positions.device), block_tables=block_tables,
         max_query_len=1, max_seq_len=width * block_size, causal=True)
+
+
+def shifted_metadata(meta: AttentionMetadata, positions: torch.Tensor, shift: torch.Tensor, max_shift: int,
+                     block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A uniform batch (max_query_len queries per sequence, from `build_metadata`) moved shift[i] positions further
+    on, on the device (shift [B] int64, at most max_shift): positions, seq lens and slots follow, the slots looked
+    up in the block tables, which must cover the moved positions. A drafter drafts from a verdict the host has not
+    read this way: from p_i + m_i, m_i on the device."""
+    n, q = shift.shape[0], meta.max_query_len
+    moved = (positions.view(n, q) + shift[:, None]).reshape(-1)
+    blocks = meta.block_tables.gather(1, (moved // block_size).view(n, q)).reshape(-1).to(torch.int64)
+    return dataclasses.replace(meta, slot_mapping=blocks * block_size + moved % block_size,
+                               seq_lens=meta.seq_lens + shift.to(meta.seq_lens.dtype),
+                               max_seq_len=meta.max_seq_len + max_shift, seq_lens_host=None), moved

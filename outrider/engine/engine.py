@@ -12,8 +12,9 @@ of compute in step n+1, which is discarded; one whose max_tokens or context is r
 not scheduled again. A step whose sampling reads host state that the step in flight advances (a grammar's
 matcher, a penalty's recent tokens) is enqueued in two phases: its forward, fed from the device as any other;
 then the step in flight is committed; then its sampling, whose masks and penalty windows are computed on the host
-while the device runs the forward. A speculative round is synchronous: drafts follow the committed tokens, and
-verification decides on the host (docs/speculative.md).
+while the device runs the forward. A speculative round is committed before the next step launches (its positions
+follow the verdict), but the drafter's next round is enqueued from the verdict on the device before the host reads
+it, so the drafter runs while the host commits (Speculator.draft_ahead; docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -314,6 +315,8 @@ class Engine:
             self.inflight = launched
             done = prev
         else:
+            if launched.verdict is not None and self._drafts_ahead(launched.plan):
+                self.speculator.draft_ahead(launched)  # (the drafter's next round runs while the host commits)
             self._complete(launched)
             done = None if prev is not None else launched  # (two steps completed: no one step's time)
         if done is not None and self.speculator is not None:
@@ -360,7 +363,7 @@ class Engine:
         one pending token per sampled request."""
         plan = launched.plan
         try:
-            self.runner.sample(launched, draft_probs)
+            self.runner.sample(launched, draft_probs, accepted_on_device=self._drafts_ahead(plan))
         except Exception as exc:  # (nothing was advanced yet: each request can run again alone)
             self._fail(plan, exc, isolate=True)
             return None
@@ -369,6 +372,9 @@ class Engine:
             req.num_computed += s.num_new_tokens
             req.num_pending += s.samples
         return launched
+
+    def _drafts_ahead(self, plan: StepPlan) -> bool:
+        return self.config.spec_draft_ahead and self.speculator is not None and self.speculator.drafts_ahead(plan)
 
     def _isolate(self, plan: StepPlan) -> StepPlan:
         """The plan cut down to one suspect (the others wait a step: nothing of theirs was advanced)."""

@@ -20,8 +20,8 @@ from outrider.attention.metadata import build_metadata
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.device_chain import DeviceChain
-from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, block_capacity,
-                                         row_seqs, stage_drafts)
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
+                                         block_capacity, row_seqs, stage_drafts)
 
 
 class ChainDrafter:
@@ -29,6 +29,7 @@ class ChainDrafter:
     reads_hidden = True  # the head's input at each committed pair
     learns = True
     stages_on_device = True
+    drafts_ahead = True
 
     def __init__(self, target: TargetView, block_size: int, device: torch.device | str, max_draft: int,
                  hidden_size: int, dtype: torch.dtype) -> None:
@@ -111,6 +112,22 @@ class ChainDrafter:
             drafts, conf = self.drafts(self.logits(y))
         for i, c in enumerate(commits):
             self._last[c.request.request_id] = (y[i], drafts[i], conf[i])
+
+    @torch.inference_mode()
+    def draft_ahead(self, rows: VerifiedRows, ks: Sequence[int]) -> StagedDrafts:
+        # Each verified row pairs with the token emitted after it, as on_commit pairs committed rows.
+        y, drafts, conf = self._learn_rows(rows.emitted, self.context(rows.hidden, rows.aux_hidden), rows.seqs())
+        y, drafts, conf = (t.index_select(0, rows.last()) for t in (y, drafts, conf))
+        for i, req in enumerate(rows.requests):
+            self._last[req.request_id] = (y[i], drafts[i], conf[i])
+        ks = [min(k, self.max_draft) for k in ks]
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        if len(drafting) < len(ks):
+            index = torch.tensor(drafting, dtype=torch.int64).to(self.device, non_blocking=True)
+            y, drafts, conf, shift = (t.index_select(0, index) for t in (y, drafts, conf, rows.accepted))
+        else:
+            shift = rows.accepted
+        return self.chain.stage(rows.requests, ks, drafting, drafts, conf, y, shift=shift)
 
     def release(self, request_id: int) -> None:
         self._last.pop(request_id, None)

@@ -35,6 +35,7 @@ class CombinedDrafter:
         self.reads_hidden = any(m.reads_hidden for m in members)
         self.learns = any(m.learns for m in members)
         self.stages_on_device = False  # (members' proposals are merged on the host)
+        self.drafts_ahead = False
         self.max_draft = max(m.max_draft for m in members)
         self.step_cost = max(m.step_cost for m in members)  # the dearest member bounds what a round may cost
         self.kv_shape = self.model.kv_shape if self.model else (0, 0, 0)

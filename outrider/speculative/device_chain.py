@@ -39,13 +39,16 @@ class DeviceChain:
         self._ks_in: torch.Tensor | None = None
 
     def stage(self, requests: Sequence[Request], ks: Sequence[int], rows: list[int], tokens: torch.Tensor,
-              conf: torch.Tensor, state: torch.Tensor | None) -> StagedDrafts:
+              conf: torch.Tensor, state: torch.Tensor | None, shift: torch.Tensor | None = None) -> StagedDrafts:
         """Every request's drafts, left on the device: requests[i] gets ks[i]; `rows` are those with ks > 0, in
-        order, whose d_1 (and its probability) are `tokens` and `conf`, and the step's state after it `state`."""
+        order, whose d_1 (and its probability) are `tokens` and `conf`, and the step's state after it `state`.
+        shift [len(rows)] (on the device): the chains start that many positions past each
+        request's last token (drafting from a verdict the host has not read: Drafter.draft_ahead)."""
         owners, drafts, probs = list(rows), [tokens], [conf]
         depth = max((ks[i] for i in rows), default=0) - 1
         if depth > 0:
-            chained, chained_conf = self._run(tokens, state, [requests[i] for i in rows], [ks[i] for i in rows], depth)
+            chained, chained_conf = self._run(tokens, state, [requests[i] for i in rows], [ks[i] for i in rows], depth,
+                                              shift)
             kept = [r * depth + j for r, i in enumerate(rows) for j in range(ks[i] - 1)]  # [n, depth] flat, row-major
             flat, flat_conf = chained.reshape(-1), chained_conf.reshape(-1)
             if len(kept) < flat.shape[0]:  # (some request's k is below the longest)
@@ -57,7 +60,7 @@ class DeviceChain:
         return stage_drafts(owners, drafts, probs, len(requests))
 
     def _run(self, tokens: torch.Tensor, state: torch.Tensor | None, requests: Sequence[Request], ks: list[int],
-             depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+             depth: int, shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts d_2..d_{depth+1} and their probabilities, [n, depth] each: a captured graph when one fits, else
         the same steps eagerly."""
         # (A request whose own k is 1 drafts nothing here, and its block table may end before the first chained
@@ -65,6 +68,8 @@ class DeviceChain:
         first = [min(r.num_tokens - 1 + self.offset, block_capacity(r, self.block_size) - 1) for r in requests]
         meta, start = build_metadata([(r.block_ids, p, 1) for r, p in zip(requests, first)], self.block_size,
                                      self.device)
+        if shift is not None:
+            start = start + shift
         ks_dev = torch.tensor(ks, dtype=torch.int64).to(self.device, non_blocking=True)
         graphs = self.graphs.get(depth)
         if graphs is None or not graphs.can_run(meta):

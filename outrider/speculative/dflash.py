@@ -23,13 +23,19 @@ from outrider.attention import KVCache, get_backend
 from outrider.config import ModelConfig
 from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
-from outrider.attention.metadata import build_metadata
+from outrider.attention.metadata import build_metadata, shifted_metadata
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
-from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, block_capacity,
-                                         greedy_drafts, row_seqs, stage_drafts)
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
+                                         block_capacity, greedy_drafts, row_seqs, stage_drafts)
+
+
+def _taps(aux_hidden: torch.Tensor | None) -> torch.Tensor:
+    if aux_hidden is None:
+        raise ValueError("DFlash needs the target's aux_hidden: tap drafter.aux_layer_ids in the target's forward")
+    return aux_hidden
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -57,6 +63,7 @@ class DFlashDrafter:
     reads_hidden = True  # its context: the taps' outputs at every committed position
     learns = True
     stages_on_device = True
+    drafts_ahead = True
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
@@ -96,12 +103,37 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
-        if aux_hidden is None:
-            raise ValueError("DFlash needs the target's aux_hidden: tap drafter.aux_layer_ids in the target's forward")
-        graphed = self.learn_graphs is not None and aux_hidden.shape[0] <= LEARN_ROWS[-1]
+        graphed = self.learn_graphs is not None and _taps(aux_hidden).shape[0] <= LEARN_ROWS[-1]
         seqs = row_seqs(commits) if graphed else [(c.request.block_ids, c.start, c.count) for c in commits]
         meta, positions = build_metadata(seqs, self.block_size, self.device)
-        if graphed and self.learn_graphs.can_run(meta):
+        self._learn(_taps(aux_hidden), meta, positions)
+
+    @torch.inference_mode()
+    def draft_ahead(self, rows: VerifiedRows, ks: Sequence[int]) -> StagedDrafts:
+        self._learn(_taps(rows.aux_hidden), *build_metadata(rows.seqs(), self.block_size, self.device))
+        drafting = [i for i, k in enumerate(ks) if k > 0]
+        if not drafting:
+            return stage_drafts([], [], [], len(ks))
+        # Each block starts at the request's last committed row's next token: [x, MASK * (B - 1)] from p_i + m_i.
+        n, width = len(drafting), self.block
+        index = torch.tensor(drafting, dtype=torch.int64).to(self.device, non_blocking=True)
+        last = rows.last().index_select(0, index)
+        tokens = torch.full((n, width), self.mask_token_id, dtype=torch.int64, device=self.device)
+        tokens[:, 0] = rows.emitted.index_select(0, last)
+        requests = [rows.requests[i] for i in drafting]
+        meta, positions = build_metadata([(r.block_ids, r.num_tokens - 1, width) for r in requests], self.block_size,
+                                         self.device, causal=False)
+        shift = rows.accepted.index_select(0, index)
+        meta, positions = shifted_metadata(meta, positions, shift, max(rows.counts) - 1, self.block_size)
+        drafts, conf = self._run_block(tokens.view(-1), positions, meta)
+        picks = [b * width + j for b, i in enumerate(drafting) for j in range(1, ks[i] + 1)]  # block slots 1..k
+        index = torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)
+        return stage_drafts([i for i in drafting for _ in range(ks[i])], [drafts.index_select(0, index)],
+                            [conf.index_select(0, index)], len(ks))
+
+    def _learn(self, aux_hidden: torch.Tensor, meta, positions: torch.Tensor) -> None:
+        """Write these rows' context: through a learning graph when they are few one-token sequences (LEARN_ROWS)."""
+        if self.learn_graphs is not None and self.learn_graphs.can_run(meta):
             self._aux_in[: aux_hidden.shape[0]].copy_(aux_hidden)
             self.learn_graphs.run(positions, positions, meta)  # (its input is _aux_in: the ids are unused)
         else:
@@ -119,6 +151,9 @@ class DFlashDrafter:
         """Argmax drafts and their probabilities [sum L] at every slot of blocks `tokens` at (block table, first
         position, L) each: a captured graph when every block is whole and the batch fits one, else eager."""
         meta, positions = build_metadata(seqs, self.block_size, self.device, causal=False)
+        return self._run_block(tokens, positions, meta)
+
+    def _run_block(self, tokens: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graphs is not None and self.graphs.can_run(meta):
             return self.graphs.run(tokens, positions, meta)
         return self._block_drafts(tokens, positions, meta)

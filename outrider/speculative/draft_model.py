@@ -28,6 +28,7 @@ class DraftModelDrafter:
     reads_hidden = False  # it feeds committed tokens to its own model
     learns = True
     stages_on_device = False  # its KV catch-up keeps the drafts as host lists
+    drafts_ahead = False
     step_cost = 0.1  # [est] a draft model ~10x smaller than the target
 
     def __init__(self, path: str, vocab_size: int, block_size: int, dtype: torch.dtype,

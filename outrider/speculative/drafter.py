@@ -15,6 +15,7 @@ One engine step with a drafter (docs/speculative.md walks it through):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -92,6 +93,14 @@ class Drafter(Protocol):
     def stage(self, requests: Sequence[Request], ks: Sequence[int]) -> StagedDrafts:
         """propose's drafts, left on the device (only when stages_on_device)."""
 
+    # Drafters that learn a verify step's rows and draft the next round from the verdict still on the device
+    # (drafts_ahead): the next round's drafting then runs on the device while the host reads and commits this one.
+    drafts_ahead: bool
+
+    def draft_ahead(self, rows: VerifiedRows, ks: Sequence[int]) -> StagedDrafts:
+        """Learn the verified rows the verdict commits (the rest write nothing) and stage up to ks[i] drafts for
+        rows.requests[i] from its last committed row (only when drafts_ahead; blocks cover the worst case)."""
+
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
                   aux_hidden: torch.Tensor | None) -> None:
         """Learn committed target rows: hidden [sum count, H] pre-norm (None unless reads_hidden), aux_hidden
@@ -110,6 +119,35 @@ class Drafter(Protocol):
 # sequence (attention reads the keys the rows before it wrote in the same launch), so a learn has the uniform shape
 # of a decode step; a larger one (a prefill's) runs eager, ragged.
 LEARN_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class VerifiedRows:
+    """A verify step's rows as the device decided them, before the host reads the verdict. Request i fed counts[i]
+    rows (its last token, then its drafts) from position starts[i], one request's rows after another's; its first
+    accepted[i] + 1 rows are committed (m_i, on the device), and emitted[row] is the token after each row (the next
+    row's input where committed). hidden and aux_hidden are the target's rows (as StepOutput has them).
+
+    A drafter learns every row, the rejected ones too: their K/V lies at positions past p_i + m_i, which whatever
+    drafts from there next (this round drafted ahead, or a later one) writes before it reads them."""
+
+    requests: Sequence[Request]
+    starts: list[int]
+    counts: list[int]
+    accepted: torch.Tensor  # [R] int64
+    emitted: torch.Tensor  # [T] int64
+    hidden: torch.Tensor
+    aux_hidden: torch.Tensor | None
+
+    def seqs(self) -> list[tuple[list[int], int, int]]:
+        """Every row as a one-token sequence (see LEARN_ROWS)."""
+        return [(r.block_ids, start + j, 1) for r, start, n in zip(self.requests, self.starts, self.counts)
+                for j in range(n)]
+
+    def last(self) -> torch.Tensor:
+        """[R] int64 on the device: each request's last committed row (where its next round starts)."""
+        first = torch.tensor(list(itertools.accumulate(self.counts, initial=0))[:-1], dtype=torch.int64)
+        return first.to(self.accepted.device, non_blocking=True) + self.accepted
 
 
 def row_seqs(commits: Sequence[Commit]) -> list[tuple[list[int], int, int]]:
@@ -268,8 +306,10 @@ class DraftPolicy:
     _pooled: _Acceptance | None = field(default=None, repr=False)  # over all requests' rounds
     _probes: dict[int, _Probe] = field(default_factory=dict, repr=False)
 
-    def draft_lengths(self, requests: Sequence[Request], drafter: Drafter) -> list[int]:
-        """k for each decoding request this step: one k for the batch, capped per request."""
+    def draft_lengths(self, requests: Sequence[Request], drafter: Drafter,
+                      in_flight: Sequence[int] | None = None) -> list[int]:
+        """k for each decoding request this step: one k for the batch, capped per request. in_flight[i]: tokens
+        request i may still commit beyond its pending one (drafting ahead of a verdict: its drafts)."""
         n = len(requests)
         if n > self.max_batch:
             return [0] * n
@@ -281,7 +321,7 @@ class DraftPolicy:
             probe.idle += 1
             return [0] * n
         batch_cap = min(self.max_verify_tokens // max(n, 1) - 1, drafter.max_draft)
-        caps = [self._cap(r, batch_cap) for r in requests]
+        caps = [self._cap(r, batch_cap, extra) for r, extra in zip(requests, in_flight or itertools.repeat(0))]
         if max(caps, default=0) <= 0:
             return [0] * n
         stats = [self._acceptance(r.request_id) for r in requests]
@@ -304,9 +344,9 @@ class DraftPolicy:
             if cap > 0:
                 st.relax(pooled, rate)
 
-    def _cap(self, req: Request, cap: int) -> int:
+    def _cap(self, req: Request, cap: int, in_flight: int = 0) -> int:
         p = req.params
-        left = req.max_output_tokens - len(req.output_ids) - req.num_pending
+        left = req.max_output_tokens - len(req.output_ids) - req.num_pending - in_flight
         return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
 
     def round_seconds(self, batch: int, k, step_cost: float):

@@ -135,6 +135,7 @@ class NgramDrafter:
     # engine queues nothing for it alone, which would cost host work on every step.
     learns = False
     stages_on_device = False  # (its drafts are made on the host)
+    drafts_ahead = False
     step_cost = 0.01  # [est] a dictionary lookup on the host; nothing runs on the device
     kv_shape = (0, 0, 0)  # no KV pool: a pool of zero layers allocates nothing
 

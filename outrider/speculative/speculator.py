@@ -1,7 +1,8 @@
 """Speculation's part of an engine step, in one object: which requests draft and how far (DraftPolicy), the
 drafter's proposals with blocks reserved for what it writes, the rows it learns after a step (queued, and handed
-over in batches), the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests
-whose blocks were freed.
+over in batches), drafting the next round from a verify step's verdict before the host reads it (draft_ahead),
+the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were
+freed.
 
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
@@ -19,10 +20,10 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import Request, Status
 from outrider.engine.scheduler import StepPlan
 from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, PendingDrafts,
-                                         StagedDrafts)
+                                         StagedDrafts, VerifiedRows)
 
 if TYPE_CHECKING:
-    from outrider.engine.runner import StepOutput
+    from outrider.engine.runner import LaunchedStep, StepOutput
 
 log = logging.getLogger("outrider.engine")
 
@@ -73,6 +74,16 @@ class _Queued:
         return [*self.before, Commit(self.request, self.start, self.count)]
 
 
+@dataclass(frozen=True)
+class _Ahead:
+    """The next round's drafts, staged from a verify step's verdict before the host read it: the step's requests in
+    order (the staged drafts follow it), and the lengths drafted, by request id (k > 0 only)."""
+
+    requests: list[Request]
+    lengths: dict[int, int]
+    staged: StagedDrafts
+
+
 class Speculator:
     def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool):
         self.drafter = drafter
@@ -87,10 +98,20 @@ class Speculator:
         self._rows = 0
         self._steps = 0  # steps queued since the queue was last empty
         self._committed = 0  # committed rows queued (what one learn will run over)
+        self._ahead: _Ahead | None = None  # drafts staged by draft_ahead, for the next step
+        self._learned_ahead: StepPlan | None = None  # the step whose rows draft_ahead learned (learn skips them)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
-        those whose last token is still on the device (the engine then commits the step in flight first)."""
+        those whose last token is still on the device (the engine then commits the step in flight first). After a
+        round drafted ahead, its lengths for the requests still decoding."""
+        if self._ahead is not None:
+            lengths = self._ahead.lengths
+            lengths = {r.request_id: lengths[r.request_id] for r in running
+                       if r.request_id in lengths and r.num_computed == r.num_tokens - 1}
+            if not lengths:
+                self._ahead = None
+            return lengths
         decoding = [r for r in running if r.num_computed == r.num_tokens - 1]
         may = [self.drafter.may_propose(r) for r in decoding]
         if not any(may):  # (n-gram lookup that finds nothing: not even the policy's decision to pay for)
@@ -101,6 +122,9 @@ class Speculator:
     def propose(self, running: Sequence[Request], lengths: dict[int, int]) -> Drafts:
         """Drafts of the decided lengths, with blocks reserved for what the drafter writes. A drafter fault costs
         this step's drafts, never correctness."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:  # (blocks were reserved when they were drafted)
+            return self._staged(ahead.requests, ahead.staged, lengths)
         decoding, ks = [], []
         for req in running:
             k = lengths.get(req.request_id, 0)
@@ -127,15 +151,45 @@ class Speculator:
         return drafts
 
     @staticmethod
-    def _staged(decoding: Sequence[Request], staged: StagedDrafts) -> Drafts:
-        """Drafts left on the device: PENDING placeholders of the right lengths, the values in `pending`."""
+    def _staged(decoding: Sequence[Request], staged: StagedDrafts, only: dict[int, int] | None = None) -> Drafts:
+        """Drafts left on the device: PENDING placeholders of the right lengths, the values in `pending` (`only`:
+        for these request ids)."""
         tokens, offsets, at = {}, {}, 0
         for req, count in zip(decoding, staged.counts):
-            if count:
+            if count and (only is None or req.request_id in only):
                 tokens[req.request_id] = [PENDING] * count
                 offsets[req.request_id] = at
             at += count
         return Drafts(tokens, pending=PendingDrafts(staged.ids, offsets) if offsets else None)
+
+    def drafts_ahead(self, plan: StepPlan) -> bool:
+        """Does the drafter draft the next round from this step's verdict on the device (draft_ahead)? For steps
+        that verify drafts and decode only, when no request trims its drafts (p_min, n_min: that reads them)."""
+        return (self.drafter.drafts_ahead and not plan.has_prefill and any(s.draft_tokens for s in plan.scheduled)
+                and not any(self.policy.trims(s.request) for s in plan.scheduled))
+
+    def draft_ahead(self, launched: LaunchedStep) -> None:
+        """Learn a verify step's committed rows and stage the next round's drafts from its verdict while it is still
+        on the device, so the drafter runs while the host reads and commits the round. The policy picks the next
+        lengths a verdict late (this round's acceptance is recorded at commit); blocks are reserved for the worst
+        case, every draft accepted. A drafter fault costs the drafts: the rows are then learned after the commit."""
+        plan, verdict = launched.plan, launched.verdict
+        requests = [s.request for s in plan.scheduled]
+        in_flight = [len(s.draft_tokens) for s in plan.scheduled]
+        ks = self.policy.draft_lengths(requests, self.drafter, in_flight)
+        lookahead = self.drafter.lookahead
+        ks = [k if k and self.pool.ensure(r, r.num_tokens - 1 + extra + lookahead(k)) else 0
+              for r, k, extra in zip(requests, ks, in_flight)]
+        rows = VerifiedRows(requests, [s.start for s in plan.scheduled], [k + 1 for k in in_flight],
+                            verdict.accepted, verdict.emitted, launched.out.hidden, launched.out.aux_hidden)
+        try:
+            staged = self.drafter.draft_ahead(rows, ks)
+        except Exception as exc:
+            log.error("drafter failed to draft ahead: %s\n%s", exc, traceback.format_exc())
+            return
+        self._learned_ahead = plan
+        lengths = {r.request_id: count for r, count in zip(requests, staged.counts) if count}
+        self._ahead = _Ahead(requests, lengths, staged) if lengths else None
 
     def keep(self, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
@@ -149,6 +203,9 @@ class Speculator:
         LEARN_BACKLOG_STEPS steps; a finishing request's rows now, before its blocks are released (they may serve
         prefix hits). Propose learns the rest first."""
         if not self.drafter.learns:
+            return
+        if plan is self._learned_ahead:
+            self._learned_ahead = None
             return
         rows = out.hidden.shape[0]
         if 0 < self._committed <= LEARN_ROWS[-1] < self._committed + rows and rows <= LEARN_ROWS[-1] // 4:

@@ -1,0 +1,118 @@
+"""Drafting ahead: the drafter learns a verify step's committed rows and drafts the next round from the verdict while
+it is still on the device (Speculator.draft_ahead), before the host reads and commits the round.
+
+It must propose what drafting after the commit proposes (token for token, in float32, wherever both draft the same
+length from the same sequence), keep greedy output equal to plain decoding when rounds end early on a stop or a
+token limit, and leave no row unlearned or learned twice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from outrider import LLM, SamplingParams
+from spec_helpers import H, SETUPS, write_families
+
+AHEAD_KINDS = ["dflash", "mtp", "mimo", "eagle3"]
+PROMPTS = [[5, 9, 100, 13, 7, 200, 11, 17, 19, 23], [42, 300, 8, 8, 9], list(range(60, 81)), [7, 100, 200, 300]]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """The spec_helpers family, each drafter's attention made to count (its output projection is zero there), so
+    that what it learned, and where, changes its drafts."""
+    out = write_families(tmp_path_factory.mktemp("ahead"))
+    gen = torch.Generator().manual_seed(11)
+    for arch, member in (("qwen3", "dflash"), ("qwen3", "mtp"), ("qwen2", "mimo"), ("eagle", "eagle3")):
+        path = out[arch][member] / "model.safetensors"
+        t = load_file(path)
+        for name in t:
+            if name.endswith("self_attn.o_proj.weight") and not name.startswith("model.layers."):  # (not the target's)
+                t[name] = torch.randn(t[name].shape, generator=gen) / math.sqrt(H)
+        save_file(t, path, metadata={"format": "pt"})
+    return out
+
+
+def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:
+    """The kind's setup, or with `plain` its target alone."""
+    arch, served, engine_kwargs, _ = SETUPS[kind]
+    extra = {"spec_type": "none"} if plain else engine_kwargs(families[arch])
+    return LLM(families[arch][served], dtype="float32", max_num_seqs=8, overlap_schedule=True, spec_draft_n_max=3,
+               spec_measured_costs=False, **extra, **kwargs)
+
+
+def record_rounds(engine) -> dict:
+    """Every verified round, keyed by (the request's tokens before it, its draft length) -> the drafts (read in the
+    verdict's copy); and how many rounds were drafted ahead."""
+    rounds, counts = {}, {"ahead": 0}
+    collect, draft_ahead = engine.runner.collect, engine.speculator.draft_ahead
+
+    def recorded_collect(step):
+        before = {s.request.request_id: tuple(s.request.all_ids[: len(s.request.prompt_ids) + len(s.request.output_ids)])
+                  for s in step.plan.scheduled}
+        out = collect(step)
+        for s in step.plan.scheduled:
+            if s.draft_tokens:
+                rounds[(before[s.request.request_id], len(s.draft_tokens))] = list(s.draft_tokens)
+        return out
+
+    def counted(launched):
+        counts["ahead"] += 1
+        return draft_ahead(launched)
+
+    engine.runner.collect, engine.speculator.draft_ahead = recorded_collect, counted
+    return {"rounds": rounds, "counts": counts}
+
+
+def generate(llm: LLM, prompts, max_tokens, **kwargs) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs) for n in max_tokens]
+    return [c.token_ids for c in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("kind", AHEAD_KINDS)
+def test_drafting_ahead_proposes_what_drafting_after_the_commit_proposes(families, kind, batch):
+    """Greedy output equals plain decoding with rounds drafted ahead, and every round that both paths draft from the
+    same tokens at the same length carries the same drafts (requests end at different steps, on their token limit,
+    often inside a round)."""
+    prompts, max_tokens = PROMPTS[:batch], [41 - 7 * i for i in range(batch)]
+    plain = generate(spec_llm(families, kind, plain=True), prompts, max_tokens)
+    runs = {}
+    for ahead in (True, False):
+        llm = spec_llm(families, kind, spec_draft_ahead=ahead)
+        record = record_rounds(llm.engine)
+        assert generate(llm, prompts, max_tokens) == plain
+        runs[ahead] = record
+    ahead, after = runs[True], runs[False]
+    assert ahead["counts"]["ahead"] >= 5 and after["counts"]["ahead"] == 0
+    shared = ahead["rounds"].keys() & after["rounds"].keys()
+    assert len(shared) >= len(ahead["rounds"]) // 2 and any(any(ahead["rounds"][key]) for key in shared)
+    assert {key: ahead["rounds"][key] for key in shared} == {key: after["rounds"][key] for key in shared}
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_a_stop_inside_a_round_discards_the_round_drafted_ahead(families, kind):
+    """A request that stops on a token inside a round (a stop token id) has the round drafted after it discarded:
+    the output stops there, as plain decoding's does, and the requests beside it go on unchanged."""
+    prompts, max_tokens = PROMPTS, [40] * 4
+    plain = generate(spec_llm(families, kind, plain=True), prompts, max_tokens)
+    stop = plain[0][6]  # a token the first request emits early (the others may emit it too)
+    want = [out[: out.index(stop) + 1] if stop in out else out for out in plain]
+    llm = spec_llm(families, kind)
+    record = record_rounds(llm.engine)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=[stop]) for n in max_tokens]
+    assert [c.token_ids for c in llm.generate(prompts, params)] == want
+    assert record["counts"]["ahead"] > 0
+    assert llm.engine.pool.num_used == 0  # (the blocks reserved for the discarded rounds are free again)
+
+
+def test_a_request_that_trims_its_drafts_is_verified_after_the_commit(families):
+    """A confidence stop (p_min) reads the drafts' values before verifying them: no round is drafted ahead then."""
+    llm = spec_llm(families, "dflash")
+    record = record_rounds(llm.engine)
+    out = generate(llm, PROMPTS[:2], [30, 30], spec_p_min=0.01)
+    assert out == generate(spec_llm(families, "dflash", plain=True), PROMPTS[:2], [30, 30])
+    assert record["counts"]["ahead"] == 0 and record["rounds"]
