@@ -190,6 +190,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min, spec_ngram=_ngram(ns),
         overlap_schedule=False if ns.no_overlap_schedule else None,
         spec_measured_costs=False if ns.no_spec_measured_costs else None,
+        spec_draft_ahead=False if ns.no_spec_draft_ahead else None,
         # Every core computing leaves none for the HTTP side, which on a small box costs more than it gives.
         cpu_threads=ns.threads if ns.threads > 0 else max(1, (os.cpu_count() or 2) - 1),
     )

@@ -36,6 +36,8 @@ def test_caps():
     assert policy.draft_lengths([req(spec_n_max=6)], DRAFTER) == [6]
     assert policy.draft_lengths([req(spec_n_max=20)], DRAFTER) == [8]  # the drafter's own limit
     assert policy.draft_lengths([req(max_tokens=3)], DRAFTER) == [2]  # the bonus token is free
+    # (drafting ahead of a verdict: the round in flight may still commit its drafts and a bonus token)
+    assert policy.draft_lengths([req(max_tokens=8), req(max_tokens=8)], DRAFTER, in_flight=[3, 0]) == [3, 4]
     long = req(range(47), max_tokens=-1)
     assert policy.draft_lengths([long], DRAFTER) == [2]  # context: 3 tokens left
     assert DraftPolicy(n_max=4, max_verify_tokens=12).draft_lengths([req()] * 4, DRAFTER) == [2] * 4
@@ -245,7 +247,7 @@ def test_a_standing_plain_decision_reads_no_request_until_its_next_full_decision
     policy.observe_step(4, 4, 50e-3)  # rounds far too dear: k = 0 at any acceptance (batch bucket 4)
     reads = []
     cap = policy._cap
-    monkeypatch.setattr(policy, "_cap", lambda r, c: reads.append(r.request_id) or cap(r, c))
+    monkeypatch.setattr(policy, "_cap", lambda r, *rest: reads.append(r.request_id) or cap(r, *rest))
     st = policy._stats[b.request_id]
     per_step = _Acceptance(st.accepted, st.rejected)  # drifting one step at a time, for comparison
     pooled = _Acceptance.worth_two_rounds(policy._pooled.alpha)

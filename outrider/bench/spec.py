@@ -218,7 +218,8 @@ def run(args) -> list[SpecResult]:
         limits = dict(max_num_seqs=batches[-1], max_model_len=max_model_len, num_kv_blocks=blocks,
                       max_num_batched_tokens=max(2048, batches[-1] * longest))
         plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
-        spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max, **setup.drafter, **limits),
+        spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
+                                    spec_draft_ahead=not args.no_draft_ahead, **setup.drafter, **limits),
                       preloaded=setup.preloaded)
         if spec.drafter is None:
             raise SystemExit("the speculative engine has no drafter (see the log above for why)")

@@ -74,6 +74,8 @@ MODEL = [
         "min draft probability to keep drafting"),
     Opt(("--no-spec-measured-costs",), "no_spec_measured_costs", None, None, False,
         "choose draft lengths from the drafter's fixed cost estimate, not measured step costs (the CPU default)"),
+    Opt(("--no-spec-draft-ahead",), "no_spec_draft_ahead", None, None, False,
+        "draft each round after the last one is committed, not from its verdict on the device (MTP, EAGLE-3, DFlash)"),
     Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",
         help="a built-in template name (llama-server's: chatml, llama3, gemma, ...) or Jinja source"),
     Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", help="Jinja template file"),
