@@ -37,7 +37,7 @@ def test_caps():
     assert policy.draft_lengths([req(spec_n_max=20)], DRAFTER) == [8]  # the drafter's own limit
     assert policy.draft_lengths([req(max_tokens=3)], DRAFTER) == [2]  # the bonus token is free
     # (drafting ahead of a verdict: the round in flight may still commit its drafts and a bonus token)
-    assert policy.draft_lengths([req(max_tokens=8), req(max_tokens=8)], DRAFTER, in_flight=[3, 0]) == [3, 4]
+    assert policy.draft_lengths([req(max_tokens=6), req(max_tokens=6)], DRAFTER, in_flight=[3, 0]) == [2, 4]
     long = req(range(47), max_tokens=-1)
     assert policy.draft_lengths([long], DRAFTER) == [2]  # context: 3 tokens left
     assert DraftPolicy(n_max=4, max_verify_tokens=12).draft_lengths([req()] * 4, DRAFTER) == [2] * 4
