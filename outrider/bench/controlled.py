@@ -12,10 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from outrider.engine.request import Request
-from outrider.speculative.drafter import Drafter, Proposals, StagedDrafts
+from outrider.speculative.drafter import Drafter, Proposals, StagedDrafts, VerifiedRows
+from outrider.upload import to_device
 
 
 class ControlledDrafter:
@@ -57,18 +59,54 @@ class ControlledDrafter:
         ids = torch.tensor(tokens, dtype=torch.int64).to(real.ids.device, non_blocking=True)
         return StagedDrafts(ids, torch.ones(len(tokens), dtype=torch.float64, device=real.ids.device), real.counts)
 
+    def draft_ahead(self, rows: VerifiedRows, ks: Sequence[int]) -> StagedDrafts:
+        """As stage, ahead of a verdict the host has not read: the replacement for every possible accepted count
+        m_i is uploaded, and the device picks the one the verdict gives."""
+        real = self.inner.draft_ahead(rows, ks)
+        table, picks, owners = [], [], []
+        for i, (req, n) in enumerate(zip(rows.requests, real.counts)):
+            if not n:
+                continue
+            self._check(req)
+            kept = self._kept(req.request_id, n)
+            base = len(table)
+            for m in range(rows.counts[i]):  # (the round in flight commits m + 1 tokens, its pending one first)
+                table += self._replacement(req, req.num_tokens + m, n, kept)
+            picks += [base + j for j in range(n)]
+            owners += [i] * n
+        if not table:
+            return real
+        device = real.ids.device
+        table_d, picks_d, owners_d, counts_d = to_device(
+            [(table, np.int64), (picks, np.int64), (owners, np.int64), ([real.counts[i] for i in owners], np.int64)],
+            device)
+        index = picks_d + rows.accepted.index_select(0, owners_d) * counts_d
+        return StagedDrafts(table_d.index_select(0, index), torch.ones(len(picks), dtype=torch.float64, device=device),
+                            real.counts)
+
     def _substitute(self, req: Request, n: int) -> list[int]:
+        self._check(req)
+        return self._replacement(req, req.num_tokens, n, self._kept(req.request_id, n))
+
+    def _check(self, req: Request) -> None:
+        """Mark the request off script if its committed tokens left the recording (numerics: the speculative run's
+        target chose another token)."""
         rid = req.request_id
-        script = self._script[rid]
-        known = req.num_tokens - req.num_pending
-        checked = self._checked[rid]
+        script, known, checked = self._script[rid], req.num_tokens - req.num_pending, self._checked[rid]
         if rid not in self.off_script and req.token_slice(checked, known) != script[checked:known]:
-            self.off_script.add(rid)  # (numerics: the speculative run's target chose another token)
+            self.off_script.add(rid)
         self._checked[rid] = known
-        truth = script[req.num_tokens : req.num_tokens + n]
-        rng = self._rng[rid]
-        kept = 0
-        while kept < len(truth) and rng.random() < self.acceptance:
+
+    def _kept(self, request_id: int, n: int) -> int:
+        """Leading positions of a round of n drafts that keep the recorded token: each with probability α."""
+        rng, kept = self._rng[request_id], 0
+        while kept < n and rng.random() < self.acceptance:
             kept += 1
-        # From the first miss on: a token other than the target's (past the recording's end, any token).
+        return kept
+
+    def _replacement(self, req: Request, at: int, n: int, kept: int) -> list[int]:
+        """n drafts for positions at, at + 1, ...: the recording's first `kept`, then (from the first miss on) a
+        token other than the target's (past the recording's end, any token)."""
+        truth = self._script[req.request_id][at : at + n]
+        kept = min(kept, len(truth))
         return truth[:kept] + [(t + 1) % self.vocab_size for t in (truth + [0] * n)[kept:n]]
