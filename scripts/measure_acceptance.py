@@ -305,7 +305,9 @@ def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks
              target: str | None = None, draft_model: str | None = None, fixed: bool = False):
     """An engine for `target` (default: the demo target) with drafter `kind` (None: none) drafting up to k, from
     `draft_model` (default: the demo's) for the kinds that have one. fixed: no measured step costs (the CUDA
-    default), so that a drafter with step_cost 0 always drafts the cap."""
+    default), so that a drafter with step_cost 0 always drafts the cap, and each round drafted after the last one
+    is committed (drafting ahead caps the last rounds of a request by the tokens the round in flight may still
+    commit: not the documented k there)."""
     from outrider import LLM, demo
 
     kwargs = dict(device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, max_num_seqs=max(batch, 1))
@@ -316,7 +318,7 @@ def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks
         if kind in ("draft", "dflash"):
             kwargs["draft_model"] = draft_model or str(demo.demo_path(kind))
         if fixed:
-            kwargs["spec_measured_costs"] = False
+            kwargs.update(spec_measured_costs=False, spec_draft_ahead=False)
     llm = LLM(target or str(demo.demo_path("target")), **kwargs)
     if kind is not None and llm.engine.drafter_kind != kind:
         raise RuntimeError(f"the engine did not load the {kind} drafter (see the log)")

@@ -113,7 +113,17 @@ def test_training_taps_are_the_taps_the_engine_hands_the_drafter(smol, smoke, sc
             i += c.count
         return learn(commits, hidden, aux)
 
-    drafter.on_commit = recording
+    ahead = drafter.draft_ahead
+
+    def recording_ahead(verified, ks):  # (rows learned from a verdict before the host reads it: the committed ones)
+        i = 0
+        for req, start, n, m in zip(verified.requests, verified.starts, verified.counts, verified.accepted.tolist()):
+            for j in range(m + 1):
+                rows.setdefault(req.request_id, {})[start + j] = verified.aux_hidden[i + j].clone()
+            i += n
+        return ahead(verified, ks)
+
+    drafter.on_commit, drafter.draft_ahead = recording, recording_ahead
     prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]))
                for q in ("Write a Python function that reverses a string.", "What is a list?")]
     done = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
@@ -127,8 +137,9 @@ def test_training_taps_are_the_taps_the_engine_hands_the_drafter(smol, smoke, sc
     hidden, taps = target(x, drafter.aux_layer_ids)
     assert hidden.shape == (2, width, 576) and len(taps) == len(drafter.aux_layer_ids)
     for b, (rid, by_pos) in enumerate(sorted(rows.items())):
-        positions = sorted(by_pos)
-        assert positions == list(range(len(seqs[b]) - 1))  # every position but the last, not yet run
+        # every position but the last, not yet run (and a round the token limit cut short learned its rows past it)
+        positions = [p for p in sorted(by_pos) if p < len(seqs[b]) - 1]
+        assert positions == list(range(len(seqs[b]) - 1))
         served = torch.stack([by_pos[p] for p in positions])
         torch.testing.assert_close(torch.cat(taps, -1)[b, :len(positions)], served, rtol=1e-4, atol=1e-3)
         # the post-norm hidden's greedy tokens are the engine's

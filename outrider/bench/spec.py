@@ -420,7 +420,10 @@ class StepProfile:
                    (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", self._collect),
                    (self.engine.runner, "forward_eager", self._eager)]
         if self.engine.policy is not None:  # (synchronised steps run slower than served ones: not the policy's costs)
-            targets.append((self.engine.policy, "observe_step", lambda _: _unmeasured))
+            # The costs stay as the timed passes left them, none going stale: a stale plain step would make the
+            # policy take plain steps to re-measure it, which this pass never does.
+            targets += [(self.engine.policy, "observe_step", lambda _: _unmeasured),
+                        (self.engine.policy.costs, "stale_after", lambda _: 1 << 62)]
         if self.drafter is not None:
             # (a drafter that stages its drafts on the device proposes through `stage` too: timed once, there)
             drafts = "stage" if self.drafter.stages_on_device else "propose"
