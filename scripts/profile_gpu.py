@@ -98,8 +98,8 @@ def drafting_engine(args, a, limits: dict) -> Engine:
     model = random_model(a.model, torch.device(a.device), dtype)
     engine = Engine(engine_config(args, str(paths.target), spec_type=shape.kind, spec_draft_n_max=max(a.k, 1),
                                   draft_model=str(paths.draft) if paths.draft else None, **limits), preloaded=model)
-    engine.speculator.draft_lengths = lambda running: {
-        r.request_id: a.k for r in running if a.k and r.num_computed == r.num_tokens - 1}
+    # (the policy's decision, which drafting ahead takes too, not the speculator's)
+    engine.policy.draft_lengths = lambda requests, drafter, in_flight=None: [a.k] * len(requests)
     return engine
 
 
