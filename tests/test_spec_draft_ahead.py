@@ -1,9 +1,10 @@
 """Drafting ahead: the drafter learns a verify step's committed rows and drafts the next round from the verdict while
-it is still on the device (Speculator.draft_ahead), before the host reads and commits the round.
+it is still on the device (Speculator.draft_ahead), and the next verify forward is enqueued too (ModelRunner.
+prelaunch), before the host reads and commits the round.
 
 It must propose what drafting after the commit proposes (token for token, in float32, wherever both draft the same
 length from the same sequence), keep greedy output equal to plain decoding when rounds end early on a stop or a
-token limit, and leave no row unlearned or learned twice."""
+token limit (the forward enqueued ahead then dropped), and leave no row unlearned or learned twice."""
 
 from __future__ import annotations
 
@@ -47,8 +48,19 @@ def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:
 def record_rounds(engine) -> dict:
     """Every verified round, keyed by (the request's tokens before it, its draft length) -> the drafts (read in the
     verdict's copy); and how many rounds were drafted ahead."""
-    rounds, counts = {}, {"ahead": 0}
+    rounds, counts = {}, {"ahead": 0, "prelaunched": 0, "served": 0}
     collect, draft_ahead = engine.runner.collect, engine.speculator.draft_ahead
+    prelaunch, launch = engine.runner.prelaunch, engine.runner.launch
+
+    def counted_prelaunch(round_):
+        counts["prelaunched"] += 1
+        return prelaunch(round_)
+
+    def counted_launch(plan, feed=None, drafts_on_device=None, prelaunched=None):
+        counts["served"] += prelaunched is not None and feed is None and prelaunched.serves(plan)
+        return launch(plan, feed, drafts_on_device, prelaunched)
+
+    engine.runner.prelaunch, engine.runner.launch = counted_prelaunch, counted_launch
 
     def recorded_collect(step):
         before = {s.request.request_id: tuple(s.request.all_ids[: len(s.request.prompt_ids) + len(s.request.output_ids)])
@@ -87,7 +99,9 @@ def test_drafting_ahead_proposes_what_drafting_after_the_commit_proposes(familie
         assert generate(llm, prompts, max_tokens) == plain
         runs[ahead] = record
     ahead, after = runs[True], runs[False]
-    assert ahead["counts"]["ahead"] >= 5 and after["counts"]["ahead"] == 0
+    assert ahead["counts"]["ahead"] >= 5 and after["counts"]["ahead"] == after["counts"]["prelaunched"] == 0
+    # (the next verify forward, enqueued ahead too, served the next step where nothing changed meanwhile)
+    assert ahead["counts"]["ahead"] > ahead["counts"]["prelaunched"] >= ahead["counts"]["served"] > 0
     shared = ahead["rounds"].keys() & after["rounds"].keys()
     assert len(shared) >= len(ahead["rounds"]) // 2 and any(any(ahead["rounds"][key]) for key in shared)
     assert {key: ahead["rounds"][key] for key in shared} == {key: after["rounds"][key] for key in shared}
@@ -95,8 +109,9 @@ def test_drafting_ahead_proposes_what_drafting_after_the_commit_proposes(familie
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_a_stop_inside_a_round_discards_the_round_drafted_ahead(families, kind):
-    """A request that stops on a token inside a round (a stop token id) has the round drafted after it discarded:
-    the output stops there, as plain decoding's does, and the requests beside it go on unchanged."""
+    """A request that stops on a token inside a round (a stop token id) has the round drafted after it discarded, and
+    the verify forward enqueued ahead dropped: the output stops there, as plain decoding's does, and the requests
+    beside it go on unchanged."""
     prompts, max_tokens = PROMPTS, [40] * 4
     plain = generate(spec_llm(families, kind, plain=True), prompts, max_tokens)
     stop = plain[0][6]  # a token the first request emits early (the others may emit it too)
@@ -106,6 +121,7 @@ def test_a_stop_inside_a_round_discards_the_round_drafted_ahead(families, kind):
     params = [SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=[stop]) for n in max_tokens]
     assert [c.token_ids for c in llm.generate(prompts, params)] == want
     assert record["counts"]["ahead"] > 0
+    assert record["counts"]["prelaunched"] > record["counts"]["served"], record["counts"]  # (dropped at a stop)
     assert llm.engine.pool.num_used == 0  # (the blocks reserved for the discarded rounds are free again)
 
 

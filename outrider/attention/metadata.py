@@ -69,15 +69,14 @@ def decode_metadata_on_device(positions: torch.Tensor, live: torch.Tensor, block
         max_query_len=1, max_seq_len=width * block_size, causal=True)
 
 
-def shifted_metadata(meta: AttentionMetadata, positions: torch.Tensor, shift: torch.Tensor, max_shift: int,
-                     block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
-    """A uniform batch (max_query_len queries per sequence, from `build_metadata`) moved shift[i] positions further
-    on, on the device (shift [B] int64, at most max_shift): positions, seq lens and slots follow, the slots looked
-    up in the block tables, which must cover the moved positions. A drafter drafts from a verdict the host has not
-    read this way: from p_i + m_i, m_i on the device."""
-    n, q = shift.shape[0], meta.max_query_len
-    moved = (positions.view(n, q) + shift[:, None]).reshape(-1)
-    blocks = meta.block_tables.gather(1, (moved // block_size).view(n, q)).reshape(-1).to(torch.int64)
+def shifted_metadata(meta: AttentionMetadata, positions: torch.Tensor, shift: torch.Tensor, owner: torch.Tensor,
+                     max_shift: int, block_size: int) -> tuple[AttentionMetadata, torch.Tensor]:
+    """A batch from `build_metadata` moved shift[i] positions further on, on the device (shift [B] int64, at most
+    max_shift; owner [T]: each query's sequence): positions, seq lens and slots follow, the slots looked up in the
+    block tables, which must cover the moved positions. What drafts or verifies a round from a verdict the host
+    has not read does this: its sequences start at p_i + m_i, m_i on the device."""
+    moved = positions + shift.index_select(0, owner)
+    blocks = meta.block_tables[owner, moved // block_size].to(torch.int64)
     return dataclasses.replace(meta, slot_mapping=blocks * block_size + moved % block_size,
                                seq_lens=meta.seq_lens + shift.to(meta.seq_lens.dtype),
                                max_seq_len=meta.max_seq_len + max_shift, seq_lens_host=None), moved

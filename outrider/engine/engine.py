@@ -33,7 +33,7 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
 from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status
-from outrider.engine.runner import LaunchedStep, ModelRunner, StepOutput
+from outrider.engine.runner import LaunchedStep, ModelRunner, Prelaunched, StepOutput
 from outrider.engine.scheduler import Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
@@ -147,6 +147,7 @@ class Engine:
         # With a drafter, plain steps overlap and speculative rounds run synchronously (speculative.md).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
+        self.prelaunched: Prelaunched | None = None  # the next step's verify forward, enqueued ahead (_draft_ahead)
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
                                        "busy_slots_total"), 0)
         if self.device.type == "cuda":
@@ -316,7 +317,7 @@ class Engine:
             done = prev
         else:
             if launched.verdict is not None and self._drafts_ahead(launched.plan):
-                self.speculator.draft_ahead(launched)  # (the drafter's next round runs while the host commits)
+                self._draft_ahead(launched)  # (the next round runs on the device while the host commits this one)
             self._complete(launched)
             done = None if prev is not None else launched  # (two steps completed: no one step's time)
         if done is not None and self.speculator is not None:
@@ -325,6 +326,7 @@ class Engine:
     def _launch(self, feed: LaunchedStep | None, lengths: dict[int, int]) -> LaunchedStep | None:
         """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight, and drafts of the
         decided `lengths`), and sample it unless its sampling must wait for feed's commit (reads_history)."""
+        prelaunched, self.prelaunched = self.prelaunched, None  # (this step's, or no one's: its rows go stale)
         drafts = self.speculator.propose(self.scheduler.running, lengths) if lengths else Drafts()
         plan = self.scheduler.schedule(drafts.tokens)
         t = self.clock()  # the step is launched now: its prompts' processing starts (docs/architecture.md)
@@ -349,7 +351,7 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
         try:
-            launched = self.runner.launch(plan, feed, drafts.pending)
+            launched = self.runner.launch(plan, feed, drafts.pending, prelaunched)
         except Exception as exc:  # a fault fails the request that caused it, never the server
             self._fail(plan, exc, isolate=True)
             return None
@@ -375,6 +377,23 @@ class Engine:
 
     def _drafts_ahead(self, plan: StepPlan) -> bool:
         return self.config.spec_draft_ahead and self.speculator is not None and self.speculator.drafts_ahead(plan)
+
+    def _draft_ahead(self, launched: LaunchedStep) -> None:
+        """Enqueue the next round's drafts from this verify step's verdict, still on the device, and the next verify
+        forward too where the next step is sure to be that round: no request waits for admission and none may reach
+        its token limit in this round (a stop token can still end one; the forward is then dropped)."""
+        nxt = self.speculator.draft_ahead(launched)
+        if nxt is None or self.scheduler.waiting or self.suspects:
+            return
+        if any(len(s.request.output_ids) + len(s.draft_tokens) + 1 >= s.request.max_output_tokens
+               for s in launched.plan.scheduled):
+            return
+        try:
+            self.prelaunched = self.runner.prelaunch(nxt)
+        except Exception as exc:  # (the next step launches its own forward)
+            if isinstance(exc, torch.AcceleratorError):
+                raise
+            log.error("launching the next verify forward ahead failed: %s\n%s", exc, traceback.format_exc())
 
     def _isolate(self, plan: StepPlan) -> StepPlan:
         """The plan cut down to one suspect (the others wait a step: nothing of theirs was advanced)."""

@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
-from outrider.attention.metadata import batch_layout, metadata_over
+from outrider.attention.metadata import batch_layout, build_metadata, metadata_over, shifted_metadata
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
 from outrider.engine.request import Request, TokenLogprob
-from outrider.speculative.drafter import PendingDrafts
+from outrider.speculative.drafter import NextRound, PendingDrafts
 from outrider.speculative.verify import PendingVerdict, verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
 from outrider.structured.grammar import token_masks
@@ -80,6 +80,24 @@ class LaunchedStep:
         """May the next step launch before this one is committed? Not after a verify: the next step's positions
         follow how many drafts were accepted."""
         return self.verdict is None
+
+
+@dataclass(frozen=True)
+class Prelaunched:
+    """A verify forward enqueued ahead of its step (ModelRunner.prelaunch): for these requests, in order, each feeding
+    its last token and counts[i] drafts; the rows' hidden states, aux rows and logits."""
+
+    request_ids: tuple[int, ...]
+    counts: tuple[int, ...]
+    hidden: torch.Tensor
+    aux_hidden: torch.Tensor | None
+    logits: torch.Tensor
+
+    def serves(self, plan: StepPlan) -> bool:
+        scheduled = plan.scheduled
+        return (len(scheduled) == len(self.request_ids) and not plan.has_prefill
+                and all(s.request.request_id == rid and len(s.draft_tokens) == c
+                        for s, rid, c in zip(scheduled, self.request_ids, self.counts)))
 
 
 @dataclass
@@ -258,13 +276,23 @@ class ModelRunner:
         return (*out, self.model.compute_logits(out[0], out=into))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None,
-               drafts_on_device: PendingDrafts | None = None) -> LaunchedStep:
+    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None, drafts_on_device: PendingDrafts | None = None,
+               prelaunched: Prelaunched | None = None) -> LaunchedStep:
         """Enqueue a step's forward (feeding pending tokens from `feed`, the step in flight, and drafts that stayed
-        on the device) and the logits of the rows it samples; `sample` enqueues their sampling."""
+        on the device) and the logits of the rows it samples; `sample` enqueues their sampling. A forward already
+        enqueued for this very plan (`prelaunched`: the requests, in order, each feeding one token and the same
+        number of drafts) is taken instead."""
+        n = len(plan.scheduled)
+        if prelaunched is not None and feed is None and prelaunched.serves(plan):
+            for i, s in enumerate(plan.scheduled):
+                s.request.sample_row = i
+            out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, prelaunched.hidden,
+                             prelaunched.aux_hidden)
+            step = LaunchedStep(plan, list(range(n)), out, drafts_on_device=drafts_on_device, logits=prelaunched.logits)
+            step.reads_history = any(_reads_history(s.request) for s in plan.scheduled)
+            return step
         batch = self.prepare(plan, feed, drafts_on_device)
         hidden, aux, logits = self.forward(batch)
-        n = len(plan.scheduled)
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
         step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device)
         if not batch.sampling:
@@ -277,6 +305,23 @@ class ModelRunner:
         step.logits = logits
         step.reads_history = any(_reads_history(plan.scheduled[i].request) for i in batch.sampling)
         return step
+
+    @torch.inference_mode()
+    def prelaunch(self, round_: NextRound) -> Prelaunched:
+        """Enqueue the forward of the next step's verification before the host has read the verdict that places it
+        (positions p_i + m_i on, m_i on the device; Speculator.draft_ahead), so that the device runs it while the
+        host commits this round. `launch` takes it when the next step's plan is this one; else it is dropped: its
+        K/V lies past every request's committed tokens, where the next forward writes before anything reads."""
+        requests, counts = round_.requests, round_.counts
+        meta, positions = build_metadata([(r.block_ids, start, c + 1) for r, start, c in
+                                          zip(requests, round_.starts, counts)], self.block_size, self.device)
+        owner = torch.tensor([i for i, c in enumerate(counts) for _ in range(c + 1)], dtype=torch.int64)
+        meta, positions = shifted_metadata(meta, positions, round_.shift, owner.to(self.device, non_blocking=True),
+                                           round_.max_shift, self.block_size)
+        hidden, aux, logits = self.forward(StepBatch(round_.input_ids, positions, meta, [], None))
+        if logits is None:
+            logits = self.model.compute_logits(hidden)
+        return Prelaunched(tuple(r.request_id for r in requests), tuple(counts), hidden, aux, logits)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, draft_probs: dict[int, torch.Tensor] | None = None,

@@ -124,7 +124,8 @@ class DFlashDrafter:
         meta, positions = build_metadata([(r.block_ids, r.num_tokens - 1, width) for r in requests], self.block_size,
                                          self.device, causal=False)
         shift = rows.accepted.index_select(0, index)
-        meta, positions = shifted_metadata(meta, positions, shift, max(rows.counts) - 1, self.block_size)
+        owner = torch.arange(n, device=self.device).repeat_interleave(width)
+        meta, positions = shifted_metadata(meta, positions, shift, owner, max(rows.counts) - 1, self.block_size)
         drafts, conf = self._run_block(tokens.view(-1), positions, meta)
         picks = [b * width + j for b, i in enumerate(drafting) for j in range(1, ks[i] + 1)]  # block slots 1..k
         index = torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -150,6 +150,21 @@ class VerifiedRows:
         return first.to(self.accepted.device, non_blocking=True) + self.accepted
 
 
+@dataclass(frozen=True)
+class NextRound:
+    """The step after a verify step drafted ahead, as far as the device knows it before the host reads the verdict:
+    these requests in order, request i feeding its bonus token and counts[i] drafts (input_ids, on the device)
+    from position starts[i] + shift[i] (shift: m_i, on the device, at most max_shift). ModelRunner.prelaunch
+    enqueues its forward then."""
+
+    requests: list[Request]
+    counts: list[int]
+    starts: list[int]
+    shift: torch.Tensor
+    max_shift: int
+    input_ids: torch.Tensor
+
+
 def row_seqs(commits: Sequence[Commit]) -> list[tuple[list[int], int, int]]:
     """The committed rows as one-token sequences (block table, position, 1), in commit order (see LEARN_ROWS)."""
     return [(c.request.block_ids, c.start + j, 1) for c in commits for j in range(c.count)]

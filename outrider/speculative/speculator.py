@@ -19,8 +19,8 @@ import torch
 from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import Request, Status
 from outrider.engine.scheduler import StepPlan
-from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, PendingDrafts,
-                                         StagedDrafts, VerifiedRows)
+from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, NextRound,
+                                         PendingDrafts, StagedDrafts, VerifiedRows)
 
 if TYPE_CHECKING:
     from outrider.engine.runner import LaunchedStep, StepOutput
@@ -168,28 +168,46 @@ class Speculator:
         return (self.drafter.drafts_ahead and not plan.has_prefill and any(s.draft_tokens for s in plan.scheduled)
                 and not any(self.policy.trims(s.request) for s in plan.scheduled))
 
-    def draft_ahead(self, launched: LaunchedStep) -> None:
+    def draft_ahead(self, launched: LaunchedStep) -> NextRound | None:
         """Learn a verify step's committed rows and stage the next round's drafts from its verdict while it is still
         on the device, so the drafter runs while the host reads and commits the round. The policy picks the next
         lengths a verdict late (this round's acceptance is recorded at commit); blocks are reserved for the worst
-        case, every draft accepted. A drafter fault costs the drafts: the rows are then learned after the commit."""
+        case, every draft accepted, and the next verify forward on top. Returns that next step (its inputs on the
+        device) when some request drafts. A drafter fault costs the drafts: the rows are then learned after the
+        commit."""
         plan, verdict = launched.plan, launched.verdict
         requests = [s.request for s in plan.scheduled]
         in_flight = [len(s.draft_tokens) for s in plan.scheduled]
         ks = self.policy.draft_lengths(requests, self.drafter, in_flight)
-        lookahead = self.drafter.lookahead
-        ks = [k if k and self.pool.ensure(r, r.num_tokens - 1 + extra + lookahead(k)) else 0
-              for r, k, extra in zip(requests, ks, in_flight)]
+        # Room for the worst case: the drafter's writes and the next verify's from p_i + k_i + 1 (every draft
+        # accepted), for every request the next step would feed (k = 0 where there is none).
+        lookahead, ensure = self.drafter.lookahead, self.pool.ensure
+        last = [r.num_tokens - 1 + extra for r, extra in zip(requests, in_flight)]  # the worst case's bonus position
+        ks = [k if k and ensure(r, p + max(lookahead(k), k + 1)) else 0 for r, k, p in zip(requests, ks, last)]
+        room = all(ensure(r, p + 1) for r, p in zip(requests, last))
         rows = VerifiedRows(requests, [s.start for s in plan.scheduled], [k + 1 for k in in_flight],
                             verdict.accepted, verdict.emitted, launched.out.hidden, launched.out.aux_hidden)
         try:
             staged = self.drafter.draft_ahead(rows, ks)
         except Exception as exc:
             log.error("drafter failed to draft ahead: %s\n%s", exc, traceback.format_exc())
-            return
+            return None
         self._learned_ahead = plan
         lengths = {r.request_id: count for r, count in zip(requests, staged.counts) if count}
         self._ahead = _Ahead(requests, lengths, staged) if lengths else None
+        if not lengths or not room:
+            return None
+        # The next step's inputs: each request's bonus token (emitted at its last committed row), then its drafts.
+        counts, total = staged.counts, len(requests)
+        order, at = [], total
+        for i, count in enumerate(counts):
+            order += [i, *range(at, at + count)]
+            at += count
+        bonus = verdict.emitted.index_select(0, rows.last())
+        index = torch.tensor(order, dtype=torch.int64).to(bonus.device, non_blocking=True)
+        input_ids = torch.cat([bonus, staged.ids.to(bonus.dtype)]).index_select(0, index)
+        return NextRound(requests, list(counts), [r.num_tokens - 1 for r in requests], verdict.accepted,
+                         max(in_flight), input_ids)
 
     def keep(self, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
