@@ -428,6 +428,9 @@ class StepProfile:
             # (a drafter that stages its drafts on the device proposes through `stage` too: timed once, there)
             drafts = "stage" if self.drafter.stages_on_device else "propose"
             targets += [(self.drafter, drafts, timed("draft")), (self.drafter, "on_commit", timed("draft"))]
+            # (drafting ahead of a verdict, and the next verify forward enqueued then, count in the step doing it)
+            targets += [(self.engine.speculator, "draft_ahead", timed("draft")),
+                        (self.engine.runner, "prelaunch", timed("verify"))]
             targets.append((CudaGraphRunner, "can_run", self._drafter_graph))
         return patched(*targets)
 
