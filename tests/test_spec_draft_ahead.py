@@ -48,7 +48,7 @@ def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:
 def record_rounds(engine) -> dict:
     """Every verified round, keyed by (the request's tokens before it, its draft length) -> the drafts (read in the
     verdict's copy); and how many rounds were drafted ahead."""
-    rounds, counts = {}, {"ahead": 0, "prelaunched": 0, "served": 0}
+    rounds, counts = {}, {"ahead": 0, "prelaunched": 0, "served": 0, "served_fewer": 0}
     collect, draft_ahead = engine.runner.collect, engine.speculator.draft_ahead
     prelaunch, launch = engine.runner.prelaunch, engine.runner.launch
 
@@ -57,7 +57,10 @@ def record_rounds(engine) -> dict:
         return prelaunch(round_)
 
     def counted_launch(plan, feed=None, drafts_on_device=None, prelaunched=None):
-        counts["served"] += prelaunched is not None and feed is None and prelaunched.serves(plan)
+        rows = prelaunched.rows(plan) if prelaunched is not None and feed is None else None
+        if rows is not None:
+            counts["served"] += 1
+            counts["served_fewer"] += len(rows) < prelaunched.logits.shape[0]
         return launch(plan, feed, drafts_on_device, prelaunched)
 
     engine.runner.prelaunch, engine.runner.launch = counted_prelaunch, counted_launch
@@ -109,19 +112,25 @@ def test_drafting_ahead_proposes_what_drafting_after_the_commit_proposes(familie
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_a_stop_inside_a_round_discards_the_round_drafted_ahead(families, kind):
-    """A request that stops on a token inside a round (a stop token id) has the round drafted after it discarded, and
-    the verify forward enqueued ahead dropped: the output stops there, as plain decoding's does, and the requests
-    beside it go on unchanged."""
+    """Requests that stop on a token inside a round (a stop token id, past a min_tokens that differs per request)
+    have the round drafted after it discarded, and their rows of the verify forward enqueued ahead left unread: each
+    output stops where plain decoding's does, and the requests beside them go on unchanged."""
     prompts, max_tokens = PROMPTS, [40] * 4
     plain = generate(spec_llm(families, kind, plain=True), prompts, max_tokens)
-    stop = plain[0][6]  # a token the first request emits early (the others may emit it too)
-    want = [out[: out.index(stop) + 1] if stop in out else out for out in plain]
+    stop = plain[0][0]
+    firsts = [5 + 6 * i for i in range(4)]  # (a stop id counts past min_tokens outputs)
+    want = [out[: next((j + 1 for j, t in enumerate(out) if t == stop and j >= n), len(out))]
+            for out, n in zip(plain, firsts)]
+    assert len({len(w) for w in want}) > 1
     llm = spec_llm(families, kind)
     record = record_rounds(llm.engine)
-    params = [SamplingParams(max_tokens=n, temperature=0.0, stop_token_ids=[stop]) for n in max_tokens]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, stop_token_ids=[stop], min_tokens=n)
+              for m, n in zip(max_tokens, firsts)]
     assert [c.token_ids for c in llm.generate(prompts, params)] == want
-    assert record["counts"]["ahead"] > 0
-    assert record["counts"]["prelaunched"] > record["counts"]["served"], record["counts"]  # (dropped at a stop)
+    counts = record["counts"]
+    assert counts["ahead"] > 0
+    # (where a request stopped, the forward enqueued ahead served the others; the last to stop dropped it)
+    assert counts["prelaunched"] > counts["served"] and counts["served_fewer"] > 0, counts
     assert llm.engine.pool.num_used == 0  # (the blocks reserved for the discarded rounds are free again)
 
 

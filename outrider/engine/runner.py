@@ -9,6 +9,7 @@ reads host state that step advances (a grammar's matcher, a penalty's recent tok
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
@@ -84,20 +85,26 @@ class LaunchedStep:
 
 @dataclass(frozen=True)
 class Prelaunched:
-    """A verify forward enqueued ahead of its step (ModelRunner.prelaunch): for these requests, in order, each feeding
-    its last token and counts[i] drafts; the rows' hidden states, aux rows and logits."""
+    """A verify forward enqueued ahead of its step (ModelRunner.prelaunch): the rows' hidden states, aux rows and
+    logits, and where each request's rows lie (request id -> first row, drafts: it fed its last token and those)."""
 
-    request_ids: tuple[int, ...]
-    counts: tuple[int, ...]
+    spans: dict[int, tuple[int, int]]
     hidden: torch.Tensor
     aux_hidden: torch.Tensor | None
     logits: torch.Tensor
 
-    def serves(self, plan: StepPlan) -> bool:
-        scheduled = plan.scheduled
-        return (len(scheduled) == len(self.request_ids) and not plan.has_prefill
-                and all(s.request.request_id == rid and len(s.draft_tokens) == c
-                        for s, rid, c in zip(scheduled, self.request_ids, self.counts)))
+    def rows(self, plan: StepPlan) -> list[int] | None:
+        """The rows that serve this plan, in its order: every scheduled request fed here one token and as many
+        drafts (a request that finished meanwhile leaves its rows unread). None: the plan is another step."""
+        if plan.has_prefill:
+            return None
+        rows = []
+        for s in plan.scheduled:
+            span = self.spans.get(s.request.request_id)
+            if span is None or span[1] != len(s.draft_tokens):
+                return None
+            rows.extend(range(span[0], span[0] + span[1] + 1))
+        return rows
 
 
 @dataclass
@@ -280,15 +287,19 @@ class ModelRunner:
                prelaunched: Prelaunched | None = None) -> LaunchedStep:
         """Enqueue a step's forward (feeding pending tokens from `feed`, the step in flight, and drafts that stayed
         on the device) and the logits of the rows it samples; `sample` enqueues their sampling. A forward already
-        enqueued for this very plan (`prelaunched`: the requests, in order, each feeding one token and the same
-        number of drafts) is taken instead."""
+        enqueued for this plan's requests (`prelaunched`: each fed one token and as many drafts) is taken instead."""
         n = len(plan.scheduled)
-        if prelaunched is not None and feed is None and prelaunched.serves(plan):
+        rows = prelaunched.rows(plan) if prelaunched is not None and feed is None else None
+        if rows is not None:
             for i, s in enumerate(plan.scheduled):
                 s.request.sample_row = i
-            out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, prelaunched.hidden,
-                             prelaunched.aux_hidden)
-            step = LaunchedStep(plan, list(range(n)), out, drafts_on_device=drafts_on_device, logits=prelaunched.logits)
+            parts = [prelaunched.hidden, prelaunched.aux_hidden, prelaunched.logits]
+            if len(rows) < prelaunched.logits.shape[0]:
+                index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+                parts = [t.index_select(0, index) if t is not None else None for t in parts]
+            hidden, aux, logits = parts
+            out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
+            step = LaunchedStep(plan, list(range(n)), out, drafts_on_device=drafts_on_device, logits=logits)
             step.reads_history = any(_reads_history(s.request) for s in plan.scheduled)
             return step
         batch = self.prepare(plan, feed, drafts_on_device)
@@ -310,8 +321,9 @@ class ModelRunner:
     def prelaunch(self, round_: NextRound) -> Prelaunched:
         """Enqueue the forward of the next step's verification before the host has read the verdict that places it
         (positions p_i + m_i on, m_i on the device; Speculator.draft_ahead), so that the device runs it while the
-        host commits this round. `launch` takes it when the next step's plan is this one; else it is dropped: its
-        K/V lies past every request's committed tokens, where the next forward writes before anything reads."""
+        host commits this round. `launch` takes it when the next step's plan is this one, less requests that finished
+        meanwhile; else it is dropped: its K/V lies past every request's committed tokens, where the next forward
+        writes before anything reads."""
         requests, counts = round_.requests, round_.counts
         meta, positions = build_metadata([(r.block_ids, start, c + 1) for r, start, c in
                                           zip(requests, round_.starts, counts)], self.block_size, self.device)
@@ -321,7 +333,9 @@ class ModelRunner:
         hidden, aux, logits = self.forward(StepBatch(round_.input_ids, positions, meta, [], None))
         if logits is None:
             logits = self.model.compute_logits(hidden)
-        return Prelaunched(tuple(r.request_id for r in requests), tuple(counts), hidden, aux, logits)
+        firsts = itertools.accumulate((c + 1 for c in counts), initial=0)
+        return Prelaunched({r.request_id: (first, c) for r, first, c in zip(requests, firsts, counts)}, hidden, aux,
+                           logits)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, draft_probs: dict[int, torch.Tensor] | None = None,
