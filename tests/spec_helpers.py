@@ -166,6 +166,21 @@ def write_families(root: Path) -> dict[str, dict[str, Path]]:
             "eagle": write_family(root / "eagle", "qwen3", ("eagle3",), layers=4)}
 
 
+def write_attentive_families(root: Path) -> dict[str, dict[str, Path]]:
+    """write_families, with each hidden-reading drafter's attention made to count: there its output projection is
+    zero, so its drafts would not depend on what it learned, nor where."""
+    out = write_families(root)
+    gen = torch.Generator().manual_seed(11)
+    for arch, member in (("qwen3", "dflash"), ("qwen3", "mtp"), ("qwen2", "mimo"), ("eagle", "eagle3")):
+        path = out[arch][member] / "model.safetensors"
+        t = load_file(path)
+        for name in t:
+            if name.endswith("self_attn.o_proj.weight") and not name.startswith("model.layers."):  # (not the target's)
+                t[name] = torch.randn(t[name].shape, generator=gen) / math.sqrt(H)
+        save_file(t, path, metadata={"format": "pt"})
+    return out
+
+
 # --- steps that last a chosen time -------------------------------------------------------------------------
 
 @dataclass

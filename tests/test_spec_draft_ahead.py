@@ -3,19 +3,15 @@ it is still on the device (Speculator.draft_ahead), and the next verify forward 
 prelaunch), before the host reads and commits the round.
 
 It must propose what drafting after the commit proposes (token for token, in float32, wherever both draft the same
-length from the same sequence), keep greedy output equal to plain decoding when rounds end early on a stop or a
-token limit (the forward enqueued ahead then dropped), and leave no row unlearned or learned twice."""
+length from the same sequence), and keep greedy output equal to plain decoding when rounds end early on a stop or a
+token limit (the forward enqueued ahead then serves the requests left, or is dropped)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from outrider import LLM, SamplingParams
-from spec_helpers import H, SETUPS, write_families
+from spec_helpers import SETUPS, write_attentive_families
 
 AHEAD_KINDS = ["dflash", "mtp", "mimo", "eagle3"]
 PROMPTS = [[5, 9, 100, 13, 7, 200, 11, 17, 19, 23], [42, 300, 8, 8, 9], list(range(60, 81)), [7, 100, 200, 300]]
@@ -23,18 +19,7 @@ PROMPTS = [[5, 9, 100, 13, 7, 200, 11, 17, 19, 23], [42, 300, 8, 8, 9], list(ran
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """The spec_helpers family, each drafter's attention made to count (its output projection is zero there), so
-    that what it learned, and where, changes its drafts."""
-    out = write_families(tmp_path_factory.mktemp("ahead"))
-    gen = torch.Generator().manual_seed(11)
-    for arch, member in (("qwen3", "dflash"), ("qwen3", "mtp"), ("qwen2", "mimo"), ("eagle", "eagle3")):
-        path = out[arch][member] / "model.safetensors"
-        t = load_file(path)
-        for name in t:
-            if name.endswith("self_attn.o_proj.weight") and not name.startswith("model.layers."):  # (not the target's)
-                t[name] = torch.randn(t[name].shape, generator=gen) / math.sqrt(H)
-        save_file(t, path, metadata={"format": "pt"})
-    return out
+    return write_attentive_families(tmp_path_factory.mktemp("ahead"))
 
 
 def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:

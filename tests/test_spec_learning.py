@@ -7,12 +7,10 @@ hits), drop a preempted request's queue, and keep undrafted decode steps free of
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import outrider.speculative.speculator as speculator_mod
 from outrider import LLM, SamplingParams
@@ -20,7 +18,7 @@ from outrider.engine.request import Request
 from outrider.engine.runner import StepOutput
 from outrider.speculative.drafter import LEARN_ROWS
 from outrider.speculative.speculator import LEARN_BACKLOG_STEPS
-from spec_helpers import H, LOOKUP_SETUPS, SETUPS, write_families
+from spec_helpers import LOOKUP_SETUPS, SETUPS, write_attentive_families
 
 HIDDEN_KINDS = ["dflash", "mtp", "mimo", "eagle3"]  # the drafters that read the target's hidden rows
 LEARNING_KINDS = HIDDEN_KINDS + ["draft"]  # and the draft model, which learns committed tokens
@@ -29,18 +27,7 @@ PROMPTS = [[5, 9, 100, 13, 7, 200, 11, 17, 19, 23], [42, 300, 8, 8, 9], list(ran
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    """The spec_helpers family (drafters the target accepts part of the time), with each drafter's attention made
-    to count: there its output projection is zero, so its drafts would not depend on what it learned at all."""
-    out = write_families(tmp_path_factory.mktemp("learning"))
-    gen = torch.Generator().manual_seed(11)
-    for arch, member in (("qwen3", "dflash"), ("qwen3", "mtp"), ("qwen2", "mimo"), ("eagle", "eagle3")):
-        path = out[arch][member] / "model.safetensors"
-        t = load_file(path)
-        for name in t:
-            if name.endswith("self_attn.o_proj.weight") and not name.startswith("model.layers."):  # (not the target's)
-                t[name] = torch.randn(t[name].shape, generator=gen) / math.sqrt(H)
-        save_file(t, path, metadata={"format": "pt"})
-    return out
+    return write_attentive_families(tmp_path_factory.mktemp("learning"))
 
 
 def spec_llm(families, kind: str, **kwargs) -> LLM:
