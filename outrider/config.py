@@ -161,6 +161,10 @@ class EngineConfig:
     # Draft the next round from a verify step's verdict on the device, before the host reads it (MTP, EAGLE-3,
     # DFlash; docs/speculative.md). Off: every round drafts after the host commits the last one (for comparison).
     spec_draft_ahead: bool = True
+    # With it, enqueue the next round's verify forward too (ModelRunner.prelaunch). Off by default: on the H200 it
+    # has not yet measured faster (docs/benchmarks.md, "Session 12"), and a request admitted meanwhile, or at batch 1
+    # a stop, drops the forward it enqueued.
+    spec_verify_ahead: bool = False
     # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
     # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.
     spec_required: bool = False

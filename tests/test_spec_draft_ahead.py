@@ -26,6 +26,7 @@ def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:
     """The kind's setup, or with `plain` its target alone."""
     arch, served, engine_kwargs, _ = SETUPS[kind]
     extra = {"spec_type": "none"} if plain else engine_kwargs(families[arch])
+    kwargs.setdefault("spec_verify_ahead", True)
     return LLM(families[arch][served], dtype="float32", max_num_seqs=8, overlap_schedule=True, spec_draft_n_max=3,
                spec_measured_costs=False, **extra, **kwargs)
 
@@ -51,8 +52,7 @@ def record_rounds(engine) -> dict:
     engine.runner.prelaunch, engine.runner.launch = counted_prelaunch, counted_launch
 
     def recorded_collect(step):
-        before = {s.request.request_id: tuple(s.request.all_ids[: len(s.request.prompt_ids) + len(s.request.output_ids)])
-                  for s in step.plan.scheduled}
+        before = {s.request.request_id: tuple(s.request.prompt_ids + s.request.output_ids) for s in step.plan.scheduled}
         out = collect(step)
         for s in step.plan.scheduled:
             if s.draft_tokens:

@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--draft-n-max", type=int, help="draft length cap k (default: the drafter's)")
     spc.add_argument("--no-draft-ahead", action="store_true",
                      help="draft each round after the host commits the last (default: from its verdict, ahead)")
+    spc.add_argument("--verify-ahead", action="store_true",
+                     help="enqueue each round's verify forward ahead too (EngineConfig.spec_verify_ahead)")
     spc.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
     spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")

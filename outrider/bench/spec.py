@@ -219,7 +219,8 @@ def run(args) -> list[SpecResult]:
                       max_num_batched_tokens=max(2048, batches[-1] * longest))
         plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
         spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
-                                    spec_draft_ahead=not args.no_draft_ahead, **setup.drafter, **limits),
+                                    spec_draft_ahead=not args.no_draft_ahead, spec_verify_ahead=args.verify_ahead,
+                                    **setup.drafter, **limits),
                       preloaded=setup.preloaded)
         if spec.drafter is None:
             raise SystemExit("the speculative engine has no drafter (see the log above for why)")

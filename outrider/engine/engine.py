@@ -379,11 +379,12 @@ class Engine:
         return self.config.spec_draft_ahead and self.speculator is not None and self.speculator.drafts_ahead(plan)
 
     def _draft_ahead(self, launched: LaunchedStep) -> None:
-        """Enqueue the next round's drafts from this verify step's verdict, still on the device, and the next verify
-        forward too where the next step is sure to be that round: no request waits for admission and none may reach
-        its token limit in this round (a stop token can still end one; the forward is then dropped)."""
+        """Enqueue the next round's drafts from this verify step's verdict, still on the device, and with
+        spec_verify_ahead the next verify forward too where the next step is sure to be that round: no request waits
+        for admission and none may reach its token limit in this round (a stop token can still end one: the others
+        take the forward, or it is dropped)."""
         nxt = self.speculator.draft_ahead(launched)
-        if nxt is None or self.scheduler.waiting or self.suspects:
+        if nxt is None or not self.config.spec_verify_ahead or self.scheduler.waiting or self.suspects:
             return
         if any(len(s.request.output_ids) + len(s.draft_tokens) + 1 >= s.request.max_output_tokens
                for s in launched.plan.scheduled):
