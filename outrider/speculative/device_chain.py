@@ -42,8 +42,8 @@ class DeviceChain:
               conf: torch.Tensor, state: torch.Tensor | None, shift: torch.Tensor | None = None) -> StagedDrafts:
         """Every request's drafts, left on the device: requests[i] gets ks[i]; `rows` are those with ks > 0, in
         order, whose d_1 (and its probability) are `tokens` and `conf`, and the step's state after it `state`.
-        shift [len(rows)] (on the device): the chains start that many positions past each
-        request's last token (drafting from a verdict the host has not read: Drafter.draft_ahead)."""
+        shift [len(rows)] (on the device): the chains start that many positions further on (drafting from a
+        verdict the host has not read: Drafter.draft_ahead)."""
         owners, drafts, probs = list(rows), [tokens], [conf]
         depth = max((ks[i] for i in rows), default=0) - 1
         if depth > 0:

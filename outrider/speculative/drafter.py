@@ -11,6 +11,9 @@ One engine step with a drafter (docs/speculative.md walks it through):
      when a step prefills, every LEARN_BACKLOG_STEPS steps, and before a finishing request's blocks are released
   6. policy.record(request_id, k, m) beside timing.mark_draft_round(k, m)
   7. drafter.release(request_id) / policy.release(request_id) whenever a request's blocks are freed
+  8. for a drafter that drafts_ahead, between a verify step's verdict (on the device) and the host reading it:
+     drafter.draft_ahead(rows, ks) learns the step's rows and stages the next round's drafts (Speculator.draft_ahead);
+     the next step verifies them without steps 1-3, and step 5 skips those rows
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ class Drafter(Protocol):
     drafts_ahead: bool
 
     def draft_ahead(self, rows: VerifiedRows, ks: Sequence[int]) -> StagedDrafts:
-        """Learn the verified rows the verdict commits (the rest write nothing) and stage up to ks[i] drafts for
+        """Learn the verified rows (VerifiedRows says why all of them) and stage up to ks[i] drafts for
         rows.requests[i] from its last committed row (only when drafts_ahead; blocks cover the worst case)."""
 
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor | None,
@@ -121,7 +124,7 @@ class Drafter(Protocol):
 LEARN_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 
-@dataclass
+@dataclass(frozen=True)
 class VerifiedRows:
     """A verify step's rows as the device decided them, before the host reads the verdict. Request i fed counts[i]
     rows (its last token, then its drafts) from position starts[i], one request's rows after another's; its first
