@@ -144,7 +144,7 @@ class Engine:
         # Requests admitted in a step they did not run in (it failed, or was cut down to one suspect): their
         # prompt starts when they next run, so their admission is stamped again then.
         self.restamp: set[int] = set()
-        # With a drafter, plain steps overlap and speculative rounds run synchronously (speculative.md).
+        # With a drafter, plain steps overlap; a round is committed before the next step (drafted ahead meanwhile).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
         self.prelaunched: Prelaunched | None = None  # the next step's verify forward, enqueued ahead (_draft_ahead)
