@@ -165,7 +165,8 @@ class Speculator:
     def drafts_ahead(self, plan: StepPlan) -> bool:
         """Does the drafter draft the next round from this step's verdict on the device (draft_ahead)? For steps
         that verify drafts and decode only, when no request trims its drafts (p_min, n_min: that reads them)."""
-        return (self.drafter.drafts_ahead and not plan.has_prefill and any(s.draft_tokens for s in plan.scheduled)
+        # (every sampled step asks: a plain one answers at its first test that reads the plan)
+        return (self.drafter.drafts_ahead and any(s.draft_tokens for s in plan.scheduled) and not plan.has_prefill
                 and not any(self.policy.trims(s.request) for s in plan.scheduled))
 
     def draft_ahead(self, launched: LaunchedStep) -> NextRound | None:
