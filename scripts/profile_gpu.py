@@ -47,12 +47,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--spec-type", choices=["draft", "mtp", "dflash", "eagle3"], help="load this drafter preset")
     ap.add_argument("--k", type=int, default=0, help="with --spec-type: drafts per request every decode step")
+    ap.add_argument("--verify-ahead", action="store_true", help="with --spec-type: enqueue the next verify forward "
+                    "ahead (EngineConfig.spec_verify_ahead)")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
                            gpu_memory_utilization=0.9, no_overlap=a.no_overlap)
     limits = dict(max_num_seqs=a.batch, max_model_len=a.prompt_len + (4 + a.k) * a.steps + 64,
                   max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
     engine = drafting_engine(args, a, limits) if a.spec_type else build_engine(args, **limits)
+    taken = count_prelaunches(engine)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=4 * a.steps, temperature=a.temperature, seed=0, ignore_eos=True)
     for b in range(a.batch):
@@ -61,6 +64,9 @@ def main() -> None:
         engine.step()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     sync()
+    if a.spec_type:
+        host_split(engine, a.steps, sync)
+    taken.update(made=0, taken=0)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(a.steps):
@@ -82,7 +88,11 @@ def main() -> None:
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
     for name, (tot, cnt) in rows:
         print(f"  {tot / 1e3 / a.steps:8.4f} ms/step  {cnt / a.steps:6.1f}/step  {tot / max(cnt, 1):8.2f} us/call  {name[:110]}")
+    if a.spec_type:
+        print(f"  verify forwards enqueued ahead: {taken['made']}, taken by their step: {taken['taken']}")
+    host_calls(prof.events(), a.steps)
     if a.timeline:
+        idle_gaps(gpu_events, a.steps)
         timeline(gpu_events, a.steps, a.timeline)
 
 
@@ -97,10 +107,99 @@ def drafting_engine(args, a, limits: dict) -> Engine:
     paths = write_preset(a.model, shape, Path(tempfile.mkdtemp(prefix="outrider-profile-")), dtype, 0)
     model = random_model(a.model, torch.device(a.device), dtype)
     engine = Engine(engine_config(args, str(paths.target), spec_type=shape.kind, spec_draft_n_max=max(a.k, 1),
+                                  spec_verify_ahead=a.verify_ahead,
                                   draft_model=str(paths.draft) if paths.draft else None, **limits), preloaded=model)
     # (the policy's decision, which drafting ahead takes too, not the speculator's)
     engine.policy.draft_lengths = lambda requests, drafter, in_flight=None: [a.k] * len(requests)
     return engine
+
+
+def count_prelaunches(engine: Engine) -> dict[str, int]:
+    """Counts of verify forwards enqueued ahead (ModelRunner.prelaunch) and of those a step took."""
+    counts = {"made": 0, "taken": 0}
+    runner, prelaunch = engine.runner, engine.runner.prelaunch
+    launch = runner.launch
+
+    def counted_prelaunch(round_):
+        counts["made"] += 1
+        return prelaunch(round_)
+
+    def counted_launch(plan, feed=None, drafts_on_device=None, prelaunched=None):
+        if prelaunched is not None and feed is None and prelaunched.rows(plan) is not None:
+            counts["taken"] += 1
+        return launch(plan, feed, drafts_on_device, prelaunched)
+
+    runner.prelaunch, runner.launch = counted_prelaunch, counted_launch
+    return counts
+
+
+def host_split(engine: Engine, steps: int, sync) -> None:
+    """Host wall time of each phase of `steps` engine steps, timed without synchronising: where the host's time
+    goes, and how long it waits for the device (`settle`: the verdict's copy; `ready`: a plain step's)."""
+    from outrider.speculative import verify
+
+    spent: dict[str, float] = defaultdict(float)
+
+    def timed(owner, name: str, label: str):
+        inner, original = getattr(owner, name), owner.__dict__.get(name)  # (None: an instance's bound method)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t
+        setattr(owner, name, wrapper)
+        return lambda: delattr(owner, name) if original is None else setattr(owner, name, original)
+
+    spec = engine.speculator
+    undo = [timed(engine.runner, "launch", "runner.launch"), timed(engine.runner, "sample", "runner.sample"),
+            timed(engine.runner, "prelaunch", "runner.prelaunch"), timed(engine, "_commit", "engine._commit"),
+            timed(engine.scheduler, "schedule", "scheduler.schedule"),
+            timed(spec, "draft_lengths", "speculator.draft_lengths"), timed(spec, "propose", "speculator.propose"),
+            timed(spec, "draft_ahead", "speculator.draft_ahead"), timed(spec, "learn", "speculator.learn"),
+            timed(verify.PendingVerdict, "settle", "PendingVerdict.settle (waits)")]
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    wall = time.perf_counter() - t0
+    for u in reversed(undo):
+        u()
+    print(f"== host split, unprofiled (ms/step of {wall * 1e3 / steps:.3f}; nested phases overlap)")
+    for label, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {sec * 1e3 / steps:8.4f}  {label}")
+
+
+def host_calls(events, steps: int) -> None:
+    """The CUDA runtime calls by host time: where the host blocks (synchronisations, pageable copies)."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in events:
+        if ev.device_type != torch.autograd.DeviceType.CUDA and ev.name.startswith("cuda"):
+            totals[ev.name][0] += ev.cpu_time_total
+            totals[ev.name][1] += 1
+    print("== CUDA runtime calls on the host (ms/step, calls/step)")
+    for name, (tot, cnt) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:8]:
+        print(f"  {tot / 1e3 / steps:8.4f} ms/step  {cnt / steps:6.1f}/step  {name[:80]}")
+
+
+def idle_gaps(events, steps: int, top: int = 12) -> None:
+    """Where the GPU sat idle over the profiled steps: the total of gaps by size, and the longest gaps with the
+    events on either side (what the device finished, and what it waited to start)."""
+    events = sorted(events, key=lambda ev: ev.time_range.start)
+    gaps = []
+    end = events[0].time_range.end
+    for before, ev in zip(events, events[1:]):
+        gap = ev.time_range.start - end
+        if gap > 0:
+            gaps.append((gap, before.name, ev.name))
+        end = max(end, ev.time_range.end)
+    small = sum(g for g, _, _ in gaps if g < 10)
+    print(f"== GPU idle per step: {sum(g for g, _, _ in gaps) / 1e3 / steps:.3f} ms, of which gaps under 10 us "
+          f"{small / 1e3 / steps:.3f} ms ({sum(1 for g, _, _ in gaps if g < 10) / steps:.0f} of them); longest:")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap:9.1f} us  after {before[:50]}  before {after[:50]}")
 
 
 def timeline(events, steps: int, n: int) -> None:

@@ -252,3 +252,22 @@ def test_controlled_drafter_keeps_each_position_with_probability_alpha():
         p = alpha ** n * (1 - alpha if n < k else 1)
         assert abs(kept[n] / trials - p) < 4 * math.sqrt(p * (1 - p) / trials)
     assert not ctl.off_script and ctl.kind == "draft"  # the wrapped drafter's members show through
+
+
+def test_controlled_drafter_realises_the_acceptance_law_within_a_few_hundred_rounds():
+    """One request's rounds are stratified: 300 of them keep each leading position as often as α^j says, to within
+    a few rounds (independent draws stray by about sqrt(300 p (1 - p)), 7 rounds at p = 0.5)."""
+    alpha, k, vocab, rounds = 0.8, 4, 50, 300
+    script = list(range(1, 40))
+    for stream in range(10):
+        ctl = ControlledDrafter(_FixedLengthDrafter(), alpha, vocab, seed=0)
+        req = Request(script[:20], SamplingParams(max_tokens=20))
+        ctl.expect(req.request_id, script, stream=stream)
+        at_least = [0] * (k + 1)
+        for _ in range(rounds):
+            drafts = ctl.propose([req], [k]).tokens[0]
+            n = next((j for j, (d, t) in enumerate(zip(drafts, script[20:])) if d != t), k)
+            for j in range(n + 1):
+                at_least[j] += 1
+        for j in range(1, k + 1):
+            assert abs(at_least[j] - rounds * alpha ** j) <= 3, (stream, j, at_least)
