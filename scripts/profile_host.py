@@ -3,7 +3,7 @@ drafter, the draft policy live (as served). On a launch-bound target (the demo f
 step's critical path, so what a loaded drafter adds here is what it costs, drafting or not.
 
     python scripts/profile_host.py --model outrider/demo/target --batch 8 [--draft-model outrider/demo/dflash |
-        --spec-type mtp|ngram [--ngram-min-hits 100000]] [--tokens 128] [--top 30]
+        --spec-type mtp|ngram [--ngram-min-hits 100000]] [--k K] [--tokens 128] [--top 30]
 
 (`--ngram-min-hits 100000`: n-gram lookup that never drafts, what a loaded drafter costs when it finds nothing.)
 
@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--k", type=int, help="draft this many tokens per request every decode step (the policy's "
+                    "choice replaced): what a round costs, whether or not the policy would draft")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     tok = Tokenizer.from_pretrained(args.model)
@@ -75,6 +77,8 @@ def main() -> None:
     profile("plain", Engine(EngineConfig(args.model, spec_type="none", **limits)), prompts, args)
     spec = Engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type,
                                spec_ngram=NgramConfig(size_n=3, min_hits=args.ngram_min_hits), **limits))
+    if args.k is not None:
+        spec.policy.draft_lengths = lambda requests, drafter, in_flight=None: [args.k] * len(requests)
     profile(f"speculative ({spec.drafter.kind})", spec, prompts, args)
 
 
