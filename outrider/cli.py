@@ -189,6 +189,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
         spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min, spec_ngram=_ngram(ns),
         overlap_schedule=False if ns.no_overlap_schedule else None,
+        prefill_graph_tokens=ns.prefill_graph_tokens,
         spec_measured_costs=False if ns.no_spec_measured_costs else None,
         spec_draft_ahead=False if ns.no_spec_draft_ahead else None,
         # Every core computing leaves none for the HTTP side, which on a small box costs more than it gives.

@@ -148,6 +148,11 @@ class EngineConfig:
     # Launch step n+1 before step n's tokens reach the host, so host work hides behind GPU work (None: on for
     # CUDA; on the CPU the forward is synchronous and overlap would only delay each token by a step).
     overlap_schedule: bool | None = None
+    # GPU: a prefill chunk that runs alone (no other sequence in its step) and has at most this many tokens
+    # replays a CUDA graph captured for the next power of two, padded, instead of an eager forward: a short
+    # prompt's eager forward is launch-bound (Qwen3-8B, 128 tokens, H200: 29 ms on the host for ~5 ms of GPU
+    # work). 0: eager. Off until measured on the GPU (docs/benchmarks.md, "Session 13").
+    prefill_graph_tokens: int = 0
     # Speculative decoding
     draft_model: str | None = None
     spec_type: str | None = None  # None = detect: draft | mtp | dflash | eagle3; comma-separated kinds combine
@@ -177,6 +182,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError("prefill_graph_tokens must be >= 0")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")
         if self.kv_cache_memory_gib < 0 or not 0 < self.gpu_memory_utilization <= 1:

@@ -51,7 +51,8 @@ def main() -> None:
                     "ahead (EngineConfig.spec_verify_ahead)")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
-                           gpu_memory_utilization=0.9, no_overlap=a.no_overlap)
+                           gpu_memory_utilization=0.9, no_overlap=a.no_overlap,
+                           prefill_graph_tokens=0)
     limits = dict(max_num_seqs=a.batch, max_model_len=a.prompt_len + (4 + a.k) * a.steps + 64,
                   max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
     engine = drafting_engine(args, a, limits) if a.spec_type else build_engine(args, **limits)

@@ -351,3 +351,72 @@ def test_a_failed_step_measurement_falls_back_to_the_old_reserve(caplog):
         got = memory.measure_step_reserve(torch.nn.Identity(), None, tokens=4, rows=1, block_size=16,
                                           dtype=torch.float32, device=torch.device("cpu"))
     assert got == memory.FALLBACK_RESERVE and "could not measure" in caplog.text
+
+
+class _EagerPrefillGraph:
+    """A captured prefill graph's stand-in on the CPU: it takes what CudaGraphRunner(q, buckets [1]) takes, and runs
+    it eagerly over a block table as wide as a captured one's, whose entries past the step's own name other blocks
+    (a real graph's buffer keeps earlier steps' entries there)."""
+
+    causal, buckets = True, [1]
+
+    def __init__(self, runner, q: int, max_seq_len: int, num_blocks: int):
+        self.runner, self.q, self.max_seq_len, self.num_blocks = runner, q, max_seq_len, num_blocks
+        self.replays = 0
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return 1 if num_seqs == 1 else None
+
+    def can_run(self, meta) -> bool:
+        return meta.causal and meta.max_query_len == self.q and meta.slot_mapping.shape[0] == meta.num_seqs * self.q \
+            and meta.num_seqs == 1
+
+    def run(self, input_ids, positions, meta):
+        import dataclasses
+
+        import torch
+
+        self.replays += 1
+        block = self.runner.block_size
+        table = torch.randint(1, self.num_blocks, (1, -(-self.max_seq_len // block)), dtype=torch.int32)
+        table[:, : meta.block_tables.shape[1]] = meta.block_tables
+        return self.runner.forward_eager(input_ids, positions, dataclasses.replace(meta, block_tables=table))
+
+
+@pytest.mark.parametrize("chunk", [16, 2048])
+def test_lone_prefill_chunks_padded_to_a_graphs_length_give_the_reference_output(ckpt, reference, chunk):
+    """A prefill chunk that runs alone is padded up to the shortest prefill graph that takes it (the pad rows store
+    no K/V and no real row sees them): outputs are the reference's, whole prompts and chunks alike, with the prefix
+    cache on; chunks longer than every graph run eager."""
+    from outrider.engine.cuda_graphs import prefill_graph_lens
+
+    llm = LLM(ckpt, max_num_batched_tokens=chunk, block_size=4)
+    engine = llm.engine
+    graphs = [_EagerPrefillGraph(engine.runner, q, engine.max_model_len, engine.pool.num_blocks)
+              for q in prefill_graph_lens(40, engine.max_model_len)]
+    engine.runner.graphs = graphs
+    fed = []
+    launch = engine.runner.launch
+
+    def launch_logged(plan, *args):
+        fed.append([s.num_new_tokens for s in plan.scheduled])
+        return launch(plan, *args)
+
+    engine.runner.launch = launch_logged
+    for _ in range(2):  # (the second time, prompts extend their cached prefix)
+        outs = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+        assert outs == reference
+    assert [g.q for g in graphs] == [8, 16, 32, 64]
+    padded = [n[0] for n in fed if len(n) == 1 and 1 < n[0] and n[0] not in (8, 16, 32, 64) and n[0] <= 64]
+    assert padded and sum(g.replays for g in graphs) >= len(padded)  # (some chunks were padded, and replayed)
+    eager = [n[0] for n in fed if len(n) == 1 and n[0] > 64]
+    assert bool(eager) == (chunk > 64)  # (the 71-token prompt, whole)
+
+
+def test_prefill_graph_lengths_are_powers_of_two_that_cover_the_setting_within_the_context():
+    from outrider.engine.cuda_graphs import prefill_graph_lens
+
+    assert prefill_graph_lens(0, 4096) == [] and prefill_graph_lens(5, 4096) == [8]
+    assert prefill_graph_lens(8, 4096) == [8] and prefill_graph_lens(9, 4096) == [8, 16]
+    assert prefill_graph_lens(256, 4096) == [8, 16, 32, 64, 128, 256]
+    assert prefill_graph_lens(256, 100) == [8, 16, 32, 64]

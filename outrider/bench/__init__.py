@@ -21,6 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     engine_opts.add_argument("--device", default="cuda")
     engine_opts.add_argument("--eager", action="store_true", help="disable CUDA graphs")
     engine_opts.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
+    engine_opts.add_argument("--prefill-graph-tokens", type=int, default=0, metavar="N",
+                             help="lone prefill chunks of up to N tokens replay CUDA graphs (EngineConfig)")
     engine_opts.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine_opts.add_argument("--seed", type=int, default=0)
     engine_opts.add_argument("--json", help="also write the results to this JSON file")

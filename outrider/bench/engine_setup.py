@@ -18,7 +18,8 @@ def engine_config(args, model: str, **fields) -> EngineConfig:
     if args.gpu_memory_utilization is not None:
         fields["gpu_memory_utilization"] = args.gpu_memory_utilization
     return EngineConfig(model=model, dtype=args.dtype, device=args.device, enforce_eager=args.eager,
-                        overlap_schedule=False if args.no_overlap else None, enable_prefix_caching=False, **fields)
+                        overlap_schedule=False if args.no_overlap else None, enable_prefix_caching=False,
+                        prefill_graph_tokens=args.prefill_graph_tokens, **fields)
 
 
 def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,

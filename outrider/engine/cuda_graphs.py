@@ -137,14 +137,27 @@ class CudaGraphRunner:
 
 # Batch sizes captured for verify steps: speculation pays at small batches, and each (batch, k) pair is a graph.
 VERIFY_BUCKETS = (1, 2, 4, 8)
+SMALLEST_PREFILL_GRAPH = 8  # (shorter chunks of one sequence replay the verify graphs, when there are some)
+
+
+def prefill_graph_lens(max_tokens: int, max_model_len: int) -> list[int]:
+    """The chunk lengths captured for lone prefill chunks of up to max_tokens (EngineConfig.prefill_graph_tokens):
+    powers of two from SMALLEST_PREFILL_GRAPH to the first one that covers max_tokens, within the context."""
+    lens, q = [], SMALLEST_PREFILL_GRAPH
+    while max_tokens and q < 2 * max_tokens and q <= max_model_len:
+        lens.append(q)
+        q *= 2
+    return lens
 
 
 def capture_step_graphs(runner, max_batch: int, max_model_len: int, verify_lens: Sequence[int] = (),
-                        progress: bool = True) -> list[CudaGraphRunner]:
+                        prefill_lens: Sequence[int] = (), progress: bool = True) -> list[CudaGraphRunner]:
     """Graphs over a ModelRunner's model, KV cache and attention backend, in one memory pool: decode (one token
-    per sequence; the LM head inside, as every row samples) and, per q in verify_lens, verify steps of q tokens
-    per sequence (a decode token and q - 1 drafts). A verify graph stops at the hidden states: the runner
-    applies the LM head to the rows it needs, so that no graph keeps a [batch * q, vocab] logits buffer alive."""
+    per sequence; the LM head inside, as every row samples); per q in verify_lens, verify steps of q tokens per
+    sequence (a decode token and q - 1 drafts); per q in prefill_lens, one sequence's prefill chunk of q tokens
+    (ModelRunner.prepare pads a shorter one up to it). Graphs of several tokens a sequence stop at the hidden
+    states: the runner applies the LM head to the rows it needs, so that no graph keeps a [batch * q, vocab]
+    logits buffer alive."""
     common = dict(max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size), max_seq_len=max_model_len,
                   device=runner.device)
     # One logits buffer for every decode bucket (a buffer per bucket would hold sum(buckets) x vocab floats:
@@ -154,10 +167,10 @@ def capture_step_graphs(runner, max_batch: int, max_model_len: int, verify_lens:
     decode = CudaGraphRunner(runner.forward_decode, max_batch=max_batch, **common)
     decode.capture(progress)
     graphs = [decode]
-    for q in verify_lens:
-        buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
-        verify = CudaGraphRunner(runner.forward_eager, max_batch=buckets[-1], tokens_per_seq=q, buckets=buckets,
-                                 pool=decode.pool, **common)
-        verify.capture(progress)
-        graphs.append(verify)
+    verify_buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
+    for q, buckets in [(q, verify_buckets) for q in verify_lens] + [(q, [1]) for q in prefill_lens]:
+        graph = CudaGraphRunner(runner.forward_eager, max_batch=buckets[-1], tokens_per_seq=q, buckets=buckets,
+                                pool=decode.pool, **common)
+        graph.capture(progress)
+        graphs.append(graph)
     return graphs

@@ -126,12 +126,15 @@ class Engine:
         if config.spec_draft_n_max is None:  # resolve the default draft length (/props and /slots show it)
             self.config = config = replace(config, spec_draft_n_max=self.policy.n_max if self.policy else DEFAULT_N_MAX)
         if self.device.type == "cuda" and not config.enforce_eager:
-            from outrider.engine.cuda_graphs import capture_step_graphs
+            from outrider.engine.cuda_graphs import capture_step_graphs, prefill_graph_lens
 
             # A verify step feeds k + 1 tokens per sequence, k up to the server's draft length (requests asking
             # for more verify eager).
             verify = range(2, self.policy.n_max + 2) if self.policy is not None else ()
-            self.runner.graphs = capture_step_graphs(self.runner, config.max_num_seqs, self.max_model_len, verify)
+            prefill = [q for q in prefill_graph_lens(config.prefill_graph_tokens, self.max_model_len)
+                       if q not in verify]
+            self.runner.graphs = capture_step_graphs(self.runner, config.max_num_seqs, self.max_model_len, verify,
+                                                     prefill)
             if self.drafter is not None:  # (the policy drafts for at most policy.max_batch sequences)
                 try:
                     self.drafter.capture_graphs(min(config.max_num_seqs, self.policy.max_batch), self.max_model_len,

@@ -236,6 +236,14 @@ class ModelRunner:
             lens.append(start + count)
         table = self.block_tables.gather([s.request for s in plan.scheduled])
         positions, slots = batch_layout(starts, qsl, table, self.block_size)
+        pad = self._chunk_padding(plan)
+        if pad:  # (rows after the chunk's: they store no K/V, and no real row attends to them)
+            ids += [0] * pad
+            positions = np.concatenate((positions, np.arange(lens[0], lens[0] + pad)))
+            slots = np.concatenate((slots, np.full(pad, -1)))
+            qsl[1] += pad
+            lens[0] += pad
+            table = _covering(table, lens[0], self.block_size)
         every_row = len(rows) == len(ids)  # rows ascend, so this means rows == range(T)
         parts = [(ids, np.int64), (positions, np.int64), (slots, np.int64), (qsl, np.int32), (lens, np.int32),
                  (table, np.int32)]
@@ -255,6 +263,21 @@ class ModelRunner:
             input_ids.index_copy_(0, dev[6 + 2 * j], values.index_select(0, dev[7 + 2 * j]))
         meta = metadata_over(qsl, lens, dev[2:6], causal=True)
         return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1])
+
+    def _chunk_padding(self, plan: StepPlan) -> int:
+        """Rows to pad a lone prefill chunk with, up to the shortest captured graph that takes it whole (0: the
+        step runs as it is). One sequence's chunk of n tokens padded to q >= n is that graph's step: the pad rows
+        sit at the positions after the chunk's, store no K/V (slot -1) and, causal, are seen by no real row; the
+        pad rows' keys come from whatever the cache holds, finite, and their outputs are never read."""
+        if len(plan.scheduled) != 1:
+            return 0
+        s = plan.scheduled[0]
+        n, start = s.num_new_tokens, s.request.num_computed
+        if n < 2 or s.draft_tokens or s.request.num_pending:
+            return 0
+        fits = [g.q for g in self.graphs if g.causal and g.q >= n and g.bucket_for(1) is not None
+                and start + g.q <= g.max_seq_len]
+        return min(fits) - n if fits else 0
 
     def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(hidden [T, H] pre-norm, aux_hidden [T, A] or None, logits [T, V] or None): a captured decode graph
@@ -428,6 +451,14 @@ class ModelRunner:
                 histories += [window + s.draft_tokens[:j] for j in range(len(s.draft_tokens) + 1)]
         allowed = token_masks(sampled, self.sampler.vocab_size)
         return SamplingRows(self.sampling_table, slots, steps, histories, allowed)
+
+
+def _covering(table: np.ndarray, seq_len: int, block_size: int) -> np.ndarray:
+    """The block table widened with zeros (block 0: read, never written) to cover seq_len positions."""
+    width = -(-seq_len // block_size)
+    if table.shape[1] >= width:
+        return table
+    return np.pad(table, ((0, 0), (0, width - table.shape[1])))
 
 
 def _trim(q: torch.Tensor | None, k: int) -> torch.Tensor | None:

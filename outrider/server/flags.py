@@ -106,6 +106,9 @@ MODEL = [
     Opt(("--enforce-eager",), "enforce_eager", None, None, False, "GPU: no CUDA graphs"),
     Opt(("--no-overlap-schedule",), "no_overlap_schedule", None, None, False,
         "GPU: wait for each step's tokens before launching the next"),
+    Opt(("--prefill-graph-tokens",), "prefill_graph_tokens", None, int, None,
+        "GPU: a lone prefill chunk of up to N tokens replays a CUDA graph (padded) instead of running eager "
+        "(default 0: off)"),
 ]
 
 SAMPLING = [

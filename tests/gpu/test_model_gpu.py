@@ -110,3 +110,23 @@ def test_bf16_forward_close_to_cpu_fp32(tiny):
         outs.append(h.float().cpu())
     err = ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
     assert err < 3e-2, err
+
+
+def test_lone_prefill_chunks_replay_padded_graphs_and_equal_eager(tiny, monkeypatch):
+    """With prefill_graph_tokens, each prompt here runs alone and its prefill replays a graph of the next power of
+    two (the 5- and 37-token prompts padded, the 2-token one too), whole or in chunks; output equals eager."""
+    from outrider.engine.cuda_graphs import CudaGraphRunner
+
+    replays: list[int] = []
+    run = CudaGraphRunner.run
+    monkeypatch.setattr(CudaGraphRunner, "run", lambda self, *a: replays.append(self.q) or run(self, *a))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for chunk in (2048, 16):
+        llm = LLM(str(tiny), block_size=16, device="cuda", dtype="float32", prefill_graph_tokens=64,
+                  max_num_batched_tokens=chunk)
+        replays.clear()
+        graphs = [llm.generate([p], params)[0].token_ids for p in PROMPTS]
+        assert {8, 64 if chunk > 16 else 16} <= set(replays)
+        eager_llm = LLM(str(tiny), block_size=16, device="cuda", dtype="float32", enforce_eager=True,
+                        max_num_batched_tokens=chunk)
+        assert graphs == [eager_llm.generate([p], params)[0].token_ids for p in PROMPTS]
