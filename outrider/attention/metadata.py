@@ -80,3 +80,20 @@ def shifted_metadata(meta: AttentionMetadata, positions: torch.Tensor, shift: to
     return dataclasses.replace(meta, slot_mapping=blocks * block_size + moved % block_size,
                                seq_lens=meta.seq_lens + shift.to(meta.seq_lens.dtype),
                                max_seq_len=meta.max_seq_len + max_shift, seq_lens_host=None), moved
+
+
+def uniform_metadata_on_device(first: torch.Tensor, q: int, block_tables: torch.Tensor, block_size: int,
+                               causal: bool = True) -> tuple[AttentionMetadata, torch.Tensor]:
+    """q queries per sequence at positions first[b] .. first[b] + q - 1, sequence b's keys up to its last query, all
+    computed on the device from `first` [B] int64 and the block tables [B, W] (which must cover those positions):
+    (meta, positions [B * q]). max_seq_len is the tables' reach, an upper bound as CUDA graphs need."""
+    n, width = first.shape[0], block_tables.shape[1]
+    positions = (first[:, None] + torch.arange(q, device=first.device)).reshape(-1)
+    owner = torch.arange(n, device=first.device).repeat_interleave(q)
+    block = torch.clamp(positions // block_size, max=width - 1)
+    slots = block_tables[owner, block].to(torch.int64) * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.arange(0, n * q + 1, q, dtype=torch.int32, device=first.device),
+        seq_lens=(first + q).to(torch.int32), block_tables=block_tables, max_query_len=q,
+        max_seq_len=width * block_size, causal=causal)
+    return meta, positions

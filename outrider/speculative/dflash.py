@@ -23,7 +23,7 @@ from outrider.attention import KVCache, get_backend
 from outrider.config import ModelConfig
 from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
-from outrider.attention.metadata import build_metadata, shifted_metadata
+from outrider.attention.metadata import build_metadata, shifted_metadata, uniform_metadata_on_device
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
@@ -131,6 +131,20 @@ class DFlashDrafter:
         index = torch.tensor(picks, dtype=torch.int64).to(self.device, non_blocking=True)
         return stage_drafts([i for i in drafting for _ in range(ks[i])], [drafts.index_select(0, index)],
                             [conf.index_select(0, index)], len(ks))
+
+    def round_lookahead(self, k: int) -> int:
+        return self.block  # (the next block's K/V, from the next round's first position)
+
+    def round_drafts(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None, positions: torch.Tensor, meta,
+                     bonus: torch.Tensor, first: torch.Tensor, table: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_round.RoundDrafter: the verified rows' context, then the block [bonus, MASK * (B - 1)] at `first`."""
+        self._store_context(_taps(aux_hidden), positions, meta)
+        block_meta, block_positions = uniform_metadata_on_device(first, self.block, table, self.block_size,
+                                                                 causal=False)
+        masks = torch.full((self.block - 1,), self.mask_token_id, dtype=torch.int64, device=self.device)
+        drafts, conf = self._block_drafts(torch.cat([bonus, masks]), block_positions, block_meta)
+        return drafts[1 : k + 1], conf[1 : k + 1]
 
     def _learn(self, aux_hidden: torch.Tensor, meta, positions: torch.Tensor) -> None:
         """Write these rows' context: through a learning graph when they are few one-token sequences (LEARN_ROWS)."""

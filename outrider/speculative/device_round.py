@@ -1,0 +1,102 @@
+"""A speculative round whose every input lives on the device, so that CUDA can capture it whole and replay it.
+
+On a launch-bound target (the demo family: a 0.5 ms plain step that is all host time) a round built step by step
+costs the host about a hundred small launches, uploads and index operations, 2.9 ms a round (docs/benchmarks.md,
+"Session 13"): no draft length pays for that. Captured as one CUDA graph, the round leaves the host one replay and
+one small read a round. That needs a round whose shapes are fixed and whose data never passes through the host:
+
+- `ids` [k + 1]: the next verify's input, the bonus token and k drafts;
+- `first` [1]: the bonus token's position (p): the verify feeds positions p .. p + k;
+- `table` [1, W]: the sequence's block table (the host rewrites it when the sequence gains blocks, between
+  replays; blocks must cover p + k + 1 + the drafter's lookahead).
+
+`run()` verifies the drafts against the target's greedy tokens, keeps the verdict in `emitted` [k + 1] and
+`accepted` [1] (m: the host commits emitted[:m + 1]), lets the drafter learn the k + 1 verified rows and draft the
+next round from row m at p + m + 1, and advances `ids` and `first` to that round. Rows past m wrote K/V that the
+next round overwrites before anything reads it (its verify starts at p + m + 1 <= p + k + 1).
+
+Batch 1 and greedy verification: the demo target's case, and the one drafting ahead does not win
+(`docs/speculative.md`, "What is left").
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from outrider.attention import AttentionMetadata
+from outrider.attention.metadata import uniform_metadata_on_device
+
+
+class RoundDrafter(Protocol):
+    """A drafter that drafts inside a device round: no host reads, fixed shapes."""
+
+    block_size: int
+
+    def round_lookahead(self, k: int) -> int:
+        """Positions past the next round's first that its drafting writes K/V at (the host reserves blocks)."""
+
+    def round_drafts(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None, positions: torch.Tensor,
+                     meta: AttentionMetadata, bonus: torch.Tensor, first: torch.Tensor, table: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Learn the verify's k + 1 rows (hidden, aux_hidden at `positions`, written through `meta`), then draft
+        the k tokens following `bonus` [1], the token at position `first` [1]: (argmax drafts [k], their
+        probabilities [k])."""
+
+
+class DeviceRound:
+    """One sequence's rounds of k drafts, state on the device (see the module docstring)."""
+
+    def __init__(self, runner, drafter: RoundDrafter, k: int, max_blocks: int) -> None:
+        """runner: the target's ModelRunner (its forward taps the layers the drafter reads)."""
+        self.runner, self.drafter, self.k = runner, drafter, k
+        device = runner.device
+        self.ids = torch.zeros(k + 1, dtype=torch.int64, device=device)
+        self.first = torch.zeros(1, dtype=torch.int64, device=device)
+        self.table = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
+        self.emitted = torch.zeros(k + 1, dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(1, dtype=torch.int64, device=device)
+        self.confidence = torch.zeros(k, dtype=torch.float32, device=device)  # the drafter's for ids[1:]
+
+    def load(self, bonus: int, drafts: list[int], position: int, blocks: list[int]) -> None:
+        """Start from the host's state: `bonus` at `position` (its K/V not yet written), k drafts after it."""
+        if len(drafts) != self.k:
+            raise ValueError(f"a round verifies {self.k} drafts, got {len(drafts)}")
+        self.ids.copy_(torch.tensor([bonus, *drafts], dtype=torch.int64))
+        self.first.fill_(position)
+        self.set_blocks(blocks)
+
+    def set_blocks(self, blocks: list[int]) -> None:
+        """The sequence's block table, as the host's pool holds it now."""
+        if len(blocks) > self.table.shape[1]:
+            raise ValueError(f"{len(blocks)} blocks exceed the round's table of {self.table.shape[1]}")
+        self.table[0, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def reach(self) -> int:
+        """Positions, from the bonus token's, that the next run may write K/V at (for the host's reservation)."""
+        return self.k + 1 + self.drafter.round_lookahead(self.k)
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """The round: what a captured graph replays (no host reads, fixed shapes)."""
+        k, runner = self.k, self.runner
+        meta, positions = uniform_metadata_on_device(self.first, k + 1, self.table, runner.block_size)
+        out = runner.forward_eager(self.ids, positions, meta)
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        greedy = runner.model.compute_logits(hidden).argmax(dim=-1)
+        # m: the drafts that equal the target's greedy token before them, up to the first that does not.
+        m = (self.ids[1:] == greedy[:-1]).to(torch.int64).cumprod(0).sum(0, keepdim=True)
+        self.emitted.copy_(greedy)
+        self.accepted.copy_(m)
+        bonus = greedy.index_select(0, m)
+        first = self.first + m + 1
+        drafts, confidence = self.drafter.round_drafts(hidden, aux, positions, meta, bonus, first, self.table, k)
+        self.ids.copy_(torch.cat([bonus, drafts]))
+        self.confidence.copy_(confidence)
+        self.first.copy_(first)
+
+    def read(self) -> list[int]:
+        """The last run's committed tokens, emitted[:m + 1] (a host synchronisation)."""
+        m = int(self.accepted.item())
+        return self.emitted[: m + 1].tolist()

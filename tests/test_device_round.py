@@ -1,0 +1,145 @@
+"""The speculative round with every input on the device (speculative/device_round.py), run eagerly on the CPU: what
+a captured graph of it replays. Its commits must be plain greedy decoding's, whatever the drafts; its verdict must
+keep exactly the drafts that match; its drafter must draft what the drafter drafts from host-built metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from outrider import LLM, SamplingParams
+from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
+from outrider.engine.request import Request
+from outrider.speculative.device_round import DeviceRound
+from spec_helpers import write_attentive_families
+
+PROMPT = [5, 9, 100, 13, 7, 200, 11, 17, 19, 23]
+TOKENS = 40
+K = 3
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    return write_attentive_families(tmp_path_factory.mktemp("round"))
+
+
+@pytest.fixture(scope="module")
+def plain(families):
+    llm = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none")
+    params = SamplingParams(max_tokens=TOKENS + 2 * K + 2, temperature=0.0, ignore_eos=True)
+    return llm.generate([PROMPT], params)[0].token_ids
+
+
+def prefilled(families):
+    """A DFlash engine that has prefilled PROMPT and committed its first token, the prompt's context learned; and
+    that request."""
+    llm = LLM(families["qwen3"]["target"], dtype="float32", draft_model=str(families["qwen3"]["dflash"]),
+              spec_draft_n_max=K, block_size=4)
+    engine = llm.engine
+    req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+    engine.add_request(req, lambda out: None)
+    while not req.output_ids:
+        engine.step()
+    engine.speculator.flush()
+    return engine, req
+
+
+def rounds(engine, req, first_drafts: list[int], count: int) -> tuple[list[int], list[int], DeviceRound]:
+    """Run `count` device rounds from the request's state (its bonus token unfed, `first_drafts` to verify): the
+    tokens committed, the accepted count of each round, and the round object."""
+    width = engine.max_model_len // engine.pool.block_size
+    dr = DeviceRound(engine.runner, engine.drafter, K, width)
+    dr.load(req.all_ids[-1], first_drafts, req.num_tokens - 1, req.block_ids)
+    out, accepted = [], []
+    position = req.num_tokens - 1
+    for _ in range(count):
+        assert engine.pool.ensure(req, position + dr.reach())
+        dr.set_blocks(req.block_ids)
+        dr.run()
+        tokens = dr.read()
+        out += tokens
+        accepted.append(len(tokens) - 1)
+        position += len(tokens)
+    return out, accepted, dr
+
+
+def test_device_rounds_commit_plain_greedy_decoding(families, plain):
+    engine, req = prefilled(families)
+    out, accepted, _ = rounds(engine, req, [0] * K, 12)
+    assert req.output_ids == plain[:1]
+    assert out == plain[1 : 1 + len(out)] and len(out) >= 12
+    assert all(0 <= m <= K for m in accepted)
+
+
+@pytest.mark.parametrize("right", [0, 1, K])
+def test_the_verdict_keeps_exactly_the_leading_drafts_that_match(families, plain, right):
+    """First round's drafts: the true continuation's first `right` tokens, then wrong ones."""
+    engine, req = prefilled(families)
+    truth = plain[1 : 1 + K]
+    drafts = truth[:right] + [(t + 1) % 500 for t in truth[right:]]
+    out, accepted, _ = rounds(engine, req, drafts, 3)
+    assert accepted[0] == right
+    assert out == plain[1 : 1 + len(out)]
+
+
+def test_a_draft_after_a_miss_is_not_kept_even_where_the_target_agrees(families, plain):
+    """Drafts [wrong, g]: g is the target's greedy token after the wrong one, so it matches its verify row; the round
+    still keeps nothing (only a leading run of matches is accepted)."""
+    wrong = (plain[1] + 1) % 500
+    target = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none")
+    after = target.generate([PROMPT + plain[:1] + [wrong]], SamplingParams(max_tokens=2, temperature=0.0,
+                                                                         ignore_eos=True))[0].token_ids
+    engine, req = prefilled(families)
+    out, accepted, _ = rounds(engine, req, [wrong, *after[: K - 1]], 2)
+    assert accepted[0] == 0 and out == plain[1 : 1 + len(out)]
+
+
+def test_the_drafter_drafts_what_it_drafts_from_host_built_metadata(families):
+    """After rounds, the staged drafts and their probabilities equal DFlash's block recomputed over host-built
+    metadata at the round's next position (same context, same block: the same K/V rewritten, the same outputs),
+    and not the block one position off."""
+    engine, req = prefilled(families)
+    out, _, dr = rounds(engine, req, [0] * K, 4)
+    first = int(dr.first.item())
+    assert first == req.num_tokens - 1 + len(out)
+    drafter = engine.drafter
+    block = torch.tensor([int(dr.ids[0].item())] + [drafter.mask_token_id] * (drafter.block - 1))
+    confidence = dr.confidence.clone()
+    drafts, conf = drafter.block_drafts(block, [(req.block_ids, first, drafter.block)])  # (the round's block K/V)
+    torch.testing.assert_close(conf[1 : K + 1], confidence)
+    assert dr.ids[1:].tolist() == drafts[1 : K + 1].tolist()
+    _, off = drafter.block_drafts(block, [(req.block_ids, first - 1, drafter.block)])  # (overwrites context: last)
+    assert not torch.allclose(off[1 : K + 1], confidence, atol=1e-5)
+
+
+def test_rounds_learn_the_context_the_host_path_learns(families):
+    """The drafter's context K/V at every committed position after device rounds equals what learning those rows
+    from one eager target forward over the committed sequence writes."""
+    engine, req = prefilled(families)
+    out, _, dr = rounds(engine, req, [0] * K, 5)
+    committed = req.prompt_ids + req.output_ids + out[:-1]  # (the last token is the unfed bonus)
+    n = len(committed)
+    assert n == int(dr.first.item())
+    meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device("cpu"))
+    _, aux = engine.runner.forward_eager(torch.tensor(committed), positions, meta)
+    kv = engine.drafter.kv
+    slots = meta.slot_mapping
+    learned = [layer.view(-1, *layer.shape[2:])[slots].clone() for layer in kv.k + kv.v]
+    engine.drafter._store_context(aux, positions, meta)
+    again = [layer.view(-1, *layer.shape[2:])[slots] for layer in kv.k + kv.v]
+    for a, b in zip(learned, again):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_uniform_metadata_on_the_device_matches_the_host_built_one():
+    first = torch.tensor([3, 9])
+    tables = torch.tensor([[4, 7, 2, 0], [1, 5, 6, 8]], dtype=torch.int32)
+    for causal in (True, False):
+        meta, positions = uniform_metadata_on_device(first, 3, tables, 4, causal)
+        host, host_positions = build_metadata([([4, 7, 2, 0], 3, 3), ([1, 5, 6, 8], 9, 3)], 4, torch.device("cpu"),
+                                              causal=causal)
+        assert positions.tolist() == host_positions.tolist()
+        assert meta.slot_mapping.tolist() == host.slot_mapping.tolist()
+        assert meta.seq_lens.tolist() == host.seq_lens.tolist()
+        assert meta.query_start_loc.tolist() == host.query_start_loc.tolist()
+        assert meta.max_query_len == 3 and meta.causal == causal and meta.max_seq_len >= max(host.seq_lens_host)
