@@ -1,8 +1,8 @@
 """What a speculative round captured whole costs (speculative/device_round.py), against plain decoding and the
 engine's own rounds, on one prompt at batch 1, greedy: the question the demo family's rows turn on.
 
-    python scripts/device_round_probe.py --model outrider/demo/target --draft-model outrider/demo/dflash [--k 7]
-        [--tokens 256] [--device cuda|cpu]
+    python scripts/device_round_probe.py --model outrider/demo/target (--draft-model outrider/demo/dflash |
+        --spec-type mtp) [--k 7] [--tokens 256] [--device cuda|cpu]
 
 On CUDA the round is captured as one CUDA graph and each round is one replay and one read of its verdict; on the
 CPU it runs eagerly (a smoke test of the same code). Prints tok/s of the three, the rounds' mean accepted drafts,
@@ -85,7 +85,8 @@ def rounds(engine: Engine, prompt: list[int], tokens: int, k: int) -> tuple[list
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--draft-model", required=True, help="a DFlash drafter")
+    ap.add_argument("--draft-model", help="a DFlash or EAGLE-3 drafter")
+    ap.add_argument("--spec-type", help="e.g. mtp (the target's own head)")
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--device", default="cuda")
@@ -93,7 +94,8 @@ def main() -> None:
     args = ap.parse_args()
     common = dict(model=args.model, device=args.device, max_num_seqs=1, max_model_len=2048)
     plain = Engine(EngineConfig(spec_type="none", **common))
-    spec = Engine(EngineConfig(draft_model=args.draft_model, spec_draft_n_max=args.k, **common))
+    spec = Engine(EngineConfig(draft_model=args.draft_model, spec_type=args.spec_type, spec_draft_n_max=args.k,
+                               **common))
     texts = json.loads(Path(args.prompts).read_text())
     for text in texts[:3]:
         text = text["prompt"] if isinstance(text, dict) else text

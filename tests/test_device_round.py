@@ -11,11 +11,12 @@ from outrider import LLM, SamplingParams
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
 from outrider.engine.request import Request
 from outrider.speculative.device_round import DeviceRound
-from spec_helpers import write_attentive_families
+from spec_helpers import SETUPS, write_attentive_families
 
 PROMPT = [5, 9, 100, 13, 7, 200, 11, 17, 19, 23]
 TOKENS = 40
 K = 3
+KINDS = ["dflash", "mtp", "mimo", "eagle3"]
 
 
 @pytest.fixture(scope="module")
@@ -23,18 +24,25 @@ def families(tmp_path_factory):
     return write_attentive_families(tmp_path_factory.mktemp("round"))
 
 
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def plain(families):
-    llm = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none")
+def plain(families, kind):
+    arch, served, _, _ = SETUPS[kind]
+    llm = LLM(families[arch][served], dtype="float32", spec_type="none")
     params = SamplingParams(max_tokens=TOKENS + 2 * K + 2, temperature=0.0, ignore_eos=True)
     return llm.generate([PROMPT], params)[0].token_ids
 
 
-def prefilled(families):
-    """A DFlash engine that has prefilled PROMPT and committed its first token, the prompt's context learned; and
-    that request."""
-    llm = LLM(families["qwen3"]["target"], dtype="float32", draft_model=str(families["qwen3"]["dflash"]),
-              spec_draft_n_max=K, block_size=4)
+def prefilled(families, kind):
+    """An engine with the kind's drafter that has prefilled PROMPT and committed its first token, the prompt
+    learned; and that request."""
+    arch, served, engine_kwargs, _ = SETUPS[kind]
+    llm = LLM(families[arch][served], dtype="float32", spec_draft_n_max=K, block_size=4,
+              **engine_kwargs(families[arch]))
     engine = llm.engine
     req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
     engine.add_request(req, lambda out: None)
@@ -63,8 +71,8 @@ def rounds(engine, req, first_drafts: list[int], count: int) -> tuple[list[int],
     return out, accepted, dr
 
 
-def test_device_rounds_commit_plain_greedy_decoding(families, plain):
-    engine, req = prefilled(families)
+def test_device_rounds_commit_plain_greedy_decoding(families, kind, plain):
+    engine, req = prefilled(families, kind)
     out, accepted, _ = rounds(engine, req, [0] * K, 12)
     assert req.output_ids == plain[:1]
     assert out == plain[1 : 1 + len(out)] and len(out) >= 12
@@ -72,9 +80,9 @@ def test_device_rounds_commit_plain_greedy_decoding(families, plain):
 
 
 @pytest.mark.parametrize("right", [0, 1, K])
-def test_the_verdict_keeps_exactly_the_leading_drafts_that_match(families, plain, right):
+def test_the_verdict_keeps_exactly_the_leading_drafts_that_match(families, kind, plain, right):
     """First round's drafts: the true continuation's first `right` tokens, then wrong ones."""
-    engine, req = prefilled(families)
+    engine, req = prefilled(families, kind)
     truth = plain[1 : 1 + K]
     drafts = truth[:right] + [(t + 1) % 500 for t in truth[right:]]
     out, accepted, _ = rounds(engine, req, drafts, 3)
@@ -82,23 +90,24 @@ def test_the_verdict_keeps_exactly_the_leading_drafts_that_match(families, plain
     assert out == plain[1 : 1 + len(out)]
 
 
-def test_a_draft_after_a_miss_is_not_kept_even_where_the_target_agrees(families, plain):
+def test_a_draft_after_a_miss_is_not_kept_even_where_the_target_agrees(families, kind, plain):
     """Drafts [wrong, g]: g is the target's greedy token after the wrong one, so it matches its verify row; the round
     still keeps nothing (only a leading run of matches is accepted)."""
     wrong = (plain[1] + 1) % 500
-    target = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none")
+    arch, served, _, _ = SETUPS[kind]
+    target = LLM(families[arch][served], dtype="float32", spec_type="none")
     after = target.generate([PROMPT + plain[:1] + [wrong]], SamplingParams(max_tokens=2, temperature=0.0,
                                                                          ignore_eos=True))[0].token_ids
-    engine, req = prefilled(families)
+    engine, req = prefilled(families, kind)
     out, accepted, _ = rounds(engine, req, [wrong, *after[: K - 1]], 2)
     assert accepted[0] == 0 and out == plain[1 : 1 + len(out)]
 
 
-def test_the_drafter_drafts_what_it_drafts_from_host_built_metadata(families):
+def test_dflash_drafts_what_it_drafts_from_host_built_metadata(families):
     """After rounds, the staged drafts and their probabilities equal DFlash's block recomputed over host-built
     metadata at the round's next position (same context, same block: the same K/V rewritten, the same outputs),
     and not the block one position off."""
-    engine, req = prefilled(families)
+    engine, req = prefilled(families, "dflash")
     out, _, dr = rounds(engine, req, [0] * K, 4)
     first = int(dr.first.item())
     assert first == req.num_tokens - 1 + len(out)
@@ -112,10 +121,10 @@ def test_the_drafter_drafts_what_it_drafts_from_host_built_metadata(families):
     assert not torch.allclose(off[1 : K + 1], confidence, atol=1e-5)
 
 
-def test_rounds_learn_the_context_the_host_path_learns(families):
+def test_dflash_rounds_learn_the_context_the_host_path_learns(families):
     """The drafter's context K/V at every committed position after device rounds equals what learning those rows
     from one eager target forward over the committed sequence writes."""
-    engine, req = prefilled(families)
+    engine, req = prefilled(families, "dflash")
     out, _, dr = rounds(engine, req, [0] * K, 5)
     committed = req.prompt_ids + req.output_ids + out[:-1]  # (the last token is the unfed bonus)
     n = len(committed)
@@ -143,3 +152,31 @@ def test_uniform_metadata_on_the_device_matches_the_host_built_one():
         assert meta.seq_lens.tolist() == host.seq_lens.tolist()
         assert meta.query_start_loc.tolist() == host.query_start_loc.tolist()
         assert meta.max_query_len == 3 and meta.causal == causal and meta.max_seq_len >= max(host.seq_lens_host)
+
+
+@pytest.mark.parametrize("head", ["mtp", "mimo", "eagle3"])
+def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families, head):
+    """After rounds, a chain head's K/V at every committed position, and the drafts the last round staged, equal the
+    head run over the committed rows from one eager target forward (each row paired with the token after it),
+    d_1 from the last, the chain after it from the bonus token's position."""
+    engine, req = prefilled(families, head)
+    out, _, dr = rounds(engine, req, [0] * K, 5)
+    committed, bonus = req.prompt_ids + req.output_ids + out[:-1], out[-1]
+    n = len(committed)
+    assert n == int(dr.first.item())
+    block = engine.pool.block_size
+    meta, positions = build_metadata([(req.block_ids, 0, n)], block, torch.device("cpu"))
+    target = engine.runner.forward_eager(torch.tensor(committed), positions, meta)
+    hidden, aux = target if isinstance(target, tuple) else (target, None)
+    drafter, kv = engine.drafter, engine.drafter.kv
+    learned = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping].clone() for layer in kv.k + kv.v]
+    rows, _ = build_metadata([(req.block_ids, p, 1) for p in range(n)], block, torch.device("cpu"))
+    y, drafts, conf = drafter._step(torch.tensor(committed[1:] + [bonus]), drafter.context(hidden, aux), positions,
+                                    rows)
+    again = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping] for layer in kv.k + kv.v]
+    for a, b in zip(learned, again):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    chained, chained_conf = drafter.chain.steps(drafts[-1:], y[-1:], torch.tensor([n]), torch.tensor([K]),
+                                                meta.block_tables, K - 1)
+    assert dr.ids[1:].tolist() == [int(drafts[-1])] + chained[0].tolist()
+    torch.testing.assert_close(dr.confidence, torch.cat([conf[-1:], chained_conf[0]]).float(), atol=1e-4, rtol=1e-4)

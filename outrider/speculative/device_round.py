@@ -16,11 +16,13 @@ next round from row m at p + m + 1, and advances `ids` and `first` to that round
 next round overwrites before anything reads it (its verify starts at p + m + 1 <= p + k + 1).
 
 Batch 1 and greedy verification: the demo target's case, and the one drafting ahead does not win
-(`docs/speculative.md`, "What is left").
+(`docs/speculative.md`, "What is left"). Drafters that draft on the device implement RoundDrafter: DFlash
+(dflash.py) and the chain heads, MTP and EAGLE-3 (chain.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -29,19 +31,29 @@ from outrider.attention import AttentionMetadata
 from outrider.attention.metadata import uniform_metadata_on_device
 
 
+@dataclass(frozen=True)
+class RoundVerdict:
+    """A device round's verify forward and its greedy verdict, all on the device."""
+
+    hidden: torch.Tensor  # [k + 1, H] the target's pre-norm hidden states at positions p .. p + k
+    aux_hidden: torch.Tensor | None  # [k + 1, A] the tapped layers' outputs there (drafters that read them)
+    positions: torch.Tensor  # [k + 1]
+    meta: AttentionMetadata  # the verify's: its slots are where those rows' K/V go
+    emitted: torch.Tensor  # [k + 1] the target's greedy token after each row
+    accepted: torch.Tensor  # [1] m: drafts kept
+    bonus: torch.Tensor  # [1] emitted[m], the next round's first input
+    first: torch.Tensor  # [1] p + m + 1, its position
+
+
 class RoundDrafter(Protocol):
     """A drafter that drafts inside a device round: no host reads, fixed shapes."""
-
-    block_size: int
 
     def round_lookahead(self, k: int) -> int:
         """Positions past the next round's first that its drafting writes K/V at (the host reserves blocks)."""
 
-    def round_drafts(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None, positions: torch.Tensor,
-                     meta: AttentionMetadata, bonus: torch.Tensor, first: torch.Tensor, table: torch.Tensor,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Learn the verify's k + 1 rows (hidden, aux_hidden at `positions`, written through `meta`), then draft
-        the k tokens following `bonus` [1], the token at position `first` [1]: (argmax drafts [k], their
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Learn the verdict's k + 1 rows (rows past m are rewritten by the next round before anything reads
+        them), then draft the k tokens after verdict.bonus at verdict.first: (argmax drafts [k], their
         probabilities [k])."""
 
 
@@ -89,12 +101,11 @@ class DeviceRound:
         m = (self.ids[1:] == greedy[:-1]).to(torch.int64).cumprod(0).sum(0, keepdim=True)
         self.emitted.copy_(greedy)
         self.accepted.copy_(m)
-        bonus = greedy.index_select(0, m)
-        first = self.first + m + 1
-        drafts, confidence = self.drafter.round_drafts(hidden, aux, positions, meta, bonus, first, self.table, k)
-        self.ids.copy_(torch.cat([bonus, drafts]))
+        verdict = RoundVerdict(hidden, aux, positions, meta, greedy, m, greedy.index_select(0, m), self.first + m + 1)
+        drafts, confidence = self.drafter.round_drafts(verdict, self.table, k)
+        self.ids.copy_(torch.cat([verdict.bonus, drafts]))
         self.confidence.copy_(confidence)
-        self.first.copy_(first)
+        self.first.copy_(verdict.first)
 
     def read(self) -> list[int]:
         """The last run's committed tokens, emitted[:m + 1] (a host synchronisation)."""

@@ -135,15 +135,13 @@ class DFlashDrafter:
     def round_lookahead(self, k: int) -> int:
         return self.block  # (the next block's K/V, from the next round's first position)
 
-    def round_drafts(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None, positions: torch.Tensor, meta,
-                     bonus: torch.Tensor, first: torch.Tensor, table: torch.Tensor,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """device_round.RoundDrafter: the verified rows' context, then the block [bonus, MASK * (B - 1)] at `first`."""
-        self._store_context(_taps(aux_hidden), positions, meta)
-        block_meta, block_positions = uniform_metadata_on_device(first, self.block, table, self.block_size,
+    def round_drafts(self, verdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_round.RoundDrafter: the verified rows' context, then the block [bonus, MASK * (B - 1)] at first."""
+        self._store_context(_taps(verdict.aux_hidden), verdict.positions, verdict.meta)
+        block_meta, block_positions = uniform_metadata_on_device(verdict.first, self.block, table, self.block_size,
                                                                  causal=False)
         masks = torch.full((self.block - 1,), self.mask_token_id, dtype=torch.int64, device=self.device)
-        drafts, conf = self._block_drafts(torch.cat([bonus, masks]), block_positions, block_meta)
+        drafts, conf = self._block_drafts(torch.cat([verdict.bonus, masks]), block_positions, block_meta)
         return drafts[1 : k + 1], conf[1 : k + 1]
 
     def _learn(self, aux_hidden: torch.Tensor, meta, positions: torch.Tensor) -> None:
