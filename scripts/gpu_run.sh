@@ -16,6 +16,10 @@
 #          SPEC8B_REQUESTS requests per batch size (default 16; batch 1 dominates the time: a pass of 16 x 128 tokens
 #          is ~9 s plain, and each acceptance runs 2 + 2 x SPEC_REPEATS passes); KINDS picks presets
 #          (default "dflash mtp draft eagle3").
+# prefill: a short prompt's TTFT at 8B, eager against padded prefill graphs (--prefill-graph-tokens 256), then
+#          EAGLE-3 (alpha 0.8, k 4) and MTP (alpha 0.7, k 3) at batch 1 with them (8 requests).
+# round-probe: the speculative round captured whole (scripts/device_round_probe.py) on the demo target, DFlash k 7
+#          and MTP k 3, against plain decoding and the engine's rounds.
 # host: where a demo step's host time goes with a drafter loaded (scripts/profile_host.py): n-gram lookup that never
 #          drafts at batch 1, DFlash at batch 8, each against the plain engine.
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
@@ -39,7 +43,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|host|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|prefill|round-probe|host|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -129,6 +133,16 @@ for MODE in "$@"; do
     bench spec ${p/--draft-n-max 8/--draft-n-max 16} --prompts /tmp/edit.json --json "$OUT/json/ngram-edit-16.json"
     bench spec $p --prompts /tmp/novel.json --json "$OUT/json/ngram-novel.json"
     bench spec $p --prompts /tmp/novel.json --spec-ngram-simple-min-hits 100000 --json "$OUT/json/ngram-lookup.json" ;;
+  prefill)
+    for g in 0 256; do
+      bench latency --random-weights qwen3-8b --prompt-len 128 --gen 32 --ttft-prompt-len 128 --prefill-graph-tokens $g
+    done
+    b="spec --random-weights qwen3-8b --batch 1 --num-requests 8 --prefill-graph-tokens 256"
+    bench $b --spec-type eagle3 --acceptance 0.8 --draft-n-max 4 --json "$OUT/json/prefill-eagle3.json"
+    bench $b --spec-type mtp --acceptance 0.7 --draft-n-max 3 --json "$OUT/json/prefill-mtp.json" ;;
+  round-probe)
+    timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --k 7
+    timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --spec-type mtp --k 3 ;;
   host)
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --spec-type ngram --ngram-min-hits 100000 --batch 1
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --batch 8 ;;
