@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -27,6 +28,19 @@ from outrider.upload import to_device
 
 
 _GOLDEN = (math.sqrt(5) - 1) / 2  # the additive sequence frac(u0 + j * _GOLDEN) is the most evenly spread
+
+
+@dataclass
+class _Draws:
+    """One request's stratified uniform draws: frac(offset + j * _GOLDEN) for its j-th round."""
+
+    offset: float
+    taken: int = 0
+
+    def next(self) -> float:
+        u = (self.offset + self.taken * _GOLDEN) % 1.0
+        self.taken += 1
+        return u
 
 
 class ControlledDrafter:
@@ -40,7 +54,7 @@ class ControlledDrafter:
         self.vocab_size = vocab_size
         self.seed = seed
         self._script: dict[int, list[int]] = {}  # request id -> prompt + the plain run's greedy output
-        self._draws: dict[int, list[float]] = {}  # request id -> [offset, rounds drawn]
+        self._draws: dict[int, _Draws] = {}
         self._checked: dict[int, int] = {}  # request id -> leading tokens found equal to the recording
         self.off_script: set[int] = set()  # requests whose committed tokens left the recording
 
@@ -51,7 +65,7 @@ class ControlledDrafter:
         """Request `request_id` should commit `sequence` (its prompt, then the plain run's output). `stream`
         seeds its own draws, so whether a position is kept does not depend on what else is in the batch."""
         self._script[request_id] = sequence
-        self._draws[request_id] = [random.Random(self.seed * 1_000_003 + stream).random(), 0]
+        self._draws[request_id] = _Draws(random.Random(self.seed * 1_000_003 + stream).random())
         self._checked[request_id] = 0
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
@@ -110,9 +124,7 @@ class ControlledDrafter:
         """Leading positions of a round of n drafts that keep the recorded token: each with probability α, up to
         the first miss, so at least j with probability α^j. The round's uniform draw u is the request's next
         term of frac(u0 + j * golden ratio), and it keeps j positions when 1 - u <= α^j."""
-        draws = self._draws[request_id]
-        u = (draws[0] + draws[1] * _GOLDEN) % 1.0
-        draws[1] += 1
+        u = self._draws[request_id].next()
         if self.acceptance <= 0.0 or self.acceptance >= 1.0:
             return n if self.acceptance >= 1.0 else 0
         return min(n, int(math.log1p(-u) / math.log(self.acceptance)))
