@@ -20,6 +20,7 @@ from outrider.attention.metadata import build_metadata, uniform_metadata_on_devi
 from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.device_chain import DeviceChain
+from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
                                          block_capacity, row_seqs, stage_drafts)
 
@@ -132,7 +133,7 @@ class ChainDrafter:
     def round_lookahead(self, k: int) -> int:
         return self.lookahead(k)
 
-    def round_drafts(self, verdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """device_round.RoundDrafter: the head over the k + 1 verified rows as one-token sequences (row i paired
         with the target's token after it), d_1 from row m, then d_2 .. d_k chained from the bonus token's position."""
         n = verdict.positions.shape[0]

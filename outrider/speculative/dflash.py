@@ -28,6 +28,7 @@ from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.llama import DecoderLayer
+from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
                                          block_capacity, greedy_drafts, row_seqs, stage_drafts)
 
@@ -135,7 +136,7 @@ class DFlashDrafter:
     def round_lookahead(self, k: int) -> int:
         return self.block  # (the next block's K/V, from the next round's first position)
 
-    def round_drafts(self, verdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """device_round.RoundDrafter: the verified rows' context, then the block [bonus, MASK * (B - 1)] at first."""
         self._store_context(_taps(verdict.aux_hidden), verdict.positions, verdict.meta)
         block_meta, block_positions = uniform_metadata_on_device(verdict.first, self.block, table, self.block_size,
