@@ -170,6 +170,10 @@ class EngineConfig:
     # has not yet measured faster (docs/benchmarks.md, "Session 12"), and a request admitted meanwhile, or at batch 1
     # a stop, drops the forward it enqueued.
     spec_verify_ahead: bool = False
+    # A request that decodes alone, greedy, runs whole rounds on the device (speculative/device_round.py: on CUDA
+    # each draft length's round is one captured graph), the host replaying a round and reading its verdict: what a
+    # launch-bound target needs. MTP, EAGLE-3 and DFlash. Off until measured (docs/speculative.md, "What is left").
+    spec_device_round: bool = False
     # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
     # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.
     spec_required: bool = False

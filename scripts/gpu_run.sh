@@ -19,7 +19,8 @@
 # prefill: a short prompt's TTFT at 8B, eager against padded prefill graphs (--prefill-graph-tokens 256), then
 #          EAGLE-3 (alpha 0.8, k 4) and MTP (alpha 0.7, k 3) at batch 1 with them (8 requests).
 # round-probe: the speculative round captured whole (scripts/device_round_probe.py) on the demo target, DFlash k 7
-#          and MTP k 3, against plain decoding and the engine's rounds.
+#          and MTP k 3, against plain decoding and the engine's rounds; then bench spec on the demo family with
+#          --device-round (the engine running such rounds for a request decoding alone), DFlash and MTP, batch 1.
 # host: where a demo step's host time goes with a drafter loaded (scripts/profile_host.py): n-gram lookup that never
 #          drafts at batch 1, DFlash at batch 8, each against the plain engine.
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
@@ -142,7 +143,10 @@ for MODE in "$@"; do
     bench $b --spec-type mtp --acceptance 0.7 --draft-n-max 3 --json "$OUT/json/prefill-mtp.json" ;;
   round-probe)
     timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --k 7
-    timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --spec-type mtp --k 3 ;;
+    timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --spec-type mtp --k 3
+    p="--prompts $DEMO/eval_prompts.json --batch 1 --num-requests 16 --device-round"
+    bench spec --model "$DEMO/target" --draft-model "$DEMO/dflash" $p --json "$OUT/json/round-dflash.json"
+    bench spec --model "$DEMO/target" --spec-type mtp $p --json "$OUT/json/round-mtp.json" ;;
   host)
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --spec-type ngram --ngram-min-hits 100000 --batch 1
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --batch 8 ;;

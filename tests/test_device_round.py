@@ -9,7 +9,7 @@ import torch
 
 from outrider import LLM, SamplingParams
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
-from outrider.engine.request import Request
+from outrider.engine.request import Request, Status
 from outrider.speculative.device_round import DeviceRound
 from spec_helpers import SETUPS, write_attentive_families
 
@@ -180,3 +180,71 @@ def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families,
                                                 meta.block_tables, K - 1)
     assert dr.ids[1:].tolist() == [int(drafts[-1])] + chained[0].tolist()
     torch.testing.assert_close(dr.confidence, torch.cat([conf[-1:], chained_conf[0]]).float(), atol=1e-4, rtol=1e-4)
+
+
+# --- served: the engine runs device rounds for a request that decodes alone (spec_device_round) ---------------
+
+def served(families, kind: str, **kwargs) -> LLM:
+    arch, model, engine_kwargs, _ = SETUPS[kind]
+    return LLM(families[arch][model], dtype="float32", spec_draft_n_max=K, block_size=4, spec_device_round=True,
+               overlap_schedule=True, spec_measured_costs=False, **engine_kwargs(families[arch]), **kwargs)
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Device rounds run, by the request they ran for (the engine's round owner at each replay)."""
+    seen: list[int] = []
+    replay = DeviceRound.replay
+    monkeypatch.setattr(DeviceRound, "replay", lambda self: seen.append(self.k) or replay(self))
+    return seen
+
+
+def test_a_lone_greedy_request_runs_device_rounds_and_gives_plain_output(families, kind, plain, replays):
+    llm = served(families, kind)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == plain[:TOKENS]
+    assert replays and set(replays) <= set(range(1, K + 1))
+    t = out.timing
+    assert t.predicted_n == TOKENS and t.draft_rounds >= len(replays) and 0 < t.draft_n_accepted <= t.draft_n
+    assert t.draft_kind == SETUPS[kind][3]
+
+
+def test_device_rounds_give_way_to_a_second_request_and_resume(families, replays):
+    """Rounds while one request decodes alone; engine steps while two run; rounds again once one has finished.
+    Both outputs are plain greedy decoding's."""
+    llm = served(families, "dflash", max_num_seqs=4)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    ref = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none")
+    other = [7, 100, 200, 300, 5]
+    want = [o.token_ids for o in ref.generate([PROMPT, other], [greedy, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                       ignore_eos=True)])]
+    got = {0: [], 1: []}
+    first = Request(list(PROMPT), greedy)
+    engine.add_request(first, lambda o: got[0].extend(o.new_token_ids))
+    for _ in range(4):
+        before = len(replays)
+        engine.step()
+        if len(replays) > before:  # (a committed round leaves the request as a verify step does: all computed but
+            assert first.num_pending == 0 and first.num_computed == first.num_tokens - 1  # the last token)
+    alone = len(replays)
+    second = Request(list(other), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.add_request(second, lambda o: got[1].extend(o.new_token_ids))
+    while second.status is not Status.FINISHED:
+        engine.step()
+    together = len(replays)
+    while engine.has_work():
+        engine.step()
+    assert alone > 0 and together == alone and len(replays) > together
+    assert [got[0], got[1]] == want
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0.7, seed=1, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.0, n_probs=2, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.0, repeat_penalty=1.3, ignore_eos=True),
+    SamplingParams(max_tokens=12, temperature=0.0, logit_bias=((100, -5.0),), ignore_eos=True),
+], ids=["sampled", "logprobs", "penalty", "bias"])
+def test_requests_whose_next_token_is_not_the_plain_argmax_run_no_device_round(families, params, replays):
+    served(families, "dflash").generate([PROMPT], params)
+    assert replays == []

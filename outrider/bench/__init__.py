@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="draft each round after the host commits the last (default: from its verdict, ahead)")
     spc.add_argument("--verify-ahead", action="store_true",
                      help="enqueue each round's verify forward ahead too (EngineConfig.spec_verify_ahead)")
+    spc.add_argument("--device-round", action="store_true",
+                     help="a request decoding alone runs whole rounds captured on the device (spec_device_round)")
     spc.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
     spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")

@@ -56,6 +56,7 @@ from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
+from outrider.speculative.device_round import DeviceRound
 from outrider.speculative.drafter import expected_tokens
 
 
@@ -220,6 +221,7 @@ def run(args) -> list[SpecResult]:
         plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
         spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
                                     spec_draft_ahead=not args.no_draft_ahead, spec_verify_ahead=args.verify_ahead,
+                                    spec_device_round=args.device_round,
                                     **setup.drafter, **limits),
                       preloaded=setup.preloaded)
         if spec.drafter is None:
@@ -246,6 +248,9 @@ def _check(args) -> None:
         raise SystemExit("--prompt-len needs --random-weights (a checkpoint's prompts come from --prompts)")
     if any(not 0.0 <= a <= 1.0 for a in args.acceptance or ()):
         raise SystemExit("--acceptance values must lie in [0, 1]")
+    if args.device_round and args.acceptance is not None:
+        raise SystemExit("--device-round drafts inside the captured round, where --acceptance cannot replace the "
+                         "drafts: measure it with --model and a real drafter")
     if min(args.batch) < 1 or args.num_requests < 1 or args.gen < 2 or args.repeats < 1:
         raise SystemExit("--batch, --num-requests and --repeats must be >= 1, --gen >= 2")
     if args.gpu_memory_utilization is not None:
@@ -418,8 +423,9 @@ class StepProfile:
     def instrumented(self):
         timed = self.timer.timed
         targets = [(self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
-                   (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", self._collect),
-                   (self.engine.runner, "forward_eager", self._eager)]
+                   (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", timed("verify")),
+                   (self.engine, "_deliver", self._deliver), (self.engine.runner, "forward_eager", self._eager),
+                   (DeviceRound, "replay", timed("verify"))]  # (a device round: verify and drafts, one replay)
         if self.engine.policy is not None:  # (synchronised steps run slower than served ones: not the policy's costs)
             # The costs stay as the timed passes left them, none going stale: a stale plain step would make the
             # policy take plain steps to re-measure it, which this pass never does.
@@ -481,17 +487,15 @@ class StepProfile:
 
         return keep_plan
 
-    def _collect(self, collect):
-        timed = self.timer.timed("verify")(collect)
-
-        def count(step):
-            out = timed(step)
-            for s, m in zip(step.plan.scheduled, out.accepted):
+    def _deliver(self, deliver):
+        def count(plan, out, learned=False):
+            self._plan = self._plan or plan  # (a device round launches nothing through the runner)
+            for s, m in zip(plan.scheduled, out.accepted):
                 if s.draft_tokens:
                     self.rounds.append((len(s.draft_tokens), m))
                 elif s.samples and s.num_new_tokens == 1:
                     self.undrafted += 1
-            return out
+            return deliver(plan, out, learned)
 
         return count
 

@@ -34,11 +34,12 @@ from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve
                                     num_kv_blocks)
 from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status
 from outrider.engine.runner import LaunchedStep, ModelRunner, Prelaunched, StepOutput
-from outrider.engine.scheduler import Scheduler, StepPlan
+from outrider.engine.scheduler import ScheduledRequest, Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
-from outrider.speculative.drafter import DEFAULT_N_MAX
+from outrider.speculative.device_round import DeviceRound
+from outrider.speculative.drafter import DEFAULT_N_MAX, PENDING
 from outrider.speculative.speculator import Drafts, Speculator
 from outrider.structured.grammar import GrammarCompiler
 from outrider.timing import now
@@ -141,6 +142,10 @@ class Engine:
                                                 self.runner.graphs[0].pool)
                 except Exception as exc:  # the drafter's graphs only save launches: without them it drafts eager
                     log.error("drafter graphs failed to capture, drafting eager: %s\n%s", exc, traceback.format_exc())
+        # spec_device_round: a round object per draft length, captured on CUDA; the (request id, k) whose state the
+        # device holds now (any other step moves that request on without it).
+        self.device_rounds = self._device_rounds() if config.spec_device_round else {}
+        self.round_owner: tuple[int, int] | None = None
         self.live: dict[int, _Live] = {}
         # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.
         self.suspects: set[int] = set()
@@ -203,6 +208,20 @@ class Engine:
                                      lambda out: None)
                 self._run_until_idle()
             batch *= 2
+
+    def _device_rounds(self) -> dict[int, DeviceRound]:
+        """Device rounds for every draft length the policy may choose (EngineConfig.spec_device_round)."""
+        if self.speculator is None or not self.speculator.rounds_on_device:
+            log.warning("spec_device_round: the %s drafter does not draft on the device; its rounds run as usual",
+                        self.drafter_kind or "(no)")
+            return {}
+        width = -(-self.max_model_len // self.config.block_size)
+        rounds = {}
+        for k in range(1, self.policy.n_max + 1):
+            rounds[k] = DeviceRound(self.runner, self.drafter, k, width)
+            if self.runner.graphs:
+                rounds[k].capture(self.runner.graphs[0].pool)
+        return rounds
 
     def _run_until_idle(self) -> None:
         while self.has_work():
@@ -297,7 +316,11 @@ class Engine:
 
     # --- the step ---
     def step(self) -> None:
-        """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise)."""
+        """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise); or, for a
+        request that decodes alone, one device round (spec_device_round)."""
+        if self.device_rounds and self._device_round():
+            return
+        self.round_owner = None
         t0 = self.clock()
         prev, self.inflight = self.inflight, None
         lengths = self.speculator.draft_lengths(self.scheduler.running) if self.speculator is not None else {}
@@ -325,6 +348,64 @@ class Engine:
             done = None if prev is not None else launched  # (two steps completed: no one step's time)
         if done is not None and self.speculator is not None:
             self.speculator.observe_step(done.plan, self.clock() - t0)
+
+    def _device_round(self) -> bool:
+        """A whole speculative round on the device for a request that decodes alone, greedy and unconstrained: one
+        replay, one read of its verdict, committed as a verify step is. False: no request qualifies now, or the
+        policy drafts nothing for it (the step runs as usual)."""
+        req = self._lone_greedy_decoder()
+        if req is None:
+            return False
+        k = self.policy.draft_lengths([req], self.drafter)[0]
+        rounds = self.device_rounds.get(k)
+        if rounds is None:
+            return False
+        if self.inflight is not None:  # (its token is the round's first input: committed first)
+            prev, self.inflight = self.inflight, None
+            self._complete(prev)
+            if req.status is not Status.RUNNING or req.num_computed != req.num_tokens - 1:
+                return False
+        start = req.num_tokens - 1  # (the bonus token's position: its K/V is written by the round)
+        if not self.pool.ensure(req, start + rounds.reach()):
+            return False
+        t0 = self.clock()
+        if self.round_owner != (req.request_id, k):
+            drafts = self.speculator.device_round_drafts(req, k)
+            if drafts is None:
+                return False
+            rounds.load(req.all_ids[-1], drafts, start, req.block_ids)
+            self.round_owner = (req.request_id, k)
+        else:
+            rounds.set_blocks(req.block_ids)
+        plan = StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], [])
+        self.counters["steps"] += 1
+        self.counters["busy_slots_total"] += 1
+        req.num_computed += 1  # (the fed token, and the sampled one pending, as a launched verify step counts them)
+        req.num_pending += 1
+        try:
+            rounds.replay()
+            tokens = rounds.read()
+        except Exception as exc:
+            self.round_owner = None
+            self._fail(plan, exc)
+            return True
+        self._deliver(plan, StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0), None), learned=True)
+        self.speculator.observe_step(plan, self.clock() - t0)
+        return True
+
+    def _lone_greedy_decoder(self) -> Request | None:
+        """The one running request when it decodes alone with nothing waiting (its last token sampled, maybe still
+        in flight), its next token the plain argmax: no temperature, bias, penalty, grammar, log-probs, or
+        min_tokens left to hold end-of-generation back."""
+        running = self.scheduler.running
+        if len(running) != 1 or self.scheduler.waiting or self.suspects or self.prelaunched is not None:
+            return None
+        req = running[0]
+        p = req.params
+        if (not p.temperature <= 0 or p.penalized or p.logit_bias or p.n_probs or req.constraint is not None
+                or len(req.output_ids) + req.num_pending <= p.min_tokens):
+            return None
+        return req if req.num_computed == req.num_tokens - 1 and len(req.output_ids) + req.num_pending > 0 else None
 
     def _launch(self, feed: LaunchedStep | None, lengths: dict[int, int]) -> LaunchedStep | None:
         """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight, and drafts of the
@@ -436,13 +517,19 @@ class Engine:
         except Exception as exc:
             self._fail(plan, exc)
             return
+        self._deliver(plan, out)
+
+    def _deliver(self, plan: StepPlan, out: StepOutput, learned: bool = False) -> None:
+        """Commit a step's tokens and deliver them, then let the drafter learn the step unless it `learned` it
+        already (a device round), then release what finished."""
         t = self.clock()
         emits = self._commit(plan, out, t)
         for live, output in emits:
             if output.finished:
                 self._mark_finished(live, output.finish_reason, t)
             live.on_output(output)
-        if self.speculator is not None:  # (before finished requests release their blocks: they may serve prefix hits)
+        if self.speculator is not None and not learned:
+            # (before finished requests release their blocks: they may serve prefix hits)
             self.speculator.learn(plan, out, self.live)
         for live, output in emits:
             if output.finished:

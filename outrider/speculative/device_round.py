@@ -29,6 +29,7 @@ import torch
 
 from outrider.attention import AttentionMetadata
 from outrider.attention.metadata import uniform_metadata_on_device
+from outrider.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -70,24 +71,54 @@ class DeviceRound:
         self.emitted = torch.zeros(k + 1, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(1, dtype=torch.int64, device=device)
         self.confidence = torch.zeros(k, dtype=torch.float32, device=device)  # the drafter's for ids[1:]
+        self._graph: torch.cuda.CUDAGraph | None = None  # (capture)
+        self._table_of: tuple[int, int] | None = None  # (id, length) of the block list the table holds
 
-    def load(self, bonus: int, drafts: list[int], position: int, blocks: list[int]) -> None:
-        """Start from the host's state: `bonus` at `position` (its K/V not yet written), k drafts after it."""
+    def load(self, bonus: int, drafts: list[int] | torch.Tensor, position: int, blocks: list[int]) -> None:
+        """Start from the host's state: `bonus` at `position` (its K/V not yet written), k drafts after it (a
+        list, or a device tensor: copied without a sync)."""
         if len(drafts) != self.k:
             raise ValueError(f"a round verifies {self.k} drafts, got {len(drafts)}")
-        self.ids.copy_(torch.tensor([bonus, *drafts], dtype=torch.int64))
+        self.ids[:1].fill_(bonus)
+        self.ids[1:].copy_(torch.as_tensor(drafts, dtype=torch.int64), non_blocking=True)
         self.first.fill_(position)
         self.set_blocks(blocks)
 
     def set_blocks(self, blocks: list[int]) -> None:
-        """The sequence's block table, as the host's pool holds it now."""
+        """The sequence's block table, as the host's pool holds it now (copied only when it grew: the pool only
+        appends to a running request's list, and gives it a new list when it rebuilds one)."""
+        if (id(blocks), len(blocks)) == self._table_of:
+            return
         if len(blocks) > self.table.shape[1]:
             raise ValueError(f"{len(blocks)} blocks exceed the round's table of {self.table.shape[1]}")
         self.table[0, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        self._table_of = (id(blocks), len(blocks))
 
     def reach(self) -> int:
         """Positions, from the bonus token's, that the next run may write K/V at (for the host's reservation)."""
         return self.k + 1 + self.drafter.round_lookahead(self.k)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """CUDA: record the round as one graph (in memory pool `pool`, e.g. the engine's graphs'), which `replay`
+        then launches. Its state must lead nowhere live (a fresh round's: block table zeros, so the capture's
+        warm-up writes only the padding block)."""
+        graph = torch.cuda.CUDAGraph()
+        with ops.graph_capture():  # (its kernels warmed up, so compiled, before the capture)
+            self.run()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=pool):
+                self.run()
+        graph.replay()  # (a graph's first replay uploads it: not in a request's round)
+        torch.cuda.synchronize()
+        self._graph = graph
+
+    def replay(self) -> None:
+        """One round: the captured graph, or the same work eagerly (CPU, or not captured)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self.run()
 
     @torch.inference_mode()
     def run(self) -> None:

@@ -210,6 +210,25 @@ class Speculator:
         return NextRound(requests, list(counts), [r.num_tokens - 1 for r in requests], verdict.accepted,
                          max(in_flight), input_ids)
 
+    @property
+    def rounds_on_device(self) -> bool:
+        """Can the drafter draft inside a device round (speculative/device_round.py)?"""
+        return hasattr(self.drafter, "round_drafts")
+
+    def device_round_drafts(self, request: Request, k: int) -> torch.Tensor | None:
+        """The first k drafts (on the device) of device rounds for a request that now decodes alone: every row it
+        committed is learned first, and the drafter's own state for it dropped, as the rounds carry it from here
+        (what they commit is never queued for learning). None: the drafter cannot draft k tokens now."""
+        self._ahead = None  # (a round drafted ahead for the engine's own next step: the device round drafts anew)
+        self.flush([request.request_id])
+        try:
+            staged = self.drafter.stage([request], [k])
+        except Exception as exc:
+            log.error("drafter failed to draft a device round: %s\n%s", exc, traceback.format_exc())
+            return None
+        self.drafter.release(request.request_id)
+        return staged.ids if staged.counts[0] == k else None
+
     def keep(self, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
         after the next one has launched (overlap scheduling): a graph replay overwrites the originals."""

@@ -35,6 +35,24 @@ def test_greedy_with_each_drafter_equals_plain_in_float32(families, kind, batch)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(prompts, GREEDY)]
 
 
+@pytest.mark.parametrize("kind", ["dflash", "mtp", "mimo", "eagle3"])
+def test_captured_device_rounds_give_plain_greedy_output_in_float32(families, kind, monkeypatch):
+    """spec_device_round: a lone greedy request's rounds replay one captured graph each (speculative/device_round.py)
+    and its output equals plain decoding's."""
+    from outrider.speculative.device_round import DeviceRound
+
+    arch, served, kwargs, _ = SETUPS[kind]
+    replays = []
+    replay = DeviceRound.replay
+    monkeypatch.setattr(DeviceRound, "replay", lambda self: replays.append(self._graph is not None) or replay(self))
+    spec = LLM(families[arch][served], device="cuda", dtype="float32", spec_draft_n_max=3, spec_device_round=True,
+               spec_measured_costs=False, **kwargs(families[arch]))
+    plain = LLM(families[arch][served], device="cuda", dtype="float32", spec_type="none")
+    prompt = [[7, 11, 13, 17, 19]]
+    replays.clear()  # (the warm-up's)
+    assert [c.token_ids for c in spec.generate(prompt, GREEDY)] == [c.token_ids for c in plain.generate(prompt, GREEDY)]
+    assert replays and all(replays)
+
 
 @pytest.mark.parametrize("kind", list(SETUPS))
 def test_drafter_learning_never_waits_for_the_device(families, kind, caplog):
