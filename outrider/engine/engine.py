@@ -318,12 +318,12 @@ class Engine:
     def step(self) -> None:
         """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise); or, for a
         request that decodes alone, one device round (spec_device_round)."""
-        if self.device_rounds and self._device_round():
+        t0 = self.clock()
+        lengths = self.speculator.draft_lengths(self.scheduler.running) if self.speculator is not None else {}
+        if self.device_rounds and self._device_round(lengths):
             return
         self.round_owner = None
-        t0 = self.clock()
         prev, self.inflight = self.inflight, None
-        lengths = self.speculator.draft_lengths(self.scheduler.running) if self.speculator is not None else {}
         if prev is not None and (lengths or self.suspects):
             # Drafts follow the committed tokens, and a step cut down to one suspect must not leave the others'
             # tokens pending in a step it does not feed from: finish the step in flight first.
@@ -349,15 +349,14 @@ class Engine:
         if done is not None and self.speculator is not None:
             self.speculator.observe_step(done.plan, self.clock() - t0)
 
-    def _device_round(self) -> bool:
-        """A whole speculative round on the device for a request that decodes alone, greedy and unconstrained: one
-        replay, one read of its verdict, committed as a verify step is. False: no request qualifies now, or the
-        policy drafts nothing for it (the step runs as usual)."""
+    def _device_round(self, lengths: dict[int, int]) -> bool:
+        """A whole speculative round on the device for a request that decodes alone, greedy and unconstrained, of
+        the length this step decided (`lengths`): one replay, one read of its verdict, committed as a verify step
+        is. False: no request qualifies now, or it drafts nothing (the step runs as usual)."""
         req = self._lone_greedy_decoder()
         if req is None:
             return False
-        k = self.policy.draft_lengths([req], self.drafter)[0]
-        rounds = self.device_rounds.get(k)
+        rounds = self.device_rounds.get(lengths.get(req.request_id, 0))
         if rounds is None:
             return False
         if self.inflight is not None:  # (its token is the round's first input: committed first)
@@ -368,6 +367,7 @@ class Engine:
         start = req.num_tokens - 1  # (the bonus token's position: its K/V is written by the round)
         if not self.pool.ensure(req, start + rounds.reach()):
             return False
+        k = rounds.k
         t0 = self.clock()
         if self.round_owner != (req.request_id, k):
             drafts = self.speculator.device_round_drafts(req, k)
