@@ -59,14 +59,9 @@ def decode_metadata_on_device(positions: torch.Tensor, live: torch.Tensor, block
     """One query per sequence at `positions` [B] (int64), computed on the device from the block tables [B, W]: no
     host copy, so a chain of decode steps can run (and be captured in one CUDA graph) without the host. Rows not
     `live` write no K/V and read no keys; their positions may lie past their block tables."""
-    width = block_tables.shape[1]
-    block = torch.clamp(positions // block_size, max=width - 1)
-    slots = block_tables.gather(1, block[:, None])[:, 0].to(torch.int64) * block_size + positions % block_size
-    n = positions.shape[0]
-    return AttentionMetadata(
-        slot_mapping=torch.where(live, slots, -1), seq_lens=torch.where(live, positions + 1, 0).to(torch.int32),
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=positions.device), block_tables=block_tables,
-        max_query_len=1, max_seq_len=width * block_size, causal=True)
+    meta, _ = uniform_metadata_on_device(positions, 1, block_tables, block_size)
+    return dataclasses.replace(meta, slot_mapping=torch.where(live, meta.slot_mapping, -1),
+                               seq_lens=torch.where(live, meta.seq_lens, 0))
 
 
 def shifted_metadata(meta: AttentionMetadata, positions: torch.Tensor, shift: torch.Tensor, owner: torch.Tensor,
@@ -89,7 +84,7 @@ def uniform_metadata_on_device(first: torch.Tensor, q: int, block_tables: torch.
     (meta, positions [B * q]). max_seq_len is the tables' reach, an upper bound as CUDA graphs need."""
     n, width = first.shape[0], block_tables.shape[1]
     positions = (first[:, None] + torch.arange(q, device=first.device)).reshape(-1)
-    owner = torch.arange(n, device=first.device).repeat_interleave(q)
+    owner = torch.arange(n * q, device=first.device) // q  # (repeat_interleave could sync to size its output)
     block = torch.clamp(positions // block_size, max=width - 1)
     slots = block_tables[owner, block].to(torch.int64) * block_size + positions % block_size
     meta = AttentionMetadata(
