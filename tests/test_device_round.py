@@ -228,6 +228,7 @@ def test_device_rounds_give_way_to_a_second_request_and_resume(families, replays
         engine.step()
         if len(replays) > before:  # (a committed round leaves the request as a verify step does: all computed but
             assert first.num_pending == 0 and first.num_computed == first.num_tokens - 1  # the last token)
+            assert engine.round_flight is not None  # (and the round just launched runs while the host commits)
     alone = len(replays)
     second = Request(list(other), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.add_request(second, lambda o: got[1].extend(o.new_token_ids))
@@ -249,3 +250,30 @@ def test_device_rounds_give_way_to_a_second_request_and_resume(families, replays
 def test_requests_whose_next_token_is_not_the_plain_argmax_run_no_device_round(families, params, replays):
     served(families, "dflash").generate([PROMPT], params)
     assert replays == []
+
+
+def test_a_stop_inside_a_device_round_ends_the_request_where_plain_decoding_does(families, replays):
+    """A stop token committed by one round ends the request there (rounds start once min_tokens is behind, the stop
+    comes in the first of them); the round launched meanwhile is dropped."""
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, stop_token_ids=(300,), min_tokens=8, ignore_eos=True)
+    want = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none").generate([PROMPT], params)[0]
+    llm = served(families, "dflash")
+    out = llm.generate([PROMPT], params)[0]
+    assert out.token_ids == want.token_ids and len(want.token_ids) < TOKENS
+    assert out.finish_reason == want.finish_reason and out.timing.draft_rounds > 0
+    assert replays and llm.engine.round_flight is None and not llm.engine.has_work()
+
+
+def test_an_abort_with_a_round_in_flight_leaves_the_engine_serving(families, replays):
+    llm = served(families, "dflash")
+    engine = llm.engine
+    req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+    engine.add_request(req, lambda out: None)
+    while engine.round_flight is None:
+        engine.step()
+    engine.abort(req.request_id)
+    while engine.has_work():
+        engine.step()
+    greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    want = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none").generate([PROMPT], greedy)[0]
+    assert replays and llm.generate([PROMPT], greedy)[0].token_ids == want.token_ids

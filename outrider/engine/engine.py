@@ -38,7 +38,7 @@ from outrider.engine.scheduler import ScheduledRequest, Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
-from outrider.speculative.device_round import DeviceRound
+from outrider.speculative.device_round import DeviceRound, RoundCopy, committed
 from outrider.speculative.drafter import DEFAULT_N_MAX, PENDING
 from outrider.speculative.speculator import Drafts, Speculator
 from outrider.structured.grammar import GrammarCompiler
@@ -73,6 +73,16 @@ class _Appended:
     @property
     def kept(self) -> int:
         return len(self.pieces)
+
+
+@dataclass(frozen=True)
+class _RoundFlight:
+    """A device round replayed and not yet committed (Engine._device_round)."""
+
+    request: Request
+    k: int
+    copy: RoundCopy  # its verdict, on its way to the host
+    t0: float  # when the step that launched it began
 
 
 def pick_device(name: str) -> torch.device:
@@ -146,6 +156,7 @@ class Engine:
         # device holds now (any other step moves that request on without it).
         self.device_rounds = self._device_rounds() if config.spec_device_round else {}
         self.round_owner: tuple[int, int] | None = None
+        self.round_flight: _RoundFlight | None = None  # replayed, its verdict not yet read
         self.live: dict[int, _Live] = {}
         # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.
         self.suspects: set[int] = set()
@@ -312,7 +323,7 @@ class Engine:
             self._finish(live, FinishReason.ABORT, error=error)
 
     def has_work(self) -> bool:
-        return self.inflight is not None or self.scheduler.has_work()
+        return self.inflight is not None or self.round_flight is not None or self.scheduler.has_work()
 
     # --- the step ---
     def step(self) -> None:
@@ -322,6 +333,7 @@ class Engine:
         lengths = self.speculator.draft_lengths(self.scheduler.running) if self.speculator is not None else {}
         if self.device_rounds and self._device_round(lengths):
             return
+        self._land_round()
         self.round_owner = None
         prev, self.inflight = self.inflight, None
         if prev is not None and (lengths or self.suspects):
@@ -351,25 +363,32 @@ class Engine:
 
     def _device_round(self, lengths: dict[int, int]) -> bool:
         """A whole speculative round on the device for a request that decodes alone, greedy and unconstrained, of
-        the length this step decided (`lengths`): one replay, one read of its verdict, committed as a verify step
-        is. False: no request qualifies now, or it drafts nothing (the step runs as usual)."""
+        the length this step decided (`lengths`): one replay, its verdict copied to the host, and the round before
+        it (in flight since the last step) committed meanwhile, as a verify step is. The device's state already
+        follows that round, so the host reads and commits it while the device runs the next. False: no request
+        qualifies now, or it drafts nothing (a round in flight is committed, and the step runs as usual)."""
         req = self._lone_greedy_decoder()
-        if req is None:
-            return False
-        rounds = self.device_rounds.get(lengths.get(req.request_id, 0))
-        if rounds is None:
+        rounds = self.device_rounds.get(lengths.get(req.request_id, 0)) if req is not None else None
+        flight = self.round_flight
+        if flight is not None and (rounds is None or flight.request is not req or flight.k != rounds.k):
+            self._land_round()  # (its request's state must be on the host before anything else uses it)
+            flight, req = None, self._lone_greedy_decoder()
+        if req is None or rounds is None:
             return False
         if self.inflight is not None:  # (its token is the round's first input: committed first)
             prev, self.inflight = self.inflight, None
             self._complete(prev)
             if req.status is not Status.RUNNING or req.num_computed != req.num_tokens - 1:
                 return False
-        start = req.num_tokens - 1  # (the bonus token's position: its K/V is written by the round)
-        if not self.pool.ensure(req, start + rounds.reach()):
-            return False
         k = rounds.k
+        # The round launched now starts where the one in flight ends, which the host has not read: room for the
+        # worst case, every draft of that one kept.
+        start = req.num_tokens - 1 + (k + 1 if flight is not None else 0)
+        if not self.pool.ensure(req, start + rounds.reach()):
+            self._land_round()
+            return False
         t0 = self.clock()
-        if self.round_owner != (req.request_id, k):
+        if self.round_owner != (req.request_id, k):  # (then nothing is in flight: a flight's owner is this one)
             drafts = self.speculator.device_round_drafts(req, k)
             if drafts is None:
                 return False
@@ -377,21 +396,40 @@ class Engine:
             self.round_owner = (req.request_id, k)
         else:
             rounds.set_blocks(req.block_ids)
-        plan = StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], [])
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += 1
-        req.num_computed += 1  # (the fed token, and the sampled one pending, as a launched verify step counts them)
-        req.num_pending += 1
         try:
             rounds.replay()
-            tokens = rounds.read()
+            copy = rounds.verdict_to_host()
         except Exception as exc:
-            self.round_owner = None
-            self._fail(plan, exc)
+            self.round_owner = self.round_flight = None
+            self._fail(StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], []), exc)
             return True
-        self._deliver(plan, StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0), None), learned=True)
-        self.speculator.observe_step(plan, self.clock() - t0)
+        self.round_flight = _RoundFlight(req, k, copy, t0)
+        if flight is not None:
+            self._land(flight)
+            if req.status is not Status.RUNNING:  # (that round ended the request: the one just launched is moot)
+                self.round_owner = self.round_flight = None
         return True
+
+    def _land_round(self) -> None:
+        """Commit the device round in flight, if any."""
+        flight, self.round_flight = self.round_flight, None
+        if flight is not None:
+            self._land(flight)
+
+    def _land(self, flight: _RoundFlight) -> None:
+        """Read a device round's verdict (waiting for its copy alone) and commit it as a verify step's: the request
+        had fed its last token and verified k drafts, and its rows are learned already."""
+        req, k = flight.request, flight.k
+        tokens = committed(flight.copy)
+        if req.request_id not in self.live:  # (ended meanwhile: nothing to commit)
+            return
+        plan = StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], [])
+        req.num_computed += 1  # (the fed token, and the sampled one pending, as a launched verify step counts them)
+        req.num_pending += 1
+        self._deliver(plan, StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0), None), learned=True)
+        self.speculator.observe_step(plan, self.clock() - flight.t0)
 
     def _lone_greedy_decoder(self) -> Request | None:
         """The one running request when it decodes alone with nothing waiting (its last token sampled, maybe still

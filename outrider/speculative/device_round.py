@@ -30,6 +30,7 @@ import torch
 from outrider.attention import AttentionMetadata
 from outrider.attention.metadata import uniform_metadata_on_device
 from outrider.kernels import ops
+from outrider.upload import copy_to_host
 
 
 @dataclass(frozen=True)
@@ -140,5 +141,26 @@ class DeviceRound:
 
     def read(self) -> list[int]:
         """The last run's committed tokens, emitted[:m + 1] (a host synchronisation)."""
-        m = int(self.accepted.item())
-        return self.emitted[: m + 1].tolist()
+        return committed(self.verdict_to_host())
+
+    def verdict_to_host(self) -> RoundCopy:
+        """Start copying the last run's verdict to the host, so that the next run may start before it is read."""
+        if self.emitted.is_cuda:
+            return RoundCopy(*copy_to_host(self.emitted, self.accepted))
+        return RoundCopy([self.emitted.clone(), self.accepted.clone()], None)  # (the next run overwrites them)
+
+
+@dataclass(frozen=True)
+class RoundCopy:
+    """A run's verdict on its way to the host: [emitted, accepted], complete once `ready` has passed."""
+
+    host: list[torch.Tensor]
+    ready: torch.cuda.Event | None
+
+
+def committed(copy: RoundCopy) -> list[int]:
+    """A run's committed tokens, emitted[:m + 1], once its copy has arrived (waiting for that copy alone)."""
+    if copy.ready is not None:
+        copy.ready.synchronize()
+    emitted, accepted = copy.host
+    return emitted.tolist()[: int(accepted[0]) + 1]
