@@ -85,6 +85,11 @@ class _RoundFlight:
     t0: float  # when the step that launched it began
 
 
+def _round_plan(req: Request, k: int) -> StepPlan:
+    """A device round as the step it stands for: the request feeds its last token and verifies k drafts."""
+    return StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], [])
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -403,7 +408,7 @@ class Engine:
             copy = rounds.verdict_to_host()
         except Exception as exc:
             self.round_owner = self.round_flight = None
-            self._fail(StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], []), exc)
+            self._fail(_round_plan(req, k), exc)
             return True
         self.round_flight = _RoundFlight(req, k, copy, t0)
         if flight is not None:
@@ -425,7 +430,7 @@ class Engine:
         tokens = committed(flight.copy)
         if req.request_id not in self.live:  # (ended meanwhile: nothing to commit)
             return
-        plan = StepPlan([ScheduledRequest(req, req.num_computed, 1, True, [PENDING] * k)], [])
+        plan = _round_plan(req, k)
         req.num_computed += 1  # (the fed token, and the sampled one pending, as a launched verify step counts them)
         req.num_pending += 1
         self._deliver(plan, StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0), None), learned=True)
@@ -443,7 +448,7 @@ class Engine:
         if (not p.temperature <= 0 or p.penalized or p.logit_bias or p.n_probs or req.constraint is not None
                 or len(req.output_ids) + req.num_pending <= p.min_tokens):
             return None
-        return req if req.num_computed == req.num_tokens - 1 and len(req.output_ids) + req.num_pending > 0 else None
+        return req if req.num_computed == req.num_tokens - 1 else None  # (min_tokens >= 0: one token is out)
 
     def _launch(self, feed: LaunchedStep | None, lengths: dict[int, int]) -> LaunchedStep | None:
         """Schedule and launch a step (feeding pending tokens from `feed`, the step in flight, and drafts of the

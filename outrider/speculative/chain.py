@@ -130,9 +130,6 @@ class ChainDrafter:
             shift = rows.accepted
         return self.chain.stage(rows.requests, ks, drafting, drafts, conf, y, shift=shift)
 
-    def round_lookahead(self, k: int) -> int:
-        return self.lookahead(k)
-
     def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """device_round.RoundDrafter: the head over the k + 1 verified rows as one-token sequences (row i paired
         with the target's token after it), d_1 from row m, then d_2 .. d_k chained from the bonus token's position."""

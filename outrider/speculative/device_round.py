@@ -50,8 +50,9 @@ class RoundVerdict:
 class RoundDrafter(Protocol):
     """A drafter that drafts inside a device round: no host reads, fixed shapes."""
 
-    def round_lookahead(self, k: int) -> int:
-        """Positions past the next round's first that its drafting writes K/V at (the host reserves blocks)."""
+    def lookahead(self, k: int) -> int:
+        """Positions past a round's first that drafting k tokens writes K/V at (the Drafter protocol's: the host
+        reserves blocks for them)."""
 
     def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Learn the verdict's k + 1 rows (rows past m are rewritten by the next round before anything reads
@@ -97,7 +98,7 @@ class DeviceRound:
 
     def reach(self) -> int:
         """Positions, from the bonus token's, that the next run may write K/V at (for the host's reservation)."""
-        return self.k + 1 + self.drafter.round_lookahead(self.k)
+        return self.k + 1 + self.drafter.lookahead(self.k)
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:

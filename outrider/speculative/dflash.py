@@ -133,9 +133,6 @@ class DFlashDrafter:
         return stage_drafts([i for i in drafting for _ in range(ks[i])], [drafts.index_select(0, index)],
                             [conf.index_select(0, index)], len(ks))
 
-    def round_lookahead(self, k: int) -> int:
-        return self.block  # (the next block's K/V, from the next round's first position)
-
     def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """device_round.RoundDrafter: the verified rows' context, then the block [bonus, MASK * (B - 1)] at first."""
         self._store_context(_taps(verdict.aux_hidden), verdict.positions, verdict.meta)
