@@ -150,9 +150,9 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # GPU: a prefill chunk that runs alone (no other sequence in its step) and has at most this many tokens
     # replays a CUDA graph captured for the next power of two, padded, instead of an eager forward: a short
-    # prompt's eager forward is launch-bound (Qwen3-8B, 128 tokens, H200: 29 ms on the host for ~5 ms of GPU
-    # work). 0: eager. Off until measured on the GPU (docs/benchmarks.md, "Session 13").
-    prefill_graph_tokens: int = 0
+    # prompt's eager forward is launch-bound (Qwen3-8B, 128-token prompt, H200: TTFT 27.0 ms eager, 6.1 ms from
+    # the graph; docs/benchmarks.md, "Session 14"). 0: eager.
+    prefill_graph_tokens: int = 256
     # Speculative decoding
     draft_model: str | None = None
     spec_type: str | None = None  # None = detect: draft | mtp | dflash | eagle3; comma-separated kinds combine
@@ -172,8 +172,10 @@ class EngineConfig:
     spec_verify_ahead: bool = False
     # A request that decodes alone, greedy, runs whole rounds on the device (speculative/device_round.py: on CUDA
     # each draft length's round is one captured graph), the host replaying a round and reading its verdict: what a
-    # launch-bound target needs. MTP, EAGLE-3 and DFlash. Off until measured (docs/speculative.md, "What is left").
-    spec_device_round: bool = False
+    # launch-bound target needs (the demo family, H200: DFlash 0.79x -> 2.33x plain; docs/benchmarks.md, "Session
+    # 14"). Drafters with weights (DFlash, MTP, EAGLE-3, draft model). None: on where CUDA graphs are captured
+    # (eager, a round saves nothing).
+    spec_device_round: bool | None = None
     # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
     # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.
     spec_required: bool = False

@@ -16,11 +16,11 @@
 #          SPEC8B_REQUESTS requests per batch size (default 16; batch 1 dominates the time: a pass of 16 x 128 tokens
 #          is ~9 s plain, and each acceptance runs 2 + 2 x SPEC_REPEATS passes); KINDS picks presets
 #          (default "dflash mtp draft eagle3").
-# prefill: a short prompt's TTFT at 8B, eager against padded prefill graphs (--prefill-graph-tokens 256), then
-#          EAGLE-3 (alpha 0.8, k 4) and MTP (alpha 0.7, k 3) at batch 1 with them (8 requests).
+# prefill: a short prompt's TTFT at 8B, eager (--prefill-graph-tokens 0) against padded prefill graphs (256, the
+#          default), then EAGLE-3 (alpha 0.8, k 4) and MTP (alpha 0.7, k 3) at batch 1 with them (8 requests).
 # round-probe: the speculative round captured whole (scripts/device_round_probe.py) on the demo target, DFlash k 7
-#          and MTP k 3, against plain decoding and the engine's rounds; then bench spec on the demo family with
-#          --device-round (the engine running such rounds for a request decoding alone), DFlash and MTP, batch 1.
+#          and MTP k 3, against plain decoding and the engine's rounds; then bench spec on the demo family, DFlash
+#          and MTP at batch 1, with device rounds (the default) and with --no-device-round.
 # host: where a demo step's host time goes with a drafter loaded (scripts/profile_host.py): n-gram lookup that never
 #          drafts at batch 1, DFlash at batch 8, each against the plain engine.
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
@@ -144,9 +144,11 @@ for MODE in "$@"; do
   round-probe)
     timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --k 7
     timed "$OUT/bench.log" $PY scripts/device_round_probe.py --model "$DEMO/target" --spec-type mtp --k 3
-    p="--prompts $DEMO/eval_prompts.json --batch 1 --num-requests 16 --device-round"
+    p="--prompts $DEMO/eval_prompts.json --batch 1 --num-requests 16"
     bench spec --model "$DEMO/target" --draft-model "$DEMO/dflash" $p --json "$OUT/json/round-dflash.json"
-    bench spec --model "$DEMO/target" --spec-type mtp $p --json "$OUT/json/round-mtp.json" ;;
+    bench spec --model "$DEMO/target" --spec-type mtp $p --json "$OUT/json/round-mtp.json"
+    bench spec --model "$DEMO/target" --draft-model "$DEMO/dflash" $p --no-device-round --json "$OUT/json/steps-dflash.json"
+    bench spec --model "$DEMO/target" --spec-type mtp $p --no-device-round --json "$OUT/json/steps-mtp.json" ;;
   host)
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --spec-type ngram --ngram-min-hits 100000 --batch 1
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --batch 8 ;;

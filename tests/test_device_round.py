@@ -16,7 +16,7 @@ from spec_helpers import SETUPS, write_attentive_families
 PROMPT = [5, 9, 100, 13, 7, 200, 11, 17, 19, 23]
 TOKENS = 40
 K = 3
-KINDS = ["dflash", "mtp", "mimo", "eagle3"]
+KINDS = ["dflash", "mtp", "mimo", "eagle3", "draft"]
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +37,12 @@ def plain(families, kind):
     return llm.generate([PROMPT], params)[0].token_ids
 
 
-def prefilled(families, kind):
-    """An engine with the kind's drafter that has prefilled PROMPT and committed its first token, the prompt
-    learned; and that request."""
+def prefilled(families, kind, **overrides):
+    """An engine with the kind's drafter (its engine arguments updated with `overrides`) that has prefilled PROMPT
+    and committed its first token, the prompt learned; and that request."""
     arch, served, engine_kwargs, _ = SETUPS[kind]
     llm = LLM(families[arch][served], dtype="float32", spec_draft_n_max=K, block_size=4,
-              **engine_kwargs(families[arch]))
+              **(engine_kwargs(families[arch]) | overrides))
     engine = llm.engine
     req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
     engine.add_request(req, lambda out: None)
@@ -180,6 +180,31 @@ def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families,
                                                 meta.block_tables, K - 1)
     assert dr.ids[1:].tolist() == [int(drafts[-1])] + chained[0].tolist()
     torch.testing.assert_close(dr.confidence, torch.cat([conf[-1:], chained_conf[0]]).float(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("checkpoint", ["draft", "target"])
+def test_draft_model_rounds_draft_its_greedy_continuation_of_what_they_committed(families, checkpoint):
+    """Loaded with the engine's own first drafts, rounds keep the draft model's K/V in step with every committed
+    token (it equals one forward over them), so the staged drafts are the draft model's own greedy continuation of the committed sequence. Drafting
+    with the target itself keeps every draft: the last one, never fed while drafting, must be fed after."""
+    engine, req = prefilled(families, "draft", draft_model=str(families["qwen3"][checkpoint]), spec_type="draft")
+    assert engine.pool.ensure(req, req.num_tokens + 2 * K)  # (as the engine does first: room for its lookahead)
+    first = engine.speculator.device_round_drafts(req, K)
+    out, accepted, dr = rounds(engine, req, first, 6)
+    committed = req.prompt_ids + req.output_ids + out
+    if checkpoint == "target":
+        assert accepted == [K] * len(accepted)
+    drafter, n = engine.drafter, len(committed)
+    assert int(dr.first.item()) == n - 1
+    meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device("cpu"))
+    learned = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping].clone() for layer in drafter.kv.k + drafter.kv.v]
+    drafter.model(torch.tensor(committed), positions, drafter.kv, meta, drafter.backend)
+    again = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping] for layer in drafter.kv.k + drafter.kv.v]
+    for a, b in zip(learned, again):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    draft = LLM(families["qwen3"][checkpoint], dtype="float32", spec_type="none")
+    want = draft.generate([committed], SamplingParams(max_tokens=K, temperature=0.0, ignore_eos=True))[0].token_ids
+    assert dr.ids[1:].tolist() == want
 
 
 # --- served: the engine runs device rounds for a request that decodes alone (spec_device_round) ---------------

@@ -7,6 +7,7 @@ import argparse
 
 from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
+from outrider.config import EngineConfig
 from outrider.speculative import KINDS
 
 
@@ -21,8 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     engine_opts.add_argument("--device", default="cuda")
     engine_opts.add_argument("--eager", action="store_true", help="disable CUDA graphs")
     engine_opts.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
-    engine_opts.add_argument("--prefill-graph-tokens", type=int, default=0, metavar="N",
-                             help="lone prefill chunks of up to N tokens replay CUDA graphs (EngineConfig)")
+    engine_opts.add_argument("--prefill-graph-tokens", type=int, default=EngineConfig.prefill_graph_tokens,
+                             metavar="N", help="lone prefill chunks of up to N tokens replay CUDA graphs (default "
+                             "%(default)s; 0: eager)")
     engine_opts.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine_opts.add_argument("--seed", type=int, default=0)
     engine_opts.add_argument("--json", help="also write the results to this JSON file")
@@ -78,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="draft each round after the host commits the last (default: from its verdict, ahead)")
     spc.add_argument("--verify-ahead", action="store_true",
                      help="enqueue each round's verify forward ahead too (EngineConfig.spec_verify_ahead)")
-    spc.add_argument("--device-round", action="store_true",
-                     help="a request decoding alone runs whole rounds captured on the device (spec_device_round)")
+    spc.add_argument("--no-device-round", action="store_true",
+                     help="a request decoding alone runs its rounds step by step, not captured whole on the device "
+                     "(spec_device_round: on by default with CUDA graphs)")
     spc.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
     spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")

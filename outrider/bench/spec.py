@@ -219,9 +219,11 @@ def run(args) -> list[SpecResult]:
         limits = dict(max_num_seqs=batches[-1], max_model_len=max_model_len, num_kv_blocks=blocks,
                       max_num_batched_tokens=max(2048, batches[-1] * longest))
         plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
+        # (Controlled acceptance replaces the drafts on the host: a device round drafts inside its graph.)
+        device_round = False if args.no_device_round or args.acceptance is not None else None
         spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
                                     spec_draft_ahead=not args.no_draft_ahead, spec_verify_ahead=args.verify_ahead,
-                                    spec_device_round=args.device_round,
+                                    spec_device_round=device_round,
                                     **setup.drafter, **limits),
                       preloaded=setup.preloaded)
         if spec.drafter is None:
@@ -248,9 +250,6 @@ def _check(args) -> None:
         raise SystemExit("--prompt-len needs --random-weights (a checkpoint's prompts come from --prompts)")
     if any(not 0.0 <= a <= 1.0 for a in args.acceptance or ()):
         raise SystemExit("--acceptance values must lie in [0, 1]")
-    if args.device_round and args.acceptance is not None:
-        raise SystemExit("--device-round drafts inside the captured round, where --acceptance cannot replace the "
-                         "drafts: measure it with --model and a real drafter")
     if min(args.batch) < 1 or args.num_requests < 1 or args.gen < 2 or args.repeats < 1:
         raise SystemExit("--batch, --num-requests and --repeats must be >= 1, --gen >= 2")
     if args.gpu_memory_utilization is not None:

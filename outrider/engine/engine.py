@@ -159,7 +159,8 @@ class Engine:
                     log.error("drafter graphs failed to capture, drafting eager: %s\n%s", exc, traceback.format_exc())
         # spec_device_round: a round object per draft length, captured on CUDA; the (request id, k) whose state the
         # device holds now (any other step moves that request on without it).
-        self.device_rounds = self._device_rounds() if config.spec_device_round else {}
+        on = config.spec_device_round if config.spec_device_round is not None else bool(self.runner.graphs)
+        self.device_rounds = self._device_rounds(warn=config.spec_device_round is True) if on else {}
         self.round_owner: tuple[int, int] | None = None
         self.round_flight: _RoundFlight | None = None  # replayed, its verdict not yet read
         self.live: dict[int, _Live] = {}
@@ -225,11 +226,13 @@ class Engine:
                 self._run_until_idle()
             batch *= 2
 
-    def _device_rounds(self) -> dict[int, DeviceRound]:
-        """Device rounds for every draft length the policy may choose (EngineConfig.spec_device_round)."""
+    def _device_rounds(self, warn: bool) -> dict[int, DeviceRound]:
+        """Device rounds for every draft length the policy may choose (EngineConfig.spec_device_round); `warn`: the
+        user asked for them."""
         if self.speculator is None or not self.speculator.rounds_on_device:
-            log.warning("spec_device_round: the %s drafter does not draft on the device; its rounds run as usual",
-                        self.drafter_kind or "(no)")
+            if warn:
+                log.warning("spec_device_round: the %s drafter does not draft on the device; its rounds run as "
+                            "usual", self.drafter_kind or "(no)")
             return {}
         width = -(-self.max_model_len // self.config.block_size)
         rounds = {}

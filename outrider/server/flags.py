@@ -76,6 +76,8 @@ MODEL = [
         "choose draft lengths from the drafter's fixed cost estimate, not measured step costs (the CPU default)"),
     Opt(("--no-spec-draft-ahead",), "no_spec_draft_ahead", None, None, False,
         "draft each round after the last one is committed, not from its verdict on the device (MTP, EAGLE-3, DFlash)"),
+    Opt(("--no-spec-device-round",), "no_spec_device_round", None, None, False,
+        "GPU: a request decoding alone, greedy, runs its rounds step by step, not as one captured graph each"),
     Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",
         help="a built-in template name (llama-server's: chatml, llama3, gemma, ...) or Jinja source"),
     Opt(("--chat-template-file",), "chat_template_file", "LLAMA_ARG_CHAT_TEMPLATE_FILE", help="Jinja template file"),
@@ -108,7 +110,7 @@ MODEL = [
         "GPU: wait for each step's tokens before launching the next"),
     Opt(("--prefill-graph-tokens",), "prefill_graph_tokens", None, int, None,
         "GPU: a lone prefill chunk of up to N tokens replays a CUDA graph (padded) instead of running eager "
-        "(default 0: off)"),
+        "(default 256; 0: eager)"),
 ]
 
 SAMPLING = [

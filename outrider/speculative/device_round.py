@@ -17,7 +17,7 @@ next round overwrites before anything reads it (its verify starts at p + m + 1 <
 
 Batch 1 and greedy verification: the demo target's case, and the one drafting ahead does not win
 (`docs/speculative.md`, "What is left"). Drafters that draft on the device implement RoundDrafter: DFlash
-(dflash.py) and the chain heads, MTP and EAGLE-3 (chain.py).
+(dflash.py), the chain heads, MTP and EAGLE-3 (chain.py), and the draft model (draft_model.py).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from outrider.upload import copy_to_host
 class RoundVerdict:
     """A device round's verify forward and its greedy verdict, all on the device."""
 
+    inputs: torch.Tensor  # [k + 1] the verified tokens: the bonus token, then the k drafts
     hidden: torch.Tensor  # [k + 1, H] the target's pre-norm hidden states at positions p .. p + k
     aux_hidden: torch.Tensor | None  # [k + 1, A] the tapped layers' outputs there (drafters that read them)
     positions: torch.Tensor  # [k + 1]
@@ -134,7 +135,8 @@ class DeviceRound:
         m = (self.ids[1:] == greedy[:-1]).to(torch.int64).cumprod(0).sum(0, keepdim=True)
         self.emitted.copy_(greedy)
         self.accepted.copy_(m)
-        verdict = RoundVerdict(hidden, aux, positions, meta, greedy, m, greedy.index_select(0, m), self.first + m + 1)
+        verdict = RoundVerdict(inputs=self.ids, hidden=hidden, aux_hidden=aux, positions=positions, meta=meta,
+                               emitted=greedy, accepted=m, bonus=greedy.index_select(0, m), first=self.first + m + 1)
         drafts, confidence = self.drafter.round_drafts(verdict, self.table, k)
         self.ids.copy_(torch.cat([verdict.bonus, drafts]))
         self.confidence.copy_(confidence)

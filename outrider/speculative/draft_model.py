@@ -16,9 +16,10 @@ import torch
 from outrider.attention import KVCache, get_backend
 from outrider.engine.cuda_graphs import CudaGraphRunner, default_buckets
 from outrider.engine.request import Request
-from outrider.attention.metadata import build_metadata
+from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
 from outrider.models import load_model
 from outrider.speculative.device_chain import DeviceChain
+from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import LEARN_ROWS, Commit, Proposals, block_capacity, greedy_drafts, row_seqs
 
 
@@ -82,6 +83,21 @@ class DraftModelDrafter:
             self._computed[req.request_id] = req.num_tokens
             self._pending[req.request_id] = (req.num_tokens, out.tokens[i][:-1])
         return out
+
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_round.RoundDrafter. The round's inputs were this drafter's own: it fed the bonus token and
+        d_1 .. d_{k-1} at p .. p + k - 1 while drafting them, so the kept ones' K/V stands. Feed the last kept input
+        (d_k, when all were kept, was never fed; the others are rewritten unchanged) and the next bonus token at
+        p + m, p + m + 1 (its logits give d_1), then chain d_2 .. d_k."""
+        tokens = torch.cat([verdict.inputs.index_select(0, verdict.accepted), verdict.bonus])
+        meta, positions = uniform_metadata_on_device(verdict.first - 1, 2, table, self.block_size)
+        hidden = self.model(tokens, positions, self.kv, meta, self.backend)
+        drafts, conf = greedy_drafts(self.model.compute_logits(hidden[1:]), self.vocab_size)
+        if k == 1:
+            return drafts, conf
+        chained, chained_conf = self.chain.steps(drafts, None, verdict.first + 1, torch.full_like(verdict.first, k),
+                                                 table, k - 1)
+        return torch.cat([drafts, chained[0]]), torch.cat([conf, chained_conf[0]])
 
     def _chain_step(self, tokens: torch.Tensor, state: None, positions: torch.Tensor,
                     meta) -> tuple[None, torch.Tensor, torch.Tensor]:

@@ -215,19 +215,24 @@ class Speculator:
         """Can the drafter draft inside a device round (speculative/device_round.py)?"""
         return hasattr(self.drafter, "round_drafts")
 
-    def device_round_drafts(self, request: Request, k: int) -> torch.Tensor | None:
-        """The first k drafts (on the device) of device rounds for a request that now decodes alone: every row it
+    def device_round_drafts(self, request: Request, k: int) -> torch.Tensor | list[int] | None:
+        """The first k drafts (on the device where the drafter stages them there) of device rounds for a request that now decodes alone: every row it
         committed is learned first, and the drafter's own state for it dropped, as the rounds carry it from here
         (what they commit is never queued for learning). None: the drafter cannot draft k tokens now."""
         self._ahead = None  # (a round drafted ahead for the engine's own next step: the device round drafts anew)
         self.flush([request.request_id])
         try:
-            staged = self.drafter.stage([request], [k])
+            if self.drafter.stages_on_device:
+                staged = self.drafter.stage([request], [k])
+                drafts = staged.ids if staged.counts[0] == k else None
+            else:
+                drafts = self.drafter.propose([request], [k]).tokens[0]
+                drafts = drafts if len(drafts) == k else None
         except Exception as exc:
             log.error("drafter failed to draft a device round: %s\n%s", exc, traceback.format_exc())
             return None
         self.drafter.release(request.request_id)
-        return staged.ids if staged.counts[0] == k else None
+        return drafts
 
     def keep(self, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only

@@ -35,7 +35,7 @@ def test_greedy_with_each_drafter_equals_plain_in_float32(families, kind, batch)
     assert [c.token_ids for c in got] == [c.token_ids for c in plain.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "mtp", "mimo", "eagle3"])
+@pytest.mark.parametrize("kind", list(SETUPS))
 def test_captured_device_rounds_give_plain_greedy_output_in_float32(families, kind, monkeypatch):
     """spec_device_round: a lone greedy request's rounds replay one captured graph each (speculative/device_round.py)
     and its output equals plain decoding's."""
@@ -88,16 +88,20 @@ def test_drafter_learning_never_waits_for_the_device(families, kind, caplog):
     assert not any(f"failed to {what}" in caplog.text for what in ("learn", "propose", "draft ahead"))
     assert not staged or sum(c.timing.draft_rounds for c in got) > 0
 
-def test_prompt_ms_while_another_request_decodes(families):
-    llm = LLM(families["qwen3"]["target"], device="cuda", max_num_seqs=4, max_model_len=2048)
+@pytest.mark.parametrize("drafter", [None, "dflash"])
+def test_prompt_ms_while_another_request_decodes(families, drafter):
+    """With a drafter, the request decoding alone runs device rounds (the CUDA default) when the prompt arrives."""
+    spec = dict(draft_model=str(families["qwen3"][drafter]), spec_measured_costs=False) if drafter else {}
+    llm = LLM(families["qwen3"]["target"], device="cuda", max_num_seqs=4, max_model_len=2048, **spec)
     engine = llm.engine
-    assert engine.overlap
+    assert engine.overlap and bool(engine.device_rounds) == bool(drafter)
     with admission_times(engine) as scheduled:
         for trial in range(3):
             a = Request([7 + trial] * 16, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
             engine.add_request(a, lambda out: None)
             for _ in range(10):
                 engine.step()
+            assert (engine.round_flight is not None) == bool(drafter)
             b = Request([3 + i % 500 for i in range(1024)], SamplingParams(max_tokens=4, temperature=0.0))
             first: list[float] = []
             engine.add_request(b, lambda out: first.append(now()) if out.new_token_ids and not first else None)
