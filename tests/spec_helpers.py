@@ -286,3 +286,27 @@ class StepClock:
         found = {id(r): r for s in self.steps for r in s.requests if r.prompt_ids == list(prompt_ids)}
         assert len(found) == 1, f"{len(found)} engine requests have prompt {prompt_ids}"
         return next(iter(found.values()))
+
+
+def check_hidden_rows_recompute_without_writing(model: Path, device: str) -> None:
+    """A request has decoded a dozen tokens: ModelRunner.hidden_rows over its decoded rows gives the hidden states
+    one eager forward over the whole sequence gives there, and leaves the KV cache as it was (float32)."""
+    from outrider import LLM, SamplingParams
+    from outrider.attention.metadata import build_metadata
+    from outrider.engine.request import Request
+    from outrider.speculative import Commit
+
+    engine = LLM(model, device=device, dtype="float32").engine
+    prompt = [5, 9, 100, 13, 7]
+    req = Request(list(prompt), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.add_request(req, lambda out: None)
+    while len(req.output_ids) < 12:
+        engine.step()
+    n = req.num_computed  # (rows whose K/V the steps launched so far write)
+    cache = engine.kv_cache.k + engine.kv_cache.v
+    before = [t.clone() for t in cache]
+    hidden, aux = engine.runner.hidden_rows([Commit(req, len(prompt), n - len(prompt))])
+    assert aux is None and all(torch.equal(a, b) for a, b in zip(before, cache))
+    meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device(device))
+    whole = engine.runner.forward_eager(torch.tensor(req.all_ids[:n], device=device), positions, meta)
+    torch.testing.assert_close(hidden, whole[len(prompt) :], atol=1e-4, rtol=1e-4)

@@ -10,6 +10,8 @@ from outrider.attention.metadata import build_metadata, decode_metadata_on_devic
 from outrider.engine.runner import BlockTables
 from outrider.upload import to_device
 from outrider.params import SamplingParams
+from spec_helpers import check_hidden_rows_recompute_without_writing
+from outrider.testing.checkpoints import write_tiny_checkpoint
 
 BS = 4
 
@@ -128,3 +130,7 @@ def test_forward_decode_writes_logits_into_the_shared_buffer(tmp_path):
     assert shared.data_ptr() == runner.decode_logits.data_ptr() and shared.shape == logits.shape
     assert torch.equal(shared, logits) and torch.equal(hidden2, hidden)
     assert runner.decode_logits[2:].isnan().all()
+
+
+def test_hidden_rows_are_recomputed_from_the_cache_without_writing_it(tmp_path):
+    check_hidden_rows_recompute_without_writing(write_tiny_checkpoint(tmp_path / "tiny"), "cpu")

@@ -137,6 +137,80 @@ def test_deferred_learning_proposes_what_learning_every_step_proposes(families, 
     assert any(s > 0 and n >= LEARN_BACKLOG_STEPS for e in learns for _, s, n in e[1])  # steps merged in one commit
 
 
+def pattern_policy(engine, sleeps: bool) -> None:
+    """The policy drafts in force_lengths's pattern and, where it drafts nothing, says whether k = 0 stands at the
+    batch size (sleeps: the drafter then sleeps until the next round)."""
+    steps = itertools.count()
+
+    def draft_lengths(requests, drafter, in_flight=None, explore=True):
+        n = next(steps)
+        if n % 29 not in (2, 3, 9):
+            return [0] * len(requests)
+        return [max(0, min(1 + (len(r.output_ids) + n) % 3, r.max_output_tokens - len(r.output_ids) - r.num_pending
+                           - 1)) for r in requests]
+
+    engine.policy.draft_lengths = draft_lengths
+    engine.policy.priced_out = lambda batch: sleeps
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("kind", LEARNING_KINDS)
+def test_a_drafter_that_slept_through_plain_steps_catches_up_and_proposes_what_it_would_have(families, kind,
+                                                                                              batch):
+    """Where k = 0 stands the drafter learns nothing; the next round first learns every row it slept through (their
+    hidden states recomputed, for the drafters that read them), then proposes what a drafter that never slept
+    proposes (token for token; confidences to float32 rounding), and the greedy output is the same."""
+    prompts, max_tokens = PROMPTS[:batch], [60 - 9 * i for i in range(batch)]
+    runs = {}
+    for sleeps in (False, True):
+        llm = spec_llm(families, kind)
+        pattern_policy(llm.engine, sleeps)
+        record = Recorder().install(llm.engine)
+        recomputed = []
+        hidden_rows = llm.engine.speculator.hidden_rows
+        llm.engine.speculator.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or \
+            hidden_rows(spans)
+        runs[sleeps] = (generate(llm, prompts, max_tokens), record, recomputed)
+    (awake_out, awake, _), (slept_out, slept, recomputed) = runs[False], runs[True]
+    assert slept_out == awake_out
+    assert len(slept.proposals) >= 4 and any(any(t) for _, _, tokens, _ in slept.proposals for t in tokens)
+    assert_same_proposals(slept.proposals, awake.proposals)
+    # Learned: prompts with their prefill, then before each round the stretch slept through (19 plain steps at
+    # most: in one catch-up), and a round's own rows; never a finishing request's rows after its last round.
+    rows = {run: [n for e in record.events if e[0] == "learn" for _, _, n in e[1]] for run, record in
+            (("awake", awake), ("slept", slept))}
+    assert sum(rows["slept"]) < sum(rows["awake"])
+    assert any(n >= 19 for n in rows["slept"])
+    assert (sum(recomputed) > 0) == (kind in HIDDEN_KINDS)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request_is_alone(families, kind):
+    """The policy's own decisions: drafting pays alone, not beside another request (costs injected). While two
+    decode, the drafter sleeps and no round is explored; once the short request has finished, the long one catches up
+    in one recomputed forward and drafts again. Both outputs are plain greedy decoding's."""
+    llm = spec_llm(families, kind)
+    engine = llm.engine
+    engine.policy.probe_every = 2  # (it would explore a round every other step, were it not asleep)
+    seconds = engine.policy.round_seconds
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0) * (batch > 1))
+    recomputed: list[tuple[int, int, int]] = []  # (first row, rows, the request's tokens then)
+    hidden_rows = engine.speculator.hidden_rows
+    engine.speculator.hidden_rows = lambda spans: recomputed.extend(
+        (c.start, c.count, c.request.num_tokens) for c in spans) or hidden_rows(spans)
+    long, short = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), \
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = llm.generate(PROMPTS[:2], [long, short])
+    arch, served, _, _ = SETUPS[kind]
+    want = LLM(families[arch][served], dtype="float32", spec_type="none").generate(PROMPTS[:2], [long, short])
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert got[1].timing.draft_rounds == 0 and got[0].timing.draft_rounds > 0
+    # One catch-up: the long request's rows from its first decoded one to its last committed one (fed next), at
+    # least the 11 decoded beside the short request.
+    ((start, rows, tokens),) = recomputed
+    assert start == len(PROMPTS[0]) and start + rows == tokens - 1 and rows >= 11
+
+
 def test_a_draft_model_feeds_one_token_per_request_when_it_proposes(families):
     """The draft model learns the prompt with the prefill and committed tokens in the Speculator's batches, so a
     propose's first forward feeds each drafting request its last token alone (a decode step's shape: a CUDA graph on

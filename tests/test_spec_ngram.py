@@ -147,7 +147,10 @@ def test_lookup_misses_leave_the_step_plain_before_its_token_is_known():
     from outrider.speculative import DraftPolicy
     from outrider.speculative.speculator import Speculator
 
-    spec = Speculator(drafter(n=2), DraftPolicy(), BlockPool(16, 16, False))
+    def no_rows(spans):
+        raise AssertionError("n-gram lookup reads no hidden states")
+
+    spec = Speculator(drafter(n=2), DraftPolicy(), BlockPool(16, 16, False), no_rows, 2048)
     repeats, novel = request([1, 2, 3, 9, 1, 2]), request([1, 2, 3, 4, 5, 6])
     for req in (repeats, novel):
         req.num_pending = 1  # sampled on the device, not yet on the host

@@ -58,6 +58,20 @@ def test_low_acceptance_turns_drafting_off_then_probes_ever_less_often():
     assert policy.draft_lengths([r], DRAFTER) == [4]
 
 
+def test_a_priced_out_batch_size_stands_and_explores_no_round_when_asked_not_to():
+    """k = 0 chosen from the costs stands at that batch size (priced_out) until a decision there drafts; with
+    explore=False no exploratory round is ever returned (a sleeping drafter would have to catch up for it)."""
+    policy = DraftPolicy(n_max=4, probe_every=2)
+    r = req()
+    for _ in range(20):
+        policy.record(r.request_id, proposed=4, accepted=0)
+    assert not policy.priced_out(1)  # (nothing decided yet)
+    assert [policy.draft_lengths([r], DRAFTER, explore=False)[0] for _ in range(40)] == [0] * 40
+    assert policy.priced_out(1) and not policy.priced_out(8)
+    assert policy.draft_lengths([r], DRAFTER) == [1]  # exploring again: a probe at once (its interval passed)
+    assert not policy.priced_out(1)  # (until a decision chooses k = 0 again)
+
+
 def test_a_standing_plain_decision_is_revisited_when_the_batch_changes():
     """k = 0 stands for a batch of two poorly accepted requests (the grid is not recomputed for it every step); when
     one of them leaves and a well accepted request takes its place, the policy decides again and drafts."""

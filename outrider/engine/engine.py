@@ -131,9 +131,10 @@ class Engine:
         if self.drafter is not None:
             self.drafter.kv = drafter_kv[0]
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.speculator = Speculator(self.drafter, self.policy, self.pool) if self.drafter is not None else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device, self._taps())
+        self.speculator = Speculator(self.drafter, self.policy, self.pool, self.runner.hidden_rows,
+                                     config.max_num_batched_tokens) if self.drafter is not None else None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.runner.sampler.set_eog_ids(self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.eos_ids)  # (the routes')

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -23,7 +23,7 @@ from outrider.engine.cuda_graphs import CudaGraphRunner
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
 from outrider.engine.request import Request, TokenLogprob
-from outrider.speculative.drafter import NextRound, PendingDrafts
+from outrider.speculative.drafter import Commit, NextRound, PendingDrafts
 from outrider.speculative.verify import PendingVerdict, verify
 from outrider.engine.scheduler import ScheduledRequest, StepPlan
 from outrider.structured.grammar import token_masks
@@ -295,6 +295,18 @@ class ModelRunner:
         """The model call: the hidden states, plus aux_hidden when a drafter reads them."""
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids)
         return (hidden, self.model.aux_hidden) if self.aux_layer_ids else hidden
+
+    @torch.inference_mode()
+    def hidden_rows(self, spans: Sequence[Commit]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden, aux_hidden or None) at these committed rows, recomputed: a forward over them that reads the
+        cache (which holds their K/V already) and writes nothing to it (slot -1)."""
+        ids = [t for c in spans for t in c.request.token_slice(c.start, c.start + c.count)]
+        meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in spans], self.block_size,
+                                         self.device)
+        meta = replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
+        out = self.forward_eager(torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True), positions,
+                                 meta)
+        return out if isinstance(out, tuple) else (out, None)
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:

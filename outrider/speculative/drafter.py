@@ -325,9 +325,10 @@ class DraftPolicy:
     _probes: dict[int, _Probe] = field(default_factory=dict, repr=False)
 
     def draft_lengths(self, requests: Sequence[Request], drafter: Drafter,
-                      in_flight: Sequence[int] | None = None) -> list[int]:
+                      in_flight: Sequence[int] | None = None, explore: bool = True) -> list[int]:
         """k for each decoding request this step: one k for the batch, capped per request. in_flight[i]: tokens
-        request i may still commit beyond its pending one (drafting ahead of a verdict: its drafts)."""
+        request i may still commit beyond its pending one (drafting ahead of a verdict: its drafts). explore=False:
+        no exploratory round where k = 0 wins (a sleeping drafter would have to catch up for it: Speculator)."""
         n = len(requests)
         if n > self.max_batch:
             return [0] * n
@@ -346,7 +347,7 @@ class DraftPolicy:
         pooled = _Acceptance.worth_two_rounds(self._pooled.alpha) if self._pooled is not None else None
         if probe.quiet and pooled is not None:  # the drift of the decisions taken without looking
             self._relax(stats, caps, pooled, 1.0 - self.decay ** probe.quiet)
-        k = self._batch_length(probe, n, caps, [st.alpha for st in stats], drafter.step_cost)
+        k = self._batch_length(probe, n, caps, [st.alpha for st in stats], drafter.step_cost, explore)
         # (quiet only where the drift cannot lift an estimate toward drafting: after a few misses a request's
         # estimate climbs back to the pooled one, and the step it pays again should not wait for a full decision)
         lifts = pooled is not None and any(st.alpha < pooled.alpha - QUIET_MARGIN for st, c in zip(stats, caps) if c)
@@ -392,7 +393,14 @@ class DraftPolicy:
         out = np.where(k == 0, plain, out)
         return float(out) if out.ndim == 0 else out
 
-    def _batch_length(self, probe: _Probe, batch: int, caps: list[int], alphas: list[float], step_cost: float) -> int:
+    def priced_out(self, batch: int) -> bool:
+        """Does k = 0 stand at this batch size: chosen from the measured costs by the last full decision, with
+        nothing it was chosen from changed since?"""
+        probe = self._probes.get(batch_bucket(batch))
+        return probe is not None and probe.standing is not None
+
+    def _batch_length(self, probe: _Probe, batch: int, caps: list[int], alphas: list[float], step_cost: float,
+                      explore: bool) -> int:
         if self.measured and self.costs.get(batch, 0) is None:
             return 0  # a plain step first: every estimate is relative to it
 
@@ -410,7 +418,7 @@ class DraftPolicy:
                 return k
             probe.standing = inputs
         probe.idle += 1
-        if probe.idle < probe.every:
+        if probe.idle < probe.every or not explore:
             return 0
         probe.idle, probe.every, probe.standing = 0, min(2 * probe.every, self.probe_max), None
         return 1  # the cheapest round re-measures acceptance and cost

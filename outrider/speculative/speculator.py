@@ -4,13 +4,19 @@ over in batches), drafting the next round from a verify step's verdict before th
 the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were
 freed.
 
+While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing,
+and the policy explores no rounds. On a launch-bound target learning costs a plain step a fifth of its time
+(docs/benchmarks.md, "Session 14"), for drafts no one makes. The first round after that catches up: the target's
+hidden states at the rows skipped are recomputed in one forward that writes no K/V (`hidden_rows`), and the drafter
+learns them then.
+
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
 from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -84,11 +90,19 @@ class _Ahead:
     staged: StagedDrafts
 
 
+# The target's (hidden, aux_hidden or None) at committed rows, recomputed without writing K/V (ModelRunner).
+HiddenRows = Callable[[Sequence[Commit]], tuple[torch.Tensor, torch.Tensor | None]]
+
+
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool):
+    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool, hidden_rows: HiddenRows,
+                 max_rows: int):
+        """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit)."""
         self.drafter = drafter
         self.policy = policy
         self.pool = pool
+        self.hidden_rows = hidden_rows
+        self.max_rows = max_rows
         self._kinds: dict[int, str] = {}  # request id -> the kind that drafted its latest round (combined kinds)
         # The learning queue: rows by request id (in the order requests joined it), and the queued steps' hidden
         # and aux rows (own copies; concatenated when first read), of which `_rows` there are in all.
@@ -100,11 +114,14 @@ class Speculator:
         self._committed = 0  # committed rows queued (what one learn will run over)
         self._ahead: _Ahead | None = None  # drafts staged by draft_ahead, for the next step
         self._learned_ahead: StepPlan | None = None  # the step whose rows draft_ahead learned (learn skips them)
+        self._sleeping = False  # this step's decision: k = 0 stands at this batch size (learn nothing)
+        self._asleep: dict[int, int] = {}  # request id -> its first row the drafter has not learned (asleep since)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
         those whose last token is still on the device (the engine then commits the step in flight first). After a
         round drafted ahead, its lengths for the requests still decoding."""
+        asleep, self._sleeping = self._sleeping or bool(self._asleep), False
         if self._ahead is not None:
             lengths = self._ahead.lengths
             lengths = {r.request_id: lengths[r.request_id] for r in running
@@ -116,8 +133,11 @@ class Speculator:
         may = [self.drafter.may_propose(r) for r in decoding]
         if not any(may):  # (n-gram lookup that finds nothing: not even the policy's decision to pay for)
             return {}
-        ks = self.policy.draft_lengths(decoding, self.drafter)  # (the whole decoding batch sizes the costs)
-        return {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
+        # (the whole decoding batch sizes the costs; no exploratory round wakes a sleeping drafter)
+        ks = self.policy.draft_lengths(decoding, self.drafter, explore=not asleep)
+        lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
+        self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(len(decoding))
+        return lengths
 
     def propose(self, running: Sequence[Request], lengths: dict[int, int]) -> Drafts:
         """Drafts of the decided lengths, with blocks reserved for what the drafter writes. A drafter fault costs
@@ -134,6 +154,7 @@ class Speculator:
                 ks.append(k)
         if not decoding:
             return Drafts()
+        self._wake(running)
         self.flush()  # drafts follow every committed row
         on_device = self.drafter.stages_on_device and not any(self.policy.trims(r) for r in decoding)
         try:
@@ -220,6 +241,7 @@ class Speculator:
         committed is learned first, and the drafter's own state for it dropped, as the rounds carry it from here
         (what they commit is never queued for learning). None: the drafter cannot draft k tokens now."""
         self._ahead = None  # (a round drafted ahead for the engine's own next step: the device round drafts anew)
+        self._wake([request])
         self.flush([request.request_id])
         try:
             if self.drafter.stages_on_device:
@@ -250,6 +272,9 @@ class Speculator:
         if plan is self._learned_ahead:
             self._learned_ahead = None
             return
+        sleeping = self._sleeping and not plan.has_prefill  # (a prompt is learned: a heavy step anyway)
+        if sleeping and self._queued:
+            self.flush()  # (falling asleep: what is queued is learned, the rest waits for the catch-up)
         rows = out.hidden.shape[0]
         if 0 < self._committed <= LEARN_ROWS[-1] < self._committed + rows and rows <= LEARN_ROWS[-1] // 4:
             self.flush()  # (what is queued fits one learning graph; with this step's rows it might not)
@@ -264,7 +289,9 @@ class Speculator:
                 # Target rows whose K/V stays valid and whose next token is on the host (a stop may cut a round;
                 # with overlap scheduling the next step may already have fed a token that is still pending).
                 count = min(s.num_new_tokens + out.accepted[i], req.num_prompt + len(req.output_ids) - 1 - s.start)
-                if count > 0:
+                if count > 0 and (sleeping or rid in self._asleep):
+                    self._asleep.setdefault(rid, s.start)
+                elif count > 0:
                     added += count
                     queued = queue.get(rid)
                     if queued is None:
@@ -288,6 +315,20 @@ class Speculator:
                 self._aux.append(out.aux_hidden)
             self._rows = offset + rows
         self.flush(None if now else finished)
+
+    def _wake(self, running: Sequence[Request]) -> None:
+        """Before a round: the drafter learns every row it slept through, of every running request (a round
+        drafts after a verify step's verdict for all of them: draft_ahead)."""
+        if not self._asleep:
+            return
+        starts = [(r, self._asleep.pop(r.request_id)) for r in running if r.request_id in self._asleep]
+        spans = [Commit(r, start, r.num_tokens - 1 - start) for r, start in starts if r.num_tokens - 1 > start]
+        try:
+            for chunk in _chunks(spans, self.max_rows):
+                hidden, aux = self.hidden_rows(chunk) if self.drafter.reads_hidden else (None, None)
+                self.drafter.on_commit(chunk, hidden, aux)
+        except Exception as exc:  # a drafter fault costs acceptance, never correctness
+            log.error("drafter failed to catch up on the rows it slept through: %s\n%s", exc, traceback.format_exc())
 
     def flush(self, request_ids: Iterable[int] | None = None) -> None:
         """Let the drafter learn the queued rows of these requests (default: every queued one), in one call."""
@@ -331,6 +372,7 @@ class Speculator:
     def release(self, request_id: int) -> None:
         """Forget a request whose blocks are freed: finished ones were learned in `learn`; what is still queued
         (preemption, abort) is dropped, its blocks being gone."""
+        self._asleep.pop(request_id, None)
         queued = self._queued.pop(request_id, None)
         if queued is not None:
             self._committed -= queued.total
@@ -346,3 +388,19 @@ def _joined(kept: list[torch.Tensor]) -> torch.Tensor:
     if len(kept) > 1:
         kept[:] = [torch.cat(kept)]
     return kept[0]
+
+
+def _chunks(spans: Sequence[Commit], limit: int) -> Iterable[list[Commit]]:
+    """The spans in order, cut into lists of at most `limit` rows."""
+    chunk, size = [], 0
+    for c in spans:
+        start, left = c.start, c.count
+        while left:
+            n = min(left, limit - size)
+            chunk.append(Commit(c.request, start, n))
+            start, left, size = start + n, left - n, size + n
+            if size == limit:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk

@@ -130,3 +130,9 @@ def test_lone_prefill_chunks_replay_padded_graphs_and_equal_eager(tiny, monkeypa
         eager_llm = LLM(str(tiny), block_size=16, device="cuda", dtype="float32", enforce_eager=True,
                         max_num_batched_tokens=chunk)
         assert graphs == [eager_llm.generate([p], params)[0].token_ids for p in PROMPTS]
+
+
+def test_hidden_rows_are_recomputed_from_the_cache_without_writing_it(tiny):
+    from tests.spec_helpers import check_hidden_rows_recompute_without_writing
+
+    check_hidden_rows_recompute_without_writing(tiny, "cuda")
