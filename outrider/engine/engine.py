@@ -359,7 +359,7 @@ class Engine:
             return
         if self.overlap and launched.overlappable:
             if self.speculator is not None:  # the drafter learns this step after the next one has replayed
-                self.speculator.keep(launched.out)
+                self.speculator.keep(launched.plan, launched.out)
             self.inflight = launched
             done = prev
         else:

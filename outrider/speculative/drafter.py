@@ -335,7 +335,7 @@ class DraftPolicy:
         probe = self._probes.setdefault(batch_bucket(n), _Probe(self.probe_every))
         ids = tuple(r.request_id for r in requests)
         if (probe.standing is not None and probe.ids == ids and probe.quiet < QUIET_DECISIONS - 1
-                and probe.idle + 1 < probe.every):
+                and (probe.idle + 1 < probe.every or not explore)):
             probe.quiet += 1
             probe.idle += 1
             return [0] * n

@@ -115,6 +115,7 @@ class Speculator:
         self._ahead: _Ahead | None = None  # drafts staged by draft_ahead, for the next step
         self._learned_ahead: StepPlan | None = None  # the step whose rows draft_ahead learned (learn skips them)
         self._sleeping = False  # this step's decision: k = 0 stands at this batch size (learn nothing)
+        self._unkept: StepOutput | None = None  # the last step launched asleep (keep left its hidden rows)
         self._asleep: dict[int, int] = {}  # request id -> its first row the drafter has not learned (asleep since)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
@@ -256,10 +257,13 @@ class Speculator:
         self.drafter.release(request.request_id)
         return drafts
 
-    def keep(self, out: StepOutput) -> None:
+    def keep(self, plan: StepPlan, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
-        after the next one has launched (overlap scheduling): a graph replay overwrites the originals."""
-        if self.drafter.reads_hidden:
+        after the next one has launched (overlap scheduling): a graph replay overwrites the originals. Not while
+        the drafter sleeps: learn then skips the step's rows, whatever it decides by then."""
+        if self._sleeping and not plan.has_prefill:
+            self._unkept = out
+        elif self.drafter.reads_hidden:
             out.keep_hidden()
 
     def learn(self, plan: StepPlan, out: StepOutput, live: set[int] | dict) -> None:
@@ -272,7 +276,8 @@ class Speculator:
         if plan is self._learned_ahead:
             self._learned_ahead = None
             return
-        sleeping = self._sleeping and not plan.has_prefill  # (a prompt is learned: a heavy step anyway)
+        # (a prompt is learned: a heavy step anyway)
+        sleeping = (self._sleeping or out is self._unkept) and not plan.has_prefill
         if sleeping and self._queued:
             self.flush()  # (falling asleep: what is queued is learned, the rest waits for the catch-up)
         rows = out.hidden.shape[0]
