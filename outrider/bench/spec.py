@@ -230,7 +230,7 @@ def run(args) -> list[SpecResult]:
             raise SystemExit("the speculative engine has no drafter (see the log above for why)")
         print(f"spec: {setup.name}, drafter {spec.drafter.kind}, draft length <= {spec.config.spec_draft_n_max}, "
               f"{args.gen} tokens per request, greedy, device {spec.device} ({spec.dtype}), best of {args.repeats} "
-              f"timed passes per side", flush=True)
+              f"timed passes per side, device rounds {'on' if spec.device_rounds else 'off'}", flush=True)
         results = [r for b, prompts in workloads.items() for r in _compare(args, plain, spec, prompts, b)]
     if args.json:
         with open(args.json, "w") as f:

@@ -137,12 +137,21 @@ def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) (then cast to out_dtype: LM heads ask float32), on the Triton skinny GEMM where
-    _use_skinny_gemm says so. `out`: a row-major [M, N] tensor of out_dtype to write the result into."""
+    """F.linear(x, weight, bias) with the result in out_dtype (LM heads ask float32), on the Triton skinny GEMM
+    where _use_skinny_gemm says so. `out`: a row-major [M, N] tensor of out_dtype to write the result into.
+
+    A float32 result of 16-bit inputs keeps cuBLAS's float32 accumulator (mm's out_dtype, CUDA), as the skinny GEMM
+    does at decode: rounded to bfloat16 first, logits of 8-32 lie 0.06-0.125 apart, so a verify row's argmax broke
+    near-ties that a decode row's resolves, and greedy rounds left plain decoding's tokens for no reason."""
     if _use_skinny_gemm(x, weight):
         from outrider.kernels import gemm
 
         return gemm.skinny_gemm(x, weight, bias, out_dtype=out_dtype, pdl=use_pdl(x), out=out)
+    if out_dtype is torch.float32 and x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16):
+        y = torch.mm(x, weight.t(), out_dtype=torch.float32)
+        if bias is not None:
+            y += bias
+        return y if out is None else out.copy_(y)
     y = F.linear(x, weight, bias)
     if out is not None:
         return out.copy_(y)  # (the cast to out's dtype is this copy: no extra kernel)

@@ -112,6 +112,20 @@ def test_bf16_forward_close_to_cpu_fp32(tiny):
     assert err < 3e-2, err
 
 
+def test_lm_head_rows_keep_float32_logits_at_every_row_count(tiny):
+    """Verify rows (3-16 a sequence, cuBLAS) get the float32 logits a decode row (the skinny GEMM, in a graph) gets:
+    not rounded to bfloat16 first, where their argmax would break near-ties differently."""
+    from outrider.kernels import ops
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8, 128, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(4096, 128, device="cuda", generator=gen).bfloat16()
+    want = x.float() @ w.float().t()
+    got = ops.linear(x, w, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-4)  # (bfloat16 rounding: up to 0.06 here)
+
+
 def test_lone_prefill_chunks_replay_padded_graphs_and_equal_eager(tiny, monkeypatch):
     """With prefill_graph_tokens, each prompt here runs alone and its prefill replays a graph of the next power of
     two (the 5- and 37-token prompts padded, the 2-token one too), whole or in chunks; output equals eager."""
