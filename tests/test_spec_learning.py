@@ -211,6 +211,24 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     assert start == len(PROMPTS[0]) and start + rows == tokens - 1 and rows >= 11
 
 
+def test_a_lone_request_asleep_still_explores_rounds_and_catches_up_for_each(families):
+    """Priced out even alone (costs injected): the drafter sleeps, yet the policy's exploratory rounds go on (a lone
+    request's acceptance may change), each first catching up on the rows slept through; output is plain greedy's."""
+    llm = spec_llm(families, "mtp")
+    engine = llm.engine
+    engine.policy.probe_every = 4
+    seconds = engine.policy.round_seconds
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0))
+    recomputed: list[int] = []
+    hidden_rows = engine.speculator.hidden_rows
+    engine.speculator.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    got = llm.generate([PROMPTS[0]], params)[0]
+    want = LLM(families["qwen3"]["mtp"], dtype="float32", spec_type="none").generate([PROMPTS[0]], params)[0]
+    assert got.token_ids == want.token_ids
+    assert got.timing.draft_rounds >= 2 and len(recomputed) >= 2 and all(n > 0 for n in recomputed)
+
+
 def test_a_draft_model_feeds_one_token_per_request_when_it_proposes(families):
     """The draft model learns the prompt with the prefill and committed tokens in the Speculator's batches, so a
     propose's first forward feeds each drafting request its last token alone (a decode step's shape: a CUDA graph on

@@ -10,7 +10,7 @@ import torch
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, DraftPolicy, PendingDrafts, Proposals, _Acceptance,
+from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, QUIET_DECISIONS_ASLEEP, DraftPolicy, PendingDrafts, Proposals, _Acceptance,
                                          expected_tokens, stage_drafts)
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
@@ -68,11 +68,11 @@ def test_a_priced_out_batch_size_stands_and_explores_no_round_when_asked_not_to(
     assert not policy.priced_out(1)  # (nothing decided yet)
     assert [policy.draft_lengths([r], DRAFTER, explore=False)[0] for _ in range(40)] == [0] * 40
     assert policy.priced_out(1) and not policy.priced_out(8)
-    # Past its probe interval too, k = 0 stands quietly: a full decision once per QUIET_DECISIONS.
+    # Past its probe interval too, k = 0 stands quietly: a full decision once per QUIET_DECISIONS_ASLEEP.
     full, decide = [], policy._batch_length
     policy._batch_length = lambda *args: full.append(1) or decide(*args)
-    assert [policy.draft_lengths([r], DRAFTER, explore=False)[0] for _ in range(4 * QUIET_DECISIONS)] == [0] * (
-        4 * QUIET_DECISIONS)
+    n = 4 * QUIET_DECISIONS_ASLEEP
+    assert [policy.draft_lengths([r], DRAFTER, explore=False)[0] for _ in range(n)] == [0] * n
     assert len(full) == 4
     del policy._batch_length
     assert policy.draft_lengths([r], DRAFTER) == [1]  # exploring again: a probe at once (its interval passed)

@@ -290,6 +290,9 @@ class _Probe:
 # target's step. (The drift of the skipped steps is applied at the next full decision; none are skipped while an
 # estimate lies below the pooled one, as the drift then raises it toward drafting.)
 QUIET_DECISIONS = 8
+# Without exploring (a sleeping drafter: Speculator), nothing a skipped decision would read can turn k = 0 into a
+# round but the batch (which ends the quiet run) or the plain step's cost: full decisions this far apart.
+QUIET_DECISIONS_ASLEEP = 64
 QUIET_MARGIN = 0.005  # an estimate this far below the pooled one still drifts up: decisions stay full
 
 
@@ -334,7 +337,8 @@ class DraftPolicy:
             return [0] * n
         probe = self._probes.setdefault(batch_bucket(n), _Probe(self.probe_every))
         ids = tuple(r.request_id for r in requests)
-        if (probe.standing is not None and probe.ids == ids and probe.quiet < QUIET_DECISIONS - 1
+        quiet = QUIET_DECISIONS if explore else QUIET_DECISIONS_ASLEEP
+        if (probe.standing is not None and probe.ids == ids and probe.quiet < quiet - 1
                 and (probe.idle + 1 < probe.every or not explore)):
             probe.quiet += 1
             probe.idle += 1

@@ -134,8 +134,11 @@ class Speculator:
         may = [self.drafter.may_propose(r) for r in decoding]
         if not any(may):  # (n-gram lookup that finds nothing: not even the policy's decision to pay for)
             return {}
-        # (the whole decoding batch sizes the costs; no exploratory round wakes a sleeping drafter)
-        ks = self.policy.draft_lengths(decoding, self.drafter, explore=not asleep)
+        # (the whole decoding batch sizes the costs.) No exploratory round wakes a sleeping drafter beside other
+        # requests: its catch-up is a forward over every row slept through, as many a step as there are requests,
+        # which at 8B and batch 32 costs a tenth of the steps it follows. Alone, a round now and then stays cheap,
+        # and a long request's acceptance may change.
+        ks = self.policy.draft_lengths(decoding, self.drafter, explore=not asleep or len(decoding) == 1)
         lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
         self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(len(decoding))
         return lengths
