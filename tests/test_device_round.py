@@ -302,3 +302,34 @@ def test_an_abort_with_a_round_in_flight_leaves_the_engine_serving(families, rep
     greedy = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
     want = LLM(families["qwen3"]["target"], dtype="float32", spec_type="none").generate([PROMPT], greedy)[0]
     assert replays and llm.generate([PROMPT], greedy)[0].token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0, 0.6])
+def test_controlled_acceptance_substitutes_inside_device_rounds(families, kind, plain, alpha, replays):
+    """bench spec --acceptance with device rounds: the captured round replaces the real drafter's drafts on the
+    device from the recording (RoundScript), keeping each round's drawn count: all of them at alpha 1, none at 0,
+    both kinds of round at 0.6; the output is the recording."""
+    from outrider.bench.controlled import ControlledDrafter, RoundScript
+    from outrider.bench.profile import patched
+
+    llm = served(families, kind)
+    engine = llm.engine
+    script = RoundScript(len(PROMPT) + TOKENS + 2 * K + 2, TOKENS + 1, engine.device)
+    ctl = ControlledDrafter(engine.drafter, alpha, engine.model_config.vocab_size, seed=0, rounds=script)
+    req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
+    ctl.expect(req.request_id, PROMPT + plain[:TOKENS], stream=0)
+    with patched((engine.speculator, "drafter", lambda _: ctl), (engine, "device_rounds",
+                                                                 lambda _: engine.device_rounds_for(ctl))):
+        engine.add_request(req, lambda out: None)
+        while engine.has_work():
+            engine.step()
+    assert req.output_ids == plain[:TOKENS] and replays
+    t = req.timing
+    accepted = t.draft_n_accepted
+    assert t.draft_rounds > 0
+    if alpha == 1.0:
+        assert accepted >= t.draft_n - K  # (all, but a round the token limit cut short)
+    elif alpha == 0.0:
+        assert accepted == 0
+    else:
+        assert 0 < accepted < t.draft_n

@@ -10,6 +10,11 @@ A request's rounds draw how many positions they keep from a stratified sequence,
 of a few hundred rounds then realises the geometric law it states. With independent draws, `bench spec`'s seed 0
 gave τ 5-10 % below theory at every preset (8 requests: EAGLE-3 α = 0.8, k = 4: τ 3.13 for 3.33), which
 understated every speedup measured with it.
+
+Inside device rounds (speculative/device_round.py: a request decoding alone, its rounds captured as CUDA graphs)
+the substitution happens on the device (`RoundScript`): the recording and each coming round's kept count are
+uploaded when the rounds start, from the same draws, and the captured round replaces the real drafter's drafts
+there.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -43,13 +48,41 @@ class _Draws:
         return u
 
 
+class RoundScript:
+    """Controlled acceptance inside device rounds, for the request that runs them: its recording by position, the
+    kept count of each coming round (a round of k drafts), and the rounds taken since they were uploaded."""
+
+    def __init__(self, max_len: int, max_rounds: int, device: torch.device) -> None:
+        self.script = torch.zeros(max_len, dtype=torch.int64, device=device)
+        self.kept = torch.zeros(max_rounds, dtype=torch.int64, device=device)
+        self.taken = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def load(self, script: list[int], kept: list[int]) -> None:
+        n = min(len(script), self.script.shape[0])
+        self.script[:n] = torch.tensor(script[:n], dtype=torch.int64)
+        self.kept[: len(kept)] = torch.tensor(kept[: self.kept.shape[0]], dtype=torch.int64)
+        self.taken.zero_()
+
+    def drafts(self, first: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:
+        """The next round's k drafts, for positions first + 1 ...: the recording's first kept, then tokens the
+        target rejects (as ControlledDrafter._replacement); one round taken."""
+        j = torch.arange(k, device=first.device)
+        truth = self.script.index_select(0, torch.clamp(first + 1 + j, max=self.script.shape[0] - 1))
+        kept = self.kept.index_select(0, torch.clamp(self.taken, max=self.kept.shape[0] - 1))
+        self.taken.add_(1)
+        return torch.where(j < kept, truth, (truth + 1) % vocab_size)
+
+
 class ControlledDrafter:
     """The Drafter protocol: propose is replaced; every other member is the wrapped drafter's."""
 
-    def __init__(self, inner: Drafter, acceptance: float, vocab_size: int, seed: int) -> None:
+    def __init__(self, inner: Drafter, acceptance: float, vocab_size: int, seed: int,
+                 rounds: RoundScript | None = None) -> None:
+        """rounds: where device rounds find their substitutes (None: the engine runs none)."""
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         self.inner = inner
+        self.rounds = rounds
         self.acceptance = acceptance
         self.vocab_size = vocab_size
         self.seed = seed
@@ -71,6 +104,7 @@ class ControlledDrafter:
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Proposals:
         real = self.inner.propose(requests, ks)
         tokens = [self._substitute(req, len(drafts)) for req, drafts in zip(requests, real.tokens)]
+        self._load_rounds(requests, [len(t) for t in tokens])
         # Argmax drafts (q one-hot), each fully confident: only greedy verification is measured.
         return Proposals(tokens, [[1.0] * len(t) for t in tokens])
 
@@ -79,6 +113,7 @@ class ControlledDrafter:
         drafts are replaced by these (uploaded without a sync), as its counts allow."""
         real = self.inner.stage(requests, ks)
         tokens = [t for req, n in zip(requests, real.counts) for t in self._substitute(req, n)]
+        self._load_rounds(requests, real.counts)
         ids = torch.tensor(tokens, dtype=torch.int64).to(real.ids.device, non_blocking=True)
         return StagedDrafts(ids, torch.ones(len(tokens), dtype=torch.float64, device=real.ids.device), real.counts)
 
@@ -91,7 +126,7 @@ class ControlledDrafter:
             if not n:
                 continue
             self._check(req)
-            kept = self._kept(req.request_id, n)
+            kept = self._kept(req, n)
             base = len(table)
             for m in range(rows.counts[i]):  # (the round in flight commits m + 1 tokens, its pending one first)
                 table += self._replacement(req, req.num_tokens + m, n, kept)
@@ -107,9 +142,27 @@ class ControlledDrafter:
         return StagedDrafts(table_d.index_select(0, index), torch.ones(len(picks), dtype=torch.float64, device=device),
                             real.counts)
 
+    def round_drafts(self, verdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """device_round.RoundDrafter: the real drafter drafts (its cost is real), then RoundScript's drafts replace
+        its own, each fully confident."""
+        drafts, confidence = self.inner.round_drafts(verdict, table, k)
+        return self.rounds.drafts(verdict.first, k, self.vocab_size).to(drafts.dtype), torch.ones_like(confidence)
+
+    def _load_rounds(self, requests: Sequence[Request], counts: Sequence[int]) -> None:
+        """A lone request's first drafts may start device rounds (Speculator.device_round_drafts): upload its
+        recording and the kept counts of its coming rounds of that length, from a copy of its draws."""
+        if self.rounds is None or len(requests) != 1 or not counts[0]:
+            return
+        rid, k = requests[0].request_id, counts[0]
+        if rid not in self._script:
+            return
+        draws = replace(self._draws[rid])
+        kept = [self._kept_of(draws.next(), k) for _ in range(self.rounds.kept.shape[0])]
+        self.rounds.load(self._script[rid], kept)
+
     def _substitute(self, req: Request, n: int) -> list[int]:
         self._check(req)
-        return self._replacement(req, req.num_tokens, n, self._kept(req.request_id, n))
+        return self._replacement(req, req.num_tokens, n, self._kept(req, n))
 
     def _check(self, req: Request) -> None:
         """Mark the request off script if its committed tokens left the recording (numerics: the speculative run's
@@ -120,11 +173,16 @@ class ControlledDrafter:
             self.off_script.add(rid)
         self._checked[rid] = known
 
-    def _kept(self, request_id: int, n: int) -> int:
+    def _kept(self, req: Request, n: int) -> int:
         """Leading positions of a round of n drafts that keep the recorded token: each with probability α, up to
-        the first miss, so at least j with probability α^j. The round's uniform draw u is the request's next
-        term of frac(u0 + j * golden ratio), and it keeps j positions when 1 - u <= α^j."""
-        u = self._draws[request_id].next()
+        the first miss, so at least j with probability α^j. The round's uniform draw u is term r of the request's
+        frac(u0 + r * golden ratio), r its round (device rounds draw from a copy: past them the host skips ahead,
+        so no draw is used twice), and it keeps j positions when 1 - u <= α^j."""
+        draws = self._draws[req.request_id]
+        draws.taken = max(draws.taken, req.timing.draft_rounds)
+        return self._kept_of(draws.next(), n)
+
+    def _kept_of(self, u: float, n: int) -> int:
         if self.acceptance <= 0.0 or self.acceptance >= 1.0:
             return n if self.acceptance >= 1.0 else 0
         return min(n, int(math.log1p(-u) / math.log(self.acceptance)))

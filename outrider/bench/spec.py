@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from outrider.bench.controlled import ControlledDrafter
+from outrider.bench.controlled import ControlledDrafter, RoundScript
 from outrider.bench.engine_setup import engine_config
 from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
@@ -219,11 +219,9 @@ def run(args) -> list[SpecResult]:
         limits = dict(max_num_seqs=batches[-1], max_model_len=max_model_len, num_kv_blocks=blocks,
                       max_num_batched_tokens=max(2048, batches[-1] * longest))
         plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
-        # (Controlled acceptance replaces the drafts on the host: a device round drafts inside its graph.)
-        device_round = False if args.no_device_round or args.acceptance is not None else None
         spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
                                     spec_draft_ahead=not args.no_draft_ahead, spec_verify_ahead=args.verify_ahead,
-                                    spec_device_round=device_round,
+                                    spec_device_round=False if args.no_device_round else None,
                                     **setup.drafter, **limits),
                       preloaded=setup.preloaded)
         if spec.drafter is None:
@@ -323,7 +321,11 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
     vocab = spec.model_config.vocab_size
     results = []
     for n, alpha in enumerate(args.acceptance or [None]):
-        ctl = ControlledDrafter(real, alpha, vocab, args.seed) if alpha is not None else None
+        ctl = None
+        if alpha is not None:  # (device rounds substitute on the device, from a RoundScript: rounds of their own)
+            script = RoundScript(max(map(len, prompts)) + args.gen + 2 * real.max_draft + 2, args.gen + 1,
+                                 spec.device) if spec.device_rounds else None
+            ctl = ControlledDrafter(real, alpha, vocab, args.seed, script)
 
         def register(i: int, req: Request) -> None:
             if ctl is not None:
@@ -331,7 +333,10 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
 
         passes = {"plain": plain_pass, "spec": lambda: _decode(spec, prompts, batch, args, register)}
         timed: dict[str, list[Pass]] = {"plain": [], "spec": []}
-        with patched((spec.speculator, "drafter", lambda _: ctl)) if ctl is not None else nullcontext():
+        swaps = [(spec.speculator, "drafter", lambda _: ctl)] if ctl is not None else []
+        if ctl is not None and ctl.rounds is not None:
+            swaps.append((spec, "device_rounds", lambda _: spec.device_rounds_for(ctl)))
+        with patched(*swaps):
             if n == 0:
                 _decode(spec, prompts[:batch], batch, args, register)  # warm-up: one wave at this batch size
             for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
@@ -576,5 +581,5 @@ def report(r: SpecResult) -> str:
             f"round ms: draft {s.draft_ms:.3f} + verify {s.verify_ms:.3f} + host {s.host_ms:.3f} = "
             f"{s.total_ms:.3f} (synchronised, mean of {s.steps} verify steps); verify eager in {s.verify_eager}; "
             f"drafter forwards {drafter_graphs}"
-            + (f"\n  the policy's measured step ms by draft length: " + ", ".join(
+            + ("\n  the policy's measured step ms by draft length: " + ", ".join(
                 f"k={k} {ms:.3f}" for k, ms in r.policy_ms.items()) if r.policy_ms else ""))

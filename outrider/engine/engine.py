@@ -235,10 +235,15 @@ class Engine:
                 log.warning("spec_device_round: the %s drafter does not draft on the device; its rounds run as "
                             "usual", self.drafter_kind or "(no)")
             return {}
+        return self.device_rounds_for(self.drafter)
+
+    def device_rounds_for(self, drafter) -> dict[int, DeviceRound]:
+        """A device round of this RoundDrafter per draft length the policy may choose, captured on CUDA (bench spec
+        builds them for its controlled drafter)."""
         width = -(-self.max_model_len // self.config.block_size)
         rounds = {}
         for k in range(1, self.policy.n_max + 1):
-            rounds[k] = DeviceRound(self.runner, self.drafter, k, width)
+            rounds[k] = DeviceRound(self.runner, drafter, k, width)
             if self.runner.graphs:
                 rounds[k].capture(self.runner.graphs[0].pool)
         return rounds
