@@ -185,8 +185,9 @@ def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families,
 @pytest.mark.parametrize("checkpoint", ["draft", "target"])
 def test_draft_model_rounds_draft_its_greedy_continuation_of_what_they_committed(families, checkpoint):
     """Loaded with the engine's own first drafts, rounds keep the draft model's K/V in step with every committed
-    token (it equals one forward over them), so the staged drafts are the draft model's own greedy continuation of the committed sequence. Drafting
-    with the target itself keeps every draft: the last one, never fed while drafting, must be fed after."""
+    token (it equals one forward over them), so the staged drafts are the draft model's own greedy continuation of
+    the committed sequence. Drafting with the target itself keeps every draft: the last one, never fed while
+    drafting, must be fed after."""
     engine, req = prefilled(families, "draft", draft_model=str(families["qwen3"][checkpoint]), spec_type="draft")
     assert engine.pool.ensure(req, req.num_tokens + 2 * K)  # (as the engine does first: room for its lookahead)
     first = engine.speculator.device_round_drafts(req, K)

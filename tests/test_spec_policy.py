@@ -10,8 +10,8 @@ import torch
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, QUIET_DECISIONS_ASLEEP, DraftPolicy, PendingDrafts, Proposals, _Acceptance,
-                                         expected_tokens, stage_drafts)
+from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, QUIET_DECISIONS_ASLEEP, DraftPolicy,
+                                         PendingDrafts, Proposals, _Acceptance, expected_tokens, stage_drafts)
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make

@@ -5,10 +5,10 @@ the policy's bookkeeping (acceptance per request, measured step costs), and forg
 freed.
 
 While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing,
-and the policy explores no rounds. On a launch-bound target learning costs a plain step a fifth of its time
-(docs/benchmarks.md, "Session 14"), for drafts no one makes. The first round after that catches up: the target's
-hidden states at the rows skipped are recomputed in one forward that writes no K/V (`hidden_rows`), and the drafter
-learns them then.
+and beside other requests the policy explores no rounds. On a launch-bound target learning costs a plain step a
+fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes. The first round after that catches
+up: the target's hidden states at the rows skipped are recomputed in one forward that writes no K/V
+(`hidden_rows`), and the drafter learns them then.
 
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
@@ -241,9 +241,10 @@ class Speculator:
         return hasattr(self.drafter, "round_drafts")
 
     def device_round_drafts(self, request: Request, k: int) -> torch.Tensor | list[int] | None:
-        """The first k drafts (on the device where the drafter stages them there) of device rounds for a request that now decodes alone: every row it
-        committed is learned first, and the drafter's own state for it dropped, as the rounds carry it from here
-        (what they commit is never queued for learning). None: the drafter cannot draft k tokens now."""
+        """The first k drafts of device rounds for a request that now decodes alone (on the device where the drafter
+        stages them there): every row it committed is learned first, and the drafter's own state for it dropped,
+        as the rounds carry it from here (what they commit is never queued for learning). None: the drafter cannot
+        draft k tokens now."""
         self._ahead = None  # (a round drafted ahead for the engine's own next step: the device round drafts anew)
         self._wake([request])
         self.flush([request.request_id])
