@@ -16,13 +16,12 @@ runner's calls with a wall clock: ms a step in each (a call made inside another 
 from __future__ import annotations
 
 import argparse
-import collections
 import cProfile
 import io
 import pstats
 import time
 
-from outrider.bench.profile import patched
+from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
@@ -66,26 +65,14 @@ def profile(name: str, engine: Engine, prompts: list[list[int]], args) -> None:
 
 
 def timed_calls(engine: Engine, prompts: list[list[int]], args) -> None:
-    spent: collections.Counter = collections.Counter()
-
-    def timed(label: str):
-        def wrap(method):
-            def call(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return method(*a, **kw)
-                finally:
-                    spent[label] += time.perf_counter() - t0
-            return call
-        return wrap
-
-    targets = [(engine.runner, name, timed(f"runner.{name}")) for name in ("launch", "sample", "collect")]
+    timer = PhaseTimer(engine.device, synchronise=False)
+    targets = [(engine.runner, name, timer.timed(f"runner.{name}")) for name in ("launch", "sample", "collect")]
     if engine.speculator is not None:
-        targets += [(engine.speculator, name, timed(f"speculator.{name}"))
+        targets += [(engine.speculator, name, timer.timed(f"speculator.{name}"))
                     for name in ("draft_lengths", "propose", "keep", "learn", "flush", "observe_step")]
     with patched(*targets):
         _, steps, _ = run(engine, prompts, args.tokens)
-    for label, seconds in sorted(spent.items()):
+    for label, seconds in sorted(timer.total.items()):
         print(f"   {label:26s} {1e3 * seconds / steps:.3f} ms/step", flush=True)
 
 

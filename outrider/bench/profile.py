@@ -94,11 +94,11 @@ def lone_first_token_s(engine, prompt: list[int], max_tokens: int = 2) -> float:
 
 class PhaseTimer:
     """Seconds per label, summed over the calls of the functions wrapped by timed(label) (on a CUDA device,
-    synchronised before and after each call)."""
+    synchronised before and after each call unless `synchronise` is off: then the host's own time in them)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, synchronise: bool = True) -> None:
         self.total: dict[str, float] = defaultdict(float)
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.sync = torch.cuda.synchronize if device.type == "cuda" and synchronise else (lambda: None)
 
     def timed(self, label: str):
         def wrap(fn):
