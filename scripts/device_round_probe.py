@@ -94,8 +94,9 @@ def main() -> None:
     args = ap.parse_args()
     common = dict(model=args.model, device=args.device, max_num_seqs=1, max_model_len=2048)
     plain = Engine(EngineConfig(spec_type="none", **common))
+    # (its own rounds step by step, as without device rounds: what the captured round is compared with)
     spec = Engine(EngineConfig(draft_model=args.draft_model, spec_type=args.spec_type, spec_draft_n_max=args.k,
-                               **common))
+                               spec_device_round=False, **common))
     texts = json.loads(Path(args.prompts).read_text())
     for text in texts[:3]:
         text = text["prompt"] if isinstance(text, dict) else text
