@@ -12,6 +12,9 @@
 # train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
 # spec-demo: bench spec on the demo family (DEMO, default outrider/demo): DFlash, MTP, draft model at batch 1, 8.
 # ngram: n-gram drafting on the demo target, edit (draft cap 8 and 16) and unrepeated workloads, batch 1 (issue 19).
+# rounds-8b: the Qwen3-8B presets at batch 1 (8 requests), each at its issue-13/19 setting (DFlash 0.86; MTP 0.7,
+#          k 3; draft model and EAGLE-3 0.8, k 4), with device rounds (the default; controlled acceptance substitutes
+#          inside them) and with --no-device-round; KINDS picks presets (default "eagle3 dflash mtp draft").
 # spec-8b: bench spec on the Qwen3-8B presets with controlled acceptance, batch SPEC8B_BATCH (default 1 8 32),
 #          SPEC8B_REQUESTS requests per batch size (default 16; batch 1 dominates the time: a pass of 16 x 128 tokens
 #          is ~9 s plain, and each acceptance runs 2 + 2 x SPEC_REPEATS passes); KINDS picks presets
@@ -46,7 +49,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|prefill|round-probe|host|host-calls|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|prefill|round-probe|host|host-calls|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -157,6 +160,18 @@ for MODE in "$@"; do
   host-calls)
     for s in "--draft-model $DEMO/dflash" "--spec-type mtp" "--draft-model $DEMO/draft"; do
       timed "$OUT/bench.log" $PY scripts/profile_host.py --model "$DEMO/target" $s --batch 8 --calls
+    done ;;
+  rounds-8b)
+    for kind in ${KINDS:-eagle3 dflash mtp draft}; do
+      case $kind in
+        dflash) a="--acceptance 0.86" ;;
+        mtp) a="--acceptance 0.7 --draft-n-max 3" ;;
+        draft|eagle3) a="--acceptance 0.8 --draft-n-max 4" ;;
+      esac
+      for r in "" --no-device-round; do
+        bench spec --random-weights qwen3-8b --spec-type $kind $a --batch 1 --num-requests 8 $r \
+          --json "$OUT/json/rounds-8b-$kind${r:+-steps}.json"
+      done
     done ;;
   spec-8b)
     for kind in ${KINDS:-dflash mtp draft eagle3}; do
