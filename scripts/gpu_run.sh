@@ -95,6 +95,18 @@ bench() {  # bench spec gets --repeats SPEC_REPEATS
   timed "$OUT/bench.log" $PY -m outrider.bench "$@"
 }
 
+preset8b() {  # preset8b KIND [all]: the 8B preset's target acceptance and draft cap (issues 13, 19); all: 0.7 and 0 too
+  local target cap
+  case $1 in
+    dflash) target=0.86 cap= ;;
+    mtp) target=0.7 cap="--draft-n-max 3" ;;
+    draft|eagle3) target=0.8 cap="--draft-n-max 4" ;;
+  esac
+  local alphas=$target x
+  if [ "${2:-}" = all ]; then for x in 0.7 0; do [ "$x" = "$target" ] || alphas="$alphas $x"; done; fi
+  echo "--acceptance $alphas $cap"
+}
+
 smol_ready() {  # smol_ready MODE: assemble $SMOL from the parts carried so far; false (and logged) until it is whole
   cat /tmp/smol-parts/part-* > $SMOL 2>/dev/null
   [ "$(sha256sum < $SMOL | cut -d' ' -f1)" = "$SMOL_SHA256" ] && return 0
@@ -163,24 +175,14 @@ for MODE in "$@"; do
     done ;;
   rounds-8b)
     for kind in ${KINDS:-eagle3 dflash mtp draft}; do
-      case $kind in
-        dflash) a="--acceptance 0.86" ;;
-        mtp) a="--acceptance 0.7 --draft-n-max 3" ;;
-        draft|eagle3) a="--acceptance 0.8 --draft-n-max 4" ;;
-      esac
       for r in "" --no-device-round; do
-        bench spec --random-weights qwen3-8b --spec-type $kind $a --batch 1 --num-requests 8 $r \
+        bench spec --random-weights qwen3-8b --spec-type $kind $(preset8b $kind) --batch 1 --num-requests 8 $r \
           --json "$OUT/json/rounds-8b-$kind${r:+-steps}.json"
       done
     done ;;
   spec-8b)
     for kind in ${KINDS:-dflash mtp draft eagle3}; do
-      case $kind in
-        dflash) a="--acceptance 0.86 0.7 0" ;;
-        mtp) a="--acceptance 0.7 0 --draft-n-max 3" ;;
-        draft|eagle3) a="--acceptance 0.8 0.7 0 --draft-n-max 4" ;;
-      esac
-      bench spec --random-weights qwen3-8b --spec-type $kind $a --batch ${SPEC8B_BATCH:-1 8 32} \
+      bench spec --random-weights qwen3-8b --spec-type $kind $(preset8b $kind all) --batch ${SPEC8B_BATCH:-1 8 32} \
         --num-requests ${SPEC8B_REQUESTS:-16} --json "$OUT/json/8b-$kind.json"
     done ;;
   spec-profile)
