@@ -7,6 +7,7 @@ hits), drop a preempted request's queue, and keep undrafted decode steps free of
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -227,6 +228,31 @@ def test_a_lone_request_asleep_still_explores_rounds_and_catches_up_for_each(fam
     want = LLM(families["qwen3"]["mtp"], dtype="float32", spec_type="none").generate([PROMPTS[0]], params)[0]
     assert got.token_ids == want.token_ids
     assert got.timing.draft_rounds >= 2 and len(recomputed) >= 2 and all(n > 0 for n in recomputed)
+
+
+def test_a_catch_up_is_left_out_of_the_measured_cost_of_the_round_that_does_it(families):
+    """A lone request's exploratory rounds catch up on the rows slept through first, here made slow (0.25 s a
+    catch-up): the step costs the policy measures leave that one-off work out, else the round it priced out would
+    stay priced out, re-measured each time with the next catch-up."""
+    llm = spec_llm(families, "mtp")
+    engine = llm.engine
+    engine.policy.probe_every = 4
+    seconds = engine.policy.round_seconds
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0))
+    hidden_rows, catch_ups = engine.speculator.hidden_rows, []
+
+    def slow_hidden_rows(spans):
+        catch_ups.append(len(spans))
+        time.sleep(0.25)
+        return hidden_rows(spans)
+
+    engine.speculator.hidden_rows = slow_hidden_rows
+    observed: list[tuple[int, float]] = []
+    observe = engine.policy.observe_step
+    engine.policy.observe_step = lambda batch, k, s: observed.append((k, s)) or observe(batch, k, s)
+    got = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+    assert got.timing.draft_rounds >= 2 and len(catch_ups) >= 2
+    assert any(k > 0 for k, _ in observed) and max(s for _, s in observed) < 0.2
 
 
 def test_a_draft_model_feeds_one_token_per_request_when_it_proposes(families):

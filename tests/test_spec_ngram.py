@@ -4,6 +4,7 @@ that does not grow with the context (counted in tokens read and grams hashed, no
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -150,7 +151,8 @@ def test_lookup_misses_leave_the_step_plain_before_its_token_is_known():
     def no_rows(spans):
         raise AssertionError("n-gram lookup reads no hidden states")
 
-    spec = Speculator(drafter(n=2), DraftPolicy(), BlockPool(16, 16, False), no_rows, 2048)
+    spec = Speculator(drafter(n=2), DraftPolicy(), BlockPool(16, 16, False), no_rows, 2048, time.perf_counter,
+                      lambda: None)
     repeats, novel = request([1, 2, 3, 9, 1, 2]), request([1, 2, 3, 4, 5, 6])
     for req in (repeats, novel):
         req.num_pending = 1  # sampled on the device, not yet on the host

@@ -134,7 +134,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, mc.vocab_size, self.device, self._taps())
         self.speculator = Speculator(self.drafter, self.policy, self.pool, self.runner.hidden_rows,
-                                     config.max_num_batched_tokens) if self.drafter is not None else None
+                                     config.max_num_batched_tokens, clock, self._synchronize) \
+            if self.drafter is not None else None
         self.eos_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
         self.runner.sampler.set_eog_ids(self.eos_ids)
         self.grammars = GrammarCompiler(self.tokenizer.to_json(), mc.vocab_size, self.eos_ids)  # (the routes')
@@ -401,15 +402,15 @@ class Engine:
         if not self.pool.ensure(req, start + rounds.reach()):
             self._land_round()
             return False
-        t0 = self.clock()
         if self.round_owner != (req.request_id, k):  # (then nothing is in flight: a flight's owner is this one)
-            drafts = self.speculator.device_round_drafts(req, k)
+            drafts = self.speculator.device_round_drafts(req, k)  # (one-off work: done before the round's clock)
             if drafts is None:
                 return False
             rounds.load(req.all_ids[-1], drafts, start, req.block_ids)
             self.round_owner = (req.request_id, k)
         else:
             rounds.set_blocks(req.block_ids)
+        t0 = self.clock()
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += 1
         try:
@@ -444,6 +445,11 @@ class Engine:
         req.num_pending += 1
         self._deliver(plan, StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0), None), learned=True)
         self.speculator.observe_step(plan, self.clock() - flight.t0)
+
+    def _synchronize(self) -> None:
+        """Wait for the device (the Speculator times one-off work to its end)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _lone_greedy_decoder(self) -> Request | None:
         """The one running request when it decodes alone with nothing waiting (its last token sampled, maybe still

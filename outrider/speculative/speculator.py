@@ -8,7 +8,10 @@ While the measured costs price speculation out at the running batch size, the dr
 and beside other requests the policy explores no rounds. On a launch-bound target learning costs a plain step a
 fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes. The first round after that catches
 up: the target's hidden states at the rows skipped are recomputed in one forward that writes no K/V
-(`hidden_rows`), and the drafter learns them then.
+(`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is work paid once:
+it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the round, it priced
+rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter slept again, and
+each exploratory round measured the next catch-up.
 
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
@@ -16,7 +19,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -96,13 +100,17 @@ HiddenRows = Callable[[Sequence[Commit]], tuple[torch.Tensor, torch.Tensor | Non
 
 class Speculator:
     def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool, hidden_rows: HiddenRows,
-                 max_rows: int):
-        """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit)."""
+                 max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None]):
+        """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
+        the engine's; synchronize: waits for the device (one-off work is timed to its end)."""
         self.drafter = drafter
         self.policy = policy
         self.pool = pool
         self.hidden_rows = hidden_rows
         self.max_rows = max_rows
+        self.clock = clock
+        self.synchronize = synchronize
+        self._one_off = 0.0  # seconds of this step's one-off work (left out of its measured cost)
         self._kinds: dict[int, str] = {}  # request id -> the kind that drafted its latest round (combined kinds)
         # The learning queue: rows by request id (in the order requests joined it), and the queued steps' hidden
         # and aux rows (own copies; concatenated when first read), of which `_rows` there are in all.
@@ -121,7 +129,9 @@ class Speculator:
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
         those whose last token is still on the device (the engine then commits the step in flight first). After a
-        round drafted ahead, its lengths for the requests still decoding."""
+        round drafted ahead, its lengths for the requests still decoding. (Called first in every step: the one-off
+        work counted for observe_step starts here.)"""
+        self._one_off = 0.0
         asleep, self._sleeping = self._sleeping or bool(self._asleep), False
         if self._ahead is not None:
             lengths = self._ahead.lengths
@@ -158,7 +168,9 @@ class Speculator:
                 ks.append(k)
         if not decoding:
             return Drafts()
-        self._wake(running)
+        if self._asleep:
+            with self.one_off():
+                self._wake(running)
         self.flush()  # drafts follow every committed row
         on_device = self.drafter.stages_on_device and not any(self.policy.trims(r) for r in decoding)
         try:
@@ -244,22 +256,35 @@ class Speculator:
         """The first k drafts of device rounds for a request that now decodes alone (on the device where the drafter
         stages them there): every row it committed is learned first, and the drafter's own state for it dropped,
         as the rounds carry it from here (what they commit is never queued for learning). None: the drafter cannot
-        draft k tokens now."""
+        draft k tokens now. The caller starts the rounds' clock after this: it is one-off work, done by then."""
         self._ahead = None  # (a round drafted ahead for the engine's own next step: the device round drafts anew)
-        self._wake([request])
-        self.flush([request.request_id])
-        try:
-            if self.drafter.stages_on_device:
-                staged = self.drafter.stage([request], [k])
-                drafts = staged.ids if staged.counts[0] == k else None
-            else:
-                drafts = self.drafter.propose([request], [k]).tokens[0]
-                drafts = drafts if len(drafts) == k else None
-        except Exception as exc:
-            log.error("drafter failed to draft a device round: %s\n%s", exc, traceback.format_exc())
-            return None
+        with self.one_off():
+            self._wake([request])
+            self.flush([request.request_id])
+            try:
+                if self.drafter.stages_on_device:
+                    staged = self.drafter.stage([request], [k])
+                    drafts = staged.ids if staged.counts[0] == k else None
+                else:
+                    drafts = self.drafter.propose([request], [k]).tokens[0]
+                    drafts = drafts if len(drafts) == k else None
+            except Exception as exc:
+                log.error("drafter failed to draft a device round: %s\n%s", exc, traceback.format_exc())
+                return None
         self.drafter.release(request.request_id)
         return drafts
+
+    @contextmanager
+    def one_off(self) -> Iterator[None]:
+        """Time work a round pays once (a catch-up, a device round's start) from an idle device to its end, for
+        observe_step to leave out (only around such work: the synchronisations cost a launch-bound step)."""
+        self.synchronize()
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.synchronize()
+            self._one_off += self.clock() - t0
 
     def keep(self, plan: StepPlan, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
@@ -372,11 +397,12 @@ class Speculator:
         return self._kinds.get(request_id, self.drafter.kind)
 
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
-        """A completed step's duration feeds the cost model, when the step was pure decoding (no prefill)."""
+        """A completed step's duration feeds the cost model, when the step was pure decoding (no prefill), less the
+        one-off work done since this step began (one_off)."""
         if plan.has_prefill or not plan.scheduled:
             return
         k = max((len(s.draft_tokens) for s in plan.scheduled), default=0)
-        self.policy.observe_step(len(plan.scheduled), k, seconds)
+        self.policy.observe_step(len(plan.scheduled), k, seconds - self._one_off)
 
     def release(self, request_id: int) -> None:
         """Forget a request whose blocks are freed: finished ones were learned in `learn`; what is still queued
