@@ -111,7 +111,8 @@ def test_checkpoint_with_its_drafter_on_the_demo_prompts(tmp_path, capsys):
         assert row["repeats"] == 3  # the default
         assert row["kind"] == "draft" and row["acceptance"] is None and row["tau_theory"] is None
         assert row["tau"] > 1.0  # the trained draft model gets drafts accepted
-        assert len(row["accepted_by_position"]) == 4 and all(0 <= a <= 1 for a in row["accepted_by_position"])
+        # (positions up to the longest draft made: the cap of 4, or a shorter length the policy kept, KEEP_MARGIN)
+        assert 1 <= len(row["accepted_by_position"]) <= 4 and all(0 <= a <= 1 for a in row["accepted_by_position"])
     assert "theory" not in printed
 
 

@@ -82,7 +82,7 @@ class _RoundFlight:
     request: Request
     k: int
     copy: RoundCopy  # its verdict, on its way to the host
-    t0: float  # when the step that launched it began
+    t0: float  # when its time began: its launch, or the landing of the round before it (still running then)
 
 
 def _round_plan(req: Request, k: int) -> StepPlan:
@@ -425,6 +425,8 @@ class Engine:
             self._land(flight)
             if req.status is not Status.RUNNING:  # (that round ended the request: the one just launched is moot)
                 self.round_owner = self.round_flight = None
+            else:  # (the device runs this round once that one is done: from its launch on, it would count both)
+                self.round_flight = replace(self.round_flight, t0=self.clock())
         return True
 
     def _land_round(self) -> None:

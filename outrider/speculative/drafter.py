@@ -283,6 +283,7 @@ class _Probe:
     # The requests it stood for, and the decisions since taken without looking (QUIET_DECISIONS)
     ids: tuple = ()
     quiet: int = 0
+    drafting: int = 0  # the k of the last decision that drafted (KEEP_MARGIN)
 
 
 # While k = 0 stands for the same requests, this many decisions in a row return it without reading any request: the
@@ -294,6 +295,10 @@ QUIET_DECISIONS = 8
 # round but the batch (which ends the quiet run) or the plain step's cost: full decisions this far apart.
 QUIET_DECISIONS_ASLEEP = 64
 QUIET_MARGIN = 0.005  # an estimate this far below the pooled one still drifts up: decisions stay full
+# A draft length whose expected tokens per second lie this close to the best stays chosen. Among neighbouring k the
+# argmax flips with the measured costs' noise alone, and a device round restarts on a new k (one-off drafting on the
+# host, and a round that does not overlap the one before it: Engine._device_round).
+KEEP_MARGIN = 0.03
 
 
 @dataclass
@@ -415,10 +420,13 @@ class DraftPolicy:
             # its cap), then per second: this runs on decode steps, so as one numpy grid, not a loop per cell.
             ks = np.arange(max(caps) + 1)
             tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
-            seconds = self.round_seconds(batch, ks, step_cost)
-            k = int(np.argmax(tokens.sum(axis=1) / seconds))  # (the first best, as max() picked)
+            rates = tokens.sum(axis=1) / self.round_seconds(batch, ks, step_cost)
+            k = int(np.argmax(rates))  # (the first best, as max() picked)
             if k > 0:
-                probe.every, probe.idle, probe.standing = self.probe_every, 0, None
+                kept = probe.drafting
+                if 0 < kept < len(rates) and rates[kept] >= (1.0 - KEEP_MARGIN) * rates[k]:
+                    k = kept
+                probe.every, probe.idle, probe.standing, probe.drafting = self.probe_every, 0, None, k
                 return k
             probe.standing = inputs
         probe.idle += 1
