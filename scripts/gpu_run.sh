@@ -4,8 +4,11 @@
 # One device call runs at most 10 minutes, so the modes run in the order given against a deadline
 # (DEADLINE_S seconds after the start, default 570): a command gets the time left, capped at BENCH_TIMEOUT
 # (default 300 s; training, 560 s), and one that would get under 30 s is skipped and logged as such.
-# Wheels in .whl/ (carried; e.g. llguidance and gguf, which the device lacks, and nvidia-ml-py for bench spec's SM
-# clock readings) are installed first. bench spec runs SPEC_REPEATS (default 3) timed passes per side.
+# Wheels in .whl/ (carried; what the device lacks: llguidance, gguf, jsonschema for tests/gpu, and nvidia-ml-py for
+# bench spec's SM clock readings) are installed first. Fill it with `pip download --only-binary=:all:
+# --python-version 3.12 --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 -d .whl llguidance gguf
+# nvidia-ml-py jsonschema`, then delete typing_extensions (torch's own serves). bench spec runs SPEC_REPEATS
+# (default 3) timed passes per side.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
