@@ -29,6 +29,8 @@
 #          and MTP at batch 1, with device rounds (the default) and with --no-device-round.
 # host: where a demo step's host time goes with a drafter loaded (scripts/profile_host.py): n-gram lookup that never
 #          drafts at batch 1, DFlash at batch 8, each against the plain engine.
+# syncs: where steps that draft nothing wait for the device (profile_host.py --syncs: torch's sync debug mode), demo
+#          target at batch 8 with DFlash, MTP and the draft model, and n-gram lookup that never drafts at batch 1.
 # host-calls: the same demo target at batch 8 with DFlash, MTP and the draft model, each against the plain engine:
 #          ms a step in each Speculator and runner call (profile_host.py --calls: wall clock, no cProfile).
 # spec-profile: kernel tables (scripts/profile_gpu.py) of Qwen3-8B decode steps at batch 1: plain, and with each
@@ -52,7 +54,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|prefill|round-probe|host|host-calls|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|train|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -172,6 +174,12 @@ for MODE in "$@"; do
   host)
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --spec-type ngram --ngram-min-hits 100000 --batch 1
     timed "$OUT/host.log" $PY scripts/profile_host.py --model "$DEMO/target" --draft-model "$DEMO/dflash" --batch 8 ;;
+  syncs)
+    for s in "--draft-model $DEMO/dflash" "--spec-type mtp" "--draft-model $DEMO/draft"; do
+      timed "$OUT/bench.log" $PY scripts/profile_host.py --model "$DEMO/target" $s --batch 8 --syncs
+    done
+    timed "$OUT/bench.log" $PY scripts/profile_host.py --model "$DEMO/target" --spec-type ngram --ngram-min-hits 100000 \
+      --batch 1 --syncs ;;
   host-calls)
     for s in "--draft-model $DEMO/dflash" "--spec-type mtp" "--draft-model $DEMO/draft"; do
       timed "$OUT/bench.log" $PY scripts/profile_host.py --model "$DEMO/target" $s --batch 8 --calls

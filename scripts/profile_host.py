@@ -10,16 +10,27 @@ step's critical path, so what a loaded drafter adds here is what it costs, draft
 Prints, for the plain engine and then the speculative one: ms per step over a timed pass, the policy's rounds,
 then the profiled pass's functions by own time and by cumulative time (outrider's and the libraries' alike). With
 --calls, instead of cProfile (whose overhead distorts a 0.5 ms step), the pass times only the Speculator's and the
-runner's calls with a wall clock: ms a step in each (a call made inside another counts in both).
+runner's calls with a wall clock: ms a step in each (a call made inside another counts in both). With --syncs (CUDA),
+the pass runs under torch's sync debug mode instead: every implicit host-device synchronisation (`.item()`,
+`.tolist()`, a blocking copy) is counted by the outrider lines on the stack. With overlap scheduling one such wait a
+step costs the host the step in flight: where a step that drafts nothing costs more than a plain one, look here.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
 import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+import outrider
 
 from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
@@ -54,6 +65,9 @@ def profile(name: str, engine: Engine, prompts: list[list[int]], args) -> None:
     if args.calls:
         timed_calls(engine, prompts, args)
         return
+    if args.syncs:
+        synchronisations(engine, prompts, args)
+        return
     prof = cProfile.Profile()
     prof.enable()
     run(engine, prompts, args.tokens)
@@ -76,6 +90,29 @@ def timed_calls(engine: Engine, prompts: list[list[int]], args) -> None:
         print(f"   {label:26s} {1e3 * seconds / steps:.3f} ms/step", flush=True)
 
 
+def synchronisations(engine: Engine, prompts: list[list[int]], args) -> None:
+    """Implicit synchronisations of one pass, per step, by where they happen (the innermost outrider frames)."""
+    package = str(Path(outrider.__file__).parent)
+    seen: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(package)][-3:]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames))
+        seen[where or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            _, steps, _ = run(engine, prompts, args.tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    print(f"   {sum(seen.values()) / steps:.2f} implicit synchronisations a step", flush=True)
+    for where, n in seen.most_common(args.top):
+        print(f"   {n / steps:6.2f}/step  {where}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -89,7 +126,10 @@ def main() -> None:
                     "choice replaced): what a round costs, whether or not the policy would draft")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--calls", action="store_true", help="time the Speculator's and runner's calls, no cProfile")
+    ap.add_argument("--syncs", action="store_true", help="count implicit host-device synchronisations (CUDA)")
     args = ap.parse_args()
+    if args.syncs and not torch.cuda.is_available():
+        ap.error("--syncs counts CUDA synchronisations: it needs a GPU")
     tok = Tokenizer.from_pretrained(args.model)
     prompts = [tok.encode(f"def function_{i}(x):") for i in range(args.batch)]
     limits = dict(max_num_seqs=args.batch, max_model_len=1024, device=args.device)
