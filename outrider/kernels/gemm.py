@@ -142,14 +142,18 @@ def _block_m(m: int) -> int:
 @triton.jit
 def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> y, rounded once to dt like cuBLAS's epilogue (then to y's dtype: a
-    float32 y holds the model-dtype result, as F.linear(...).float() would)."""
+    """acc [BLOCK_M, BLOCK_N] fp32 (+ bias) -> y, rounded once to dt like cuBLAS's epilogue. A float32 y (an LM
+    head's logits) keeps the float32 accumulator, as ops.linear's cuBLAS path does for verify rows: rounded to
+    bfloat16 first (logits of 8-32 lie 0.06-0.125 apart there), a decode row broke near-ties that a verify row of
+    the same position resolves, and greedy speculative output left plain decoding's for no reason."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(dt).to(y_ptr.dtype.element_ty), mask=mask)
+    if y_ptr.dtype.element_ty != tl.float32:
+        acc = acc.to(dt)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
