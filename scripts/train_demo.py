@@ -5,6 +5,8 @@ What it builds, all sharing one byte-level BPE tokenizer:
   target/  a Qwen3ForCausalLM checkpoint (HF layout) with a Qwen3.5-style MTP layer stored in it (`mtp.*`)
   draft/   a smaller Qwen3ForCausalLM draft model (distilled from the target)
   dflash/  a DFlashDraftModel drafter (block diffusion on the target's frozen hidden states)
+  eagle3/  an EAGLE-3 head (EAGLE reference layout, LlamaForCausalLMEagle3) over three target taps, with a reduced
+           draft vocabulary
 plus metrics.json (losses, offline acceptance proxies, T = 0 samples, timings, corpus fingerprints),
 eval_prompts.json and train_log.txt.
 
@@ -22,18 +24,30 @@ again after every stage, so a run stopped from outside still returns the stages 
     python3 scripts/train_demo.py --out /tmp/demo --seed 0 --pack $OUT
 CPU smoke run of the whole pipeline with tiny sizes (< 1 minute):
     python scripts/train_demo.py --smoke --out /tmp/demo-smoke
+Drafter stages alone against an existing family (its target and tokenizer as they are; the corpus and the target's
+generations rebuilt as a full run builds them): --out gets the stages' directories plus the family's metrics.json
+and train_log.txt with the stages added, drop-in replacements. The EAGLE-3 head for the shipped family (one H200,
+about 2.5 minutes; scripts/gpu_run.sh train-eagle3), then `tar -xf $OUT/demo-eagle3.tar -C outrider/demo` and copy
+metrics.json and train_log.txt there:
+    python3 scripts/train_demo.py --stages eagle3 --family outrider/demo --out /tmp/demo-eagle3 --seed 0 --pack $OUT
+--set FIELD=VALUE overrides a profile field for a trial (e.g. --set "eagle3_train=(5, 64, 2e-3, 2)").
 
 Formats follow shared/reference/speculative-decoding.md: MTP = `mtp.fc [H, 2H]` over
 concat[pre_fc_norm_embedding(emb(t_{i+1})), pre_fc_norm_hidden(h_i)] with h_i the target's post-final-norm hidden
 state, one decoder layer `mtp.layers.0`, `mtp.norm`; recursion feeds the post-`mtp.norm` output back. DFlash =
 `fc [H, n_taps*H]` over the outputs of target blocks `target_layer_ids`, `hidden_norm`, non-causal Qwen3 layers
 whose context K/V are `k_norm(k_proj(ctx))`/`v_proj(ctx)`, final `norm`, the target's embedding and lm_head.
+EAGLE-3 = outrider/speculative/eagle3.py's: `fc [H, 3H]` over target block outputs (the config's
+`eagle_aux_hidden_state_layer_ids` are those blocks + 1), `midlayer` one Llama layer whose q/k/v read
+[input_layernorm(emb(t_{i+1})) ; hidden_norm(h)] over a residual stream from h (h = fc(taps_i), then the chain's
+own pre-norm output), `norm`, `lm_head [draft_vocab, H]`, `d2t`, `t2d`, the target's embedding.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import hashlib
 import json
 import logging
@@ -93,6 +107,12 @@ class Shape:
     head_dim: int
     ffn: int
 
+    @classmethod
+    def from_config(cls, cfg: dict) -> Shape:
+        """The shape of a checkpoint's config.json (a Qwen3 LM's, a DFlash drafter's or an EAGLE-3 head's)."""
+        return cls(cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
+                   cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"])
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -102,6 +122,11 @@ class Profile:
     draft: Shape
     dflash: Shape  # hidden must equal the target's
     dflash_taps: tuple[int, ...]
+    eagle3: Shape  # the EAGLE-3 head's layer (layers unused: one); hidden must equal the target's
+    eagle3_taps: tuple[int, ...]  # target block outputs fc reads, low to high (the config stores them + 1)
+    eagle3_vocab: int  # draft vocabulary: the most frequent target tokens of the drafters' training mix
+    eagle3_steps: int  # K chained steps in training ("training-time test")
+    eagle3_beta: float
     block_size: int
     dflash_gamma: float
     dflash_anchors: int  # blocks per training sequence
@@ -113,6 +138,7 @@ class Profile:
     draft_train: tuple[int, int, float, int]
     mtp_train: tuple[int, int, float, int]
     dflash_train: tuple[int, int, float, int]
+    eagle3_train: tuple[int, int, float, int]
     eval_every: int
     val_windows: int  # held-out windows for the final loss
     gen_prompts: int
@@ -142,33 +168,37 @@ FULL = Profile(
     draft=Shape(128, 2, 2, 1, 64, 512),
     dflash=Shape(256, 2, 4, 2, 64, 640),
     dflash_taps=(1, 3, 5), block_size=8, dflash_gamma=4.0, dflash_anchors=64,
+    eagle3=Shape(256, 1, 1, 1, 64, 32), eagle3_taps=(1, 3, 5), eagle3_vocab=256, eagle3_steps=4, eagle3_beta=0.8,
     mtp_steps=3, mtp_beta=0.6, dropout=0.0,
     target_train=(1800, 96, 2e-3, 150),
     draft_train=(1500, 64, 3e-3, 100),
     mtp_train=(1200, 64, 1.5e-3, 100),
     dflash_train=(2000, 64, 1.5e-3, 100),
+    eagle3_train=(1500, 64, 2e-3, 100),
     eval_every=100, val_windows=256,
     gen_prompts=8192, gen_prompt_len=64, gen_new=256, gen_batch=2048,
     eval_prompts=32, eval_new=128,
-    stage_seconds={"target": 120, "draft": 60, "mtp": 75, "dflash": 95},
+    stage_seconds={"target": 120, "draft": 60, "mtp": 75, "dflash": 95, "eagle3": 75},
 )
 
 SMOKE = Profile(
     vocab=512, seq=64,
-    target=Shape(64, 2, 2, 1, 32, 128),
+    target=Shape(64, 4, 2, 1, 32, 128),  # 4 layers: EAGLE-3 taps 3 distinct outputs of layers 0..L-2
     draft=Shape(32, 1, 1, 1, 32, 64),
     dflash=Shape(64, 1, 2, 1, 32, 128),
     dflash_taps=(0, 1), block_size=4, dflash_gamma=2.0, dflash_anchors=8,
+    eagle3=Shape(64, 1, 2, 1, 16, 32), eagle3_taps=(0, 1, 2), eagle3_vocab=128, eagle3_steps=3, eagle3_beta=0.8,
     mtp_steps=2, mtp_beta=0.6, dropout=0.0,
     target_train=(30, 8, 3e-3, 5),
     draft_train=(15, 8, 3e-3, 3),
     mtp_train=(15, 8, 3e-3, 3),
     dflash_train=(15, 8, 3e-3, 3),
+    eagle3_train=(15, 8, 3e-3, 3),
     eval_every=10, val_windows=8,
     gen_prompts=16, gen_prompt_len=16, gen_new=24, gen_batch=16,
     eval_prompts=3, eval_new=24,
     max_files=40, max_file_bytes=20_000, max_chat=50, package_bytes=200_000,
-    stage_seconds={"target": 60, "draft": 60, "mtp": 60, "dflash": 60},
+    stage_seconds={"target": 60, "draft": 60, "mtp": 60, "dflash": 60, "eagle3": 60},
 )
 
 
@@ -207,15 +237,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, s: Shape):
+    def __init__(self, s: Shape, in_features: int | None = None, qk_norm: bool = True):
+        """in_features: what q/k/v read (default s.hidden); qk_norm: Qwen3's per-head q/k RMSNorm (Llama: none)."""
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        n_in = in_features or s.hidden
+        self.q_proj = nn.Linear(n_in, s.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(n_in, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(n_in, s.kv_heads * s.head_dim, bias=False)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
-        self.q_norm = RMSNorm(s.head_dim)
-        self.k_norm = RMSNorm(s.head_dim)
+        self.q_norm = RMSNorm(s.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(s.head_dim) if qk_norm else nn.Identity()
 
     def project_q(self, x, cos, sin):
         B, T, _ = x.shape
@@ -250,9 +282,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: Shape, dropout: float = 0.0):
+    def __init__(self, s: Shape, dropout: float = 0.0, attention: Attention | None = None):
         super().__init__()
-        self.self_attn = Attention(s)
+        self.self_attn = attention or Attention(s)
         self.mlp = MLP(s)
         self.input_layernorm = RMSNorm(s.hidden)
         self.post_attention_layernorm = RMSNorm(s.hidden)
@@ -262,7 +294,11 @@ class DecoderLayer(nn.Module):
         """prefix_kv: (k, v) keys prepended to this layer's own (MTP chain, DFlash context).
         cache: (k_buf, v_buf) [B, kv, maxlen, d] written at [start, start+T) and attended over [0, start+T).
         Returns (output, (k, v)) where (k, v) are this call's own keys/values."""
-        xn = self.input_layernorm(x)
+        return self.block(x, self.input_layernorm(x), cos, sin, causal=causal, mask=mask, prefix_kv=prefix_kv,
+                          cache=cache, start=start)
+
+    def block(self, x, xn, cos, sin, *, causal=True, mask=None, prefix_kv=None, cache=None, start=0):
+        """The layer with residual stream x and attention input xn (forward: input_layernorm(x))."""
         q = self.self_attn.project_q(xn, cos, sin)
         k, v = self.self_attn.project_kv(xn, cos, sin)
         own = (k, v)
@@ -333,35 +369,117 @@ class MTPHead(nn.Module):
         init_weights(self)
 
     def unroll(self, target: Qwen3LM, hidden, ids, steps):
-        """Teacher-forced recursive MTP over a whole sequence, with the attention pattern of serving.
+        """Teacher-forced recursive MTP over a whole sequence (unroll_chain), from the target's post-norm hidden
+        [B, T, H]; the recursion feeds the post-`mtp.norm` output back. Returns those outputs [B, N, H] per step."""
 
-        hidden: the target's post-norm hidden [B, T, H]; ids [B, T]. Index i (0 <= i < N = T-1-steps) at step k
-        (1-based) reads token t_{i+k} and, for k = 1, h_i (for k > 1, its own step k-1 output), sits at position
-        i+k-1 and predicts t_{i+k+1}. A step-k query sees the step-1 keys of indices <= i (what the MTP KV cache
-        holds for committed tokens) plus its own chain's step 2..k keys. Returns the post-`mtp.norm` outputs
-        [B, N, H] for each step."""
-        B, T, H = hidden.shape
-        N = T - 1 - steps
-        layer = self.layers[0]
-        prev = hidden[:, :N]
-        chain_k, chain_v, outs = [], [], []
-        causal = torch.ones(N, N, dtype=torch.bool, device=ids.device).tril()
-        eye = torch.eye(N, dtype=torch.bool, device=ids.device)
-        for k in range(1, steps + 1):
-            emb = target.model.embed_tokens(ids[:, k:k + N])
+        def step(tokens, prev, cos, sin, **attention):
+            emb = target.model.embed_tokens(tokens)
             x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(prev)], dim=-1))
-            cos, sin = rope(torch.arange(N, device=ids.device) + (k - 1), self.s.head_dim)
-            if k == 1:
-                out, kv = layer(x, cos, sin, causal=True)
-            else:
-                mask = torch.cat([causal] + [eye] * (k - 1), dim=1)
-                out, kv = layer(x, cos, sin, causal=False, mask=mask,
-                                prefix_kv=(torch.cat(chain_k, 2), torch.cat(chain_v, 2)))
-            chain_k.append(kv[0])
-            chain_v.append(kv[1])
-            prev = self.norm(out)
-            outs.append(prev)
-        return outs
+            out, kv = self.layers[0](x, cos, sin, **attention)
+            return self.norm(out), kv
+
+        return unroll_chain(step, hidden, ids, steps, self.s.head_dim)
+
+
+def unroll_chain(step, hidden, ids, steps: int, head_dim: int) -> list[torch.Tensor]:
+    """Teacher-forced chain drafting over a whole sequence with the attention pattern of serving: one decoder layer
+    fed its own output back (MTP and EAGLE-3 heads; outrider/speculative/chain.py).
+
+    hidden: the head's first-step hidden input [B, >= N, H]; ids [B, T]. Index i (0 <= i < N = T-1-steps) at step
+    k (1-based) reads token t_{i+k} and, for k = 1, hidden_i (for k > 1, what its step k-1 fed back), sits at
+    position i+k-1 and predicts t_{i+k+1}. A step-k query sees the step-1 keys of indices <= i (what the head's KV
+    cache holds for committed tokens) plus its own chain's step 2..k keys.
+    step(tokens [B, N], hidden [B, N, H], cos, sin, **attention) -> (what is fed back [B, N, H], (k, v)) runs the
+    head once; `attention` is the DecoderLayer.block keywords. Returns the fed-back states of each step."""
+    N = ids.shape[1] - 1 - steps
+    prev = hidden[:, :N]
+    chain_k, chain_v, outs = [], [], []
+    causal = torch.ones(N, N, dtype=torch.bool, device=ids.device).tril()
+    eye = torch.eye(N, dtype=torch.bool, device=ids.device)
+    for k in range(1, steps + 1):
+        cos, sin = rope(torch.arange(N, device=ids.device) + (k - 1), head_dim)
+        if k == 1:
+            attention = {"causal": True}
+        else:
+            attention = {"causal": False, "mask": torch.cat([causal] + [eye] * (k - 1), dim=1),
+                         "prefix_kv": (torch.cat(chain_k, 2), torch.cat(chain_v, 2))}
+        prev, (key, value) = step(ids[:, k:k + N], prev, cos, sin, **attention)
+        chain_k.append(key)
+        chain_v.append(value)
+        outs.append(prev)
+    return outs
+
+
+class Eagle3Layer(DecoderLayer):
+    """EAGLE-3's decoder layer as outrider/speculative/eagle3.py runs it: Llama attention (no q/k norm) whose q/k/v
+    read [input_layernorm(emb) ; hidden_norm(hidden)] (2H), over a residual stream that starts from the hidden
+    input (from hidden_norm(hidden) with norm_before_residual)."""
+
+    def __init__(self, s: Shape, norm_before_residual: bool = False):
+        super().__init__(s, attention=Attention(s, 2 * s.hidden, qk_norm=False))
+        self.hidden_norm = RMSNorm(s.hidden)
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, emb, hidden, cos, sin, **attention):
+        """Returns (the layer's output before the final norm, (k, v))."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return self.block(residual, torch.cat([self.input_layernorm(emb), normed], dim=-1), cos, sin, **attention)
+
+
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head in the EAGLE reference layout (`LlamaForCausalLMEagle3`): fc over the concatenated outputs
+    of target blocks `taps`, one Eagle3Layer saved as `midlayer.*`, `norm`, an lm_head over the draft vocabulary
+    `draft_ids` (target ids), d2t (draft id i -> target id i + d2t[i]) and t2d (the target ids covered). It reads
+    the target's token embedding; its pre-norm output is the next chain step's hidden input."""
+
+    def __init__(self, s: Shape, target_hidden: int, n_taps: int, draft_ids: torch.Tensor, vocab: int,
+                 norm_before_residual: bool = False):
+        super().__init__()
+        self.s = s
+        self.fc = nn.Linear(n_taps * target_hidden, s.hidden, bias=False)
+        self.midlayer = Eagle3Layer(s, norm_before_residual)
+        self.norm = RMSNorm(s.hidden)
+        self.lm_head = nn.Linear(s.hidden, len(draft_ids), bias=False)
+        self.register_buffer("d2t", draft_ids.long() - torch.arange(len(draft_ids)))
+        self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool).index_fill_(0, draft_ids.long(), True))
+        init_weights(self)
+
+    def draft_ids(self) -> torch.Tensor:
+        """The target id of each draft id."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def unroll(self, target: Qwen3LM, taps_cat, ids, steps):
+        """Teacher-forced chain over a whole sequence (unroll_chain) from fc(taps_cat), taps_cat [B, T, n*H] the
+        target's tapped block outputs concatenated in layer order. Returns the pre-norm outputs per step."""
+
+        def step(tokens, prev, cos, sin, **attention):
+            return self.midlayer(target.model.embed_tokens(tokens), prev, cos, sin, **attention)
+
+        N = ids.shape[1] - 1 - steps
+        return unroll_chain(step, self.fc(taps_cat[:, :N]), ids, steps, self.s.head_dim)
+
+    def logits(self, y):
+        """float32 logits over the draft vocabulary."""
+        return self.lm_head(self.norm(y)).float()
+
+    def drafts(self, y):
+        """Argmax drafts as target ids."""
+        return self.draft_ids()[self.logits(y).argmax(-1)]
+
+
+def draft_vocabulary(streams: list[torch.Tensor], vocab: int, size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens of equally weighted `streams` (the drafters' 1:1 training mix of
+    corpus windows and target generations), as sorted target ids. Ties go to the lower id."""
+    freq = sum(torch.bincount(s.long().cpu(), minlength=vocab).double() / max(1, len(s)) for s in streams)
+    order = torch.sort(freq, descending=True, stable=True).indices
+    return order[:size].sort().values
+
+
+def step_weights(beta: float, steps: int) -> list[float]:
+    """Per-step loss weights beta^(k-1), normalised to sum 1."""
+    w = [beta ** i for i in range(steps)]
+    return [x / sum(w) for x in w]
 
 
 class DFlashDrafter(nn.Module):
@@ -444,6 +562,29 @@ def dflash_outputs(drafter, target, x, anchors, block_size, taps, mask_id=MASK_I
     return target.logits(hid), target.logits(th_sel)
 
 
+def eagle3_outputs(head, target, x, taps, steps):
+    """Per chain step k: (the head's logits [B, N, Vd], the target's logits on the draft vocabulary, the target's
+    argmax [B, N]) for ids x [B, T]. Step k at index i predicts t_{i+k+1}; its teacher is the target at index i+k
+    (given the true prefix). target: the frozen target, called as target(x, taps=taps)."""
+    with torch.no_grad():
+        th, tapped = target(x, taps=taps)
+        teacher = target.logits(th)
+        on_vocab, best = teacher[..., head.draft_ids()], teacher.argmax(-1)
+    outs = head.unroll(target, torch.cat(tapped, -1), x, steps)
+    N = x.shape[1] - 1 - steps
+    return [(head.logits(y), on_vocab[:, k:k + N], best[:, k:k + N]) for k, y in enumerate(outs, start=1)]
+
+
+def eagle3_scores(head, dl, tl, best):
+    """(loss, agreement) of one chain step (eagle3_outputs): EAGLE-3's loss, the soft CE of the draft logits to the
+    target's distribution on the draft vocabulary where the target's argmax is in it; and the share of positions
+    whose draft is the target's argmax (what greedy verification accepts)."""
+    keep = head.t2d[best].float()
+    loss = (soft_ce(dl, tl) * keep).sum() / keep.sum().clamp(min=1.0)
+    agree = (head.draft_ids()[dl.argmax(-1)] == best).float().mean()
+    return loss, agree
+
+
 def dflash_loss(dl, tl, weights):
     """Soft CE of the drafts to the teacher, block slot k weighted by weights[k - 1] (dflash_weights)."""
     return (soft_ce(dl, tl) * weights).sum(-1).mean() / weights.sum()
@@ -468,13 +609,15 @@ def log(msg: str) -> None:
     LOG.info(msg)
 
 
-def log_to(path: Path) -> None:
-    """Log lines go to stdout and to `path` (the run's train_log.txt), each stamped with the time."""
+def log_to(path: Path, append: bool = False) -> None:
+    """Log lines go to stdout and to `path` (the run's train_log.txt, appended to with `append`), each stamped with
+    the time."""
     stamp = logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S")
     LOG.handlers.clear()
     LOG.setLevel(logging.INFO)
     LOG.propagate = False
-    for handler in (logging.StreamHandler(sys.stdout), logging.FileHandler(path, mode="w", encoding="utf-8")):
+    file = logging.FileHandler(path, mode="a" if append else "w", encoding="utf-8")
+    for handler in (logging.StreamHandler(sys.stdout), file):
         handler.setFormatter(stamp)
         LOG.addHandler(handler)
 
@@ -694,7 +837,8 @@ class Corpus:
         }
 
 
-def build_corpus(root: Path, package_roots: list[Path], p: Profile, seed: int) -> Corpus:
+def build_corpus(root: Path, package_roots: list[Path], p: Profile, seed: int, tok=None) -> Corpus:
+    """tok: a tokenizer to encode with (an existing family's) instead of training one."""
     files = stdlib_files(root, p.max_files, p.max_file_bytes)
     train_files = [f for f in files if not is_held_out(f[0])]
     held_files = [f for f in files if is_held_out(f[0])]
@@ -705,7 +849,7 @@ def build_corpus(root: Path, package_roots: list[Path], p: Profile, seed: int) -
     random.Random(seed).shuffle(train_docs)
     # The tokenizer learns from the same text as the first published family's (no method examples, no packages),
     # so it is the same tokenizer and held-out losses per token compare directly across families.
-    tok = train_tokenizer([t for _, t in train_files] + chats, p.vocab)
+    tok = tok or train_tokenizer([t for _, t in train_files] + chats, p.vocab)
     return Corpus(root, files, train_files, held_files, chats, method_chats, list(package_roots), packages, tok,
                   encode_stream(tok, train_docs), encode_stream(tok, [t for _, t in held_files]))
 
@@ -728,8 +872,14 @@ def train_tokenizer(texts: list[str], vocab: int):
     return tok
 
 
-def write_tokenizer(tok, path: Path) -> None:
-    tok.save(str(path / "tokenizer.json"))
+def load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def write_tokenizer(tok, path: Path, pretty: bool = True) -> None:
+    tok.save(str(path / "tokenizer.json"), pretty=pretty)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[0],
@@ -957,11 +1107,13 @@ def qwen3_config(s: Shape, vocab: int, **extra) -> dict:
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
-    out = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in sorted(tensors.items())}
+    out = {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+           for k, v in sorted(tensors.items())}  # (EAGLE-3's d2t and t2d keep their integer and bool types)
     save_file(out, str(path), metadata={"format": "pt"})
 
 
-def write_lm(path: Path, model: Qwen3LM, vocab: int, tok, extra_config=None, extra_tensors=None) -> None:
+def write_lm(path: Path, model: Qwen3LM, vocab: int, tok, extra_config=None, extra_tensors=None,
+             pretty_tokenizer: bool = True) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
     tensors.update(extra_tensors or {})
@@ -969,7 +1121,7 @@ def write_lm(path: Path, model: Qwen3LM, vocab: int, tok, extra_config=None, ext
     (path / "config.json").write_text(json.dumps(qwen3_config(model.s, vocab, **(extra_config or {})), indent=2) + "\n")
     gen_cfg = {"bos_token_id": EOT_ID, "eos_token_id": EOS_IDS, "pad_token_id": EOT_ID}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
-    write_tokenizer(tok, path)
+    write_tokenizer(tok, path, pretty_tokenizer)
 
 
 def write_dflash(path: Path, drafter: DFlashDrafter, *, block_size: int, target_layers: int, taps, mask_id: int,
@@ -994,6 +1146,33 @@ def write_dflash(path: Path, drafter: DFlashDrafter, *, block_size: int, target_
         "tie_word_embeddings": False,
         "use_cache": False,
         "is_causal": False,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def write_eagle3(path: Path, head: Eagle3Head, *, taps, vocab: int) -> None:
+    """The EAGLE-3 head in the EAGLE reference layout that outrider/speculative/eagle3.py (and vLLM, SGLang) load:
+    a Llama layer config plus draft_vocab_size, target_hidden_size, norm_before_residual and the taps as layer
+    inputs (`eagle_aux_hidden_state_layer_ids`: id j is the output of block j - 1)."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_safetensors(head.state_dict(), path / "model.safetensors")
+    s = head.s
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **layer_fields(s, vocab),
+        "num_hidden_layers": 1,
+        "draft_vocab_size": len(head.d2t),
+        "target_hidden_size": head.fc.in_features // len(taps),
+        "norm_before_residual": head.midlayer.norm_before_residual,
+        "eagle_config": {"use_aux_hidden_state": True,
+                         "eagle_aux_hidden_state_layer_ids": [t + 1 for t in sorted(taps)]},
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -1044,6 +1223,64 @@ def summarize(taus: list[int]) -> dict:
 # Main
 
 
+STAGES = ("target", "draft", "mtp", "dflash", "eagle3")
+STAGE_DIRS = {"target": "target", "draft": "draft", "mtp": "target", "dflash": "dflash", "eagle3": "eagle3"}
+
+
+def parse_stages(text: str) -> list[str]:
+    """A comma-separated subset of STAGES, in the order they run."""
+    names = [s for s in text.split(",") if s]
+    unknown = [s for s in names if s not in STAGES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: stages are a comma-separated subset of {','.join(STAGES)}")
+    return [s for s in STAGES if s in names]
+
+
+def with_overrides(p: Profile, items: list[str]) -> Profile:
+    """The profile with FIELD=VALUE items applied, VALUE a Python literal: a dict merges into the field's dict
+    (stage_seconds), a tuple gives a Shape field its values."""
+    fields = {f.name for f in dataclasses.fields(Profile)}
+    changes = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in fields:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
+        value, current = ast.literal_eval(text), getattr(p, name)
+        if isinstance(current, dict):
+            value = {**current, **value}
+        elif isinstance(current, Shape):
+            value = Shape(*value)
+        changes[name] = value
+    return dataclasses.replace(p, **changes)
+
+
+def load_lm(path: Path, device) -> Qwen3LM:
+    """A Qwen3 LM this script wrote (a target, its MTP tensors left out, or a draft model), frozen, in float32."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    model = Qwen3LM(Shape.from_config(cfg), cfg["vocab_size"])
+    state = {k: v.float() for k, v in load_file(str(path / "model.safetensors")).items() if not k.startswith("mtp.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing != ["lm_head.weight"] or unexpected:  # (tied to the embedding)
+        raise ValueError(f"{path}: not a checkpoint of this script's Qwen3LM ({missing}, {unexpected})")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def load_eagle3_head(path: Path, device="cpu") -> tuple[Eagle3Head, tuple[int, ...]]:
+    """An EAGLE-3 head write_eagle3 wrote, frozen, in float32, and the target block outputs it taps."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    state = {k: v.float() if v.is_floating_point() else v
+             for k, v in load_file(str(path / "model.safetensors")).items()}
+    taps = tuple(sorted(j - 1 for j in cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+    head = Eagle3Head(Shape.from_config(cfg), cfg["target_hidden_size"], len(taps),
+                      torch.arange(len(state["d2t"])) + state["d2t"], cfg["vocab_size"], cfg["norm_before_residual"])
+    head.load_state_dict(state)
+    return head.to(device).eval().requires_grad_(False), taps
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "outrider" / "demo")
@@ -1056,65 +1293,86 @@ def main(argv=None) -> int:
                          "interpreter's site-packages / dist-packages directories)")
     ap.add_argument("--reuse-target", type=Path, default=None,
                     help="load the target from a previous run's target/ directory instead of training it")
+    ap.add_argument("--stages", type=parse_stages, default=list(STAGES), metavar="S[,S...]",
+                    help=f"the stages to run, of {','.join(STAGES)} (default: all). Without target, --family "
+                         "gives the target and tokenizer, and --out gets only the stages' directories")
+    ap.add_argument("--family", type=Path, default=None,
+                    help="an existing family directory (e.g. outrider/demo) to train drafter --stages against: its "
+                         "target and tokenizer are used as they are, the corpus and the target's generations are "
+                         "rebuilt as a full run builds them, and metrics.json and train_log.txt are the family's "
+                         "with this run's stages added (drop-in replacements)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a profile field for a trial run (repeatable; VALUE a Python literal), e.g. "
+                         "eagle3_train='(5, 64, 2e-3, 2)' or stage_seconds=\"{'eagle3': 30}\"")
     ap.add_argument("--pack", type=Path, default=None,
                     help="also write the family into this directory as tar files of at most 16 MiB each (what a "
                          "device run may return), plus copies of metrics.json and train_log.txt")
     args = ap.parse_args(argv)
+    stages, family = args.stages, args.family
+    if ("target" in stages) == (family is not None):
+        ap.error("--family goes with --stages that leave out target (and those need it)")
 
     t_start = time.time()
-    p = SMOKE if args.smoke else FULL
+    p = with_overrides(SMOKE if args.smoke else FULL, args.set)
     ctx = start_run(args.device, args.seed, args.smoke)
     device = ctx.device
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    log_to(out / "train_log.txt")
-    metrics: dict = {"seed": args.seed, "profile": "smoke" if args.smoke else "full", "device": str(device),
-                     "torch": torch.__version__, "python": platform.python_version(),
-                     "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}
+    if family:  # the family's log goes on with this run's lines
+        (out / "train_log.txt").write_text((family / "train_log.txt").read_text())
+    log_to(out / "train_log.txt", append=family is not None)
+    run: dict = {"seed": args.seed, "profile": "smoke" if args.smoke else "full", "device": str(device),
+                 "torch": torch.__version__, "python": platform.python_version(),
+                 "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}
+    if args.set:
+        run["profile_overrides"] = args.set
     if ctx.cuda:
-        metrics["gpu"] = torch.cuda.get_device_name(0)
+        run["gpu"] = torch.cuda.get_device_name(0)
+    # A full run's metrics start with the run; a run against a family adds its stages (each with the run) to the
+    # family's metrics.
+    metrics: dict = json.loads((family / "metrics.json").read_text()) if family else dict(run)
+    timed = run if family else metrics  # where "seconds" goes
+    if family:
+        run["family"] = str(family)
+        log(f"--- stages {','.join(stages)} against the family in {family}: {run['command']}")
     stage_t = {}
+    pack_parts = {f"demo-{d}.tar": (d,) for d in dict.fromkeys(STAGE_DIRS[s] for s in stages)} if family else \
+        PACK_PARTS
 
     def save_metrics():
         """Writes metrics.json and, with --pack, packs what exists so far: a run stopped from outside (a device
         call's time limit) still returns every stage it finished."""
-        metrics["seconds"] = {**stage_t, "total": round(time.time() - t_start, 1)}
+        timed["seconds"] = {**stage_t, "total": round(time.time() - t_start, 1)}
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
         if args.pack:
-            return pack(out, args.pack)
+            return pack(out, args.pack, pack_parts)
         return []
 
-    # ---- data + tokenizer
+    # ---- data + tokenizer (a family's own tokenizer: ids must be its target's)
     t0 = time.time()
     root = args.stdlib or Path(sysconfig.get_paths()["stdlib"])
-    corpus = build_corpus(root, args.site_packages or site_dirs(), p, args.seed)
+    family_tok = load_tokenizer(family / "target") if family else None
+    corpus = build_corpus(root, args.site_packages or site_dirs(), p, args.seed, tok=family_tok)
     tok, train_stream, val_stream, held_files = corpus.tok, corpus.train_stream, corpus.val_stream, corpus.held_files
     vocab = tok.get_vocab_size()
-    metrics["corpus"] = corpus.summary()
-    metrics["vocab_size"] = vocab
+    summary = corpus.summary()
+    if family:
+        was = metrics.get("corpus", {})
+        run["corpus_matches_family"] = same = (summary["sha256"] == was.get("sha256") and
+                                               summary["packages"]["sha256"] == was.get("packages", {}).get("sha256"))
+        if not same:
+            log(f"warning: this corpus (stdlib {summary['sha256'][:8]}, packages "
+                f"{summary['packages']['sha256'][:8]}) is not the family's (stdlib {was.get('sha256', '?')[:8]}, "
+                f"packages {was.get('packages', {}).get('sha256', '?')[:8]}): another interpreter or packages")
+    else:
+        metrics["corpus"] = summary
+        metrics["vocab_size"] = vocab
     stage_t["data"] = round(time.time() - t0, 1)
-    log(f"corpus {metrics['corpus']} vocab {vocab} ({stage_t['data']}s)")
+    log(f"corpus {summary} vocab {vocab} ({stage_t['data']}s)")
 
     train_stream_d = train_stream.to(device)
     val = fixed_windows(val_stream, p.val_windows, p.seq + 1).to(device)
     val_small = val[: max(8, min(64, len(val)))]
-
-    # unigram baseline on the same held-out targets
-    counts = torch.bincount(train_stream.long(), minlength=vocab).double() + 1.0
-    logp = (counts / counts.sum()).log()
-    unigram = -logp[val[:, 1:].reshape(-1).cpu()].mean().item()
-
-    # ---- target
-    t0 = time.time()
-    torch.manual_seed(args.seed + 1)
-    target = Qwen3LM(p.target, vocab, p.dropout).to(device)
-    steps, batch, lr, warmup = p.target_train
-    g = torch.Generator().manual_seed(args.seed + 11)
-
-    def target_loss(step):
-        x = sample_windows(train_stream_d, batch, p.seq + 1, g)
-        h, _ = target(x[:, :-1])
-        return F.cross_entropy(target.logits(h).view(-1, vocab), x[:, 1:].reshape(-1))
 
     def lm_eval(model, windows):
         tot, correct, n = 0.0, 0, 0
@@ -1127,60 +1385,78 @@ def main(argv=None) -> int:
             n += x[:, 1:].numel()
         return {"val": tot / n, "top1": correct / n}
 
-    if args.reuse_target:
-        from safetensors.torch import load_file
-
-        state = {k: v.float() for k, v in load_file(str(args.reuse_target / "model.safetensors")).items()
-                 if not k.startswith("mtp.")}
-        target.load_state_dict(state, strict=False)
-        target.eval()
-        res = {"reused": str(args.reuse_target), "history": []}
+    # ---- target
+    if family:
+        target = load_lm(family / "target", device)
+        log(f"target from {family / 'target'} ({n_params(target)} parameters)")
     else:
-        res = train_loop("target", target, list(target.parameters()), steps, lr, warmup, target_loss,
-                         lambda: lm_eval(target, val_small), p.eval_every, ctx, p.stage_seconds["target"])
-    target.requires_grad_(False)
-    with torch.no_grad(), ctx.autocast():
-        final = lm_eval(target, val)
-    bits_per_byte = final["val"] / math.log(2) / metrics["corpus"]["held_out_bytes_per_token"]
-    metrics["target"] = {"params": n_params(target), "shape": asdict(p.target), "steps_planned": steps,
-                         "batch": batch, "seq": p.seq, "lr": lr, "schedule": "linear warmup, linear decay to 0",
-                         "dropout": p.dropout, **{k: v for k, v in res.items() if k != "history"},
-                         "held_out_loss": round(final["val"], 4), "held_out_top1": round(final["top1"], 4),
-                         "held_out_bits_per_byte": round(bits_per_byte, 4),
-                         "held_out_tokens_scored": int(val[:, 1:].numel()),
-                         "unigram_loss": round(unigram, 4), "history": res["history"]}
-    stage_t["target"] = round(time.time() - t0, 1)
-    log(f"target held-out loss {final['val']:.4f} (top-1 {final['top1']:.3f}, {bits_per_byte:.3f} bits/byte) "
-        f"vs unigram {unigram:.4f}")
-    write_lm(out / "target", target, vocab, tok)  # rewritten with the MTP tensors below
-    texts = greedy_continuations(target, [tok.encode(s).ids for s in SAMPLE_PROMPTS], p.eval_new, ctx, device)
-    metrics["samples"] = [{"prompt": s, "completion": tok.decode(t, skip_special_tokens=False)}
-                          for s, t in zip(SAMPLE_PROMPTS, texts)]
-    for sample in metrics["samples"]:
-        log(f"T = 0 sample:\n{sample['prompt']}{sample['completion']}")
-    save_metrics()
+        t0 = time.time()
+        # unigram baseline on the same held-out targets
+        counts = torch.bincount(train_stream.long(), minlength=vocab).double() + 1.0
+        logp = (counts / counts.sum()).log()
+        unigram = -logp[val[:, 1:].reshape(-1).cpu()].mean().item()
+        torch.manual_seed(args.seed + 1)
+        target = Qwen3LM(p.target, vocab, p.dropout).to(device)
+        steps, batch, lr, warmup = p.target_train
+        g = torch.Generator().manual_seed(args.seed + 11)
+
+        def target_loss(step):
+            x = sample_windows(train_stream_d, batch, p.seq + 1, g)
+            h, _ = target(x[:, :-1])
+            return F.cross_entropy(target.logits(h).view(-1, vocab), x[:, 1:].reshape(-1))
+
+        if args.reuse_target:
+            target = load_lm(args.reuse_target, device)
+            res = {"reused": str(args.reuse_target), "history": []}
+        else:
+            res = train_loop("target", target, list(target.parameters()), steps, lr, warmup, target_loss,
+                             lambda: lm_eval(target, val_small), p.eval_every, ctx, p.stage_seconds["target"])
+        target.requires_grad_(False)
+        with torch.no_grad(), ctx.autocast():
+            final = lm_eval(target, val)
+        bits_per_byte = final["val"] / math.log(2) / metrics["corpus"]["held_out_bytes_per_token"]
+        metrics["target"] = {"params": n_params(target), "shape": asdict(p.target), "steps_planned": steps,
+                             "batch": batch, "seq": p.seq, "lr": lr, "schedule": "linear warmup, linear decay to 0",
+                             "dropout": p.dropout, **{k: v for k, v in res.items() if k != "history"},
+                             "held_out_loss": round(final["val"], 4), "held_out_top1": round(final["top1"], 4),
+                             "held_out_bits_per_byte": round(bits_per_byte, 4),
+                             "held_out_tokens_scored": int(val[:, 1:].numel()),
+                             "unigram_loss": round(unigram, 4), "history": res["history"]}
+        stage_t["target"] = round(time.time() - t0, 1)
+        log(f"target held-out loss {final['val']:.4f} (top-1 {final['top1']:.3f}, {bits_per_byte:.3f} bits/byte) "
+            f"vs unigram {unigram:.4f}")
+        write_lm(out / "target", target, vocab, tok)  # rewritten with the MTP tensors below
+        texts = greedy_continuations(target, [tok.encode(s).ids for s in SAMPLE_PROMPTS], p.eval_new, ctx, device)
+        metrics["samples"] = [{"prompt": s, "completion": tok.decode(t, skip_special_tokens=False)}
+                              for s, t in zip(SAMPLE_PROMPTS, texts)]
+        for sample in metrics["samples"]:
+            log(f"T = 0 sample:\n{sample['prompt']}{sample['completion']}")
+        save_metrics()
+    drafters = [s for s in stages if s != "target"]
 
     # ---- target-generated data (greedy, plus 25 % sampled at T = 0.8) for all drafters
     t0 = time.time()
     gg = torch.Generator().manual_seed(args.seed + 21)
     g_sample = torch.Generator(device=device).manual_seed(args.seed + 22)
     gen_seqs = []
-    for i in range(0, p.gen_prompts, p.gen_batch):
+    for i in range(0, p.gen_prompts if drafters else 0, p.gen_batch):
         b = min(p.gen_batch, p.gen_prompts - i)
         prompts = sample_windows(train_stream_d, b, p.gen_prompt_len, gg)
         temp = torch.where(torch.rand(b, generator=gg) < 0.25, 0.8, 0.0).to(device)
         new = generate(target, prompts, p.gen_new, ctx, temperature=temp, gen=g_sample)
         gen_seqs.append(torch.cat([prompts, new], 1).cpu())
-    gen_seqs = torch.cat(gen_seqs)
+    gen_seqs = torch.cat(gen_seqs) if gen_seqs else torch.zeros(0, p.gen_prompt_len + p.gen_new, dtype=torch.long)
     gen_stream = torch.cat([torch.zeros(len(gen_seqs), 1, dtype=torch.long), gen_seqs], 1).reshape(-1)
     gen_stream = gen_stream.to(torch.int32).to(device)  # each sequence preceded by <|endoftext|>
     # held-out generations for drafter validation: greedy continuations of held-out prefixes
     vprompts = fixed_windows(val_stream, max(8, p.val_windows // 4), p.gen_prompt_len).to(device)
-    vgen = torch.cat([vprompts, generate(target, vprompts, p.gen_new, ctx)], 1)
-    vgen_windows = vgen  # [n, P + new]
-    metrics["generated"] = {"sequences": len(gen_seqs), "tokens": int(gen_seqs.numel()),
-                            "prompt_len": p.gen_prompt_len, "new_tokens": p.gen_new, "sampled_fraction": 0.25,
-                            "temperature": 0.8}
+    vgen_windows = torch.cat([vprompts, generate(target, vprompts, p.gen_new, ctx)], 1)  # [n, P + new]
+    generated = {"sequences": len(gen_seqs), "tokens": int(gen_seqs.numel()), "prompt_len": p.gen_prompt_len,
+                 "new_tokens": p.gen_new, "sampled_fraction": 0.25, "temperature": 0.8}
+    if family:
+        run["generated"] = generated
+    else:
+        metrics["generated"] = generated
     stage_t["generate"] = round(time.time() - t0, 1)
     log(f"generated {gen_seqs.numel()} tokens ({stage_t['generate']}s)")
 
@@ -1194,133 +1470,190 @@ def main(argv=None) -> int:
             h, tapped = target(x)
         return h, tapped
 
+    def chained_stage(step_losses, weights, batch_size, gen):
+        """train_loop's loss and eval functions for a chain head: step_losses(ids) -> ([loss per step], [draft
+        agreement with the target's argmax per step]), the loss weighted over the steps."""
+
+        def loss_fn(step):
+            losses, _ = step_losses(drafter_batch(batch_size, gen))
+            return sum(w * l for w, l in zip(weights, losses))
+
+        def eval_fn():
+            losses, accs = step_losses(vgen_windows)
+            return {"val": sum(w * l.item() for w, l in zip(weights, losses)),
+                    **{f"agree{k + 1}": a.item() for k, a in enumerate(accs)}}
+
+        return loss_fn, eval_fn
+
     # ---- draft model: forward KL to the target + 0.2 CE
-    t0 = time.time()
-    torch.manual_seed(args.seed + 2)
-    draft = Qwen3LM(p.draft, vocab, 0.0).to(device)
-    steps, batch, lr, warmup = p.draft_train
-    gd = torch.Generator().manual_seed(args.seed + 12)
+    if "draft" in stages:
+        t0 = time.time()
+        torch.manual_seed(args.seed + 2)
+        draft = Qwen3LM(p.draft, vocab, 0.0).to(device)
+        steps, batch, lr, warmup = p.draft_train
+        gd = torch.Generator().manual_seed(args.seed + 12)
 
-    def draft_loss(step):
-        x = drafter_batch(batch, gd)
-        th, _ = target_view(x)
-        dh, _ = draft(x[:, :-1])
-        dl = draft.logits(dh)
-        kd = soft_ce(dl, target.logits(th[:, :-1])).mean()
-        ce = F.cross_entropy(dl.reshape(-1, vocab), x[:, 1:].reshape(-1))
-        return kd + 0.2 * ce
+        def draft_loss(step):
+            x = drafter_batch(batch, gd)
+            th, _ = target_view(x)
+            dh, _ = draft(x[:, :-1])
+            dl = draft.logits(dh)
+            kd = soft_ce(dl, target.logits(th[:, :-1])).mean()
+            ce = F.cross_entropy(dl.reshape(-1, vocab), x[:, 1:].reshape(-1))
+            return kd + 0.2 * ce
 
-    def draft_eval():
-        x = vgen_windows
-        th, _ = target(x)
-        tl = target.logits(th[:, :-1])
-        dh, _ = draft(x[:, :-1])
-        dl = draft.logits(dh)
-        lm = lm_eval(draft, val_small)
-        return {"val": soft_ce(dl, tl).mean().item(),
-                "agree": (dl.argmax(-1) == tl.argmax(-1)).float().mean().item(),
-                "code_loss": lm["val"]}
+        def draft_eval():
+            x = vgen_windows
+            th, _ = target(x)
+            tl = target.logits(th[:, :-1])
+            dh, _ = draft(x[:, :-1])
+            dl = draft.logits(dh)
+            lm = lm_eval(draft, val_small)
+            return {"val": soft_ce(dl, tl).mean().item(),
+                    "agree": (dl.argmax(-1) == tl.argmax(-1)).float().mean().item(),
+                    "code_loss": lm["val"]}
 
-    res = train_loop("draft", draft, list(draft.parameters()), steps, lr, warmup, draft_loss, draft_eval,
-                     p.eval_every, ctx, p.stage_seconds["draft"])
-    draft.requires_grad_(False)
-    with torch.no_grad(), ctx.autocast():
-        dfinal = lm_eval(draft, val)
-    metrics["draft"] = {"params": n_params(draft), "shape": asdict(p.draft), "batch": batch, "lr": lr,
-                        "loss": "forward KL to target + 0.2 CE", **{k: v for k, v in res.items() if k != "history"},
-                        "held_out_loss": round(dfinal["val"], 4), "history": res["history"]}
-    write_lm(out / "draft", draft, vocab, tok)
-    stage_t["draft"] = round(time.time() - t0, 1)
-    save_metrics()
+        res = train_loop("draft", draft, list(draft.parameters()), steps, lr, warmup, draft_loss, draft_eval,
+                         p.eval_every, ctx, p.stage_seconds["draft"])
+        draft.requires_grad_(False)
+        with torch.no_grad(), ctx.autocast():
+            dfinal = lm_eval(draft, val)
+        metrics["draft"] = {"params": n_params(draft), "shape": asdict(p.draft), "batch": batch, "lr": lr,
+                            "loss": "forward KL to target + 0.2 CE",
+                            **{k: v for k, v in res.items() if k != "history"},
+                            "held_out_loss": round(dfinal["val"], 4), "history": res["history"],
+                            **({"run": run} if family else {})}
+        # The draft's tokenizer copy only serves the engine's vocabulary check (outrider/speculative/compat.py):
+        # compact JSON, 156 KB less of the demo's 20 MB.
+        write_lm(out / "draft", draft, vocab, tok, pretty_tokenizer=False)
+        stage_t["draft"] = round(time.time() - t0, 1)
+        save_metrics()
 
     # ---- MTP: recursive K steps, weights beta^(k-1) normalised, soft CE to the target's next-token distribution
-    t0 = time.time()
-    torch.manual_seed(args.seed + 3)
-    mtp = MTPHead(p.target, 0.0).to(device)
     K = p.mtp_steps
-    wk = torch.tensor([p.mtp_beta ** i for i in range(K)])
-    wk = (wk / wk.sum()).tolist()
-    steps, batch, lr, warmup = p.mtp_train
-    gm = torch.Generator().manual_seed(args.seed + 13)
+    if "mtp" in stages:
+        t0 = time.time()
+        torch.manual_seed(args.seed + 3)
+        mtp = MTPHead(p.target, 0.0).to(device)
+        wk = step_weights(p.mtp_beta, K)
+        steps, batch, lr, warmup = p.mtp_train
+        gm = torch.Generator().manual_seed(args.seed + 13)
 
-    def mtp_step_losses(x):
-        th, _ = target_view(x)
-        outs = mtp.unroll(target, th, x, K)
-        N = x.shape[1] - 1 - K
-        losses, accs = [], []
-        for k, y in enumerate(outs, start=1):
-            ml = target.logits(y)
-            tl = target.logits(th[:, k:k + N])  # target at index i+k predicts t_{i+k+1}
-            losses.append(soft_ce(ml, tl).mean())
-            accs.append((ml.argmax(-1) == tl.argmax(-1)).float().mean())
-        return losses, accs
+        def mtp_step_losses(x):
+            th, _ = target_view(x)
+            outs = mtp.unroll(target, th, x, K)
+            N = x.shape[1] - 1 - K
+            losses, accs = [], []
+            for k, y in enumerate(outs, start=1):
+                ml = target.logits(y)
+                tl = target.logits(th[:, k:k + N])  # target at index i+k predicts t_{i+k+1}
+                losses.append(soft_ce(ml, tl).mean())
+                accs.append((ml.argmax(-1) == tl.argmax(-1)).float().mean())
+            return losses, accs
 
-    def mtp_loss(step):
-        losses, _ = mtp_step_losses(drafter_batch(batch, gm))
-        return sum(w * l for w, l in zip(wk, losses))
-
-    def mtp_eval():
-        losses, accs = mtp_step_losses(vgen_windows)
-        r = {"val": sum(w * l.item() for w, l in zip(wk, losses))}
-        r.update({f"agree{k + 1}": a.item() for k, a in enumerate(accs)})
-        return r
-
-    res = train_loop("mtp", mtp, list(mtp.parameters()), steps, lr, warmup, mtp_loss, mtp_eval,
-                     p.eval_every, ctx, p.stage_seconds["mtp"])
-    mtp.requires_grad_(False)
-    metrics["mtp"] = {"params": n_params(mtp), "layout": "qwen3_5 (mtp.fc / pre_fc_norm_* / layers.0 / norm)",
-                      "hidden_input": "target post-final-norm hidden; recursion feeds post-mtp.norm output",
-                      "train_steps_K": K, "step_weights": [round(w, 3) for w in wk], "batch": batch, "lr": lr,
-                      **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
-    mtp_tensors = {f"mtp.{k}": v for k, v in mtp.state_dict().items()}
-    write_lm(out / "target", target, vocab, tok,
-             extra_config={"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False},
-             extra_tensors=mtp_tensors)
-    stage_t["mtp"] = round(time.time() - t0, 1)
-    save_metrics()
+        mtp_loss, mtp_eval = chained_stage(mtp_step_losses, wk, batch, gm)
+        res = train_loop("mtp", mtp, list(mtp.parameters()), steps, lr, warmup, mtp_loss, mtp_eval,
+                         p.eval_every, ctx, p.stage_seconds["mtp"])
+        mtp.requires_grad_(False)
+        metrics["mtp"] = {"params": n_params(mtp), "layout": "qwen3_5 (mtp.fc / pre_fc_norm_* / layers.0 / norm)",
+                          "hidden_input": "target post-final-norm hidden; recursion feeds post-mtp.norm output",
+                          "train_steps_K": K, "step_weights": [round(w, 3) for w in wk], "batch": batch, "lr": lr,
+                          **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
+                          **({"run": run} if family else {})}
+        mtp_tensors = {f"mtp.{k}": v for k, v in mtp.state_dict().items()}
+        write_lm(out / "target", target, vocab, tok,
+                 extra_config={"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False},
+                 extra_tensors=mtp_tensors)
+        stage_t["mtp"] = round(time.time() - t0, 1)
+        save_metrics()
 
     # ---- DFlash: block diffusion on the frozen target's tapped hidden states
-    t0 = time.time()
-    torch.manual_seed(args.seed + 4)
-    dflash = DFlashDrafter(p.dflash, len(p.dflash_taps), 0.0).to(device)
     Bk = p.block_size
-    dw = dflash_weights(Bk, p.dflash_gamma, device)
-    steps, batch, lr, warmup = p.dflash_train
-    gf = torch.Generator().manual_seed(args.seed + 14)
+    if "dflash" in stages:
+        t0 = time.time()
+        torch.manual_seed(args.seed + 4)
+        dflash = DFlashDrafter(p.dflash, len(p.dflash_taps), 0.0).to(device)
+        dw = dflash_weights(Bk, p.dflash_gamma, device)
+        steps, batch, lr, warmup = p.dflash_train
+        gf = torch.Generator().manual_seed(args.seed + 14)
 
-    def train_step_loss(step):
-        x = drafter_batch(batch, gf)
-        anchors = random_anchors(batch, p.seq, p.dflash_anchors, Bk, gf, device)
-        return dflash_loss(*dflash_outputs(dflash, target, x, anchors, Bk, p.dflash_taps), dw)
+        def train_step_loss(step):
+            x = drafter_batch(batch, gf)
+            anchors = random_anchors(batch, p.seq, p.dflash_anchors, Bk, gf, device)
+            return dflash_loss(*dflash_outputs(dflash, target, x, anchors, Bk, p.dflash_taps), dw)
 
-    def dflash_eval():
-        x = vgen_windows
-        ge = torch.Generator().manual_seed(1234)
-        anchors = random_anchors(len(x), x.shape[1], min(p.dflash_anchors, (x.shape[1] - Bk) // 2), Bk, ge, device)
-        return dflash_scores(*dflash_outputs(dflash, target, x, anchors, Bk, p.dflash_taps), dw)
+        def dflash_eval():
+            x = vgen_windows
+            ge = torch.Generator().manual_seed(1234)
+            anchors = random_anchors(len(x), x.shape[1], min(p.dflash_anchors, (x.shape[1] - Bk) // 2), Bk, ge,
+                                     device)
+            return dflash_scores(*dflash_outputs(dflash, target, x, anchors, Bk, p.dflash_taps), dw)
 
-    res = train_loop("dflash", dflash, list(dflash.parameters()), steps, lr, warmup, train_step_loss, dflash_eval,
-                     p.eval_every, ctx, p.stage_seconds["dflash"])
-    dflash.requires_grad_(False)
-    metrics["dflash"] = {"params": n_params(dflash), "shape": asdict(p.dflash), "block_size": Bk,
-                         "target_layer_ids": list(p.dflash_taps), "mask_token_id": MASK_ID,
-                         "gamma": p.dflash_gamma, "anchors_per_seq": p.dflash_anchors, "batch": batch, "lr": lr,
-                         **{k: v for k, v in res.items() if k != "history"}, "history": res["history"]}
-    write_dflash(out / "dflash", dflash, block_size=Bk, target_layers=p.target.layers, taps=p.dflash_taps,
-                 mask_id=MASK_ID, vocab=p.vocab)
-    stage_t["dflash"] = round(time.time() - t0, 1)
-    save_metrics()
+        res = train_loop("dflash", dflash, list(dflash.parameters()), steps, lr, warmup, train_step_loss,
+                         dflash_eval, p.eval_every, ctx, p.stage_seconds["dflash"])
+        dflash.requires_grad_(False)
+        metrics["dflash"] = {"params": n_params(dflash), "shape": asdict(p.dflash), "block_size": Bk,
+                             "target_layer_ids": list(p.dflash_taps), "mask_token_id": MASK_ID,
+                             "gamma": p.dflash_gamma, "anchors_per_seq": p.dflash_anchors, "batch": batch, "lr": lr,
+                             **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
+                             **({"run": run} if family else {})}
+        write_dflash(out / "dflash", dflash, block_size=Bk, target_layers=target.s.layers, taps=p.dflash_taps,
+                     mask_id=MASK_ID, vocab=vocab)
+        stage_t["dflash"] = round(time.time() - t0, 1)
+        save_metrics()
+
+    # ---- EAGLE-3: fc over three target taps, one layer chained on its own output (training-time test), a reduced
+    # vocabulary; soft CE to the target's distribution on that vocabulary, weights beta^(k-1) normalised
+    K3 = p.eagle3_steps
+    if "eagle3" in stages:
+        t0 = time.time()
+        torch.manual_seed(args.seed + 5)
+        ids3 = draft_vocabulary([train_stream, gen_stream], vocab, p.eagle3_vocab)
+        eagle3 = Eagle3Head(p.eagle3, target.s.hidden, len(p.eagle3_taps), ids3, vocab).to(device)
+        w3 = step_weights(p.eagle3_beta, K3)
+        steps, batch, lr, warmup = p.eagle3_train
+        g3 = torch.Generator().manual_seed(args.seed + 15)
+
+        def eagle3_step_losses(x):
+            scores = [eagle3_scores(eagle3, *o) for o in eagle3_outputs(eagle3, target, x, p.eagle3_taps, K3)]
+            return [s for s, _ in scores], [a for _, a in scores]
+
+        eagle3_loss, eagle3_eval = chained_stage(eagle3_step_losses, w3, batch, g3)
+        res = train_loop("eagle3", eagle3, list(eagle3.parameters()), steps, lr, warmup, eagle3_loss, eagle3_eval,
+                         p.eval_every, ctx, p.stage_seconds["eagle3"])
+        eagle3.requires_grad_(False)
+        covered = {name: round(eagle3.t2d[stream.long()].float().mean().item(), 4)
+                   for name, stream in (("corpus", train_stream_d), ("generated", gen_stream))}
+        metrics["eagle3"] = {"params": n_params(eagle3), "shape": asdict(p.eagle3),
+                             "layout": "EAGLE reference (LlamaForCausalLMEagle3: fc / midlayer / norm / lm_head / "
+                                       "d2t / t2d; the target's embedding)",
+                             "target_layer_ids": list(p.eagle3_taps),
+                             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in p.eagle3_taps],
+                             "draft_vocab_size": p.eagle3_vocab, "draft_vocab_covers": covered,
+                             "hidden_input": "fc(taps) at the first step; the chain feeds the pre-norm output back",
+                             "train_steps_K": K3, "step_weights": [round(w, 3) for w in w3], "batch": batch, "lr": lr,
+                             **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
+                             **({"run": run} if family else {})}
+        write_eagle3(out / "eagle3", eagle3, taps=p.eagle3_taps, vocab=vocab)
+        stage_t["eagle3"] = round(time.time() - t0, 1)
+        log(f"eagle3 draft vocabulary of {p.eagle3_vocab} covers {covered}")
+        save_metrics()
 
     # ---- offline acceptance proxy on held-out prompts (greedy; exact under teacher forcing)
     t0 = time.time()
-    prompts = make_eval_prompts(held_files, p.eval_prompts, args.seed)
-    (out / "eval_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
-    taus = {**{f"draft_k{k}": [] for k in (3, 4, 5)}, **{f"mtp_k{k}": [] for k in range(1, K + 1)},
-            "dflash": []}
+    if family:  # the published prompts
+        prompts = json.loads((family / "eval_prompts.json").read_text())
+    else:
+        prompts = make_eval_prompts(held_files, p.eval_prompts, args.seed)
+        (out / "eval_prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
+    names = {"draft": [f"draft_k{k}" for k in (3, 4, 5)], "mtp": [f"mtp_k{k}" for k in range(1, K + 1)],
+             "dflash": ["dflash"], "eagle3": [f"eagle3_k{k}" for k in range(1, K3 + 1)]}
+    taus = {n: [] for s in drafters for n in names[s]}
     per_kind = {kind: {n: [] for n in taus} for kind in ("def", "window")}
     prompt_ids = [tok.encode(pr["prompt"]).ids for pr in prompts]
     continuations = greedy_continuations(target, prompt_ids, p.eval_new, ctx, device)
     repeated = sum(repeated_tokens(ids + gen, len(ids)) for ids, gen in zip(prompt_ids, continuations))
+    taps_needed = tuple(sorted(set(p.dflash_taps) | set(p.eagle3_taps)))
     with torch.no_grad(), ctx.autocast():
         for pr, ids, gen_ids in zip(prompts, prompt_ids, continuations):
             toks = ids + gen_ids
@@ -1338,24 +1671,36 @@ def main(argv=None) -> int:
                 taus[name] += tk
                 kind[name] += tk
 
-            # draft model: teacher-forced argmax at index i predicts i+1 (exact: accepted drafts = target tokens)
-            dh, _ = draft(seq)
-            da = draft.logits(dh).argmax(-1)[0].tolist()
-            for k in (3, 4, 5):
-                record(f"draft_k{k}", lambda n, j: da[n + j], k)
-            # MTP: chain index i = n-1; step j+1 predicts index n+j+1
-            th, taps = target(seq, taps=p.dflash_taps)
-            mp = [target.logits(y).argmax(-1)[0].tolist() for y in mtp.unroll(target, th, seq, K)]
-            for k in range(1, K + 1):
-                record(f"mtp_k{k}", lambda n, j: mp[j][n - 1] if n - 1 < len(mp[j]) else -1, k)
-            # DFlash: one block per anchor a in [1, L - Bk]; slot j+1 predicts index a+j+1
-            if L - Bk >= 1:
+            th, tapped = target(seq, taps=taps_needed)
+            taps = dict(zip(taps_needed, tapped))  # concatenated in layer order, as in training and serving
+
+            def chain_record(kind_name, preds, steps):
+                # chain index i = n-1; step j+1 predicts index n+j+1
+                for k in range(1, steps + 1):
+                    record(f"{kind_name}_k{k}", lambda n, j: preds[j][n - 1] if n - 1 < len(preds[j]) else -1, k)
+
+            if "draft" in stages:
+                # teacher-forced argmax at index i predicts i+1 (exact: accepted drafts = target tokens)
+                dh, _ = draft(seq)
+                da = draft.logits(dh).argmax(-1)[0].tolist()
+                for k in (3, 4, 5):
+                    record(f"draft_k{k}", lambda n, j: da[n + j], k)
+            if "mtp" in stages:
+                chain_record("mtp", [target.logits(y).argmax(-1)[0].tolist()
+                                     for y in mtp.unroll(target, th, seq, K)], K)
+            if "eagle3" in stages:
+                taps3 = torch.cat([taps[t] for t in sorted(p.eagle3_taps)], -1)
+                chain_record("eagle3", [eagle3.drafts(y)[0].tolist() for y in eagle3.unroll(target, taps3, seq, K3)],
+                             K3)
+            if "dflash" in stages and L - Bk >= 1:
+                # one block per anchor a in [1, L - Bk]; slot j+1 predicts index a+j+1
                 anchors = torch.arange(1, L - Bk + 1, device=device)[None]
                 block_ids, pos, mask = dflash_block(seq, anchors, Bk)
-                hid = dflash(torch.cat(taps, -1), target.model.embed_tokens(block_ids), pos, mask)
+                hid = dflash(torch.cat([taps[t] for t in sorted(p.dflash_taps)], -1),
+                             target.model.embed_tokens(block_ids), pos, mask)
                 fa = target.logits(hid).argmax(-1)[0].view(-1, Bk).tolist()  # [anchor - 1][slot]
                 record("dflash", lambda n, j: fa[n - 1][j + 1] if 1 <= n <= L - Bk else -1, Bk - 1)
-    metrics["acceptance_proxy"] = {
+    proxy = {
         "what": "offline greedy acceptance length tau (accepted drafts + 1) simulated with this script's own "
                 "model code on the target's greedy continuations of held-out prompts (eval_prompts.json, "
                 f"{p.eval_new} new tokens, stop at EOS); full-length steps only. Exact for greedy verification "
@@ -1367,14 +1712,23 @@ def main(argv=None) -> int:
         "greedy_repeated_share_what": f"share of the target's generated tokens that end a {REPEAT_NGRAM}-gram "
                                       "already present earlier in the prompt or continuation (greedy loops)",
     }
+    if family:  # the family's numbers for the other drafters stay
+        for part in ("all", "def", "window"):
+            metrics.setdefault("acceptance_proxy", {}).setdefault(part, {}).update(proxy[part])
+    else:
+        metrics["acceptance_proxy"] = proxy
     stage_t["acceptance_proxy"] = round(time.time() - t0, 1)
-    log("acceptance proxy: " + json.dumps(metrics["acceptance_proxy"]["all"]))
+    log("acceptance proxy: " + json.dumps(proxy["all"]))
 
-    sizes = {str(f.relative_to(out)): f.stat().st_size for f in sorted(out.rglob("*"))
-             if f.is_file() and f.parent.name in ("target", "draft", "dflash")}
+    # the family's files as they will be: this run's directories, and the family's for the others
+    sizes = {}
+    for d in ("target", "draft", "dflash", "eagle3"):
+        base = out if (out / d).is_dir() or not family else family
+        sizes.update({f"{d}/{f.name}": f.stat().st_size for f in sorted((base / d).glob("*")) if f.is_file()})
     metrics["files"] = sizes
     metrics["total_bytes"] = sum(sizes.values())
-    log(f"wrote {out} ({metrics['total_bytes'] / 1e6:.2f} MB of model files) in {time.time() - t_start:.0f}s")
+    log(f"wrote {out} ({metrics['total_bytes'] / 1e6:.2f} MB of model files with the family's) in "
+        f"{time.time() - t_start:.0f}s")
     for path in save_metrics():
         log(f"packed {path} ({path.stat().st_size / 1e6:.2f} MB)")
     return 0
@@ -1382,15 +1736,16 @@ def main(argv=None) -> int:
 
 # The family as the device returns it: tar files relative to outrider/demo, none over the 16 MiB a file may be.
 PACK_PARTS = {"demo-target.tar": ("target",),
-              "demo-drafters.tar": ("draft", "dflash", "metrics.json", "eval_prompts.json", "train_log.txt")}
+              "demo-drafters.tar": ("draft", "dflash", "eagle3", "metrics.json", "eval_prompts.json",
+                                    "train_log.txt")}
 PACK_FILE_LIMIT = 16 << 20
 
 
 def pack(out: Path, dest: Path, parts: dict = PACK_PARTS) -> list[Path]:
-    """Write `parts` (tar file name -> members; default PACK_PARTS, the family) of `out` into `dest`, and plain copies of metrics.json and train_log.txt
-    to read without unpacking. Members not written yet are left out (a part with none is skipped), and each file
-    replaces its previous version in one rename, so a run killed while packing leaves the last complete pack.
-    Raises if a part is over PACK_FILE_LIMIT."""
+    """Write `parts` (tar file name -> members; default PACK_PARTS, the family) of `out` into `dest`, and plain
+    copies of metrics.json and train_log.txt to read without unpacking. Members not written yet are left out (a
+    part with none is skipped), and each file replaces its previous version in one rename, so a run killed while
+    packing leaves the last complete pack. Raises if a part is over PACK_FILE_LIMIT."""
     dest.mkdir(parents=True, exist_ok=True)
     written = []
     for name, members in parts.items():

@@ -36,9 +36,9 @@ def load_script():
     return mod
 
 
-def run_smoke(out: Path, seed: int = 0, pack: Path | None = None) -> dict:
+def run_smoke(out: Path, seed: int = 0, pack: Path | None = None, extra: tuple[str, ...] = ()) -> dict:
     subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--seed", str(seed),
-                    "--out", str(out), *(["--pack", str(pack)] if pack else [])],
+                    "--out", str(out), *(["--pack", str(pack)] if pack else []), *extra],
                    check=True, cwd=ROOT, timeout=300, capture_output=True)
     return json.loads((out / "metrics.json").read_text())
 
@@ -58,6 +58,10 @@ def td_site_dirs():
     return load_script().site_dirs()
 
 
+def td_profile():
+    return load_script().SMOKE
+
+
 def tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -70,12 +74,17 @@ def test_smoke_writes_every_artifact(smoke):
         for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json"):
             assert (out / d / f).is_file(), f"{d}/{f}"
-    assert (out / "dflash" / "config.json").is_file() and (out / "dflash" / "model.safetensors").is_file()
+    for d in ("dflash", "eagle3"):
+        assert (out / d / "config.json").is_file() and (out / d / "model.safetensors").is_file(), d
     prompts = json.loads((out / "eval_prompts.json").read_text())
     assert prompts and {p["kind"] for p in prompts} <= {"def", "window"}
     t = metrics["target"]
     assert t["held_out_loss"] > 0 and t["unigram_loss"] > 0 and t["held_out_bits_per_byte"] > 0
     assert t["steps_run"] == t["steps_planned"] and not t["stopped_by_time"]
+    e = metrics["eagle3"]
+    assert e["steps_run"] == td_profile().eagle3_train[0] and not e["stopped_by_time"]
+    assert e["draft_vocab_size"] == td_profile().eagle3_vocab and 0 < e["draft_vocab_covers"]["generated"] <= 1
+    assert {f"eagle3_k{k}" for k in range(1, td_profile().eagle3_steps + 1)} <= set(metrics["acceptance_proxy"]["all"])
     assert metrics["corpus"]["held_out_files"] > 0 and metrics["corpus"]["train_files"] > 0
     assert metrics["corpus"]["method_chat_examples"] > 0
     packages = metrics["corpus"]["packages"]  # by default the running interpreter's site-packages
@@ -411,3 +420,162 @@ def test_pack_of_an_unfinished_run_holds_the_stages_written_so_far(tmp_path):
     assert (dest / "metrics.json").read_text() == "{\"stage\": 2}"
     assert sorted(f.name for f in dest.iterdir()) == ["demo-drafters.tar", "demo-target.tar", "metrics.json",
                                                       "train_log.txt"]
+
+
+EAGLE3_LAYER_TENSORS = {"input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+                        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                        "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+
+
+def test_smoke_eagle3_checkpoint_is_in_the_eagle_reference_layout(smoke):
+    """LlamaForCausalLMEagle3: fc over three taps, one Llama layer (no q/k norm) under midlayer. reading 2H, norm,
+    an lm_head over the draft vocabulary, d2t/t2d naming the most frequent target tokens; no embedding."""
+    td = load_script()
+    out, _ = smoke
+    target = json.loads((out / "target" / "config.json").read_text())
+    cfg = json.loads((out / "eagle3" / "config.json").read_text())
+    H, V, Vd = target["hidden_size"], target["vocab_size"], td.SMOKE.eagle3_vocab
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == Vd
+    assert cfg["vocab_size"] == V and cfg["hidden_size"] == cfg["target_hidden_size"] == H
+    taps = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]  # layer inputs: output of block j - 1
+    assert taps == [t + 1 for t in td.SMOKE.eagle3_taps] and max(taps) <= target["num_hidden_layers"] - 1
+    t = tensors(out / "eagle3")
+    assert set(t) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"midlayer.{n}" for n in EAGLE3_LAYER_TENSORS}
+    assert t["fc.weight"].shape == (H, 3 * H) and t["lm_head.weight"].shape == (Vd, H)
+    assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * H
+    assert all(v.dtype == torch.bfloat16 for k, v in t.items() if k not in ("d2t", "t2d"))
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and t["t2d"].shape == (V,)
+    ids = torch.arange(Vd) + t["d2t"]
+    assert ids.tolist() == sorted(set(ids.tolist())) and t["t2d"].nonzero().flatten().tolist() == ids.tolist()
+    assert td.EOT_ID in ids.tolist()  # the document separator is one of the most frequent tokens
+
+
+def test_draft_vocabulary_takes_the_most_frequent_tokens_of_both_streams_equally():
+    td = load_script()
+    corpus = torch.tensor([5] * 50 + [6] * 30 + [7] * 20)
+    generated = torch.tensor([8] * 7 + [7] * 2 + [6])  # shares: 5 0.5, 8 0.7, 7 0.2 + 0.2, 6 0.3 + 0.1
+    assert td.draft_vocabulary([corpus, generated], 10, 2).tolist() == [5, 8]
+    assert td.draft_vocabulary([corpus], 10, 2).tolist() == [5, 6]
+    assert td.draft_vocabulary([torch.tensor([3, 1])], 10, 2).tolist() == [1, 3]  # ties: the lower ids
+    assert td.draft_vocabulary([torch.tensor([3, 1])], 10, 3).tolist() == [0, 1, 3]
+
+
+@torch.no_grad()
+def test_smoke_eagle3_head_in_outrider_gives_the_script_models_logits_along_the_chain(smoke):
+    """outrider's EAGLE-3 loader and modules (its paged KV, as the chain drafter runs them) give the logits the
+    script trains (eagle3_outputs) for the smoke head: the taps (fc's input, in layer order), step 1 over committed
+    pairs (causal, from fc(taps)) and the chained steps at index i (position i + k - 1, over step 1's keys up to i
+    and the chain's own). The teacher of step k at index i is the target at index i + k."""
+    from outrider.attention import KVCache, get_backend
+    from outrider.attention.metadata import build_metadata
+    from outrider.config import ModelConfig
+    from outrider.layers.rotary import RotaryEmbedding
+    from outrider.models import load_model
+    from outrider.speculative.eagle3 import load_eagle3
+
+    td = load_script()
+    out, _ = smoke
+    target, tcfg = load_model(str(out / "target"), dtype="float32", device="cpu")
+    head, cfg, taps = load_eagle3(str(out / "eagle3"), ModelConfig.from_path(out / "target"))
+    head = head.float()
+    ours, our_taps = td.load_eagle3_head(out / "eagle3")
+    ours_target = td.load_lm(out / "target", "cpu")
+    assert taps == our_taps == td.SMOKE.eagle3_taps
+    assert torch.equal(torch.arange(len(head.d2t)) + head.d2t, ours.draft_ids())
+
+    steps, T, block = 3, 20, 4
+    ids = torch.randint(4, tcfg.vocab_size, (T,), generator=torch.Generator().manual_seed(0))
+    trained = td.eagle3_outputs(ours, ours_target, ids[None], our_taps, steps)
+
+    backend, blocks = get_backend("cpu"), list(range(16))
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    def metadata(start, count):  # one sequence: `count` queries after `start` cached positions
+        return build_metadata([(blocks, start, count)], block, "cpu")
+
+    kv = KVCache.allocate(tcfg.num_hidden_layers, 16, block, tcfg.num_key_value_heads, tcfg.head_dim, torch.float32,
+                          "cpu")
+    meta, positions = metadata(0, T)
+    target_logits = target.compute_logits(target(ids, positions, kv, meta, backend, taps))
+    ctx = head.fc(target.aux_hidden)
+
+    def logits(y):
+        return head.lm_head(head.norm(y)).float()
+
+    N = T - 1 - steps
+    for k, (_, on_vocab, best) in enumerate(trained, start=1):
+        torch.testing.assert_close(on_vocab[0], target_logits[k:k + N, ours.draft_ids()], atol=1e-3, rtol=1e-3)
+        assert best[0].tolist() == target_logits[k:k + N].argmax(-1).tolist()
+    for i in range(N):
+        hkv = KVCache.allocate(1, 16, block, cfg.num_key_value_heads, cfg.head_dim, torch.float32, "cpu")
+        meta, positions = metadata(0, i + 1)  # pairs (taps_j, t_{j+1}) for j = 0..i at positions 0..i
+        y = head.layers[0](target.embed(ids[1:i + 2]), ctx[:i + 1], positions, rotary, hkv, meta, backend)[-1:]
+        torch.testing.assert_close(logits(y)[0], trained[0][0][0, i], atol=1e-4, rtol=1e-4)
+        for k in range(2, steps + 1):  # t_{i+k} (the draft, when right) and y, at position i + k - 1
+            meta, positions = metadata(i + k - 1, 1)
+            y = head.layers[0](target.embed(ids[i + k:i + k + 1]), y, positions, rotary, hkv, meta, backend)
+            torch.testing.assert_close(logits(y)[0], trained[k - 1][0][0, i], atol=1e-4, rtol=1e-4)
+
+
+def test_smoke_eagle3_head_decodes_through_the_engine_as_plain_greedy_and_drafts_as_the_training_code(smoke):
+    """outrider.LLM with the smoke target and its EAGLE-3 head (spec_type eagle3, draft_model the head) gives the
+    plain greedy output on the held-out prompts, and every draft is the one the script's own model code makes at
+    that point (scripts/measure_acceptance.py --vs-training-code)."""
+    from e2e_harness import load_script as load
+
+    ma = load("measure_acceptance")
+    out, _ = smoke
+    prompts = list(enumerate(json.loads((out / "eval_prompts.json").read_text())))
+    _, (res,) = ma.measure([("eagle3", 3)], prompts, max_tokens=24, vs_training_code=True,
+                           target=str(out / "target"), draft_models={"eagle3": str(out / "eagle3")},
+                           log=lambda *_: None)
+    s = res.summary()
+    assert s["identical"] == s["prompts"] == len(prompts)
+    assert s["draft_rounds"] > 0 and s["draft_n_accepted"] > 0 and s["mean_k"] > 1
+    assert s["training_code_slots"] > s["draft_rounds"] and s["training_code_equal"] == s["training_code_slots"]
+
+
+def test_eagle3_stage_trains_against_an_existing_family_and_adds_to_its_metrics_and_log(smoke, tmp_path):
+    """--stages eagle3 --family DIR: the family's target and tokenizer, the same corpus; --out gets the head and
+    drop-in metrics.json (the family's plus the stage, with its run) and train_log.txt (the family's, continued);
+    --pack returns the head as one tar beside them."""
+    td = load_script()
+    family, before = smoke
+    out, packed = tmp_path / "out", tmp_path / "pack"
+    after = run_smoke(out, pack=packed, extra=("--stages", "eagle3", "--family", str(family)))
+    assert sorted(f.name for f in out.iterdir()) == ["eagle3", "metrics.json", "train_log.txt"]
+    assert sorted(f.name for f in packed.iterdir()) == ["demo-eagle3.tar", "metrics.json", "train_log.txt"]
+    with tarfile.open(packed / "demo-eagle3.tar") as tar:
+        assert sorted(tar.getnames()) == ["eagle3", "eagle3/config.json", "eagle3/model.safetensors"]
+    run = after["eagle3"]["run"]
+    assert run["family"] == str(family) and run["corpus_matches_family"] and "--family" in run["command"]
+    for key in ("target", "draft", "mtp", "dflash", "corpus", "samples", "generated", "seconds"):
+        assert after[key] == before[key], key
+    proxy = after["acceptance_proxy"]
+    assert {k: v for k, v in proxy["all"].items() if not k.startswith("eagle3")} == {
+        k: v for k, v in before["acceptance_proxy"]["all"].items() if not k.startswith("eagle3")}
+    assert {f"eagle3_k{k}" for k in range(1, td.SMOKE.eagle3_steps + 1)} <= set(proxy["all"]) & set(proxy["def"])
+    assert after["files"]["target/model.safetensors"] == before["files"]["target/model.safetensors"]
+    assert after["total_bytes"] == sum(after["files"].values()) and "eagle3/model.safetensors" in after["files"]
+    log = (out / "train_log.txt").read_text()
+    assert log.startswith((family / "train_log.txt").read_text()) and "eagle3 step" in log.split("--- stages")[1]
+
+
+def test_stages_without_the_target_need_a_family_and_the_target_stage_takes_none(tmp_path):
+    td = load_script()
+    for argv in (["--stages", "eagle3"], ["--family", str(tmp_path)], ["--stages", "target,eagle3", "--family", "x"],
+                 ["--stages", "eagle"]):
+        with pytest.raises(SystemExit):
+            td.main(["--smoke", "--out", str(tmp_path / "o"), *argv])
+    assert td.parse_stages("eagle3,draft") == ["draft", "eagle3"]  # they run in the script's order
+
+
+def test_profile_overrides_replace_fields_merge_stage_caps_and_build_shapes():
+    td = load_script()
+    p = td.with_overrides(td.FULL, ["eagle3_train=(5, 64, 2e-3, 2)", "stage_seconds={'eagle3': 30}",
+                                    "eagle3=(256, 1, 2, 1, 32, 64)", "gen_prompts=256"])
+    assert p.eagle3_train == (5, 64, 2e-3, 2) and p.gen_prompts == 256
+    assert p.stage_seconds == {**td.FULL.stage_seconds, "eagle3": 30} and p.eagle3 == td.Shape(256, 1, 2, 1, 32, 64)
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        td.with_overrides(td.FULL, ["no_such_field=1"])
