@@ -31,7 +31,8 @@ max_verify_tokens // n_decoding - 1 (255 at batch 1), and its online rule may pi
                    per round (and may decode plainly with k = 0, probing every 16 rounds).
   Both: --policy fixed,online.
 
-Usage. The model card's numbers (outrider/demo/acceptance.json; about 16 minutes on one CPU thread):
+Usage. The model card's numbers (outrider/demo/acceptance.json; about 16 minutes on one CPU thread; with the
+EAGLE-3 head installed in outrider/demo/eagle3/ (scripts/train_demo.py --stages eagle3), add eagle3:1 eagle3:4):
     .venv/bin/python scripts/measure_acceptance.py --settings draft:4 mtp:1 mtp:3 dflash:7 dflash:4 \
         --policy fixed,online --vs-training-code --check --json outrider/demo/acceptance.json
 A quick look (the defaults draft:4 mtp:1 mtp:3 dflash:7, fixed k; first 2 prompts of each kind, 64 tokens):
@@ -50,7 +51,8 @@ from dataclasses import dataclass, field
 import torch
 
 DEFAULT_SETTINGS = ("draft:4", "mtp:1", "mtp:3", "dflash:7")
-THRESHOLDS = {"draft": 2.0, "mtp": 1.6, "dflash": 2.5}  # issue 6, acceptance criterion 3
+KINDS = ("draft", "mtp", "dflash", "eagle3")  # eagle3: outrider/demo/eagle3/ (issue 19), when it is installed
+THRESHOLDS = {"draft": 2.0, "mtp": 1.6, "dflash": 2.5}  # issue 6, acceptance criterion 3 (none for EAGLE-3)
 
 
 @dataclass
@@ -126,8 +128,8 @@ REPEAT_CONTEXT, REPEAT_AHEAD = 4, 4
 
 def is_repeat(seq: list[int], n: int) -> bool:
     """Whether the text at anchor n is a verbatim repeat: the REPEAT_CONTEXT tokens ending at n followed by the
-    next REPEAT_AHEAD tokens (fewer at the sequence's end) occur earlier in the sequence (prompt included). The tiny target's greedy output
-    falls into such loops, which every drafter finds easy."""
+    next REPEAT_AHEAD tokens (fewer at the sequence's end) occur earlier in the sequence (prompt included). The tiny
+    target's greedy output falls into such loops, which every drafter finds easy."""
     lo, hi = n + 1 - REPEAT_CONTEXT, min(n + 1 + REPEAT_AHEAD, len(seq))
     if lo < 0 or hi <= n + 1:
         return False
@@ -188,15 +190,13 @@ def rounds_of(seq: list[int], proposals: list[tuple[int, list[int]]]) -> list[tu
 
 class TrainingCode:
     """The training script's own model code (scripts/train_demo.py, which computes the offline acceptance proxy)
-    loaded with the shipped weights, in float32 on the CPU: what it drafts, teacher-forced on a final sequence."""
+    loaded with the shipped weights, in float32 on the CPU: what it drafts, teacher-forced on a final sequence.
+    target and drafters (kind -> checkpoint directory): another family's than the demo's; a drafter is loaded when
+    first asked for."""
 
-    def __init__(self) -> None:
+    def __init__(self, target: str | None = None, drafters: dict[str, str] | None = None) -> None:
         import importlib.util
         from pathlib import Path
-
-        from safetensors.torch import load_file
-
-        from outrider import demo
 
         path = Path(__file__).resolve().parent / "train_demo.py"
         spec = importlib.util.spec_from_file_location("train_demo", path)
@@ -204,52 +204,71 @@ class TrainingCode:
         sys.modules.setdefault("train_demo", td)
         spec.loader.exec_module(td)
         self.td = td
+        self.paths = {k: Path(v) for k, v in {"target": target, **(drafters or {})}.items() if v}
+        self.target = td.load_lm(self.path("target"), "cpu")
+        self.models: dict[str, object] = {}
 
-        def cfg(kind):
-            return json.loads((demo.demo_path(kind) / "config.json").read_text())
+    def path(self, kind: str):
+        from outrider import demo
 
-        def shape(c):
-            return td.Shape(c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
-                            c["num_key_value_heads"], c["head_dim"], c["intermediate_size"])
+        return self.paths.get(kind) or demo.demo_path(kind)
 
-        def tensors(kind):
-            return {k: v.float() for k, v in load_file(str(demo.demo_path(kind) / "model.safetensors")).items()}
+    def model(self, kind: str):
+        """The training code's drafter of `kind`, loaded once."""
+        if kind not in self.models:
+            from safetensors.torch import load_file
 
-        t, d, f = cfg("target"), cfg("draft"), cfg("dflash")
-        weights = tensors("target")
-        self.target = td.Qwen3LM(shape(t), t["vocab_size"]).eval()
-        self.target.load_state_dict({k: v for k, v in weights.items() if not k.startswith("mtp.")}, strict=False)
-        self.mtp = td.MTPHead(shape(t)).eval()
-        self.mtp.load_state_dict({k[4:]: v for k, v in weights.items() if k.startswith("mtp.")})
-        self.draft = td.Qwen3LM(shape(d), d["vocab_size"]).eval()
-        self.draft.load_state_dict(tensors("draft"), strict=False)
-        self.taps = tuple(f["dflash_config"]["target_layer_ids"])
-        self.block = f["block_size"]
-        self.mask_id = f["dflash_config"]["mask_token_id"]
-        self.dflash = td.DFlashDrafter(shape(f), len(self.taps)).eval()
-        self.dflash.load_state_dict(tensors("dflash"))
+            td, path = self.td, self.path(kind)
+            if kind == "draft":
+                self.models[kind] = td.load_lm(path, "cpu")
+            elif kind == "mtp":  # (its tensors are in the target's checkpoint)
+                mtp = td.MTPHead(self.target.s).eval()
+                weights = load_file(str(self.path("target") / "model.safetensors"))
+                mtp.load_state_dict({k[4:]: v.float() for k, v in weights.items() if k.startswith("mtp.")})
+                self.models[kind] = mtp
+            elif kind == "dflash":
+                cfg = json.loads((path / "config.json").read_text())
+                taps = tuple(cfg["dflash_config"]["target_layer_ids"])
+                dflash = td.DFlashDrafter(td.Shape.from_config(cfg), len(taps)).eval()
+                dflash.load_state_dict({k: v.float() for k, v in load_file(str(path / "model.safetensors")).items()})
+                self.models[kind] = (dflash, taps, cfg["block_size"], cfg["dflash_config"]["mask_token_id"])
+            else:
+                self.models[kind] = td.load_eagle3_head(path)
+        return self.models[kind]
 
     @torch.no_grad()
     def predictor(self, kind: str, k: int, seq: list[int]):
         """f(n, j): the token the training code drafts for index n+j+1 when the last committed index is n (None
-        where it has no prediction). Teacher-forced: for MTP and the draft model, slot j assumes slots < j were
-        right, so only slots up to the first wrong draft are comparable."""
+        where it has no prediction). Teacher-forced: for MTP, EAGLE-3 and the draft model, slot j assumes slots < j
+        were right, so only slots up to the first wrong draft are comparable."""
         td, s, L = self.td, torch.tensor([seq]), len(seq)
         if kind == "draft":
-            dh, _ = self.draft(s)
-            da = self.draft.logits(dh).argmax(-1)[0].tolist()
+            draft = self.model(kind)
+            dh, _ = draft(s)
+            da = draft.logits(dh).argmax(-1)[0].tolist()
             return lambda n, j: da[n + j] if n + j < L else None
-        th, taps = self.target(s, taps=self.taps)
+        steps = max(k, 1)
+
+        def chain(preds):  # chain index i = n-1; step j+1 predicts index n+j+1
+            return lambda n, j: preds[j][n - 1] if j < steps and 0 <= n - 1 < len(preds[j]) else None
+
         if kind == "mtp":
-            steps = max(k, 1)
-            mp = [self.target.logits(y).argmax(-1)[0].tolist() for y in self.mtp.unroll(self.target, th, s, steps)]
-            return lambda n, j: mp[j][n - 1] if j < steps and 0 <= n - 1 < len(mp[j]) else None
+            th, _ = self.target(s)
+            return chain([self.target.logits(y).argmax(-1)[0].tolist()
+                          for y in self.model(kind).unroll(self.target, th, s, steps)])
+        if kind == "eagle3":
+            head, taps = self.model(kind)
+            _, tapped = self.target(s, taps=taps)
+            return chain([head.drafts(y)[0].tolist() for y in head.unroll(self.target, torch.cat(tapped, -1), s,
+                                                                            steps)])
         # DFlash: a block at every anchor 1..L-1 (the block may run past the sequence's end; only its slot 0 is read)
+        dflash, taps, block, mask_id = self.model(kind)
+        _, tapped = self.target(s, taps=taps)
         anchors = torch.arange(1, L)[None]
-        ids, pos, mask = td.dflash_block(s, anchors, self.block, self.mask_id)
-        hid = self.dflash(torch.cat(taps, -1), self.target.model.embed_tokens(ids), pos, mask)
-        fa = self.target.logits(hid).argmax(-1)[0].view(-1, self.block).tolist()
-        return lambda n, j: fa[n - 1][j + 1] if 1 <= n < L and j + 1 < self.block else None
+        ids, pos, mask = td.dflash_block(s, anchors, block, mask_id)
+        hid = dflash(torch.cat(tapped, -1), self.target.model.embed_tokens(ids), pos, mask)
+        fa = self.target.logits(hid).argmax(-1)[0].view(-1, block).tolist()
+        return lambda n, j: fa[n - 1][j + 1] if 1 <= n < L and j + 1 < block else None
 
     def compare(self, kind: str, k: int, seq: list[int], proposals) -> tuple[int, int]:
         """(slots compared, slots where the engine's draft equals the training code's) over a request's rounds."""
@@ -276,8 +295,8 @@ def training_code_summary(rs: list[PromptResult]) -> dict:
 
 def parse_setting(text: str) -> tuple[str, int]:
     kind, _, k = text.partition(":")
-    if kind not in THRESHOLDS or not k.isdigit() or int(k) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND:K with KIND in draft|mtp|dflash and K >= 1")
+    if kind not in KINDS or not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KIND:K with KIND in {'|'.join(KINDS)} and K >= 1")
     return kind, int(k)
 
 
@@ -315,7 +334,7 @@ def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks
         kwargs["spec_type"] = "none"
     else:
         kwargs.update(spec_type=kind, spec_draft_n_max=k)
-        if kind in ("draft", "dflash"):
+        if kind in ("draft", "dflash", "eagle3"):
             kwargs["draft_model"] = draft_model or str(demo.demo_path(kind))
         if fixed:
             kwargs.update(spec_measured_costs=False, spec_draft_ahead=False)
@@ -350,7 +369,7 @@ def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *,
     tok = Tokenizer.from_pretrained(target)
     lens = [len(tok.encode(p["prompt"])) for _, p in prompts]
     blocks = kv_blocks(lens, max_tokens, batch)
-    reference = TrainingCode() if vs_training_code else None
+    reference = TrainingCode(target, draft_models) if vs_training_code else None
     t0 = time.time()
     plain = [o.token_ids for o in run_prompts(make_llm(None, 0, device=device, dtype=dtype, num_kv_blocks=blocks,
                                                        batch=batch, target=target), prompts, max_tokens, batch)]
@@ -395,7 +414,8 @@ def table(results: list[SettingResult]) -> str:
         lines.append(f"| {r.policy} | {r.kind} | {r.k} | {a['prompts']} | **{a['tau']}** | {d['tau']} | {w['tau']} "
                      f"| {a['tau_per_prompt_mean']} ({a['tau_per_prompt_min']}) | {a['mean_k']} "
                      f"| {a['acceptance_rate']} | {a['tokens_per_step']} "
-                     f"| {a['repeat_rounds'] / max(a['recorded_rounds'], 1):.0%} | {a['tau_novel']} | {a['tau_repeat']} "
+                     f"| {a['repeat_rounds'] / max(a['recorded_rounds'], 1):.0%} | {a['tau_novel']} "
+                     f"| {a['tau_repeat']} "
                      f"| {a['identical']}/{a['prompts']} |")
     return "\n".join(lines)
 
@@ -416,7 +436,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vs-training-code", action="store_true",
                     help="compare every round's drafts with the training script's model code (the offline proxy)")
     ap.add_argument("--check", action="store_true", help="exit 1 unless every setting meets issue 6's threshold "
-                    "and every output is identical to plain decoding")
+                    "(EAGLE-3 has none) and every output is identical to plain decoding")
     args = ap.parse_args(argv)
     policies = tuple(args.policy.split(","))
     if not set(policies) <= {"fixed", "online"}:
@@ -454,7 +474,7 @@ def main(argv=None) -> int:
     print(f"\nwrote {args.json}")
     if args.check:
         bad = [f"{r.policy} {r.name}: tau {r.summary()['tau']}" for r in results
-               if (r.summary()["tau"] or 0) < THRESHOLDS[r.kind]]
+               if r.kind in THRESHOLDS and (r.summary()["tau"] or 0) < THRESHOLDS[r.kind]]
         bad += [f"{r.policy} {r.name}: prompt {p.index} differs from plain decoding" for r in results
                 for p in r.prompts if not p.identical]
         bad += [f"{r.policy} {r.name}: drafts differ from the training code's in "
