@@ -35,6 +35,9 @@ def test_demo_paths():
     assert demo.demo_path() == demo.DEMO_DIR / "target"
     assert demo.demo_path("mtp") == demo.demo_path("target")
     assert demo.demo_path("draft").name == "draft" and demo.demo_path("dflash").name == "dflash"
+    if not (demo.DEMO_DIR / "eagle3").is_dir():  # optional: the family is available without it
+        with pytest.raises(FileNotFoundError):
+            demo.demo_path("eagle3")
     with pytest.raises(ValueError):
         demo.demo_path("eagle")
 
@@ -75,9 +78,30 @@ def test_dflash_drafter_format_matches_the_target():
     assert t["fc.weight"].shape == (d["hidden_size"], len(taps) * cfg["hidden_size"])
 
 
+def test_eagle3_head_format_matches_the_target():
+    """The EAGLE-3 head (issue 19; optional until trained): outrider's loader reads it against the target, its
+    taps are target blocks before the last, and its draft vocabulary is target ids (d2t and t2d agree)."""
+    if not (demo.DEMO_DIR / "eagle3" / "config.json").is_file():
+        pytest.skip("no EAGLE-3 head in outrider/demo yet (scripts/gpu_run.sh train-eagle3)")
+    from outrider.config import ModelConfig
+    from outrider.speculative.eagle3 import load_eagle3
+
+    cfg, e = config("target"), config("eagle3")
+    assert e["architectures"] == ["LlamaForCausalLMEagle3"]
+    head, _, taps = load_eagle3(str(demo.demo_path("eagle3")), ModelConfig.from_path(demo.demo_path("target")))
+    assert len(taps) == 3 and all(0 <= i < cfg["num_hidden_layers"] - 1 for i in taps)
+    t = tensors("eagle3")
+    assert t["fc.weight"].shape == (cfg["hidden_size"], 3 * cfg["hidden_size"]) and "embed_tokens.weight" not in t
+    ids = torch.arange(e["draft_vocab_size"]) + t["d2t"]
+    assert t["t2d"].nonzero().flatten().tolist() == sorted(ids.tolist())
+
+
 def test_draft_shares_the_target_tokenizer():
-    a = (demo.demo_path("target") / "tokenizer.json").read_bytes()
-    assert (demo.demo_path("draft") / "tokenizer.json").read_bytes() == a
+    """The same tokenizer (the draft's copy, for the engine's vocabulary check, is stored as compact JSON)."""
+    def tokenizer(kind):
+        return json.loads((demo.demo_path(kind) / "tokenizer.json").read_text())
+
+    assert tokenizer("draft") == tokenizer("target")
     assert config("draft")["vocab_size"] == config("target")["vocab_size"]
     assert config("draft")["architectures"] == ["Qwen3ForCausalLM"]
 
