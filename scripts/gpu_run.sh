@@ -13,6 +13,7 @@
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
 # train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
+# train-eagle3: train the EAGLE-3 head alone against DEMO's target into /tmp/demo-eagle3 (~2.5 min; packed into $OUT).
 # spec-demo: bench spec on the demo family (DEMO, default outrider/demo): DFlash, MTP, draft model at batch 1, 8.
 # ngram: n-gram drafting on the demo target, edit (draft cap 8 and 16) and unrepeated workloads, batch 1 (issue 19).
 # rounds-8b: the Qwen3-8B presets at batch 1 (8 requests), each at its issue-13/19 setting (DFlash 0.86; MTP 0.7,
@@ -54,7 +55,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -144,6 +145,10 @@ for MODE in "$@"; do
     rm -rf /tmp/demo
     TIMED_CAP=560 timed "$OUT/bench.log" $PY scripts/train_demo.py --out /tmp/demo --seed 0 --pack "$OUT"
     [ -f /tmp/demo/dflash/config.json ] && DEMO=/tmp/demo ;;
+  train-eagle3)
+    rm -rf /tmp/demo-eagle3
+    TIMED_CAP=560 timed "$OUT/bench.log" $PY scripts/train_demo.py --stages eagle3 --family "$DEMO" \
+      --out /tmp/demo-eagle3 --seed 0 --pack "$OUT" ;;
   spec-demo)
     p="--prompts $DEMO/eval_prompts.json --batch 1 8 --num-requests 16"
     bench spec --model "$DEMO/target" --draft-model "$DEMO/dflash" $p --json "$OUT/json/demo-dflash.json"
