@@ -111,7 +111,7 @@ def drafting_engine(args, a, limits: dict) -> Engine:
                                   spec_verify_ahead=a.verify_ahead,
                                   draft_model=str(paths.draft) if paths.draft else None, **limits), preloaded=model)
     # (the policy's decision, which drafting ahead takes too, not the speculator's)
-    engine.policy.draft_lengths = lambda requests, drafter, in_flight=None: [a.k] * len(requests)
+    engine.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [a.k] * len(requests)
     return engine
 
 

@@ -137,7 +137,7 @@ def main() -> None:
     spec = Engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type,
                                spec_ngram=NgramConfig(size_n=3, min_hits=args.ngram_min_hits), **limits))
     if args.k is not None:
-        spec.policy.draft_lengths = lambda requests, drafter, in_flight=None: [args.k] * len(requests)
+        spec.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [args.k] * len(requests)
     profile(f"speculative ({spec.drafter.kind})", spec, prompts, args)
 
 
