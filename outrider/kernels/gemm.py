@@ -14,14 +14,11 @@ all of K anyway, so it sums x's squares as it goes and scales its result by 1/RM
 one launch instead of two, at no extra latency (a separate pre-pass over x to find the RMS first cost the 8B 0.4
 ms a step).
 
-Beyond two rows (FMA_MAX_M) the accumulator outgrows the registers: 3-16 rows (a verify step's, MAX_M) run a
-tensor-core variant, `tl.dot` over x padded to 16 rows, with the same norm and SiLU folds, prefetch and PDL. Alone
-it measured no better than cuBLAS (0.9-1.1x at M = 8); what it may save is in the graph around it, the separate
-norm and activation kernels and the gaps between kernels that PDL hides at decode, where a verify forward costs
-1.6-2.1 ms more than a decode step at 8B (docs/speculative.md). ops.linear routes rows up to
-ops.SKINNY_MAX_ROWS to it. Configs are explicit rather than autotuned (autotune benchmarks inside the first call,
-which may be a CUDA-graph capture): DEFAULT_TABLE and DOT_TABLE pick one per shape class, and `bench kernels` times
-the candidates (`candidates(m)`) against cuBLAS to re-tune them.
+Beyond two rows the accumulator outgrows the registers, so ops.linear keeps M > MAX_M on cuBLAS. A tensor-core
+variant for verify rows (3-16, `tl.dot` with the same folds and PDL; commit d788c28, removed) ran 0.9-1.1x cuBLAS
+alone but 167 us a call inside the 8B verify graph against 12-50 us alone (docs/benchmarks.md, session 16). Configs are explicit rather than autotuned
+(autotune benchmarks inside the first call, which may be a CUDA-graph capture): DEFAULT_TABLE picks one per
+shape class, and `bench kernels` times CANDIDATES against cuBLAS to re-tune it.
 """
 
 from __future__ import annotations
@@ -34,10 +31,8 @@ import triton
 import triton.language as tl
 
 from outrider.kernels.fused import PREFETCH_LINE_BYTES, pdl_enter, pdl_release, prefetch_l2, silu_mul_tile
+from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of x the kernel takes (its register budget)
 from outrider.kernels.ops import pdl_args
-
-FMA_MAX_M = 2  # rows of x the CUDA-core kernel takes (its register budget)
-MAX_M = 16  # rows of x the tensor-core kernel takes (one tl.dot tile of rows)
 
 # Under PDL, a skinny GEMM prefetches its whole weight into L2 before waiting on the previous kernel when the
 # weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch). 16 MB
@@ -87,23 +82,6 @@ CANDIDATES: tuple[GemmConfig, ...] = (
 )
 
 
-# The tensor-core kernel's (3-16 rows): first guesses for an H200, to be re-tuned by `bench kernels`.
-DOT_TABLE: tuple[tuple[int, GemmConfig], ...] = (
-    (2048, GemmConfig(block_n=16, block_k=256)),
-    (_ANY, GemmConfig(block_n=32, block_k=256, num_stages=4)),
-)
-DOT_CANDIDATES: tuple[GemmConfig, ...] = (
-    GemmConfig(block_n=16, block_k=128),
-    GemmConfig(block_n=16, block_k=256),
-    GemmConfig(block_n=16, block_k=512, num_warps=8),
-    GemmConfig(block_n=32, block_k=128, num_stages=4),
-    GemmConfig(block_n=32, block_k=256),
-    GemmConfig(block_n=32, block_k=256, num_stages=4),
-    GemmConfig(block_n=64, block_k=128),
-    GemmConfig(block_n=64, block_k=256, num_warps=8),
-)
-
-
 @dataclass(frozen=True)
 class RowNorm:
     """An RMSNorm applied to x inside the GEMM: x + residual (when given; stored to `summed`) is normed.
@@ -117,26 +95,17 @@ class RowNorm:
     summed: torch.Tensor | None = None  # [M, K] contiguous output: x + residual
 
 
-def default_config(n: int, m: int = 1) -> GemmConfig:
-    table = DEFAULT_TABLE if m <= FMA_MAX_M else DOT_TABLE
-    return next(cfg for max_n, cfg in table if n <= max_n)
-
-
-def candidates(m: int) -> tuple[GemmConfig, ...]:
-    """What `bench kernels` times at M = m."""
-    return tuple(c for c in CANDIDATES if fits(c, m)) if m <= FMA_MAX_M else DOT_CANDIDATES
+def default_config(n: int) -> GemmConfig:
+    return next(cfg for max_n, cfg in DEFAULT_TABLE if n <= max_n)
 
 
 def fits(config: GemmConfig, m: int) -> bool:
-    """CUDA-core kernel: whether the accumulator (BLOCK_M * BLOCK_N * BLOCK_K fp32) stays within ~64 registers a
-    thread. Tensor-core kernel: whether the tiles are tl.dot's (16 at least each way)."""
-    if m > FMA_MAX_M:
-        return config.block_n >= 16 and config.block_k >= 16
+    """Whether the accumulator (BLOCK_M * BLOCK_N * BLOCK_K fp32) stays within ~64 registers a thread."""
     return _block_m(m) * config.block_n * config.block_k <= 64 * 32 * config.num_warps
 
 
 def _block_m(m: int) -> int:
-    return triton.next_power_of_2(m) if m <= FMA_MAX_M else MAX_M
+    return triton.next_power_of_2(m)
 
 
 @triton.jit
@@ -156,31 +125,6 @@ def _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt: tl.constexpr, HAS_BIAS: 
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _enter(w_ptr, pid, N, K, stride_wn, BLOCK_N: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
-           USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr):
-    """A program's start under PDL: W is never written during a step, so bring the first PREFETCH_LINES lines of each
-    of the program's rows into L2 while the previous kernel still runs (indices clamped into W: a prefetch must be
-    valid), then wait for that kernel."""
-    if USE_PDL and PREFETCH_LINES > 0:
-        w_rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        w_cols = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
-        prefetch_l2(w_ptr + w_rows[:, None] * stride_wn + w_cols[None, :])
-    pdl_enter(USE_PDL, RELEASE=not LATE_RELEASE)
-
-
-@triton.jit
-def _store_summed(x_ptr, r_ptr, s_ptr, pid, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The sum x + r goes out once, K chunk c by program c (mod the grid), after the loop: one program storing it
-    all inside the loop cost 0.5-1 us (H200: Qwen3-8B qkv 16.4 -> 15.6 us, 0.6B gate_up 6.6 -> 6.1)."""
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    for c in range(pid, tl.cdiv(K, BLOCK_K), tl.num_programs(0)):
-        cols = c * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-        mask = (rows < M) & (cols < K)
-        x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
-        tl.store(s_ptr + rows * K + cols, x + tl.load(r_ptr + rows * K + cols, mask=mask, other=0.0), mask=mask)
-
-
 # M is not specialised: Triton would otherwise compile M == 1 as a separate variant.
 @triton.jit(do_not_specialize=["M"])
 def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
@@ -189,7 +133,13 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
                 PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
                 LATE_RELEASE: tl.constexpr):
     pid = tl.program_id(0)
-    _enter(w_ptr, pid, N, K, stride_wn, BLOCK_N, PREFETCH_LINES, LINE, USE_PDL, LATE_RELEASE)
+    if USE_PDL and PREFETCH_LINES > 0:
+        # W is never written during a step: bring this program's first PREFETCH_LINES lines of each of its rows
+        # into L2 while the previous kernel still runs (indices clamped into W: a prefetch must be valid).
+        w_rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        w_cols = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+        prefetch_l2(w_ptr + w_rows[:, None] * stride_wn + w_cols[None, :])
+    pdl_enter(USE_PDL, RELEASE=not LATE_RELEASE)
     offs_m = tl.arange(0, BLOCK_M)[:, None, None]
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[None, :, None]
     offs_k = tl.arange(0, BLOCK_K)[None, None, :]
@@ -220,52 +170,14 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
     if NORM:  # every program walked all of K, so it has the rows' whole sums of squares
         y *= tl.math.rsqrt(tl.sum(sq, axis=2) / K + eps)
     _store(y, b_ptr, y_ptr, pid, M, N, stride_ym, dt, HAS_BIAS, BLOCK_M, BLOCK_N)
-    if ADD:
-        _store_summed(x_ptr, r_ptr, s_ptr, pid, M, K, stride_xm, BLOCK_M, BLOCK_K)
-
-
-# M is not specialised, as above.
-@triton.jit(do_not_specialize=["M"])
-def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, eps,
-                HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr, USE_PDL: tl.constexpr,
-                LATE_RELEASE: tl.constexpr, PRECISION: tl.constexpr):
-    """_fma_kernel's product on the tensor cores: x's rows (padded to BLOCK_M) times BLOCK_N rows of W per program.
-    A normed x is rounded to the model dtype before the product (tl.dot's inputs), scaled by 1/RMS after it."""
-    pid = tl.program_id(0)
-    _enter(w_ptr, pid, N, K, stride_wn, BLOCK_N, PREFETCH_LINES, LINE, USE_PDL, LATE_RELEASE)
-    offs_m = tl.arange(0, BLOCK_M)[:, None]
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    offs_k = tl.arange(0, BLOCK_K)[None, :]
-    x_ptrs = x_ptr + offs_m * stride_xm + offs_k
-    w_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn + offs_k
-    dt = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: sum of squares of x's rows
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k_mask = offs_k < K - k0
-        w = tl.load(w_ptrs, mask=(offs_n < N) & k_mask, other=0.0)
-        x_mask = (offs_m < M) & k_mask
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if SILU_MUL:
-            x = silu_mul_tile(x, tl.load(x_ptrs + K, mask=x_mask, other=0.0), dt)
-        if NORM:
-            if ADD:
-                x = x + tl.load(r_ptr + offs_m * K + k0 + offs_k, mask=x_mask, other=0.0)
-            xf = x.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=1)
-            x = (xf * tl.load(nw_ptr + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)).to(dt)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if LATE_RELEASE:
-        pdl_release(USE_PDL)
-    if NORM:
-        acc *= tl.math.rsqrt(sq / K + eps)[:, None]
-    _store(acc, b_ptr, y_ptr, pid, M, N, stride_ym, dt, HAS_BIAS, BLOCK_M, BLOCK_N)
-    if ADD:
-        _store_summed(x_ptr, r_ptr, s_ptr, pid, M, K, stride_xm, BLOCK_M, BLOCK_K)
+    if ADD:  # the sum x + r goes out once, K chunk c by program c (mod the grid), after the loop: one program
+        # storing it all inside the loop cost 0.5-1 us (H200: Qwen3-8B qkv 16.4 -> 15.6 us, 0.6B gate_up 6.6 -> 6.1)
+        rows = tl.arange(0, BLOCK_M)[:, None]
+        for c in range(pid, tl.cdiv(K, BLOCK_K), tl.num_programs(0)):
+            cols = c * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            mask = (rows < M) & (cols < K)
+            x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
+            tl.store(s_ptr + rows * K + cols, x + tl.load(r_ptr + rows * K + cols, mask=mask, other=0.0), mask=mask)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -276,15 +188,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
     silu_mul: x is a packed [M, 2K] = [gate | up] and the product uses silu(gate) * up as x (ops.silu_mul_linear).
     norm: the product uses RMSNorm(x [+ norm.residual]) * norm.weight as x, and stores x + residual to norm.summed
-    (ops.rms_norm_linear). config: None picks from DEFAULT_TABLE, or DOT_TABLE past FMA_MAX_M rows (benchmarks pass
-    their own). pdl: launch as a programmatic dependent launch (ops.use_pdl). out: a row-major [M, N] tensor of
-    out_dtype to write y into. No host syncs: safe in CUDA graphs."""
+    (ops.rms_norm_linear). config: None picks from DEFAULT_TABLE (benchmarks pass their own). pdl: launch as a
+    programmatic dependent launch (ops.use_pdl). out: a row-major [M, N] tensor of out_dtype to write y into.
+    No host syncs: safe in CUDA graphs."""
     m = x.shape[0]
     n, k = weight.shape
     assert 0 < m <= MAX_M and x.shape[1] == (2 * k if silu_mul else k) and weight.dtype == x.dtype
     assert x.stride(1) == 1 and weight.stride(1) == 1 and not (silu_mul and norm)
-    cfg = config or default_config(n, m)
-    assert fits(cfg, m)
+    cfg = config or default_config(n)
     if out is not None:
         assert out.shape == (m, n) and out.dtype == (out_dtype or x.dtype) and out.stride(1) == 1
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
@@ -302,11 +213,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     # pipeline's first step loads): the budget is L2 space, shared with the previous kernel's working set.
     k_prefetch = k if w_bytes <= GEMM_PREFETCH_BYTES else min(k, cfg.block_k)
     lines = triton.next_power_of_2(triton.cdiv(k_prefetch, line)) if pdl and GEMM_PREFETCH_BYTES >= 0 else 0
-    # (float32 models stay exact on the tensor cores: IEEE products, not TF32)
-    kernel, extra = (_fma_kernel, {}) if m <= FMA_MAX_M else \
-        (_dot_kernel, {"PRECISION": "ieee" if x.dtype == torch.float32 else None})
-    kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
-                 BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                 PREFETCH_LINES=lines, LINE=line, LATE_RELEASE=0 <= GEMM_LATE_RELEASE_BYTES < w_bytes,
-                 num_warps=cfg.num_warps, **extra, **pdl_args(pdl))
+    _fma_kernel[grid](*args, HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NORM=norm is not None, ADD=add,
+                      BLOCK_M=_block_m(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
+                      PREFETCH_LINES=lines, LINE=line,
+                      LATE_RELEASE=0 <= GEMM_LATE_RELEASE_BYTES < w_bytes,
+                      num_warps=cfg.num_warps, **pdl_args(pdl))
     return y

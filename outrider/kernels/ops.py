@@ -20,9 +20,7 @@ import torch.nn.functional as F
 # times cuBLAS's, which short prefills would pay per projection. On an H200 it took Qwen3-0.6B batch-1 decode from
 # 690 to 877 tok/s (docs/benchmarks.md); OUTRIDER_SKINNY_GEMM=0 turns it off.
 SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
-# Rows routed there: 1-2 run its CUDA-core kernel, measured; 3-16 (verify steps) its tensor-core kernel, which has
-# not yet been measured in place (kernels/gemm.py): OUTRIDER_SKINNY_MAX_ROWS=16 routes verify rows to it.
-SKINNY_MAX_ROWS = int(os.environ.get("OUTRIDER_SKINNY_MAX_ROWS", "2"))
+SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is as good beyond
 # Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
 # kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), to hide
 # the gap between dependent kernels of a decode step, and to prefetch weights and K/V into L2 before the wait.
@@ -131,8 +129,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
 
 
 def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x of up to SKINNY_MAX_ROWS rows and a row-major
-    weight of its dtype: where the Triton skinny GEMM replaces cuBLAS."""
+    """SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x of 1 or 2 rows and a row-major weight of its
+    dtype: where the Triton skinny GEMM replaces cuBLAS."""
     return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
             and x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype)
 
