@@ -182,7 +182,8 @@ def test_without_a_model_the_demo_family_is_served(capsys, monkeypatch):
 
     ns = cli.parse(SERVE, [])
     assert ns.model == str(demo.demo_path("target")) and ns.model_draft is None  # MTP: detected in the target
-    assert cli.parse(SERVE, ["--demo-draft", "dflash"]).model_draft == str(demo.demo_path("dflash"))
+    for kind in ("draft", "dflash", "eagle3"):
+        assert cli.parse(SERVE, ["--demo-draft", kind]).model_draft == str(demo.demo_path(kind))
     assert cli.engine_kwargs(cli.parse(SERVE, ["--demo-draft", "none"]))["spec_type"] == "none"
     with pytest.raises(SystemExit):
         cli.parse(SERVE, ["--demo-draft", "eagle"])

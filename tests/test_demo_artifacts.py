@@ -34,10 +34,7 @@ def tensors(kind: str) -> dict[str, torch.Tensor]:
 def test_demo_paths():
     assert demo.demo_path() == demo.DEMO_DIR / "target"
     assert demo.demo_path("mtp") == demo.demo_path("target")
-    assert demo.demo_path("draft").name == "draft" and demo.demo_path("dflash").name == "dflash"
-    if not (demo.DEMO_DIR / "eagle3").is_dir():  # optional: the family is available without it
-        with pytest.raises(FileNotFoundError):
-            demo.demo_path("eagle3")
+    assert [demo.demo_path(k).name for k in ("draft", "dflash", "eagle3")] == ["draft", "dflash", "eagle3"]
     with pytest.raises(ValueError):
         demo.demo_path("eagle")
 
@@ -79,10 +76,8 @@ def test_dflash_drafter_format_matches_the_target():
 
 
 def test_eagle3_head_format_matches_the_target():
-    """The EAGLE-3 head (issue 19; optional until trained): outrider's loader reads it against the target, its
-    taps are target blocks before the last, and its draft vocabulary is target ids (d2t and t2d agree)."""
-    if not (demo.DEMO_DIR / "eagle3" / "config.json").is_file():
-        pytest.skip("no EAGLE-3 head in outrider/demo yet (scripts/gpu_run.sh train-eagle3)")
+    """The EAGLE-3 head: outrider's loader reads it against the target, its taps are target blocks before the last,
+    and its draft vocabulary is target ids (d2t and t2d agree)."""
     from outrider.config import ModelConfig
     from outrider.speculative.eagle3 import load_eagle3
 

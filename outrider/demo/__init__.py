@@ -5,8 +5,7 @@ Layout of this package directory (see README.md here, the model card):
            config `mtp_num_hidden_layers: 1`)
   draft/   a smaller Qwen3ForCausalLM draft model sharing the target's tokenizer
   dflash/  a DFlashDraftModel drafter for the target (block_size and dflash_config in its config.json)
-  eagle3/  an EAGLE-3 head for the target (LlamaForCausalLMEagle3), once trained (scripts/train_demo.py --stages
-           eagle3 --family outrider/demo); optional: the family is available without it
+  eagle3/  an EAGLE-3 head for the target (LlamaForCausalLMEagle3)
   metrics.json, eval_prompts.json  training metrics and the held-out prompts used to measure acceptance
 """
 
@@ -20,8 +19,7 @@ SERVED_NAME = "outrider-demo"  # the model's name in /props, /v1/models and resp
 
 # drafter kind -> directory holding it ("mtp" lives inside the target checkpoint)
 KINDS = {"target": "target", "draft": "draft", "mtp": "target", "dflash": "dflash", "eagle3": "eagle3"}
-DRAFTER_KINDS = ("draft", "mtp", "dflash")
-OPTIONAL_KINDS = ("eagle3",)  # not needed for is_available()
+DRAFTER_KINDS = ("draft", "mtp", "dflash", "eagle3")
 
 
 def demo_path(kind: str = "target") -> Path:
@@ -41,8 +39,8 @@ def is_demo_target(path: str | Path) -> bool:
 
 
 def is_available() -> bool:
-    """True when the target and its draft, MTP and DFlash drafters are installed (the EAGLE-3 head may not be)."""
-    return all((DEMO_DIR / KINDS[k] / "config.json").is_file() for k in KINDS if k not in OPTIONAL_KINDS)
+    """True when the target and every drafter of the family are installed."""
+    return all((DEMO_DIR / d / "config.json").is_file() for d in KINDS.values())
 
 
 def eval_prompts() -> list[dict]:

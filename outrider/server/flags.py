@@ -55,7 +55,7 @@ MODEL = [
     Opt(("--cache-prompt",), "cache_prompt", "LLAMA_ARG_CACHE_PROMPT", None, True, "reuse cached prompt prefixes",
         negative=("--no-cache-prompt",)),
     Opt(("--demo-draft",), "demo_draft", None, str, "mtp",
-        "without -m/-hf: the bundled demo model's drafter: draft | mtp | dflash | none"),
+        "without -m/-hf: the bundled demo model's drafter: draft | mtp | dflash | eagle3 | none"),
     Opt(("-md", "--model-draft", "--spec-draft-model"), "model_draft", "LLAMA_ARG_SPEC_DRAFT_MODEL",
         help="draft model for speculative decoding"),
     Opt(("--spec-type",), "spec_type", "LLAMA_ARG_SPEC_TYPE",
