@@ -7,8 +7,9 @@
 # Wheels in .whl/ (carried; what the device lacks: llguidance, gguf, jsonschema for tests/gpu, and nvidia-ml-py for
 # bench spec's SM clock readings) are installed first. Fill it with `pip download --only-binary=:all:
 # --python-version 3.12 --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 -d .whl llguidance gguf
-# nvidia-ml-py jsonschema`, then delete typing_extensions (torch's own serves). bench spec runs SPEC_REPEATS
-# (default 3) timed passes per side.
+# nvidia-ml-py jsonschema`, then keep only those four and jsonschema's attrs, jsonschema_specifications, referencing
+# and rpds_py (3.7 MB): the device has the rest (numpy, requests, tqdm, pyyaml, typing_extensions), and a copy here
+# would shadow its own on PYTHONPATH. bench spec runs SPEC_REPEATS (default 3) timed passes per side.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
