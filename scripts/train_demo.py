@@ -1355,6 +1355,14 @@ def main(argv=None) -> int:
             return pack(out, args.pack, pack_parts)
         return []
 
+    def drafter_done(name: str, t0: float, res: dict, fields: dict) -> None:
+        """A drafter stage's end: its metrics (the stage's fields, the training loop's results with the history
+        last, and with --family this run's record), its time, and metrics.json saved (and packed)."""
+        metrics[name] = {**fields, **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
+                         **({"run": run} if family else {})}
+        stage_t[name] = round(time.time() - t0, 1)
+        save_metrics()
+
     # ---- data + tokenizer (a family's own tokenizer: ids must be its target's)
     t0 = time.time()
     root = args.stdlib or Path(sysconfig.get_paths()["stdlib"])
@@ -1525,16 +1533,12 @@ def main(argv=None) -> int:
         draft.requires_grad_(False)
         with torch.no_grad(), ctx.autocast():
             dfinal = lm_eval(draft, val)
-        metrics["draft"] = {"params": n_params(draft), "shape": asdict(p.draft), "batch": batch, "lr": lr,
-                            "loss": "forward KL to target + 0.2 CE",
-                            **{k: v for k, v in res.items() if k != "history"},
-                            "held_out_loss": round(dfinal["val"], 4), "history": res["history"],
-                            **({"run": run} if family else {})}
         # The draft's tokenizer copy only serves the engine's vocabulary check (outrider/speculative/compat.py):
         # compact JSON, 156 KB less of the demo's 20 MB.
         write_lm(out / "draft", draft, vocab, tok, pretty_tokenizer=False)
-        stage_t["draft"] = round(time.time() - t0, 1)
-        save_metrics()
+        drafter_done("draft", t0, res, {"params": n_params(draft), "shape": asdict(p.draft), "batch": batch,
+                                        "lr": lr, "loss": "forward KL to target + 0.2 CE",
+                                        "held_out_loss": round(dfinal["val"], 4)})
 
     # ---- MTP: recursive K steps, weights beta^(k-1) normalised, soft CE to the target's next-token distribution
     K = p.mtp_steps
@@ -1562,17 +1566,14 @@ def main(argv=None) -> int:
         res = train_loop("mtp", mtp, list(mtp.parameters()), steps, lr, warmup, mtp_loss, mtp_eval,
                          p.eval_every, ctx, p.stage_seconds["mtp"])
         mtp.requires_grad_(False)
-        metrics["mtp"] = {"params": n_params(mtp), "layout": "qwen3_5 (mtp.fc / pre_fc_norm_* / layers.0 / norm)",
-                          "hidden_input": "target post-final-norm hidden; recursion feeds post-mtp.norm output",
-                          "train_steps_K": K, "step_weights": [round(w, 3) for w in wk], "batch": batch, "lr": lr,
-                          **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
-                          **({"run": run} if family else {})}
         mtp_tensors = {f"mtp.{k}": v for k, v in mtp.state_dict().items()}
         write_lm(out / "target", target, vocab, tok,
                  extra_config={"mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False},
                  extra_tensors=mtp_tensors)
-        stage_t["mtp"] = round(time.time() - t0, 1)
-        save_metrics()
+        drafter_done("mtp", t0, res, {
+            "params": n_params(mtp), "layout": "qwen3_5 (mtp.fc / pre_fc_norm_* / layers.0 / norm)",
+            "hidden_input": "target post-final-norm hidden; recursion feeds post-mtp.norm output",
+            "train_steps_K": K, "step_weights": [round(w, 3) for w in wk], "batch": batch, "lr": lr})
 
     # ---- DFlash: block diffusion on the frozen target's tapped hidden states
     Bk = p.block_size
@@ -1599,15 +1600,12 @@ def main(argv=None) -> int:
         res = train_loop("dflash", dflash, list(dflash.parameters()), steps, lr, warmup, train_step_loss,
                          dflash_eval, p.eval_every, ctx, p.stage_seconds["dflash"])
         dflash.requires_grad_(False)
-        metrics["dflash"] = {"params": n_params(dflash), "shape": asdict(p.dflash), "block_size": Bk,
-                             "target_layer_ids": list(p.dflash_taps), "mask_token_id": MASK_ID,
-                             "gamma": p.dflash_gamma, "anchors_per_seq": p.dflash_anchors, "batch": batch, "lr": lr,
-                             **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
-                             **({"run": run} if family else {})}
         write_dflash(out / "dflash", dflash, block_size=Bk, target_layers=target.s.layers, taps=p.dflash_taps,
                      mask_id=MASK_ID, vocab=vocab)
-        stage_t["dflash"] = round(time.time() - t0, 1)
-        save_metrics()
+        drafter_done("dflash", t0, res, {
+            "params": n_params(dflash), "shape": asdict(p.dflash), "block_size": Bk,
+            "target_layer_ids": list(p.dflash_taps), "mask_token_id": MASK_ID, "gamma": p.dflash_gamma,
+            "anchors_per_seq": p.dflash_anchors, "batch": batch, "lr": lr})
 
     # ---- EAGLE-3: fc over three target taps, one layer chained on its own output (training-time test), a reduced
     # vocabulary; soft CE to the target's distribution on that vocabulary, weights beta^(k-1) normalised
@@ -1631,20 +1629,17 @@ def main(argv=None) -> int:
         eagle3.requires_grad_(False)
         covered = {name: round(eagle3.t2d[stream.long()].float().mean().item(), 4)
                    for name, stream in (("corpus", train_stream_d), ("generated", gen_stream))}
-        metrics["eagle3"] = {"params": n_params(eagle3), "shape": asdict(p.eagle3),
-                             "layout": "EAGLE reference (LlamaForCausalLMEagle3: fc / midlayer / norm / lm_head / "
-                                       "d2t / t2d; the target's embedding)",
-                             "target_layer_ids": list(p.eagle3_taps),
-                             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in p.eagle3_taps],
-                             "draft_vocab_size": p.eagle3_vocab, "draft_vocab_covers": covered,
-                             "hidden_input": "fc(taps) at the first step; the chain feeds the pre-norm output back",
-                             "train_steps_K": K3, "step_weights": [round(w, 3) for w in w3], "batch": batch, "lr": lr,
-                             **{k: v for k, v in res.items() if k != "history"}, "history": res["history"],
-                             **({"run": run} if family else {})}
         write_eagle3(out / "eagle3", eagle3, taps=p.eagle3_taps, vocab=vocab)
-        stage_t["eagle3"] = round(time.time() - t0, 1)
         log(f"eagle3 draft vocabulary of {p.eagle3_vocab} covers {covered}")
-        save_metrics()
+        drafter_done("eagle3", t0, res, {
+            "params": n_params(eagle3), "shape": asdict(p.eagle3),
+            "layout": "EAGLE reference (LlamaForCausalLMEagle3: fc / midlayer / norm / lm_head / d2t / t2d; the "
+                      "target's embedding)",
+            "target_layer_ids": list(p.eagle3_taps),
+            "eagle_aux_hidden_state_layer_ids": [t + 1 for t in p.eagle3_taps],
+            "draft_vocab_size": p.eagle3_vocab, "draft_vocab_covers": covered,
+            "hidden_input": "fc(taps) at the first step; the chain feeds the pre-norm output back",
+            "train_steps_K": K3, "step_weights": [round(w, 3) for w in w3], "batch": batch, "lr": lr})
 
     # ---- offline acceptance proxy on held-out prompts (greedy; exact under teacher forcing)
     t0 = time.time()
