@@ -31,11 +31,11 @@ max_verify_tokens // n_decoding - 1 (255 at batch 1), and its online rule may pi
                    per round (and may decode plainly with k = 0, probing every 16 rounds).
   Both: --policy fixed,online.
 
-Usage. The model card's numbers (outrider/demo/acceptance.json; about 16 minutes on one CPU thread; with the
-EAGLE-3 head installed in outrider/demo/eagle3/ (scripts/train_demo.py --stages eagle3), add eagle3:1 eagle3:4):
-    .venv/bin/python scripts/measure_acceptance.py --settings draft:4 mtp:1 mtp:3 dflash:7 dflash:4 \
-        --policy fixed,online --vs-training-code --check --json outrider/demo/acceptance.json
-A quick look (the defaults draft:4 mtp:1 mtp:3 dflash:7, fixed k; first 2 prompts of each kind, 64 tokens):
+Usage. The model card's numbers (outrider/demo/acceptance.json; about 25 minutes on the CPU):
+    .venv/bin/python scripts/measure_acceptance.py --settings draft:4 mtp:1 mtp:3 dflash:7 dflash:4 eagle3:1 \
+        eagle3:4 --policy fixed,online --vs-training-code --check --json outrider/demo/acceptance.json
+A quick look (the defaults draft:4 mtp:1 mtp:3 dflash:7 eagle3:4, fixed k; first 2 prompts of each kind, 64
+tokens):
     .venv/bin/python scripts/measure_acceptance.py --limit 2 --max-tokens 64 --json /tmp/acceptance.json
 """
 
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_SETTINGS = ("draft:4", "mtp:1", "mtp:3", "dflash:7")
+DEFAULT_SETTINGS = ("draft:4", "mtp:1", "mtp:3", "dflash:7", "eagle3:4")
 KINDS = ("draft", "mtp", "dflash", "eagle3")  # eagle3: outrider/demo/eagle3/ (issue 19), when it is installed
 THRESHOLDS = {"draft": 2.0, "mtp": 1.6, "dflash": 2.5}  # issue 6, acceptance criterion 3 (none for EAGLE-3)
 

@@ -1119,13 +1119,18 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(out, str(path), metadata={"format": "pt"})
 
 
+def write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """An HF-style checkpoint directory: model.safetensors and config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_safetensors(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
 def write_lm(path: Path, model: Qwen3LM, vocab: int, tok, extra_config=None, extra_tensors=None,
              pretty_tokenizer: bool = True) -> None:
-    path.mkdir(parents=True, exist_ok=True)
     tensors = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
     tensors.update(extra_tensors or {})
-    save_safetensors(tensors, path / "model.safetensors")
-    (path / "config.json").write_text(json.dumps(qwen3_config(model.s, vocab, **(extra_config or {})), indent=2) + "\n")
+    write_checkpoint(path, tensors, qwen3_config(model.s, vocab, **(extra_config or {})))
     gen_cfg = {"bos_token_id": EOT_ID, "eos_token_id": EOS_IDS, "pad_token_id": EOT_ID}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
     write_tokenizer(tok, path, pretty_tokenizer)
@@ -1135,16 +1140,13 @@ def write_dflash(path: Path, drafter: DFlashDrafter, *, block_size: int, target_
                  vocab: int) -> None:
     """The DFlash checkpoint outrider/speculative/dflash.py loads; its layers are Qwen3 layers of drafter.s, with
     this script's RoPE and norm constants."""
-    path.mkdir(parents=True, exist_ok=True)
-    save_safetensors(drafter.state_dict(), path / "model.safetensors")
-    s = drafter.s
-    cfg = {
+    write_checkpoint(path, drafter.state_dict(), {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "block_size": block_size,
         "num_target_layers": target_layers,
         "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": list(taps)},
-        **layer_fields(s, vocab),
+        **layer_fields(drafter.s, vocab),
         "rms_norm_eps": RMS_EPS,
         "rope_theta": ROPE_THETA,
         "rope_scaling": None,
@@ -1154,21 +1156,17 @@ def write_dflash(path: Path, drafter: DFlashDrafter, *, block_size: int, target_
         "use_cache": False,
         "is_causal": False,
         "torch_dtype": "bfloat16",
-    }
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    })
 
 
 def write_eagle3(path: Path, head: Eagle3Head, *, taps, vocab: int) -> None:
     """The EAGLE-3 head in the EAGLE reference layout that outrider/speculative/eagle3.py (and vLLM, SGLang) load:
     a Llama layer config plus draft_vocab_size, target_hidden_size, norm_before_residual and the taps as layer
     inputs (`eagle_aux_hidden_state_layer_ids`: id j is the output of block j - 1)."""
-    path.mkdir(parents=True, exist_ok=True)
-    save_safetensors(head.state_dict(), path / "model.safetensors")
-    s = head.s
-    cfg = {
+    write_checkpoint(path, head.state_dict(), {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
-        **layer_fields(s, vocab),
+        **layer_fields(head.s, vocab),
         "num_hidden_layers": 1,
         "draft_vocab_size": len(head.d2t),
         "target_hidden_size": head.fc.in_features // len(taps),
@@ -1181,8 +1179,7 @@ def write_eagle3(path: Path, head: Eagle3Head, *, taps, vocab: int) -> None:
         "attention_bias": False,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
-    }
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    })
 
 
 def n_params(module: nn.Module) -> int:
