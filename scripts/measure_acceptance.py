@@ -50,8 +50,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from outrider.demo import DRAFTER_KINDS as KINDS
+
 DEFAULT_SETTINGS = ("draft:4", "mtp:1", "mtp:3", "dflash:7", "eagle3:4")
-KINDS = ("draft", "mtp", "dflash", "eagle3")  # eagle3: outrider/demo/eagle3/ (issue 19), when it is installed
 THRESHOLDS = {"draft": 2.0, "mtp": 1.6, "dflash": 2.5}  # issue 6, acceptance criterion 3 (none for EAGLE-3)
 
 

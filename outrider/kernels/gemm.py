@@ -16,9 +16,11 @@ ms a step).
 
 Beyond two rows the accumulator outgrows the registers, so ops.linear keeps M > MAX_M on cuBLAS. A tensor-core
 variant for verify rows (3-16, `tl.dot` with the same folds and PDL; commit d788c28, removed) ran 0.9-1.1x cuBLAS
-alone but 167 us a call inside the 8B verify graph against 12-50 us alone (docs/benchmarks.md, session 16). Configs are explicit rather than autotuned
-(autotune benchmarks inside the first call, which may be a CUDA-graph capture): DEFAULT_TABLE picks one per
-shape class, and `bench kernels` times CANDIDATES against cuBLAS to re-tune it.
+alone but 167 us a call inside the 8B verify graph against 12-50 us alone (docs/benchmarks.md, session 16).
+
+Configs are explicit rather than autotuned (autotune benchmarks inside the first call, which may be a CUDA-graph
+capture): DEFAULT_TABLE picks one per shape class, and `bench kernels` times CANDIDATES against cuBLAS to re-tune
+it.
 """
 
 from __future__ import annotations
@@ -182,7 +184,8 @@ def _fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, s_ptr, M, N, K, strid
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: GemmConfig | None = None, silu_mul: bool = False, norm: RowNorm | None = None,
-                out_dtype: torch.dtype | None = None, pdl: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, pdl: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's); M <= MAX_M, row-major x and
     weight.
 
