@@ -193,8 +193,7 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     llm = spec_llm(families, kind)
     engine = llm.engine
     engine.policy.probe_every = 2  # (it would explore a round every other step, were it not asleep)
-    seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0) * (batch > 1))
+    priced_out_beside_company(engine)
     recomputed: list[tuple[int, int, int]] = []  # (first row, rows, the request's tokens then)
     hidden_rows = engine.speculator.hidden_rows
     engine.speculator.hidden_rows = lambda spans: recomputed.extend(
@@ -206,20 +205,56 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     want = LLM(families[arch][served], dtype="float32", spec_type="none").generate(PROMPTS[:2], [long, short])
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert got[1].timing.draft_rounds == 0 and got[0].timing.draft_rounds > 0
-    # One catch-up: the long request's rows from its first decoded one to its last committed one (fed next), at
-    # least the 11 decoded beside the short request.
+    # One catch-up: the long request's rows from its prompt's first (the prompts joined a batch where rounds were
+    # priced out by the time they were learned) to its last committed one (fed next), past the 11 decoded beside
+    # the short request.
     ((start, rows, tokens),) = recomputed
-    assert start == len(PROMPTS[0]) and start + rows == tokens - 1 and rows >= 11
+    assert start == 0 and start + rows == tokens - 1 and rows >= len(PROMPTS[0]) + 11
+
+
+def priced_out_beside_company(engine) -> None:
+    """Rounds pay alone, not beside another request (costs injected)."""
+    seconds = engine.policy.round_seconds
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0) * (batch > 1))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "draft"])
+def test_a_prefix_hit_on_rows_the_drafter_slept_through_is_caught_up_before_it_drafts(families, kind):
+    """Two requests with a 40-token prompt prefix decode together, priced out: the drafter sleeps through their
+    prompts, and their blocks go to the prefix cache holding target K/V only. A later request alone hits that
+    prefix; before its first round the drafter learns it from its first row, and proposes what a drafter that
+    learned the whole prompt proposes (an engine without the earlier traffic)."""
+    prefix = list(range(100, 140))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = spec_llm(families, kind)
+    priced_out_beside_company(llm.engine)
+    llm.generate([prefix + [7], prefix + [8]], params)
+    recomputed: list[int] = []
+    hidden_rows = llm.engine.speculator.hidden_rows
+    llm.engine.speculator.hidden_rows = lambda spans: recomputed.extend(c.start for c in spans) or hidden_rows(spans)
+    hits = llm.engine.pool.hits
+    record = Recorder().install(llm.engine)
+    got = llm.generate([prefix + [9, 10]], params)[0]
+    assert llm.engine.pool.hits - hits == 32  # two blocks of 16
+    fresh = spec_llm(families, kind)
+    priced_out_beside_company(fresh.engine)
+    want_record = Recorder().install(fresh.engine)
+    want = fresh.generate([prefix + [9, 10]], params)[0]
+    assert got.token_ids == want.token_ids and got.timing.draft_rounds > 0
+    assert_same_proposals(record.proposals, want_record.proposals)
+    caught_up = recomputed if kind in HIDDEN_KINDS else [s for e in record.events if e[0] == "learn" for _, s, _ in e[1]]
+    assert caught_up[0] == 0
 
 
 def test_a_lone_request_asleep_still_explores_rounds_and_catches_up_for_each(families):
-    """Priced out even alone (costs injected): the drafter sleeps, yet the policy's exploratory rounds go on (a lone
-    request's acceptance may change), each first catching up on the rows slept through; output is plain greedy's."""
+    """Priced out even alone (rounds injected at three times their cost: they would pay only at high acceptance),
+    the drafter sleeps, yet the policy's exploratory rounds go on (a lone request's acceptance may change), each
+    first catching up on the rows slept through; output is plain greedy's."""
     llm = spec_llm(families, "mtp")
     engine = llm.engine
     engine.policy.probe_every = 4
     seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0))
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
     recomputed: list[int] = []
     hidden_rows = engine.speculator.hidden_rows
     engine.speculator.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
@@ -238,7 +273,7 @@ def test_a_catch_up_is_left_out_of_the_measured_cost_of_the_round_that_does_it(f
     engine = llm.engine
     engine.policy.probe_every = 4
     seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0))
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
     hidden_rows, catch_ups = engine.speculator.hidden_rows, []
 
     def slow_hidden_rows(spans):

@@ -58,6 +58,36 @@ def test_low_acceptance_turns_drafting_off_then_probes_ever_less_often():
     assert policy.draft_lengths([r], DRAFTER) == [4]
 
 
+def test_probes_wait_longer_the_more_a_round_costs():
+    """An exploratory round of one draft that costs three plain steps costs two plain steps' time beyond one: probes
+    wait twice the doubling interval, so exploring costs the same share of time as with a round near a plain step."""
+    policy = DraftPolicy(n_max=4, probe_every=5, measured=True)
+    r = req()
+    for _ in range(20):
+        policy.record(r.request_id, proposed=4, accepted=0)
+    for k in range(5):
+        policy.observe_step(1, k, 1e-3 if k == 0 else 3e-3)  # (4 drafts all accepted would pay: 5 tokens in 3 ms)
+    ks = [policy.draft_lengths([r], DRAFTER)[0] for _ in range(10 + 20 + 40)]
+    assert [i for i, k in enumerate(ks) if k] == [9, 29, 69]
+
+
+def test_no_probe_where_no_round_could_pay_even_with_every_draft_accepted():
+    """The 8B shape at batch 32: a plain step 5.6 ms, rounds 22-43 ms. Even k + 1 tokens a round lose to plain steps,
+    so an exploratory round could change the measured costs but not the decision: none until probe_max decisions.
+    Nor does a round come back once the rounds' costs go stale (only plain steps are measured meanwhile): they give
+    way to rounds measured later, not to the drafter's own estimate, by which a round would look cheap."""
+    policy = DraftPolicy(n_max=4, probe_every=5, probe_max=2048, measured=True)
+    batch = [req() for _ in range(32)]
+    for k in range(5):
+        policy.observe_step(32, k, 5.6e-3 if k == 0 else (22 + 5 * k) * 1e-3)
+    decisions = []
+    for _ in range(3 * policy.costs.stale_after):
+        decisions.append(policy.draft_lengths(batch, EAGLE_LIKE)[0])
+        policy.observe_step(32, decisions[-1], 5.6e-3)
+    assert decisions == [0] * len(decisions)
+    assert policy.round_seconds(32, 1, EAGLE_LIKE.step_cost) == pytest.approx(27e-3)
+
+
 def test_a_priced_out_batch_size_stands_and_explores_no_round_when_asked_not_to():
     """k = 0 chosen from the costs stands at that batch size (priced_out) until a decision there drafts; with
     explore=False no exploratory round is ever returned (a sleeping drafter would have to catch up for it)."""

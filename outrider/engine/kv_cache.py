@@ -37,6 +37,9 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.hits = 0  # prompt tokens served from the cache (lifetime)
+        # Blocks holding target K/V whose drafter K/V was never written (the drafter slept through those rows): a
+        # prefix hit on one must not hand the drafter what an earlier owner of the block left there.
+        self.drafter_stale: set[int] = set()
 
     # --- capacity ---
     @property
@@ -148,6 +151,26 @@ class BlockPool:
             if self.blocks[bid].ref_count == 0:
                 self._forget(bid)
 
+    # --- the drafter's K/V (same block ids) ---
+    def mark_drafter_stale(self, req: Request, start: int, end: int) -> None:
+        """The drafter did not write positions start..end-1 of req."""
+        bs = self.block_size
+        self.drafter_stale.update(req.block_ids[start // bs: (end - 1) // bs + 1])
+
+    def mark_drafter_written(self, req: Request, start: int) -> None:
+        """The drafter has written every position of req from `start` on (it caught up)."""
+        if self.drafter_stale:
+            self.drafter_stale.difference_update(req.block_ids[start // self.block_size:])
+
+    def drafter_written_until(self, req: Request, end: int) -> int:
+        """The first position before `end` in a block of req that the drafter did not write (`end` if none): where
+        a prefix hit's drafter context stops being valid."""
+        if self.drafter_stale:
+            for i, bid in enumerate(req.block_ids[: -(-end // self.block_size)]):
+                if bid in self.drafter_stale:
+                    return min(i * self.block_size, end)
+        return end
+
     # --- internals ---
     @staticmethod
     def _set_blocks(req: Request, block_ids: list[int]) -> None:
@@ -179,6 +202,7 @@ class BlockPool:
 
     def _forget(self, bid: int) -> None:
         block = self.blocks[bid]
+        self.drafter_stale.discard(bid)  # (taken for new tokens, or dropped from the cache)
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == bid:
                 del self.cached[block.block_hash]

@@ -5,13 +5,14 @@ the policy's bookkeeping (acceptance per request, measured step costs), and forg
 freed.
 
 While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing,
-and beside other requests the policy explores no rounds. On a launch-bound target learning costs a plain step a
+not even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a launch-bound target learning costs a plain step a
 fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes. The first round after that catches
 up: the target's hidden states at the rows skipped are recomputed in one forward that writes no K/V
 (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is work paid once:
 it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the round, it priced
 rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter slept again, and
-each exploratory round measured the next catch-up.
+each exploratory round measured the next catch-up. The blocks of rows slept through are marked in the pool: a
+prefix hit on one is caught up the same way, as its drafter K/V is whatever the block held before.
 
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
@@ -286,11 +287,19 @@ class Speculator:
             self.synchronize()
             self._one_off += self.clock() - t0
 
+    def _skips(self, plan: StepPlan) -> bool:
+        """Does the drafter sleep through this step's rows? A decode step's: while k = 0 stands (draft_lengths). A
+        prompt's: where rounds are priced out at the step's batch size beside other requests, as no exploratory
+        round wakes the drafter there (at 8B and batch 32, learning 32 prompts added 18 ms to their 65 ms step)."""
+        if plan.has_prefill:
+            return len(plan.scheduled) > 1 and self.policy.priced_out(len(plan.scheduled))
+        return self._sleeping
+
     def keep(self, plan: StepPlan, out: StepOutput) -> None:
         """Own copies of a launched step's hidden rows, when the drafter reads them and the step is committed only
         after the next one has launched (overlap scheduling): a graph replay overwrites the originals. Not while
         the drafter sleeps: learn then skips the step's rows, whatever it decides by then."""
-        if self._sleeping and not plan.has_prefill:
+        if self._skips(plan):
             self._unkept = out
         elif self.drafter.reads_hidden:
             out.keep_hidden()
@@ -299,14 +308,14 @@ class Speculator:
         """Queue every committed row of the step for the requests that still hold their blocks, and let the drafter
         learn the queue: all of it when the step prefilled (a heavy step anyway) or the queue spans
         LEARN_BACKLOG_STEPS steps; a finishing request's rows now, before its blocks are released (they may serve
-        prefix hits). Propose learns the rest first."""
+        prefix hits). Propose learns the rest first. Rows slept through (_skips) are left for the catch-up, and
+        their blocks marked in the pool, so that a prefix hit on them is caught up too."""
         if not self.drafter.learns:
             return
         if plan is self._learned_ahead:
             self._learned_ahead = None
             return
-        # (a prompt is learned: a heavy step anyway)
-        sleeping = (self._sleeping or out is self._unkept) and not plan.has_prefill
+        sleeping = self._skips(plan) or out is self._unkept
         if sleeping and self._queued:
             self.flush()  # (falling asleep: what is queued is learned, the rest waits for the catch-up)
         rows = out.hidden.shape[0]
@@ -316,15 +325,21 @@ class Speculator:
         offset = base = self._rows  # the step's first row among the kept ones
         added = 0
         finished = []
+        admitted = {r.request_id for r in plan.admitted} if plan.admitted else ()
         for i, s in enumerate(plan.scheduled):
             req = s.request
             rid = req.request_id
             if rid in live and req.status is not Status.WAITING:  # (preempted meanwhile: blocks gone)
+                if rid in admitted and s.start:  # a prefix hit: the drafter's K/V holds only what it wrote there
+                    written = self.pool.drafter_written_until(req, s.start)
+                    if written < s.start:
+                        self._asleep.setdefault(rid, written)
                 # Target rows whose K/V stays valid and whose next token is on the host (a stop may cut a round;
                 # with overlap scheduling the next step may already have fed a token that is still pending).
                 count = min(s.num_new_tokens + out.accepted[i], req.num_prompt + len(req.output_ids) - 1 - s.start)
                 if count > 0 and (sleeping or rid in self._asleep):
                     self._asleep.setdefault(rid, s.start)
+                    self.pool.mark_drafter_stale(req, s.start, s.start + count)
                 elif count > 0:
                     added += count
                     queued = queue.get(rid)
@@ -361,6 +376,8 @@ class Speculator:
             for chunk in _chunks(spans, self.max_rows):
                 hidden, aux = self.hidden_rows(chunk) if self.drafter.reads_hidden else (None, None)
                 self.drafter.on_commit(chunk, hidden, aux)
+            for r, start in starts:
+                self.pool.mark_drafter_written(r, start)
         except Exception as exc:  # a drafter fault costs acceptance, never correctness
             log.error("drafter failed to catch up on the rows it slept through: %s\n%s", exc, traceback.format_exc())
 
