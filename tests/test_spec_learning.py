@@ -212,10 +212,24 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     assert start == 0 and start + rows == tokens - 1 and rows >= len(PROMPTS[0]) + 11
 
 
-def priced_out_beside_company(engine) -> None:
-    """Rounds pay alone, not beside another request (costs injected)."""
+def priced_out_beside_company(engine, factor: float = 100.0) -> None:
+    """Rounds pay alone, not beside another request: there they cost `factor` times as much (costs injected)."""
     seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 99 * (k > 0) * (batch > 1))
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + (factor - 1) * (k > 0)
+                                                                                   * (batch > 1))
+
+
+def test_requests_joining_a_batch_where_rounds_are_priced_out_explore_no_round(families):
+    """Beside company, rounds cost three times their price, which acceptance near 1 would still pay for: probes
+    are due every few decisions. None is explored, neither while the drafter sleeps nor when a new pair of requests
+    joins (their prompts are slept through, so a round would first recompute them)."""
+    llm = spec_llm(families, "dflash")
+    llm.engine.policy.probe_every = 2
+    priced_out_beside_company(llm.engine, factor=3.0)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for _ in range(3):
+        got = llm.generate(PROMPTS[:2], params)
+        assert [c.timing.draft_rounds for c in got] == [0, 0]
 
 
 @pytest.mark.parametrize("kind", ["dflash", "draft"])

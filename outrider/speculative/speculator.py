@@ -147,9 +147,12 @@ class Speculator:
             return {}
         # (the whole decoding batch sizes the costs.) No exploratory round wakes a sleeping drafter beside other
         # requests: its catch-up is a forward over every row slept through, as many a step as there are requests,
-        # which at 8B and batch 32 costs a tenth of the steps it follows. Alone, a round now and then stays cheap,
-        # and a long request's acceptance may change.
-        ks = self.policy.draft_lengths(decoding, self.drafter, explore=not asleep or len(decoding) == 1)
+        # which at 8B and batch 32 costs a tenth of the steps it follows. Nor where k = 0 stands at this batch size
+        # for requests that just joined it: their prompts are slept through (_skips). Alone, a round now and then
+        # stays cheap, and a long request's acceptance may change.
+        n = len(decoding)
+        ks = self.policy.draft_lengths(decoding, self.drafter,
+                                       explore=n == 1 or not (asleep or self.policy.priced_out(n)))
         lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
         self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(len(decoding))
         return lengths
