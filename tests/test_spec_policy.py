@@ -58,6 +58,23 @@ def test_low_acceptance_turns_drafting_off_then_probes_ever_less_often():
     assert policy.draft_lengths([r], DRAFTER) == [4]
 
 
+def test_new_requests_whose_first_rounds_accept_nothing_leave_the_probe_backoff_doubling():
+    """Nothing is accepted (alpha = 0). Each new request first drafts a few rounds on its prior's strength, which
+    fail; that does not restart the probes' backoff, so the later requests see no probe in their 32 decisions."""
+    policy = DraftPolicy(n_max=4, probe_every=4)
+    after_prior = []
+    for _ in range(6):
+        r = req(max_tokens=200, max_model_len=300)
+        ks = []
+        for _ in range(32):
+            ks.append(policy.draft_lengths([r], DRAFTER)[0])
+            if ks[-1]:
+                policy.record(r.request_id, proposed=ks[-1], accepted=0)
+        after_prior.append(ks[ks.index(0):])
+        policy.release(r.request_id)
+    assert any(after_prior[0]) and not any(k for ks in after_prior[3:] for k in ks)
+
+
 def test_probes_wait_longer_the_more_a_round_costs():
     """An exploratory round of one draft that costs three plain steps costs two plain steps' time beyond one: probes
     wait twice the doubling interval, so exploring costs the same share of time as with a round near a plain step."""

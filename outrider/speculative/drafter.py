@@ -293,6 +293,7 @@ class _Probe:
     ids: tuple = ()
     quiet: int = 0
     drafting: int = 0  # the k of the last decision that drafted (KEEP_MARGIN)
+    accepted: int = 0  # the policy's count of accepted drafts when the backoff last restarted
 
 
 # While k = 0 stands for the same requests, this many decisions in a row return it without reading any request: the
@@ -340,6 +341,7 @@ class DraftPolicy:
     _stats: dict[int, _Acceptance] = field(default_factory=dict, repr=False)
     _pooled: _Acceptance | None = field(default=None, repr=False)  # over all requests' rounds
     _probes: dict[int, _Probe] = field(default_factory=dict, repr=False)
+    _accepted: int = field(default=0, repr=False)  # drafts accepted, over all requests
 
     def draft_lengths(self, requests: Sequence[Request], drafter: Drafter,
                       in_flight: Sequence[int] | None = None, explore: bool = True) -> list[int]:
@@ -435,7 +437,12 @@ class DraftPolicy:
                 kept = probe.drafting
                 if 0 < kept < len(rates) and rates[kept] >= (1.0 - KEEP_MARGIN) * rates[k]:
                     k = kept
-                probe.every, probe.idle, probe.standing, probe.drafting = self.probe_every, 0, None, k
+                # (the backoff restarts once a draft was accepted since it began: a round that a new request's
+                # prior alone chose, and that then accepted nothing, leaves it doubling, or at alpha = 0 each
+                # request would bring back probes every probe_every decisions)
+                if self._accepted > probe.accepted:
+                    probe.every, probe.accepted = self.probe_every, self._accepted
+                probe.idle, probe.standing, probe.drafting = 0, None, k
                 return k
             probe.standing = inputs
             probe.wait = self._probe_wait(probe.every, batch, max(caps), step_cost)
@@ -488,6 +495,7 @@ class DraftPolicy:
         if proposed <= 0:
             return
         rejected = 1 if accepted < proposed else 0
+        self._accepted += accepted
         self._acceptance(request_id).add(self.decay, accepted, rejected)
         self._pooled = self._pooled or _Acceptance.worth_two_rounds(self.prior_alpha)
         self._pooled.add(self.pooled_decay, accepted, rejected)
