@@ -351,8 +351,9 @@ class DraftPolicy:
         n = len(requests)
         if n > self.max_batch:
             return [0] * n
-        probe = self._probes.setdefault(batch_bucket(n), _Probe(self.probe_every))
-        ids = tuple(r.request_id for r in requests)
+        bucket = batch_bucket(n)
+        probe = self._probes.get(bucket) or self._probes.setdefault(bucket, _Probe(self.probe_every))
+        ids = tuple([r.request_id for r in requests])
         quiet = QUIET_DECISIONS if explore else QUIET_DECISIONS_ASLEEP
         if (probe.standing is not None and probe.ids == ids and probe.quiet < quiet - 1
                 and (probe.idle + 1 < probe.wait or not explore)):

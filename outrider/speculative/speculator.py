@@ -324,7 +324,7 @@ class Speculator:
         rows = out.hidden.shape[0]
         if 0 < self._committed <= LEARN_ROWS[-1] < self._committed + rows and rows <= LEARN_ROWS[-1] // 4:
             self.flush()  # (what is queued fits one learning graph; with this step's rows it might not)
-        reads_hidden, queue = self.drafter.reads_hidden, self._queued
+        reads_hidden, queue, asleep, bs = self.drafter.reads_hidden, self._queued, self._asleep, self.pool.block_size
         offset = base = self._rows  # the step's first row among the kept ones
         added = 0
         finished = []
@@ -336,13 +336,17 @@ class Speculator:
                 if rid in admitted and s.start:  # a prefix hit: the drafter's K/V holds only what it wrote there
                     written = self.pool.drafter_written_until(req, s.start)
                     if written < s.start:
-                        self._asleep.setdefault(rid, written)
+                        asleep.setdefault(rid, written)
                 # Target rows whose K/V stays valid and whose next token is on the host (a stop may cut a round;
                 # with overlap scheduling the next step may already have fed a token that is still pending).
                 count = min(s.num_new_tokens + out.accepted[i], req.num_prompt + len(req.output_ids) - 1 - s.start)
-                if count > 0 and (sleeping or rid in self._asleep):
-                    self._asleep.setdefault(rid, s.start)
-                    self.pool.mark_drafter_stale(req, s.start, s.start + count)
+                if count > 0 and (sleeping or rid in asleep):
+                    start = s.start
+                    # (the block holding `start` was marked with the row before it, unless it begins there)
+                    if asleep.setdefault(rid, start) != start and start % bs:
+                        start += bs - start % bs
+                    if start < s.start + count:
+                        self.pool.mark_drafter_stale(req, start, s.start + count)
                 elif count > 0:
                     added += count
                     queued = queue.get(rid)
