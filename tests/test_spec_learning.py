@@ -232,6 +232,18 @@ def test_requests_joining_a_batch_where_rounds_are_priced_out_explore_no_round(f
         assert [c.timing.draft_rounds for c in got] == [0, 0]
 
 
+def test_every_block_of_rows_the_drafter_slept_through_is_marked_when_the_request_ends(families):
+    """Two requests decode priced out beside each other, across several 16-token blocks: when each ends, every
+    block it held is marked as lacking the drafter's K/V (the pool marks a block once, at the row that begins it)."""
+    llm = spec_llm(families, "eagle3")
+    priced_out_beside_company(llm.engine)
+    pool, unmarked = llm.engine.pool, []
+    free = pool.free_request
+    pool.free_request = lambda req: unmarked.append(set(req.block_ids) - pool.drafter_stale) or free(req)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True))
+    assert unmarked == [set(), set()]
+
+
 @pytest.mark.parametrize("kind", ["dflash", "draft"])
 def test_a_prefix_hit_on_rows_the_drafter_slept_through_is_caught_up_before_it_drafts(families, kind):
     """Two requests with a 40-token prompt prefix decode together, priced out: the drafter sleeps through their
