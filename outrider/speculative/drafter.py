@@ -227,8 +227,9 @@ class StepCosts:
     A draft length not measured again within `stale_after` measurements of its bucket counts as unmeasured (`at`
     leaves it out while another round is fresh, and its next measurement starts afresh): the policy stops choosing
     a k whose cost looks high, so without this one slow early round (a warm-up, a busy host) would rule that k out
-    for good. Re-priced from its neighbours, it is tried again if it then looks best. The plain step goes stale too (speculation that always
-    wins stops measuring it): then the policy takes a plain step first, as it does before anything is measured.
+    for good. Re-priced from its neighbours, it is tried again if it then looks best. The plain step goes stale
+    too (speculation that always wins stops measuring it): then the policy takes a plain step first, as it does
+    before anything is measured.
 
     A measurement counts at most `stall_factor` times what the length cost before (a first one: `first_factor`
     times the plain step): a stall (a kernel compiled on first use, a collection, a busy host) would otherwise

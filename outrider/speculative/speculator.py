@@ -5,9 +5,9 @@ the policy's bookkeeping (acceptance per request, measured step costs), and forg
 freed.
 
 While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing,
-not even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a launch-bound target learning costs a plain step a
-fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes. The first round after that catches
-up: the target's hidden states at the rows skipped are recomputed in one forward that writes no K/V
+not even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a
+launch-bound target learning costs a plain step a fifth of its time (docs/benchmarks.md, "Session 14"), for drafts
+no one makes. The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward that writes no K/V
 (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is work paid once:
 it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the round, it priced
 rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter slept again, and
@@ -154,7 +154,7 @@ class Speculator:
         ks = self.policy.draft_lengths(decoding, self.drafter,
                                        explore=n == 1 or not (asleep or self.policy.priced_out(n)))
         lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
-        self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(len(decoding))
+        self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(n)
         return lengths
 
     def propose(self, running: Sequence[Request], lengths: dict[int, int]) -> Drafts:
