@@ -114,12 +114,13 @@ def _gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
             "down": (h, c["intermediate_size"]), "lm_head": (c["vocab_size"], h)}
 
 
-def gemm(reporter: Reporter, device: torch.device, models=("qwen3-0.6b", "qwen3-8b"), rows=(1, 2)) -> None:
-    """Decode projections (bf16, M rows): cuBLAS (F.linear) vs the skinny Triton GEMM in every candidate config.
+def gemm(reporter: Reporter, device: torch.device, models=("qwen3-0.6b", "qwen3-8b"), rows=(1, 2, 5, 16)) -> None:
+    """Decode and verify projections (bf16, M rows: 1-2 the CUDA-core kernel, 5 and 16 the tensor-core one): cuBLAS
+    (F.linear) vs the skinny Triton GEMM in every candidate config.
 
     Successive calls cycle through enough copies of the weight to overflow L2 four times over, as a decode step
     streams each layer's weights once: back-to-back calls on one small weight would time L2, not HBM. Each
-    config is checked against cuBLAS first. The `best` line is what to put in gemm.DEFAULT_TABLE."""
+    config is checked against cuBLAS first. The `best` line is what to put in gemm.DEFAULT_TABLE (DOT_CONFIG)."""
     from outrider.kernels import gemm as tg
 
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
@@ -143,9 +144,9 @@ def gemm(reporter: Reporter, device: torch.device, models=("qwen3-0.6b", "qwen3-
                 reporter.line(f"{label} cuBLAS", f"{ms_ref * 1e3:.1f} us GPU (eager "
                               f"{_eager_us(lambda: F.linear(x, weights[0])):.0f} us/call)", moved, ms_ref / 1e3,
                               us=ms_ref * 1e3)
-                default = tg.default_config(n)
+                default = tg.default_config(n, m)
                 times: dict[tg.GemmConfig, float] = {}
-                for cfg in dict.fromkeys((default, *(c for c in tg.CANDIDATES if tg.fits(c, m)))):
+                for cfg in dict.fromkeys((default, *tg.candidates(m))):
                     err = (tg.skinny_gemm(x, weights[0], None, cfg).float() - ref.float()).abs().max().item()
                     if err > 0.05:  # bf16 rounding of outputs ~N(0, 1) stays near 0.01
                         print(f"{label} triton {cfg}: WRONG, max error {err:.3g} vs cuBLAS", flush=True)

@@ -15,12 +15,15 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-# Route batch-1/2 decode projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
+# Route decode and verify projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
 # (kernels/gemm.py) instead of cuBLAS. Only there: an eager Triton launch costs 40-140 us of host time, several
 # times cuBLAS's, which short prefills would pay per projection. On an H200 it took Qwen3-0.6B batch-1 decode from
 # 690 to 877 tok/s (docs/benchmarks.md); OUTRIDER_SKINNY_GEMM=0 turns it off.
 SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
-SKINNY_MAX_ROWS = 2  # the kernel's register budget (kernels/gemm.py); cuBLAS is as good beyond
+# Rows it takes: up to FOLD_MAX_ROWS on CUDA cores, with a pre-norm or SiLU folded into the projection; beyond, up
+# to SKINNY_MAX_ROWS (a verify step's), 16-bit only, on tensor cores without folds (kernels/gemm.py).
+FOLD_MAX_ROWS = 2
+SKINNY_MAX_ROWS = 16
 # Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
 # kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), to hide
 # the gap between dependent kernels of a decode step, and to prefetch weights and K/V into L2 before the wait.
@@ -128,11 +131,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     return torch_qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
 
 
-def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x of 1 or 2 rows and a row-major weight of its
-    dtype: where the Triton skinny GEMM replaces cuBLAS."""
-    return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS
-            and x.is_contiguous() and weight.is_contiguous() and weight.dtype == x.dtype)
+def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, fold: bool = False) -> bool:
+    """SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x and a row-major weight of its dtype, with up
+    to FOLD_MAX_ROWS rows (`fold`: a norm or activation goes into the kernel) or up to SKINNY_MAX_ROWS 16-bit ones:
+    where the Triton skinny GEMM replaces cuBLAS."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    fits = 0 < rows <= FOLD_MAX_ROWS or (not fold and rows <= SKINNY_MAX_ROWS
+                                         and x.dtype in (torch.float16, torch.bfloat16))
+    return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and fits and x.is_contiguous()
+            and weight.is_contiguous() and weight.dtype == x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -166,7 +173,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     projection is one launch instead of two (the normed row is then not rounded to x's dtype before the product:
     gemm.RowNorm). LM heads do not use it: every program of a GEMM that wide re-reading x and the norm weight
     cost Qwen3-8B's 10 us, several times a separate norm kernel (docs/benchmarks.md, run F)."""
-    if _use_skinny_gemm(x, weight) and (residual is None or residual.is_contiguous()):
+    if _use_skinny_gemm(x, weight, fold=True) and (residual is None or residual.is_contiguous()):
         from outrider.kernels import gemm
 
         summed = None if residual is None else torch.empty_like(x)
@@ -182,7 +189,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
     On the skinny GEMM the kernel forms silu(gate) * up as it loads x, so the activation costs no launch of its
     own (a kernel boundary is ~1 us of dead time in a batch-1 decode graph)."""
-    if _use_skinny_gemm(gate_up, weight):
+    if _use_skinny_gemm(gate_up, weight, fold=True):
         from outrider.kernels import gemm
 
         return gemm.skinny_gemm(gate_up, weight, bias, silu_mul=True, pdl=use_pdl(gate_up))

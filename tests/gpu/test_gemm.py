@@ -1,4 +1,4 @@
-"""The skinny (decode) GEMM of outrider.kernels.gemm against torch, and ops.linear's dispatch to it."""
+"""The skinny (decode and verify) GEMM of outrider.kernels.gemm against torch, and ops.linear's dispatch to it."""
 
 from __future__ import annotations
 
@@ -86,7 +86,18 @@ def test_skinny_gemm_norm_matches_torch(m, n, k, bias, add, model_dtype, kind, d
         assert torch.equal(out.cpu(), summed)
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [3, 5, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,k,bias", [(64, 128, False), (37, 200, True), (192, 640, True), (130, 129, False)])
+def test_tensor_core_rows_match_torch(m, n, k, bias, dtype, device):
+    """Verify rows (3-16) on the swapped tensor-core kernel: whole and partial tiles of W's rows and of K."""
+    from outrider.kernels import gemm
+
+    x, w, b = _inputs(m, n, k, dtype, bias, device)
+    _check(gemm.skinny_gemm(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
 def test_skinny_gemm_float32_output_keeps_the_float32_accumulator(m, device):
     """out_dtype float32 (LM heads): the product's float32 sum, not rounded to the model dtype first, as cuBLAS's
     mm(out_dtype=float32) gives verify rows (ops.linear), so decode and verify rows break near-ties alike."""
@@ -119,7 +130,8 @@ def test_rms_norm_linear_is_the_unfused_composition_off_cuda(residual, monkeypat
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_rms_norm_linear_dispatch_on_cuda(m, monkeypatch):
-    """One fused kernel inside graph capture at M <= 2 (with PDL on Hopper), else rms_norm + F.linear."""
+    """One fused kernel inside graph capture at M <= 2 (with PDL on Hopper), else rms_norm, then the projection
+    (on the tensor-core kernel in bfloat16)."""
     from outrider.kernels import gemm
 
     monkeypatch.setattr(ops, "SKINNY_GEMM", True)
@@ -134,7 +146,7 @@ def test_rms_norm_linear_dispatch_on_cuda(m, monkeypatch):
     monkeypatch.setattr(gemm, "skinny_gemm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     with ops.graph_capture():
         y, summed = ops.rms_norm_linear(x, r, nw, 1e-6, w, b)
-    assert len(calls) == (m <= 2)
+    assert [kw.get("norm") is not None for kw in calls] == [m <= 2]
     if calls:
         assert calls[0]["pdl"] == (torch.cuda.get_device_capability()[0] >= 9)
     assert torch.equal(summed, ref_sum)
@@ -145,17 +157,16 @@ def test_every_candidate_and_default_config(device):
     """What `bench kernels` times and what the table picks are all correct (fp16: one shape, every M)."""
     from outrider.kernels import gemm
 
-    configs = {*gemm.CANDIDATES, *(row[-1] for row in gemm.DEFAULT_TABLE)}
     for m in range(1, gemm.MAX_M + 1):
         x, w, b = _inputs(m, 40, 600, torch.float16, True, device)
-        for config in configs:
+        for config in {*gemm.candidates(m), gemm.default_config(40, m), gemm.default_config(1 << 20, m)}:
             _check(gemm.skinny_gemm(x, w, b, config), x, w, b)
 
 
 def test_default_table_covers_every_decode_shape():
     from outrider.kernels import gemm
 
-    for m in range(1, gemm.MAX_M + 1):
+    for m in range(1, gemm.FMA_MAX_M + 1):
         for n, k in ((1, 1), (1024, 3072), (151936, 4096), (1 << 20, 1 << 20)):
             assert gemm.fits(gemm.default_config(n), m)
 
@@ -181,7 +192,10 @@ def test_linear_dispatch_on_cuda(m, monkeypatch):
     with ops.graph_capture():
         ops.linear(x, w, b)
         ops.linear(x[:, :128], w[:, :128], b)  # a strided x stays on cuBLAS
-    assert len(calls) == (m <= 2)
+    assert len(calls) == 1  # (bfloat16: up to 16 rows)
+    with ops.graph_capture():
+        ops.linear(x.float(), w.float(), b.float())  # float32 past two rows stays on cuBLAS (tl.dot: TF32)
+    assert len(calls) == 1 + (m <= 2)
 
 
 def test_silu_mul_linear_is_the_unfused_composition_off_cuda(monkeypatch):
@@ -196,7 +210,7 @@ def test_silu_mul_linear_is_the_unfused_composition_off_cuda(monkeypatch):
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("m", [1, 2, 3])
 def test_silu_mul_linear_dispatch_on_cuda(m, monkeypatch):
-    """Same rule as ops.linear: the fused skinny kernel inside graph capture at M <= 2, else silu_mul + F.linear."""
+    """Inside graph capture the fused skinny kernel at M <= 2, else silu_mul, then the projection."""
     from outrider.kernels import gemm
 
     monkeypatch.setattr(ops, "SKINNY_GEMM", True)
@@ -209,7 +223,7 @@ def test_silu_mul_linear_dispatch_on_cuda(m, monkeypatch):
     monkeypatch.setattr(gemm, "skinny_gemm", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     with ops.graph_capture():
         out = ops.silu_mul_linear(gate_up, w, b)
-    assert [kw["silu_mul"] for kw in calls] == ([True] if m <= 2 else [])
+    assert [kw.get("silu_mul", False) for kw in calls] == [m <= 2]
     torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=8e-3)
 
 
