@@ -39,3 +39,28 @@ def test_requests_run_in_the_slot_they_ask_for(events):
         assert [r for r in before if r in admitted] == admitted
         for r in running:  # (the prompts are computed: the next schedule decodes them)
             r.num_computed = r.num_tokens
+
+
+def test_the_running_list_is_replaced_whenever_a_request_joins_or_leaves_it():
+    """The Speculator's dormant path tells the batch is unchanged by the identity of Scheduler.running: a step that
+    admits or preempts a request, and a request's end, give a new list; a step that only decodes keeps it."""
+    scheduler = Scheduler(BlockPool(4, block_size=4), 2, max_num_batched_tokens=1000, max_model_len=64)
+    a, b = Request([1, 2, 3], SamplingParams()), Request([4, 5, 6], SamplingParams())
+    lists = [scheduler.running]
+
+    def step() -> None:
+        plan = scheduler.schedule()
+        for s in plan.scheduled:  # (each request computes what it fed and samples its next token)
+            s.request.num_computed += s.num_new_tokens
+            s.request.output_ids.append(7)
+        lists.append(scheduler.running)
+
+    scheduler.add(a)
+    scheduler.add(b)
+    step()  # admits both, a block each (of the pool's three)
+    step()  # decodes within those blocks
+    step()  # a takes the last block; b finds none and is preempted
+    scheduler.remove(a)
+    lists.append(scheduler.running)
+    assert b.num_preemptions == 1 and scheduler.running == []
+    assert [new is not old for old, new in zip(lists, lists[1:])] == [True, False, True, True]

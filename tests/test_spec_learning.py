@@ -7,12 +7,15 @@ hits), drop a preempted request's queue, and keep undrafted decode steps free of
 from __future__ import annotations
 
 import itertools
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import pytest
 import torch
 
+import outrider
 import outrider.speculative.speculator as speculator_mod
 from outrider import LLM, SamplingParams
 from outrider.engine.request import Request
@@ -36,8 +39,9 @@ def spec_llm(families, kind: str, **kwargs) -> LLM:
     learns a round's rows from its verdict, and test_spec_draft_ahead.py holds it to this path.)"""
     arch, served, engine_kwargs, _ = SETUPS[kind]
     kwargs.setdefault("spec_draft_ahead", False)
-    return LLM(families[arch][served], dtype="float32", max_num_seqs=8, overlap_schedule=True, spec_draft_n_max=3,
-               spec_measured_costs=False, **engine_kwargs(families[arch]), **kwargs)
+    kwargs.setdefault("overlap_schedule", True)
+    return LLM(families[arch][served], dtype="float32", max_num_seqs=8, spec_draft_n_max=3, spec_measured_costs=False,
+               **engine_kwargs(families[arch]), **kwargs)
 
 
 @dataclass
@@ -138,20 +142,73 @@ def test_deferred_learning_proposes_what_learning_every_step_proposes(families, 
     assert any(s > 0 and n >= LEARN_BACKLOG_STEPS for e in learns for _, s, n in e[1])  # steps merged in one commit
 
 
-def pattern_policy(engine, sleeps: bool) -> None:
+def pattern_policy(engine, sleeps: bool, dormant: bool = False) -> None:
     """The policy drafts in force_lengths's pattern and, where it drafts nothing, says whether k = 0 stands at the
-    batch size (sleeps: the drafter then sleeps until the next round)."""
-    steps = itertools.count()
+    batch size (sleeps: the drafter then sleeps until the next round). dormant: there k = 0 also stands for the
+    requests of the last decision without reading them (DraftPolicy.stands), one step of the pattern each, so a
+    batch asleep whole goes dormant."""
+    step = 0
+
+    def drafts(n: int) -> bool:
+        return n % 29 in (2, 3, 9)
 
     def draft_lengths(requests, drafter, in_flight=None, explore=True):
-        n = next(steps)
-        if n % 29 not in (2, 3, 9):
+        nonlocal step
+        n, step = step, step + 1
+        if not drafts(n):
             return [0] * len(requests)
         return [max(0, min(1 + (len(r.output_ids) + n) % 3, r.max_output_tokens - len(r.output_ids) - r.num_pending
                            - 1)) for r in requests]
 
+    def stands(batch, explore=True):
+        nonlocal step
+        if drafts(step):
+            return False
+        step += 1
+        return True
+
     engine.policy.draft_lengths = draft_lengths
     engine.policy.priced_out = lambda batch: sleeps
+    if dormant:
+        engine.policy.stands = stands
+
+
+@dataclass
+class PatternRun:
+    """A pattern_policy run of requests of different lengths: the greedy output, what the drafter was asked and told,
+    the rows of each catch-up's recomputation, the steps taken on the dormant path, and for each request that ended
+    asleep, how many blocks holding its rows from the first slept through were not marked as lacking drafter K/V."""
+
+    out: list[list[int]]
+    record: Recorder
+    recomputed: list[int]
+    dormant_steps: int
+    unmarked: list[int]
+
+
+def pattern_run(families, kind: str, batch: int, sleeps: bool, dormant: bool = False, reach: int = 0) -> PatternRun:
+    """(reach: a round reserves blocks this far past a request's last token at least, as if the drafter wrote there.)"""
+    llm = spec_llm(families, kind)
+    engine = llm.engine
+    pattern_policy(engine, sleeps, dormant)
+    lookahead = engine.drafter.lookahead
+    engine.drafter.lookahead = lambda k: max(lookahead(k), reach)
+    record = Recorder().install(engine)
+    spec, pool, recomputed, dormant_steps, unmarked = engine.speculator, engine.pool, [], [], []
+    hidden_rows, decide, free = spec.hidden_rows, spec.draft_lengths, pool.free_request
+    spec.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
+    spec.draft_lengths = lambda running: (decide(running), dormant_steps.append(spec._dormant))[0]
+
+    def checked_free(req):
+        if req.request_id in spec._asleep:  # (its rows: positions up to the one before its last token's)
+            last = req.num_prompt + len(req.output_ids) - 2
+            slept = req.block_ids[spec._asleep[req.request_id] // pool.block_size: last // pool.block_size + 1]
+            unmarked.append(len(set(slept) - pool.drafter_stale))
+        free(req)
+
+    pool.free_request = checked_free
+    out = generate(llm, PROMPTS[:batch], [60 - 9 * i for i in range(batch)])
+    return PatternRun(out, record, recomputed, sum(dormant_steps), unmarked)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -161,28 +218,44 @@ def test_a_drafter_that_slept_through_plain_steps_catches_up_and_proposes_what_i
     """Where k = 0 stands the drafter learns nothing; the next round first learns every row it slept through (their
     hidden states recomputed, for the drafters that read them), then proposes what a drafter that never slept
     proposes (token for token; confidences to float32 rounding), and the greedy output is the same."""
-    prompts, max_tokens = PROMPTS[:batch], [60 - 9 * i for i in range(batch)]
-    runs = {}
-    for sleeps in (False, True):
-        llm = spec_llm(families, kind)
-        pattern_policy(llm.engine, sleeps)
-        record = Recorder().install(llm.engine)
-        recomputed = []
-        hidden_rows = llm.engine.speculator.hidden_rows
-        llm.engine.speculator.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or \
-            hidden_rows(spans)
-        runs[sleeps] = (generate(llm, prompts, max_tokens), record, recomputed)
-    (awake_out, awake, _), (slept_out, slept, recomputed) = runs[False], runs[True]
-    assert slept_out == awake_out
-    assert len(slept.proposals) >= 4 and any(any(t) for _, _, tokens, _ in slept.proposals for t in tokens)
-    assert_same_proposals(slept.proposals, awake.proposals)
+    awake, slept = (pattern_run(families, kind, batch, sleeps) for sleeps in (False, True))
+    assert slept.out == awake.out
+    assert len(slept.record.proposals) >= 4 and any(any(t) for _, _, tokens, _ in slept.record.proposals
+                                                    for t in tokens)
+    assert_same_proposals(slept.record.proposals, awake.record.proposals)
     # Learned: prompts with their prefill, then before each round the stretch slept through (19 plain steps at
     # most: in one catch-up), and a round's own rows; never a finishing request's rows after its last round.
-    rows = {run: [n for e in record.events if e[0] == "learn" for _, _, n in e[1]] for run, record in
+    rows = {run: [n for e in r.record.events if e[0] == "learn" for _, _, n in e[1]] for run, r in
             (("awake", awake), ("slept", slept))}
     assert sum(rows["slept"]) < sum(rows["awake"])
     assert any(n >= 19 for n in rows["slept"])
-    assert (sum(recomputed) > 0) == (kind in HIDDEN_KINDS)
+    assert (sum(slept.recomputed) > 0) == (kind in HIDDEN_KINDS)
+
+
+@pytest.mark.parametrize("kind", LEARNING_KINDS)
+def test_a_batch_woken_from_dormancy_catches_up_exactly_the_rows_it_slept_through(families, kind):
+    """Four requests asleep whole between rounds go dormant (their steps read none of them). Each round first
+    learns what each request slept through: every committed row of a request is learned once, in order, none
+    missed before its last learned one (dormant steps learned nothing, and no catch-up starts elsewhere than at the
+    first row slept through). The drafter then proposes what one that never slept proposes, token for token, and
+    the output is plain greedy decoding's."""
+    # (rounds reserve blocks 40 positions ahead: rows the batch sleeps through later lie in blocks taken before it
+    # fell dormant, and in blocks taken while it is)
+    awake = pattern_run(families, kind, 4, sleeps=False, reach=40)
+    dormant = pattern_run(families, kind, 4, sleeps=True, dormant=True, reach=40)
+    assert dormant.dormant_steps >= 20 and awake.dormant_steps == 0
+    assert dormant.unmarked and not any(dormant.unmarked)  # (a prefix hit on them would be caught up too)
+    arch, served, _, _ = SETUPS[kind]
+    plain = LLM(families[arch][served], dtype="float32", spec_type="none")
+    assert dormant.out == generate(plain, PROMPTS[:4], [60 - 9 * i for i in range(4)])
+    assert any(any(t) for _, _, tokens, _ in dormant.record.proposals for t in tokens)
+    assert_same_proposals(dormant.record.proposals, awake.record.proposals)
+    ids = {rid for e in dormant.record.events if e[0] == "learn" for rid, _, _ in e[1]}
+    for rid in ids:
+        spans = dormant.record.learned(rid)
+        assert [s for s, _ in spans] == list(itertools.accumulate((n for _, n in spans[:-1]), initial=0))
+    assert any(n >= 19 for rid in ids for _, n in dormant.record.learned(rid))  # (a stretch caught up at once)
+    assert (sum(dormant.recomputed) > 0) == (kind in HIDDEN_KINDS)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
@@ -210,6 +283,61 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     # the short request.
     ((start, rows, tokens),) = recomputed
     assert start == 0 and start + rows == tokens - 1 and rows >= len(PROMPTS[0]) + 11
+
+
+class LineCount:
+    """The lines of outrider's code run inside its `with` blocks, and whether the step they belong to was dormant."""
+
+    package = str(Path(outrider.__file__).parent)
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.dormant = False
+
+    def __enter__(self) -> None:
+        sys.settrace(lambda frame, event, arg: self._line if frame.f_code.co_filename.startswith(self.package)
+                     else None)
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+    def _line(self, frame, event, arg):
+        self.lines += event == "line"
+        return self._line
+
+
+def test_a_dormant_step_reads_no_request_however_large_the_batch(families, monkeypatch):
+    """Requests priced out beside each other, every one decoding, sleep whole and go dormant: then a step's
+    speculative work (deciding, keeping, learning, measuring) reads none of them. It runs as many lines of outrider's
+    code at batch 8 as at batch 2, where a step that reads the requests runs more at 8; it keeps no hidden rows and
+    queues nothing."""
+    kept: list[bool] = []  # per keep_hidden call: in a dormant step?
+    keep = StepOutput.keep_hidden
+    dormant, full = {}, {}  # batch -> the lines each dormant (else full) step ran in the Speculator's calls
+    for batch in (2, 8):
+        llm = spec_llm(families, "dflash")
+        priced_out_beside_company(llm.engine)
+        spec, steps = llm.engine.speculator, []
+        monkeypatch.setattr(StepOutput, "keep_hidden", lambda out: kept.append(spec._dormant) or keep(out))
+
+        def counted(call, starts_step):
+            def run(*args):
+                if starts_step:
+                    steps.append(LineCount())
+                with steps[-1]:
+                    out = call(*args)
+                steps[-1].dormant = spec._dormant and not spec._queued
+                return out
+            return run
+
+        for name in ("draft_lengths", "keep", "learn", "observe_step"):
+            setattr(spec, name, counted(getattr(spec, name), name == "draft_lengths"))
+        generate(llm, [PROMPTS[i % len(PROMPTS)] + [400 + i] for i in range(batch)], [40] * batch)
+        dormant[batch] = [s.lines for s in steps if s.dormant]
+        full[batch] = [s.lines for s in steps if not s.dormant]
+        assert len(dormant[batch]) >= len(steps) // 2
+    assert dormant[8] == dormant[2] and max(full[8]) > max(full[2])
+    assert kept and not any(kept)
 
 
 def priced_out_beside_company(engine, factor: float = 100.0) -> None:
@@ -289,6 +417,79 @@ def test_a_lone_request_asleep_still_explores_rounds_and_catches_up_for_each(fam
     want = LLM(families["qwen3"]["mtp"], dtype="float32", spec_type="none").generate([PROMPTS[0]], params)[0]
     assert got.token_ids == want.token_ids
     assert got.timing.draft_rounds >= 2 and len(recomputed) >= 2 and all(n > 0 for n in recomputed)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A step's draft lengths (of the requests drafting), and its batch where it was taken on the dormant path."""
+
+    ks: list[int]
+    dormant_batch: int
+
+
+@dataclass
+class ScheduleRun:
+    """A run of test_probes_fire_on_schedule_after_a_dormant_stretch: each step's decision, each measured step's
+    (batch, k), what the drafter was asked and told, the outputs, and the policy's probes in the end."""
+
+    steps: list[Decision]
+    measured: list[tuple[int, int]]
+    record: Recorder
+    out: list[list[int]]
+    probes: dict
+
+
+def schedule_run(families, overlap: bool, dormant: bool) -> ScheduleRun:
+    """(dormant False: DraftPolicy.stands never takes k = 0 without reading the requests, so the Speculator reads
+    them at every decision.)"""
+    llm = spec_llm(families, "mtp", overlap_schedule=overlap)
+    engine = llm.engine
+    engine.policy.probe_every = 4
+    priced_out_beside_company(engine)
+    seconds = engine.policy.round_seconds
+    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
+    if not dormant:
+        engine.policy.stands = lambda batch, explore=True: False
+    spec, run = engine.speculator, ScheduleRun([], [], Recorder().install(engine), [], {})
+    decide, observe = spec.draft_lengths, engine.policy.observe_step
+
+    def draft_lengths(running):
+        lengths = decide(running)
+        run.steps.append(Decision(list(lengths.values()), len(running) if spec._dormant else 0))
+        return lengths
+
+    spec.draft_lengths = draft_lengths
+    engine.policy.observe_step = lambda batch, k, s: run.measured.append((batch, k)) or observe(batch, k, s)
+    reqs = [Request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for prompt, n in zip(PROMPTS, (24, 16, 20, 96))]
+    outs: dict[int, list] = {r.request_id: [] for r in reqs}
+    for r in reqs[:3]:
+        engine.add_request(r, outs[r.request_id].append)
+    while engine.has_work():
+        if len(run.steps) == 8:
+            engine.add_request(reqs[3], outs[reqs[3].request_id].append)
+        engine.step()
+    run.out = [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs]
+    run.probes = {bucket: replace(p, ids=len(p.ids)) for bucket, p in engine.policy._probes.items()}  # (ids differ)
+    return run
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_probes_fire_on_schedule_after_a_dormant_stretch(families, overlap):
+    """Three requests priced out beside each other go dormant, and a fourth joins them; as they finish, the longest
+    is left alone and explores rounds (probe_every 4, rounds at three times their price), dormant in between. Step
+    for step, the lengths decided, the step costs measured and the drafts proposed, then the outputs and the
+    policy's probe schedule, are those of an engine that never takes the dormant path (reading the requests at
+    every decision): dormant decisions are counted, not skipped, and a step that admits a request is learned as
+    ever."""
+    got, read = schedule_run(families, overlap, dormant=True), schedule_run(families, overlap, dormant=False)
+    assert [d.ks for d in got.steps] == [d.ks for d in read.steps] and got.measured == read.measured
+    assert_same_proposals(got.record.proposals, read.record.proposals)
+    assert got.out == read.out and got.probes == read.probes
+    assert got.steps[8].dormant_batch == 3  # (the fourth request is admitted by a dormant step)
+    assert {1, 2, 3, 4} <= {d.dormant_batch for d in got.steps} and not any(d.dormant_batch for d in read.steps)
+    alone = got.steps[next(i for i, d in enumerate(got.steps) if d.dormant_batch == 1):]  # (the longest, alone)
+    assert sum(1 for d in alone if d.ks) >= 3  # (probes, between dormant stretches; then rounds that pay)
 
 
 def test_a_catch_up_is_left_out_of_the_measured_cost_of_the_round_that_does_it(families):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -124,6 +125,32 @@ def test_a_priced_out_batch_size_stands_and_explores_no_round_when_asked_not_to(
     del policy._batch_length
     assert policy.draft_lengths([r], DRAFTER) == [1]  # exploring again: a probe at once (its interval passed)
     assert not policy.priced_out(1)  # (until a decision chooses k = 0 again)
+
+
+def test_decisions_taken_without_reading_the_requests_count_toward_the_next_probe():
+    """stands (the Speculator's dormant path: the requests of the last decision, unchanged and not read) takes k = 0
+    as draft_lengths's quiet decisions do, and counts it: with it deciding wherever it may, probes come after the
+    same decisions as with draft_lengths alone; it gives way where one is due or the quiet run ends."""
+    r = req()
+    ks, stood = {}, []
+    for dormant in (False, True):
+        policy = DraftPolicy(n_max=4, probe_every=5)
+        for _ in range(20):
+            policy.record(r.request_id, proposed=4, accepted=0)
+        policy._stats[r.request_id] = _Acceptance.worth_two_rounds(policy._pooled.alpha)  # (no drift lifts it)
+        ks[dormant] = []
+        for _ in range(70):
+            stood.append(dormant and policy.stands(1))
+            ks[dormant].append(0 if stood[-1] else policy.draft_lengths([r], DRAFTER)[0])
+        assert not policy.stands(2)  # (no decision at that batch size)
+    probes = [i for i, k in enumerate(ks[False]) if k]
+    assert probes == [i for i, k in enumerate(ks[True]) if k] and len(probes) >= 3
+    assert sum(stood) >= 50 and max(len(list(run)) for quiet, run in itertools.groupby(stood) if quiet) == \
+        QUIET_DECISIONS - 1  # (then a decision reads the requests, applying the drift of the quiet ones)
+    policy._stats[r.request_id] = _Acceptance(0.0, 2.0)  # below the pooled estimate: the drift lifts it
+    for _ in range(QUIET_DECISIONS):  # (a full decision among them reads it)
+        policy.draft_lengths([r], DRAFTER)
+    assert not policy.stands(1)  # (every decision reads it now)
 
 
 def test_a_standing_plain_decision_is_revisited_when_the_batch_changes():

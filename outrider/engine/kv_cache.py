@@ -40,6 +40,9 @@ class BlockPool:
         # Blocks holding target K/V whose drafter K/V was never written (the drafter slept through those rows): a
         # prefix hit on one must not hand the drafter what an earlier owner of the block left there.
         self.drafter_stale: set[int] = set()
+        # While set, the drafter sleeps through every running request's rows (the Speculator's dormant path): the
+        # blocks their decoding grows into are marked so as they are taken, not row by row.
+        self.drafter_asleep = False
 
     # --- capacity ---
     @property
@@ -104,6 +107,8 @@ class BlockPool:
         if need > self.num_free:
             return False
         self._grow(req, need)
+        if self.drafter_asleep:
+            self.drafter_stale.update(req.block_ids[-need:])
         return True
 
     def commit_full_blocks(self, req: Request, num_committed: int) -> None:

@@ -51,6 +51,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
+        # Replaced, never changed in place, when a request joins or leaves it: whoever kept it can tell the batch
+        # is the same by identity, without reading it (the Speculator's dormant path).
         self.running: list[Request] = []
         self.free_slots = list(range(max_num_seqs))
 
@@ -63,7 +65,7 @@ class Scheduler:
     def remove(self, req: Request) -> None:
         """Take a request out of the queues and give back its blocks and slot (finish or abort)."""
         if req in self.running:
-            self.running.remove(req)
+            self.running = [r for r in self.running if r is not req]
         elif req in self.waiting:
             self.waiting.remove(req)
         self.pool.free_request(req)
@@ -115,9 +117,10 @@ class Scheduler:
             self.free_slots.remove(slot)
             req.id_slot = slot
             admitted.append(req)
-            self.running.append(req)
             scheduled.append(ScheduledRequest(req, req.num_computed, n, req.num_computed + n == req.num_tokens))
             budget -= n
+        if admitted:
+            self.running = self.running + admitted
         return StepPlan(scheduled, preempted, admitted)
 
     def _slot_for(self, req: Request) -> int | None:
@@ -127,7 +130,7 @@ class Scheduler:
         return req.slot_wanted if req.slot_wanted in self.free_slots else None
 
     def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+        self.running = [r for r in self.running if r is not req]
         self.pool.free_request(req)
         req.status = Status.WAITING
         req.num_preemptions += 1

@@ -355,11 +355,7 @@ class DraftPolicy:
         bucket = batch_bucket(n)
         probe = self._probes.get(bucket) or self._probes.setdefault(bucket, _Probe(self.probe_every))
         ids = tuple([r.request_id for r in requests])
-        quiet = QUIET_DECISIONS if explore else QUIET_DECISIONS_ASLEEP
-        if (probe.standing is not None and probe.ids == ids and probe.quiet < quiet - 1
-                and (probe.idle + 1 < probe.wait or not explore)):
-            probe.quiet += 1
-            probe.idle += 1
+        if probe.ids == ids and self._quiet(probe, explore):
             return [0] * n
         batch_cap = min(self.max_verify_tokens // max(n, 1) - 1, drafter.max_draft)
         caps = [self._cap(r, batch_cap, extra) for r, extra in zip(requests, in_flight or itertools.repeat(0))]
@@ -377,6 +373,24 @@ class DraftPolicy:
         if k == 0 and pooled is not None:
             self._relax(stats, caps, pooled, 1.0 - self.decay)
         return [min(k, c) for c in caps]
+
+    def stands(self, batch: int, explore: bool = True) -> bool:
+        """Does k = 0 stand again for the requests of the last decision at this batch size, as one of draft_lengths's
+        quiet decisions (and counted as one)? For a caller that knows the requests unchanged without reading them
+        (the Speculator's dormant path); False: the next decision must be draft_lengths's own."""
+        probe = self._probes.get(batch_bucket(batch))
+        return probe is not None and len(probe.ids) == batch and self._quiet(probe, explore)
+
+    @staticmethod
+    def _quiet(probe: _Probe, explore: bool) -> bool:
+        """k = 0 again for the requests it stands for, without reading them, while their quiet run lasts and
+        (exploring) no probe is due: counted, as the decisions it skips count toward the next probe and drift."""
+        quiet = QUIET_DECISIONS if explore else QUIET_DECISIONS_ASLEEP
+        if probe.standing is None or probe.quiet >= quiet - 1 or (explore and probe.idle + 1 >= probe.wait):
+            return False
+        probe.quiet += 1
+        probe.idle += 1
+        return True
 
     @staticmethod
     def _relax(stats: list[_Acceptance], caps: list[int], pooled: _Acceptance, rate: float) -> None:

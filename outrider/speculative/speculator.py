@@ -4,15 +4,23 @@ over in batches), drafting the next round from a verify step's verdict before th
 the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were
 freed.
 
-While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing,
-not even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a
-launch-bound target learning costs a plain step a fifth of its time (docs/benchmarks.md, "Session 14"), for drafts
-no one makes. The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward that writes no K/V
-(`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is work paid once:
-it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the round, it priced
-rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter slept again, and
-each exploratory round measured the next catch-up. The blocks of rows slept through are marked in the pool: a
-prefix hit on one is caught up the same way, as its drafter K/V is whatever the block held before.
+While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing, not
+even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a launch-bound
+target learning costs a plain step a fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes.
+The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward
+that writes no K/V (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is
+work paid once: it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the
+round, it priced rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter
+slept again, and each exploratory round measured the next catch-up. The blocks of rows slept through are marked in
+the pool: a prefix hit on one is caught up the same way, as its drafter K/V is whatever the block held before.
+
+Asleep, a step still read every request (deciding, learning, measuring): on the demo target at batch 8, 0.06 ms of
+a 0.5 ms plain step on the H200, the loops running cold between forwards. So where every running request decodes
+and sleeps, the batch goes dormant: until it changes (Scheduler.running, by identity) or the policy's quiet run for
+it ends (DraftPolicy.stands), a step decides, keeps, learns and is measured without reading a request. The
+per-request work is done when it falls dormant: the blocks each request holds from its first row slept through are
+marked then, and the pool marks those their decoding grows into as it hands them out (BlockPool.drafter_asleep).
+The catch-up starts at each request's first row slept through, as ever.
 
 The engine calls it at fixed points of a step (docs/speculative.md, "The step"); it never stamps timings."""
 
@@ -124,15 +132,30 @@ class Speculator:
         self._ahead: _Ahead | None = None  # drafts staged by draft_ahead, for the next step
         self._learned_ahead: StepPlan | None = None  # the step whose rows draft_ahead learned (learn skips them)
         self._sleeping = False  # this step's decision: k = 0 stands at this batch size (learn nothing)
+        self._dormant = False  # and it was taken on the dormant path (reading no request)
+        self._sleepers: Sequence[Request] | None = None  # the running batch the dormant path is for (by identity)
         self._unkept: StepOutput | None = None  # the last step launched asleep (keep left its hidden rows)
         self._asleep: dict[int, int] = {}  # request id -> its first row the drafter has not learned (asleep since)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
         those whose last token is still on the device (the engine then commits the step in flight first). After a
-        round drafted ahead, its lengths for the requests still decoding. (Called first in every step: the one-off
-        work counted for observe_step starts here.)"""
+        round drafted ahead, its lengths for the requests still decoding. On the dormant path, none, reading no
+        request. (Called first in every step: the one-off work counted for observe_step starts here.)"""
         self._one_off = 0.0
+        n = len(running)
+        self._dormant = running is self._sleepers and self.policy.stands(n, explore=n == 1)
+        if self._dormant:
+            return {}
+        lengths = self._lengths(running)
+        # (every request decoding, none mid-prompt: a prompt that ends would change the batch the policy decides
+        # for, not the list)
+        self._doze(running if self._sleeping and all(r.num_computed == r.num_tokens - 1 and r.request_id in
+                                                     self._asleep for r in running) else None)
+        return lengths
+
+    def _lengths(self, running: Sequence[Request]) -> dict[int, int]:
+        """draft_lengths's decision, reading the requests."""
         asleep, self._sleeping = self._sleeping or bool(self._asleep), False
         if self._ahead is not None:
             lengths = self._ahead.lengths
@@ -156,6 +179,16 @@ class Speculator:
         lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
         self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(n)
         return lengths
+
+    def _doze(self, batch: Sequence[Request] | None) -> None:
+        """Take the dormant path for this batch, every request of it asleep, from the next decision on (None: for
+        none). The blocks its requests hold from their first row slept through are marked now, and those their
+        decoding grows into as they are taken, for the steps that learn nothing row by row."""
+        if batch is not None and batch is not self._sleepers:
+            for r in batch:
+                self.pool.mark_drafter_stale(r, self._asleep[r.request_id], len(r.block_ids) * self.pool.block_size)
+        self._sleepers = batch
+        self.pool.drafter_asleep = batch is not None
 
     def propose(self, running: Sequence[Request], lengths: dict[int, int]) -> Drafts:
         """Drafts of the decided lengths, with blocks reserved for what the drafter writes. A drafter fault costs
@@ -290,10 +323,18 @@ class Speculator:
             self.synchronize()
             self._one_off += self.clock() - t0
 
+    def _dormant_step(self, plan: StepPlan) -> bool:
+        """Does this step decode the batch put to sleep whole, none joining it (k = 0: nothing to learn or read)? Where
+        the step now deciding went dormant: that batch fell dormant by the decision before at the latest, so the step
+        before (which overlap scheduling learns and measures now) decoded it too."""
+        return self._dormant and not plan.admitted
+
     def _skips(self, plan: StepPlan) -> bool:
         """Does the drafter sleep through this step's rows? A decode step's: while k = 0 stands (draft_lengths). A
         prompt's: where rounds are priced out at the step's batch size beside other requests, as no exploratory
         round wakes the drafter there (at 8B and batch 32, learning 32 prompts added 18 ms to their 65 ms step)."""
+        if self._dormant_step(plan):
+            return True
         if plan.has_prefill:
             return len(plan.scheduled) > 1 and self.policy.priced_out(len(plan.scheduled))
         return self._sleeping
@@ -317,6 +358,8 @@ class Speculator:
             return
         if plan is self._learned_ahead:
             self._learned_ahead = None
+            return
+        if self._dormant_step(plan):  # (its blocks were marked when the batch fell dormant, or as they were taken)
             return
         sleeping = self._skips(plan) or out is self._unkept
         if sleeping and self._queued:
@@ -423,9 +466,10 @@ class Speculator:
     def observe_step(self, plan: StepPlan, seconds: float) -> None:
         """A completed step's duration feeds the cost model, when the step was pure decoding (no prefill), less the
         one-off work done since this step began (one_off)."""
-        if plan.has_prefill or not plan.scheduled:
+        dormant = self._dormant_step(plan)
+        if not dormant and (plan.has_prefill or not plan.scheduled):
             return
-        k = max((len(s.draft_tokens) for s in plan.scheduled), default=0)
+        k = 0 if dormant else max((len(s.draft_tokens) for s in plan.scheduled), default=0)
         self.policy.observe_step(len(plan.scheduled), k, seconds - self._one_off)
 
     def release(self, request_id: int) -> None:
