@@ -136,9 +136,8 @@ def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, fold: bool = False) 
     to FOLD_MAX_ROWS rows (`fold`: a norm or activation goes into the kernel) or up to SKINNY_MAX_ROWS 16-bit ones:
     where the Triton skinny GEMM replaces cuBLAS."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    fits = 0 < rows <= FOLD_MAX_ROWS or (not fold and rows <= SKINNY_MAX_ROWS
-                                         and x.dtype in (torch.float16, torch.bfloat16))
-    return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and fits and x.is_contiguous()
+    limit = SKINNY_MAX_ROWS if not fold and x.dtype in (torch.float16, torch.bfloat16) else FOLD_MAX_ROWS
+    return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and 0 < rows <= limit and x.is_contiguous()
             and weight.is_contiguous() and weight.dtype == x.dtype)
 
 

@@ -113,8 +113,8 @@ def test_bf16_forward_close_to_cpu_fp32(tiny):
 
 
 def test_lm_head_rows_keep_float32_logits_at_every_row_count(tiny):
-    """Verify rows (3-16 a sequence, cuBLAS) get the float32 logits a decode row (the skinny GEMM, in a graph) gets:
-    not rounded to bfloat16 first, where their argmax would break near-ties differently."""
+    """Verify rows (3-16 a sequence; eager here: cuBLAS) get the float32 logits a decode row (the skinny GEMM, in a
+    graph) gets: not rounded to bfloat16 first, where their argmax would break near-ties differently."""
     from outrider.kernels import ops
 
     gen = torch.Generator(device="cuda").manual_seed(0)
