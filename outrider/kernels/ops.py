@@ -131,6 +131,21 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_
     return torch_qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
 
 
+def torch_argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    top, tokens = logits.max(dim=-1)
+    return tokens, torch.exp(top.float() - torch.logsumexp(logits.float(), dim=-1))
+
+
+def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's greedy pick per row of logits [T, N] and the probability softmax gives it: (tokens [T] int64,
+    probabilities [T] float32). The maximum's probability is exp(max - logsumexp): no [T, N] softmax is written."""
+    if _use_triton(logits) and logits.dim() == 2:
+        from outrider.kernels import fused
+
+        return fused.argmax_confidence(logits)
+    return torch_argmax_confidence(logits)
+
+
 def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, fold: bool = False) -> bool:
     """SKINNY_GEMM on, inside graph capture, a contiguous 2-D CUDA x and a row-major weight of its dtype, with up
     to FOLD_MAX_ROWS rows (`fold`: a norm or activation goes into the kernel) or up to SKINNY_MAX_ROWS 16-bit ones:

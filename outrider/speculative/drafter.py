@@ -28,6 +28,7 @@ import torch
 
 from outrider.attention import KVCache
 from outrider.engine.request import Request
+from outrider.kernels import ops
 
 
 @dataclass(frozen=True)
@@ -545,9 +546,7 @@ class DraftPolicy:
 def greedy_drafts(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Argmax drafts and their probabilities from drafter logits [N, V'] (columns past the target's vocab,
     e.g. padding rows of a draft model, are never proposed)."""
-    probs = torch.softmax(logits[:, :vocab_size].float(), dim=-1)
-    conf, tokens = probs.max(dim=-1)
-    return tokens, conf
+    return ops.argmax_confidence(logits[:, :vocab_size])
 
 
 @dataclass(frozen=True)

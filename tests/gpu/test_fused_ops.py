@@ -103,3 +103,25 @@ def test_qk_norm_rope_store_kv(t, hq, hk, d, norm, model_dtype, device):
     kept[slots[:-1]] = False
     assert torch.equal(k_cache.cpu().flatten(0, 1)[kept], history.k[0].flatten(0, 1)[kept])
 
+
+
+@pytest.mark.parametrize("rows,n", [(16, 151_936), (1, 4096), (3, 5000), (0, 100)],
+                         ids=["dflash-block", "one-tile", "ragged-tail", "no-rows"])
+def test_argmax_confidence_matches_softmax(rows, n, device, model_dtype):
+    from outrider.kernels import fused
+
+    logits = (torch.randn(rows, n + 7) * 4).to(model_dtype)[:, :n]  # a strided slice, as greedy_drafts passes
+    if rows > 1:
+        logits[1, 10] = logits[1, n - 1] = logits[1].max() + 1  # a tie across tiles: the first column wins
+    tokens, conf = fused.argmax_confidence(logits.to(device))
+    probs = torch.softmax(logits.float(), dim=-1)
+    assert torch.equal(tokens.cpu(), logits.float().argmax(dim=-1))
+    torch.testing.assert_close(conf.cpu(), probs.max(dim=-1).values, rtol=1e-4, atol=1e-7)  # (sums in another order)
+
+
+def test_argmax_confidence_torch_definition_matches_softmax():
+    logits = torch.randn(4, 1000) * 6
+    tokens, conf = ops.torch_argmax_confidence(logits)
+    probs = torch.softmax(logits, dim=-1)
+    assert torch.equal(tokens, probs.argmax(dim=-1))
+    torch.testing.assert_close(conf, probs.max(dim=-1).values)
