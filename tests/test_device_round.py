@@ -267,6 +267,22 @@ def test_device_rounds_give_way_to_a_second_request_and_resume(families, replays
     assert [got[0], got[1]] == want
 
 
+def test_a_lone_requests_last_rounds_keep_their_length_and_none_runs_past_its_limit(families, kind, plain, replays):
+    """k follows the policy, which caps it by the tokens left: near max_tokens the rounds keep their length (the drafts
+    past the limit are dropped) instead of starting shorter ones, and where the round in flight may reach the limit,
+    the next waits for its verdict: every round replayed is committed, none runs after the request has ended."""
+    llm = served(families, kind)
+    engine = llm.engine
+    policy, speculator = engine.policy, engine.speculator
+    policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [policy._cap(r, K) for r in requests]
+    starts, device_round_drafts = [], speculator.device_round_drafts
+    speculator.device_round_drafts = lambda req, k: starts.append(k) or device_round_drafts(req, k)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == plain[:TOKENS]
+    assert starts == [K] and set(replays) == {K}
+    assert len(replays) == out.timing.draft_rounds and not engine.has_work()
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=12, temperature=0.7, seed=1, ignore_eos=True),
     SamplingParams(max_tokens=12, temperature=0.0, n_probs=2, ignore_eos=True),

@@ -383,9 +383,19 @@ class Engine:
         follows that round, so the host reads and commits it while the device runs the next. False: no request
         qualifies now, or it drafts nothing (a round in flight is committed, and the step runs as usual)."""
         req = self._lone_greedy_decoder()
-        rounds = self.device_rounds.get(lengths.get(req.request_id, 0)) if req is not None else None
+        k = lengths.get(req.request_id, 0) if req is not None else 0
+        left = req.max_output_tokens - len(req.output_ids) - req.num_pending if req is not None else 0
+        owner = self.round_owner
+        if k and owner is not None and owner[0] == req.request_id and k < owner[1] and k + 1 >= left:
+            # Where only the tokens left cut k, the rounds keep their length: a longer round costs the same, its
+            # drafts past the limit are dropped, and a new length would start new rounds (a one-off drafting).
+            k = owner[1]
+        rounds = self.device_rounds.get(k) if k else None
         flight = self.round_flight
-        if flight is not None and (rounds is None or flight.request is not req or flight.k != rounds.k):
+        # The round in flight commits 1 .. k + 1 tokens: where they may reach the limit, the next round waits for
+        # its verdict rather than run after the request ends (at 8B it cost a DFlash request a 5.8 ms round).
+        if flight is not None and (rounds is None or flight.request is not req or flight.k != rounds.k
+                                   or flight.k + 1 >= left):
             self._land_round()  # (its request's state must be on the host before anything else uses it)
             flight, req = None, self._lone_greedy_decoder()
         if req is None or rounds is None:
