@@ -21,7 +21,7 @@ from outrider import LLM, SamplingParams
 from outrider.engine.request import Request
 from outrider.engine.runner import StepOutput
 from outrider.speculative.drafter import LEARN_ROWS
-from outrider.speculative.speculator import LEARN_BACKLOG_STEPS
+from outrider.speculative.speculator import LEARN_BACKLOG_STEPS, PIECEWISE_LEARN_GRAPHS
 from spec_helpers import LOOKUP_SETUPS, SETUPS, write_attentive_families
 
 HIDDEN_KINDS = ["dflash", "mtp", "mimo", "eagle3"]  # the drafters that read the target's hidden rows
@@ -140,6 +140,31 @@ def test_deferred_learning_proposes_what_learning_every_step_proposes(families, 
     learns = [e for e in deferred.events if e[0] == "learn"]
     assert len(learns) < len([e for e in eager.events if e[0] == "learn"]) / 2
     assert any(s > 0 and n >= LEARN_BACKLOG_STEPS for e in learns for _, s, n in e[1])  # steps merged in one commit
+
+
+@pytest.mark.parametrize("kind", LEARNING_KINDS)
+def test_a_short_prompt_is_learned_in_graph_sized_pieces_proposing_what_a_whole_learn_does(families, kind,
+                                                                                             monkeypatch):
+    """A prompt longer than the largest learning graph (LEARN_ROWS), within PIECEWISE_LEARN_GRAPHS of them, reaches the
+    drafter in order, in pieces of at most LEARN_ROWS[-1] rows (each a graph replay on CUDA), every row once; a
+    longer one in one piece. Learned in pieces, the drafter proposes what it proposes having learned the prompt
+    whole (float32), and the output is the same."""
+    pieces_max = PIECEWISE_LEARN_GRAPHS * LEARN_ROWS[-1]
+    short, long = [[3 + (7 * i + j) % 400 for i in range(n)] for j, n in ((0, 150), (1, pieces_max + 8))]
+    runs = {}
+    for limit in (PIECEWISE_LEARN_GRAPHS, 0):  # (0: every learn whole)
+        monkeypatch.setattr(speculator_mod, "PIECEWISE_LEARN_GRAPHS", limit)
+        llm = spec_llm(families, kind)
+        force_lengths(llm.engine)
+        record = Recorder().install(llm.engine)
+        runs[limit] = ([generate(llm, [prompt], [24])[0] for prompt in (short, long)], record)  # (one at a time)
+    (pieces_out, pieces), (whole_out, whole) = runs[PIECEWISE_LEARN_GRAPHS], runs[0]
+    learns = [e[1] for e in pieces.events if e[0] == "learn"]
+    assert [[(s, n) for _, s, n in e] for e in learns[:2]] == [[(0, 64)], [(64, 64)]] and learns[2][0][1:] == (128, 22)
+    assert any([(s, n) for _, s, n in e] == [(0, len(long))] for e in learns)
+    assert pieces_out == whole_out
+    assert any(any(t) for _, _, tokens, _ in pieces.proposals for t in tokens)
+    assert_same_proposals(pieces.proposals, whole.proposals)
 
 
 def pattern_policy(engine, sleeps: bool, dormant: bool = False) -> None:

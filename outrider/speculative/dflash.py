@@ -33,11 +33,6 @@ from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedD
                                          block_capacity, greedy_drafts, row_seqs, stage_drafts)
 
 
-# Beyond a round's few rows (LEARN_ROWS), a short prompt's are learned through a graph too: eager, the fc and five
-# K/V projections of a 128-row prompt took 1.15 ms of launches on an H200, about a fifth of a Qwen3-8B round.
-LEARN_BUCKETS = LEARN_ROWS + (128, 256)
-
-
 def _taps(aux_hidden: torch.Tensor | None) -> torch.Tensor:
     if aux_hidden is None:
         raise ValueError("DFlash needs the target's aux_hidden: tap drafter.aux_layer_ids in the target's forward")
@@ -98,7 +93,7 @@ class DFlashDrafter:
         self.vocab_size = target_cfg.vocab_size
         self.backend = get_backend(self.device)
         self.graphs: CudaGraphRunner | None = None  # full-block drafting at batch 1-8 (capture_graphs, CUDA)
-        self.learn_graphs: CudaGraphRunner | None = None  # learning up to LEARN_BUCKETS[-1] rows (capture_graphs)
+        self.learn_graphs: CudaGraphRunner | None = None  # learning up to LEARN_ROWS[-1] rows (capture_graphs)
         self._aux_in: torch.Tensor | None = None  # the learning graphs' static input
 
     def lookahead(self, k: int) -> int:
@@ -109,7 +104,7 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def on_commit(self, commits: Sequence[Commit], hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> None:
-        graphed = self.learn_graphs is not None and _taps(aux_hidden).shape[0] <= LEARN_BUCKETS[-1]
+        graphed = self.learn_graphs is not None and _taps(aux_hidden).shape[0] <= LEARN_ROWS[-1]
         seqs = row_seqs(commits) if graphed else [(c.request.block_ids, c.start, c.count) for c in commits]
         meta, positions = build_metadata(seqs, self.block_size, self.device)
         self._learn(_taps(aux_hidden), meta, positions)
@@ -148,7 +143,7 @@ class DFlashDrafter:
         return drafts[1 : k + 1], conf[1 : k + 1]
 
     def _learn(self, aux_hidden: torch.Tensor, meta, positions: torch.Tensor) -> None:
-        """Write these rows' context: through a learning graph when they are one-token sequences (LEARN_BUCKETS)."""
+        """Write these rows' context: through a learning graph when they are few one-token sequences (LEARN_ROWS)."""
         if self.learn_graphs is not None and self.learn_graphs.can_run(meta):
             self._aux_in[: aux_hidden.shape[0]].copy_(aux_hidden)
             self.learn_graphs.run(positions, positions, meta)  # (its input is _aux_in: the ids are unused)
@@ -218,10 +213,10 @@ class DFlashDrafter:
         graphs = CudaGraphRunner(self._block_drafts, max_batch=buckets[-1], tokens_per_seq=self.block, causal=False,
                                  buckets=buckets, **common)
         graphs.capture()
-        self._aux_in = torch.zeros(LEARN_BUCKETS[-1], self.model.fc.in_features, dtype=self.model.fc.weight.dtype,
+        self._aux_in = torch.zeros(LEARN_ROWS[-1], self.model.fc.in_features, dtype=self.model.fc.weight.dtype,
                                    device=self.device)
         learn = CudaGraphRunner(lambda ids, pos, meta: self._store_context(self._aux_in[: ids.shape[0]], pos, meta),
-                                max_batch=LEARN_BUCKETS[-1], buckets=LEARN_BUCKETS, **common)
+                                max_batch=LEARN_ROWS[-1], buckets=LEARN_ROWS, **common)
         learn.capture()
         # (only once every bucket is captured: a failed capture leaves drafting and learning eager)
         self.graphs, self.learn_graphs = graphs, learn
