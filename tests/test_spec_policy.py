@@ -91,19 +91,43 @@ def test_probes_wait_longer_the_more_a_round_costs():
 
 def test_no_probe_where_no_round_could_pay_even_with_every_draft_accepted():
     """The 8B shape at batch 32: a plain step 5.6 ms, rounds 22-43 ms. Even k + 1 tokens a round lose to plain steps,
-    so an exploratory round could change the measured costs but not the decision: none until probe_max decisions.
-    Nor does a round come back once the rounds' costs go stale (only plain steps are measured meanwhile): they give
-    way to rounds measured later, not to the drafter's own estimate, by which a round would look cheap."""
+    so an exploratory round could change the measured costs but not the decision: once a round's cost is confirmed
+    by a second measurement (one probe), none until probe_max decisions. Nor does a round come back once the
+    rounds' costs go stale (only plain steps are measured meanwhile): they give way to rounds measured later, not
+    to the drafter's own estimate, by which a round would look cheap."""
     policy = DraftPolicy(n_max=4, probe_every=5, probe_max=2048, measured=True)
     batch = [req() for _ in range(32)]
+    cost = [5.6e-3] + [(22 + 5 * k) * 1e-3 for k in range(1, 5)]
     for k in range(5):
-        policy.observe_step(32, k, 5.6e-3 if k == 0 else (22 + 5 * k) * 1e-3)
+        policy.observe_step(32, k, cost[k])
     decisions = []
     for _ in range(3 * policy.costs.stale_after):
         decisions.append(policy.draft_lengths(batch, EAGLE_LIKE)[0])
-        policy.observe_step(32, decisions[-1], 5.6e-3)
-    assert decisions == [0] * len(decisions)
+        policy.observe_step(32, decisions[-1], cost[decisions[-1]])
+    assert [(i, k) for i, k in enumerate(decisions) if k] == [(18, 1)]  # 5 x (27 / 5.6 - 1) decisions: one probe
     assert policy.round_seconds(32, 1, EAGLE_LIKE.step_cost) == pytest.approx(27e-3)
+
+
+def test_one_stalled_first_round_does_not_hold_plain_steps_until_probe_max():
+    """The 0.6B draft model at 8B, batch 1: plain steps of 4.3 ms, rounds of four drafts 8.3 ms, but the first one
+    measured 52.8 ms (within first_factor plain steps). Priced by that one measurement no round would pay even with
+    every draft accepted; it is probed again at the usual interval, not after probe_max decisions, and drafting
+    resumes on the probe's cost."""
+    policy = DraftPolicy(n_max=4, probe_every=32, probe_max=2048, measured=True)
+    r = req(max_tokens=2000, max_model_len=4000)
+    for _ in range(20):
+        policy.record(r.request_id, proposed=4, accepted=4)
+    policy.observe_step(1, 0, 4.3e-3)
+    policy.observe_step(1, 4, 52.8e-3)
+    cost = {0: 4.3e-3, 1: 5.9e-3, 2: 6.6e-3, 3: 7.4e-3, 4: 8.3e-3}
+    decisions = []
+    for _ in range(1000):
+        decisions.append(policy.draft_lengths([r], DRAFTER)[0])
+        policy.observe_step(1, decisions[-1], cost[decisions[-1]])
+        if decisions[-1]:
+            policy.record(r.request_id, proposed=decisions[-1], accepted=decisions[-1])
+    first = next(i for i, k in enumerate(decisions) if k)
+    assert first < 32 * 12 and decisions[first:].count(0) <= 3  # (a plain step now and then re-measures its cost)
 
 
 def test_a_priced_out_batch_size_stands_and_explores_no_round_when_asked_not_to():

@@ -244,6 +244,7 @@ class StepCosts:
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # batch bucket -> k -> seconds
     _measured_at: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> k -> its count then
     _counts: dict[int, int] = field(default_factory=dict)  # measurements per bucket
+    _samples: dict[int, dict[int, int]] = field(default_factory=dict)  # bucket -> k -> its measurements
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
         bucket = batch_bucket(batch)
@@ -255,6 +256,8 @@ class StepCosts:
         self.seconds.setdefault(bucket, {})[k] = seconds if old is None else old + self.weight * (seconds - old)
         self._counts[bucket] = count = self._counts.get(bucket, 0) + 1
         self._measured_at.setdefault(bucket, {})[k] = count
+        samples = self._samples.setdefault(bucket, {})
+        samples[k] = samples.get(k, 0) + 1
 
     def get(self, batch: int, k: int) -> float | None:
         return self._current(batch_bucket(batch), k)
@@ -265,6 +268,12 @@ class StepCosts:
         if seconds is None or self._counts[bucket] - self._measured_at[bucket][k] > self.stale_after:
             return None
         return seconds
+
+    def confirmed(self, batch: int) -> bool:
+        """Was some round length the batch's bucket is priced by (`at`) measured more than once? A first measurement
+        may be a stall of up to first_factor plain steps."""
+        samples = self._samples.get(batch_bucket(batch), {})
+        return any(samples.get(k, 0) > 1 for k in self.at(batch) if k)
 
     def at(self, batch: int) -> dict[int, float]:
         """Every draft length of the batch's bucket measured lately, with its seconds; and, while no round is, the
@@ -473,10 +482,12 @@ class DraftPolicy:
         """Decisions before the next exploratory round while k = 0 stands: `every`, times the extra plain steps a
         round of one draft costs (so exploring takes about 1/every of the time, whatever a round costs), and
         probe_max where no round could pay even with every draft accepted (only its cost could change, not
-        whether it pays: at 8B and batch 32, a round of one draft measured 22-43 ms against a 5.6 ms plain step)."""
+        whether it pays: at 8B and batch 32, a round of one draft measured 22-43 ms against a 5.6 ms plain step), as
+        the costs measured more than once say: at 8B and batch 1 the 0.6B draft model's first round of four drafts
+        measured 52.8 ms (8.3 later) and held k = 0 for some 1,600 decisions."""
         ks = np.arange(cap + 1)
         seconds = self.round_seconds(batch, ks, step_cost)
-        if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]):
+        if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]) and self.costs.confirmed(batch):
             return self.probe_max
         return max(every, round(every * (seconds[1] / seconds[0] - 1.0)))
 
