@@ -437,12 +437,14 @@ class Speculator:
             log.error("drafter failed to catch up on the rows it slept through: %s\n%s", exc, traceback.format_exc())
 
     def flush(self, request_ids: Iterable[int] | None = None) -> None:
-        """Let the drafter learn the queued rows of these requests (default: every queued one), in one call."""
+        """Let the drafter learn the queued rows of these requests (default: every queued one): in one call, or in
+        pieces that each fit the largest learning graph where they are a few graphs' worth (PIECEWISE_LEARN_GRAPHS)."""
         ids = list(self._queued) if request_ids is None else [r for r in request_ids if r in self._queued]
         if not ids:
             return
         queued = [self._queued.pop(r) for r in ids]
-        self._committed -= sum(q.total for q in queued)
+        rows = sum(q.total for q in queued)
+        self._committed -= rows
         hidden = aux = None
         if self.drafter.reads_hidden:
             # (the index is built on the host and copied without blocking: torch.tensor(..., device=cuda) would
@@ -454,7 +456,6 @@ class Speculator:
         if not self._queued:
             self._forget_rows()
         commits = [c for q in queued for c in q.commits()]
-        rows = sum(c.count for c in commits)
         largest = LEARN_ROWS[-1]
         pieces = _chunks(commits, largest) if largest < rows <= PIECEWISE_LEARN_GRAPHS * largest else [commits]
         first = 0
