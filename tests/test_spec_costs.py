@@ -75,3 +75,28 @@ def test_warm_up_calibration_measures_every_bucket(family):
         assert measured[0] == pytest.approx(R) and max(measured) >= 1
         assert all(t == pytest.approx(6 * R) for k, t in measured.items() if k > 0)
     assert not engine.has_work() and engine.pool.num_used == 0
+
+
+def test_steps_that_compile_during_warm_up_do_not_price_the_calibrated_rounds(family):
+    """The warm-up's first traffic compiles kernels (a first round measured 209 ms at 8B against 8 ms later);
+    its step times are forgotten, so calibration drafts and measures a round of every length that pays."""
+    sim = SimulatedDevice(P, R, verify_s=1.5 * R)
+    engine = LLM(family["target"], clock=sim, max_num_seqs=2, overlap_schedule=True, spec_draft_n_max=3,
+                 draft_model=str(family["draft"]), spec_measured_costs=True).engine
+    sim.install(engine)
+    launch, compiled = engine.runner.launch, []
+
+    def compiling_launch(plan, *args, **kwargs):
+        if not compiled and any(s.draft_tokens for s in plan.scheduled):
+            compiled.append(plan)
+            sim.advance(0.2)  # (a JIT compile on the host, in the step's measured time)
+        return launch(plan, *args, **kwargs)
+
+    engine.runner.launch = compiling_launch
+    engine._warm_up()
+    assert compiled
+    for batch in (1, 2):
+        measured = engine.policy.costs.at(batch)
+        assert measured[0] == pytest.approx(R)
+        assert {k for k in measured if k} == {1, 2, 3}
+        assert all(t == pytest.approx(1.5 * R) for k, t in measured.items() if k > 0), measured

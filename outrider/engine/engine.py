@@ -207,6 +207,7 @@ class Engine:
         self.runner.backend.compile_eager_variants(self.kv_cache, mc.num_attention_heads, self.max_model_len)
         if self.policy is not None:
             if self.policy.measured:
+                self.policy.forget_costs()  # (the steps above compiled kernels: their times are not the device's)
                 self._calibrate_speculation()
             self.policy.forget_acceptance()
         self.pool.reset_prefix_cache()

@@ -262,6 +262,10 @@ class StepCosts:
     def get(self, batch: int, k: int) -> float | None:
         return self._current(batch_bucket(batch), k)
 
+    def clear(self) -> None:
+        for measured in (self.seconds, self._measured_at, self._counts, self._samples):
+            measured.clear()
+
     def _current(self, bucket: int, k: int) -> float | None:
         """The bucket's seconds for k, unless unmeasured or stale (one lookup: `observe` runs every step)."""
         seconds = self.seconds.get(bucket, {}).get(k)
@@ -539,6 +543,11 @@ class DraftPolicy:
     def forget_acceptance(self) -> None:
         """Drop what rounds so far said of acceptance (warm-up traffic: synthetic prompts)."""
         self._stats, self._pooled = {}, None
+
+    def forget_costs(self) -> None:
+        """Drop the measured step costs (steps that compiled their kernels: at 8B the 0.6B draft model's first round
+        measured 209 ms, and priced so, no round at batch 1 was tried, or measured, again before ~350 decisions)."""
+        self.costs.clear()
 
     def _acceptance(self, request_id: int) -> _Acceptance:
         """The request's decayed counts; a new one starts fresh (`_fresh`)."""
