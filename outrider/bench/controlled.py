@@ -142,11 +142,11 @@ class ControlledDrafter:
         return StagedDrafts(table_d.index_select(0, index), torch.ones(len(picks), dtype=torch.float64, device=device),
                             real.counts)
 
-    def round_drafts(self, verdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict, table: torch.Tensor, k: int) -> torch.Tensor:
         """device_round.RoundDrafter: the real drafter drafts (its cost is real), then RoundScript's drafts replace
-        its own, each fully confident."""
-        drafts, confidence = self.inner.round_drafts(verdict, table, k)
-        return self.rounds.drafts(verdict.first, k, self.vocab_size).to(drafts.dtype), torch.ones_like(confidence)
+        its own."""
+        drafts = self.inner.round_drafts(verdict, table, k)
+        return self.rounds.drafts(verdict.first, k, self.vocab_size).to(drafts.dtype)
 
     def _load_rounds(self, requests: Sequence[Request], counts: Sequence[int]) -> None:
         """A lone request's first drafts may start device rounds (Speculator.device_round_drafts): upload its

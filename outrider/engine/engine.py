@@ -467,14 +467,15 @@ class Engine:
     def _lone_greedy_decoder(self) -> Request | None:
         """The one running request when it decodes alone with nothing waiting (its last token sampled, maybe still
         in flight), its next token the plain argmax: no temperature, bias, penalty, grammar, log-probs, or
-        min_tokens left to hold end-of-generation back."""
+        min_tokens left to hold end-of-generation back; and its drafts untrimmed (no p_min or n_min: a device
+        round verifies all k)."""
         running = self.scheduler.running
         if len(running) != 1 or self.scheduler.waiting or self.suspects or self.prelaunched is not None:
             return None
         req = running[0]
         p = req.params
         if (not p.temperature <= 0 or p.penalized or p.logit_bias or p.n_probs or req.constraint is not None
-                or len(req.output_ids) + req.num_pending <= p.min_tokens):
+                or len(req.output_ids) + req.num_pending <= p.min_tokens or self.policy.trims(req)):
             return None
         return req if req.num_computed == req.num_tokens - 1 else None  # (min_tokens >= 0: one token is out)
 

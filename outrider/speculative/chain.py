@@ -130,19 +130,18 @@ class ChainDrafter:
             shift = rows.accepted
         return self.chain.stage(rows.requests, ks, drafting, drafts, conf, y, shift=shift)
 
-    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> torch.Tensor:
         """device_round.RoundDrafter: the head over the k + 1 verified rows as one-token sequences (row i paired
         with the target's token after it), d_1 from row m, then d_2 .. d_k chained from the bonus token's position."""
         n = verdict.positions.shape[0]
         rows, _ = uniform_metadata_on_device(verdict.positions, 1, table.expand(n, -1).contiguous(), self.block_size)
-        y, drafts, conf = self._step(verdict.emitted, self.context(verdict.hidden, verdict.aux_hidden),
-                                     verdict.positions, rows)
-        y, drafts, conf = (t.index_select(0, verdict.accepted) for t in (y, drafts, conf))
+        y, drafts, _ = self._step(verdict.emitted, self.context(verdict.hidden, verdict.aux_hidden),
+                                  verdict.positions, rows)
+        y, drafts = y.index_select(0, verdict.accepted), drafts.index_select(0, verdict.accepted)
         if k == 1:
-            return drafts, conf
-        chained, chained_conf = self.chain.steps(drafts, y, verdict.first, torch.full_like(verdict.first, k), table,
-                                                 k - 1)
-        return torch.cat([drafts, chained[0]]), torch.cat([conf, chained_conf[0]])
+            return drafts
+        chained, _ = self.chain.steps(drafts, y, verdict.first, torch.full_like(verdict.first, k), table, k - 1)
+        return torch.cat([drafts, chained[0]])
 
     def release(self, request_id: int) -> None:
         self._last.pop(request_id, None)

@@ -55,10 +55,10 @@ class RoundDrafter(Protocol):
         """Positions past a round's first that drafting k tokens writes K/V at (the Drafter protocol's: the host
         reserves blocks for them)."""
 
-    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> torch.Tensor:
         """Learn the verdict's k + 1 rows (rows past m are rewritten by the next round before anything reads
-        them), then draft the k tokens after verdict.bonus at verdict.first: (argmax drafts [k], their
-        probabilities [k])."""
+        them), then draft the k tokens after verdict.bonus at verdict.first: the argmax drafts [k]. (No
+        probabilities: a request that trims its drafts by them runs no device round, Engine._lone_greedy_decoder.)"""
 
 
 class DeviceRound:
@@ -73,7 +73,6 @@ class DeviceRound:
         self.table = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
         self.emitted = torch.zeros(k + 1, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(1, dtype=torch.int64, device=device)
-        self.confidence = torch.zeros(k, dtype=torch.float32, device=device)  # the drafter's for ids[1:]
         self._graph: torch.cuda.CUDAGraph | None = None  # (capture)
         self._table_of: tuple[int, int] | None = None  # (id, length) of the block list the table holds
 
@@ -137,9 +136,8 @@ class DeviceRound:
         self.accepted.copy_(m)
         verdict = RoundVerdict(inputs=self.ids, hidden=hidden, aux_hidden=aux, positions=positions, meta=meta,
                                emitted=greedy, accepted=m, bonus=greedy.index_select(0, m), first=self.first + m + 1)
-        drafts, confidence = self.drafter.round_drafts(verdict, self.table, k)
+        drafts = self.drafter.round_drafts(verdict, self.table, k)
         self.ids.copy_(torch.cat([verdict.bonus, drafts]))
-        self.confidence.copy_(confidence)
         self.first.copy_(verdict.first)
 
     def read(self) -> list[int]:

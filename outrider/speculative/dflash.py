@@ -133,14 +133,14 @@ class DFlashDrafter:
         return stage_drafts([i for i in drafting for _ in range(ks[i])], [drafts.index_select(0, index)],
                             [conf.index_select(0, index)], len(ks))
 
-    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> torch.Tensor:
         """device_round.RoundDrafter: the verified rows' context, then the block [bonus, MASK * (B - 1)] at first."""
         self._store_context(_taps(verdict.aux_hidden), verdict.positions, verdict.meta)
         block_meta, block_positions = uniform_metadata_on_device(verdict.first, self.block, table, self.block_size,
                                                                  causal=False)
         masks = torch.full((self.block - 1,), self.mask_token_id, dtype=torch.int64, device=self.device)
-        drafts, conf = self._block_drafts(torch.cat([verdict.bonus, masks]), block_positions, block_meta)
-        return drafts[1 : k + 1], conf[1 : k + 1]
+        drafts, _ = self._block_drafts(torch.cat([verdict.bonus, masks]), block_positions, block_meta)
+        return drafts[1 : k + 1]
 
     def _learn(self, aux_hidden: torch.Tensor, meta, positions: torch.Tensor) -> None:
         """Write these rows' context: through a learning graph when they are few one-token sequences (LEARN_ROWS)."""

@@ -84,7 +84,7 @@ class DraftModelDrafter:
             self._pending[req.request_id] = (req.num_tokens, out.tokens[i][:-1])
         return out
 
-    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def round_drafts(self, verdict: RoundVerdict, table: torch.Tensor, k: int) -> torch.Tensor:
         """device_round.RoundDrafter. The round's inputs were this drafter's own: it fed the bonus token and
         d_1 .. d_{k-1} at p .. p + k - 1 while drafting them, so the kept ones' K/V stands. Feed the last kept input
         (d_k, when all were kept, was never fed; the others are rewritten unchanged) and the next bonus token at
@@ -92,12 +92,11 @@ class DraftModelDrafter:
         tokens = torch.cat([verdict.inputs.index_select(0, verdict.accepted), verdict.bonus])
         meta, positions = uniform_metadata_on_device(verdict.first - 1, 2, table, self.block_size)
         hidden = self.model(tokens, positions, self.kv, meta, self.backend)
-        drafts, conf = greedy_drafts(self.model.compute_logits(hidden[1:]), self.vocab_size)
+        drafts, _ = greedy_drafts(self.model.compute_logits(hidden[1:]), self.vocab_size)
         if k == 1:
-            return drafts, conf
-        chained, chained_conf = self.chain.steps(drafts, None, verdict.first + 1, torch.full_like(verdict.first, k),
-                                                 table, k - 1)
-        return torch.cat([drafts, chained[0]]), torch.cat([conf, chained_conf[0]])
+            return drafts
+        chained, _ = self.chain.steps(drafts, None, verdict.first + 1, torch.full_like(verdict.first, k), table, k - 1)
+        return torch.cat([drafts, chained[0]])
 
     def _chain_step(self, tokens: torch.Tensor, state: None, positions: torch.Tensor,
                     meta) -> tuple[None, torch.Tensor, torch.Tensor]:
