@@ -487,8 +487,9 @@ class DraftPolicy:
         round of one draft costs (so exploring takes about 1/every of the time, whatever a round costs), and
         probe_max where no round could pay even with every draft accepted (only its cost could change, not
         whether it pays: at 8B and batch 32, a round of one draft measured 22-43 ms against a 5.6 ms plain step), as
-        the costs measured more than once say: at 8B and batch 1 the 0.6B draft model's first round of four drafts
-        measured 52.8 ms (8.3 later) and held k = 0 for some 1,600 decisions."""
+        the costs measured more than once say: a length's first measurement may be a stall (at 8B and batch 1 a round
+        of the 0.6B draft model measured 209 ms while the warm-up compiled, 8.3 ms later, and priced so held k = 0
+        for some 1,600 decisions)."""
         ks = np.arange(cap + 1)
         seconds = self.round_seconds(batch, ks, step_cost)
         if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]) and self.costs.confirmed(batch):
