@@ -4,6 +4,8 @@ keep exactly the drafts that match; its drafter must draft what the drafter draf
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -53,14 +55,24 @@ def prefilled(families, kind, **overrides):
 
 
 def rounds(engine, req, first_drafts: list[int], count: int) -> tuple[list[int], list[int], DeviceRound]:
-    """Run `count` device rounds from the request's state (its bonus token unfed, `first_drafts` to verify): the
-    tokens committed, the accepted count of each round, and the round object."""
+    """Run `count` device rounds of K drafts from the request's state (its bonus token unfed, `first_drafts` to
+    verify): the tokens committed, the accepted count of each round, and the round object."""
+    return rounds_of(engine, req, first_drafts, [K] * count)
+
+
+def rounds_of(engine, req, first_drafts: list[int], lengths: list[int]) -> tuple[list[int], list[int], DeviceRound]:
+    """As `rounds`, a round of each length in turn: a new length takes over from the rounds before it, as the engine
+    switches (DeviceRound.continue_from); the last round object."""
     width = engine.max_model_len // engine.pool.block_size
-    dr = DeviceRound(engine.runner, engine.drafter, K, width)
+    objects = {k: DeviceRound(engine.runner, engine.drafter, k, width) for k in set(lengths)}
+    dr = objects[lengths[0]]
     dr.load(req.all_ids[-1], first_drafts, req.num_tokens - 1, req.block_ids)
     out, accepted = [], []
     position = req.num_tokens - 1
-    for _ in range(count):
+    for k in lengths:
+        if k != dr.k:
+            objects[k].continue_from(dr)
+            dr = objects[k]
         assert engine.pool.ensure(req, position + dr.reach())
         dr.set_blocks(req.block_ids)
         dr.run()
@@ -101,6 +113,26 @@ def test_a_draft_after_a_miss_is_not_kept_even_where_the_target_agrees(families,
     engine, req = prefilled(families, kind)
     out, accepted, _ = rounds(engine, req, [wrong, *after[: K - 1]], 2)
     assert accepted[0] == 0 and out == plain[1 : 1 + len(out)]
+
+
+def test_a_round_longer_than_the_one_before_keeps_no_more_drafts_than_it_was_given(families, kind, plain):
+    """A round of K taking over from a round of one verifies that one's draft and K - 1 pads: pads the target would
+    keep (here they are its own continuation) are not kept, as the drafter never fed them. The round after keeps
+    what matches again."""
+    engine, req = prefilled(families, kind)
+    width = engine.max_model_len // engine.pool.block_size
+    short, long = (DeviceRound(engine.runner, engine.drafter, k, width) for k in (1, K))
+    truth = plain[1:]
+    short.load(req.all_ids[-1], truth[:1], req.num_tokens - 1, req.block_ids)
+    long.continue_from(short)
+    assert long.ids.tolist() == [req.all_ids[-1]] + truth[:1] * K
+    long.ids[2:] = torch.tensor(truth[1:K])
+    assert engine.pool.ensure(req, req.num_tokens - 1 + long.reach())
+    long.set_blocks(req.block_ids)
+    long.run()
+    assert long.read() == truth[:2]
+    long.run()  # (its own drafts now, from where the first round ended)
+    assert long.read() == truth[2 : 2 + len(long.read())] and int(long.limit.item()) == K
 
 
 def test_dflash_drafts_what_it_drafts_from_host_built_metadata(families):
@@ -179,19 +211,21 @@ def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families,
     assert dr.ids[1:].tolist() == [int(drafts[-1])] + chained[0].tolist()
 
 
+@pytest.mark.parametrize("lengths", [[K] * 6, [K, 1, 2, K, 1, K, K]], ids=["steady", "switching"])
 @pytest.mark.parametrize("checkpoint", ["draft", "target"])
-def test_draft_model_rounds_draft_its_greedy_continuation_of_what_they_committed(families, checkpoint):
+def test_draft_model_rounds_draft_its_greedy_continuation_of_what_they_committed(families, checkpoint, lengths):
     """Loaded with the engine's own first drafts, rounds keep the draft model's K/V in step with every committed
     token (it equals one forward over them), so the staged drafts are the draft model's own greedy continuation of
-    the committed sequence. Drafting with the target itself keeps every draft: the last one, never fed while
-    drafting, must be fed after."""
+    the committed sequence; also where the length changes between rounds. Drafting with the target itself keeps
+    every draft (the last one, never fed while drafting, must be fed after), but the pads of a round longer than
+    the one before it: that round keeps the drafts it was given, and no more."""
     engine, req = prefilled(families, "draft", draft_model=str(families["qwen3"][checkpoint]), spec_type="draft")
     assert engine.pool.ensure(req, req.num_tokens + 2 * K)  # (as the engine does first: room for its lookahead)
-    first = engine.speculator.device_round_drafts(req, K)
-    out, accepted, dr = rounds(engine, req, first, 6)
+    first = engine.speculator.device_round_drafts(req, lengths[0])
+    out, accepted, dr = rounds_of(engine, req, first, lengths)
     committed = req.prompt_ids + req.output_ids + out
     if checkpoint == "target":
-        assert accepted == [K] * len(accepted)
+        assert accepted == [min(k, before) for k, before in zip(lengths, lengths[:1] + lengths)]
     drafter, n = engine.drafter, len(committed)
     assert int(dr.first.item()) == n - 1
     meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device("cpu"))
@@ -201,7 +235,7 @@ def test_draft_model_rounds_draft_its_greedy_continuation_of_what_they_committed
     for a, b in zip(learned, again):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     draft = LLM(families["qwen3"][checkpoint], dtype="float32", spec_type="none")
-    want = draft.generate([committed], SamplingParams(max_tokens=K, temperature=0.0, ignore_eos=True))[0].token_ids
+    want = draft.generate([committed], SamplingParams(max_tokens=dr.k, temperature=0.0, ignore_eos=True))[0].token_ids
     assert dr.ids[1:].tolist() == want
 
 
@@ -264,10 +298,10 @@ def test_device_rounds_give_way_to_a_second_request_and_resume(families, replays
     assert [got[0], got[1]] == want
 
 
-def test_a_lone_requests_last_rounds_keep_their_length_and_none_runs_past_its_limit(families, kind, plain, replays):
-    """k follows the policy, which caps it by the tokens left: near max_tokens the rounds keep their length (the drafts
-    past the limit are dropped) instead of starting shorter ones, and where the round in flight may reach the limit,
-    the next waits for its verdict: every round replayed is committed, none runs after the request has ended."""
+def test_a_lone_requests_rounds_shorten_near_its_limit_and_none_runs_past_it(families, kind, plain, replays):
+    """k follows the policy, which caps it by the tokens left: near max_tokens the rounds shorten, taking over from
+    the longer ones on the device (no drafting anew), and where the round in flight may reach the limit, the next
+    waits for its verdict: every round replayed is committed, none runs after the request has ended."""
     llm = served(families, kind)
     engine = llm.engine
     policy, speculator = engine.policy, engine.speculator
@@ -276,8 +310,26 @@ def test_a_lone_requests_last_rounds_keep_their_length_and_none_runs_past_its_li
     speculator.device_round_drafts = lambda req, k: starts.append(k) or device_round_drafts(req, k)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == plain[:TOKENS]
-    assert starts == [K] and set(replays) == {K}
+    assert starts == [K] and replays[0] == K and set(replays) <= set(range(1, K + 1))
     assert len(replays) == out.timing.draft_rounds and not engine.has_work()
+
+
+def test_device_rounds_change_length_on_the_device_and_still_give_plain_output(families, kind, plain, replays):
+    """The policy's k changes from round to round: the rounds start once and each new length takes over on the
+    device. Output is plain greedy decoding's; a round longer than the one before verifies only that one's drafts,
+    and the request's draft count says so."""
+    llm = served(families, kind)
+    engine = llm.engine
+    policy, speculator = engine.policy, engine.speculator
+    wanted = itertools.cycle([K, 1, 2, K, K, 1])
+    policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [
+        min(next(wanted), policy._cap(r, K)) for r in requests]
+    starts, device_round_drafts = [], speculator.device_round_drafts
+    speculator.device_round_drafts = lambda req, k: starts.append(k) or device_round_drafts(req, k)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == plain[:TOKENS]
+    assert starts == [K] and len(set(replays)) == K and len(replays) == out.timing.draft_rounds
+    assert out.timing.draft_n == sum(min(k, before) for k, before in zip(replays, replays[:1] + replays))
 
 
 @pytest.mark.parametrize("params", [

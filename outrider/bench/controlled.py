@@ -50,7 +50,8 @@ class _Draws:
 
 class RoundScript:
     """Controlled acceptance inside device rounds, for the request that runs them: its recording by position, the
-    kept count of each coming round (a round of k drafts), and the rounds taken since they were uploaded."""
+    positions each coming round keeps (drawn for the drafter's longest round: a round of k drafts keeps at most k,
+    whichever length the policy chooses for it), and the rounds taken since they were uploaded."""
 
     def __init__(self, max_len: int, max_rounds: int, device: torch.device) -> None:
         self.script = torch.zeros(max_len, dtype=torch.int64, device=device)
@@ -150,14 +151,14 @@ class ControlledDrafter:
 
     def _load_rounds(self, requests: Sequence[Request], counts: Sequence[int]) -> None:
         """A lone request's first drafts may start device rounds (Speculator.device_round_drafts): upload its
-        recording and the kept counts of its coming rounds of that length, from a copy of its draws."""
+        recording and the kept counts of its coming rounds, from a copy of its draws."""
         if self.rounds is None or len(requests) != 1 or not counts[0]:
             return
-        rid, k = requests[0].request_id, counts[0]
+        rid = requests[0].request_id
         if rid not in self._script:
             return
         draws = replace(self._draws[rid])
-        kept = [self._kept_of(draws.next(), k) for _ in range(self.rounds.kept.shape[0])]
+        kept = [self._kept_of(draws.next(), self.inner.max_draft) for _ in range(self.rounds.kept.shape[0])]
         self.rounds.load(self._script[rid], kept)
 
     def _substitute(self, req: Request, n: int) -> list[int]:

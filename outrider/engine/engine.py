@@ -80,7 +80,8 @@ class _RoundFlight:
     """A device round replayed and not yet committed (Engine._device_round)."""
 
     request: Request
-    k: int
+    k: int  # its length (what its time is the cost of)
+    drafts: int  # the drafts it verified: k, or fewer in the first round after a switch from a shorter length
     copy: RoundCopy  # its verdict, on its way to the host
     t0: float  # when its time began: its launch, or the landing of the round before it (still running then)
 
@@ -386,17 +387,11 @@ class Engine:
         req = self._lone_greedy_decoder()
         k = lengths.get(req.request_id, 0) if req is not None else 0
         left = req.max_output_tokens - len(req.output_ids) - req.num_pending if req is not None else 0
-        owner = self.round_owner
-        if k and owner is not None and owner[0] == req.request_id and k < owner[1] and k + 1 >= left:
-            # Where only the tokens left cut k, the rounds keep their length: a longer round costs the same, its
-            # drafts past the limit are dropped, and a new length would start new rounds (a one-off drafting).
-            k = owner[1]
         rounds = self.device_rounds.get(k) if k else None
         flight = self.round_flight
         # The round in flight commits 1 .. k + 1 tokens: where they may reach the limit, the next round waits for
         # its verdict rather than run after the request ends (at 8B it cost a DFlash request a 5.8 ms round).
-        if flight is not None and (rounds is None or flight.request is not req or flight.k != rounds.k
-                                   or flight.k + 1 >= left):
+        if flight is not None and (rounds is None or flight.request is not req or flight.drafts + 1 >= left):
             self._land_round()  # (its request's state must be on the host before anything else uses it)
             flight, req = None, self._lone_greedy_decoder()
         if req is None or rounds is None:
@@ -406,21 +401,23 @@ class Engine:
             self._complete(prev)
             if req.status is not Status.RUNNING or req.num_computed != req.num_tokens - 1:
                 return False
-        k = rounds.k
         # The round launched now starts where the one in flight ends, which the host has not read: room for the
         # worst case, every draft of that one kept.
-        start = req.num_tokens - 1 + (k + 1 if flight is not None else 0)
+        start = req.num_tokens - 1 + (flight.drafts + 1 if flight is not None else 0)
         if not self.pool.ensure(req, start + rounds.reach()):
             self._land_round()
             return False
-        if self.round_owner != (req.request_id, k):  # (then nothing is in flight: a flight's owner is this one)
+        owner, verified = self.round_owner, k
+        if owner is None or owner[0] != req.request_id:  # (then nothing is in flight: a flight's owner is this one)
             drafts = self.speculator.device_round_drafts(req, k)  # (one-off work: done before the round's clock)
             if drafts is None:
                 return False
             rounds.load(req.all_ids[-1], drafts, start, req.block_ids)
-            self.round_owner = (req.request_id, k)
-        else:
-            rounds.set_blocks(req.block_ids)
+        elif owner[1] != k:  # (the device's state follows the owner's rounds: the new length takes over from them)
+            rounds.continue_from(self.device_rounds[owner[1]])
+            verified = min(k, owner[1])
+        rounds.set_blocks(req.block_ids)
+        self.round_owner = (req.request_id, k)
         t0 = self.clock()
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += 1
@@ -431,7 +428,7 @@ class Engine:
             self.round_owner = self.round_flight = None
             self._fail(_round_plan(req, k), exc)
             return True
-        self.round_flight = _RoundFlight(req, k, copy, t0)
+        self.round_flight = _RoundFlight(req, k, verified, copy, t0)
         if flight is not None:
             self._land(flight)
             if req.status is not Status.RUNNING:  # (that round ended the request: the one just launched is moot)
@@ -448,16 +445,17 @@ class Engine:
 
     def _land(self, flight: _RoundFlight) -> None:
         """Read a device round's verdict (waiting for its copy alone) and commit it as a verify step's: the request
-        had fed its last token and verified k drafts, and its rows are learned already."""
-        req, k = flight.request, flight.k
+        had fed its last token and verified its drafts, and its rows are learned already. Its time is the cost of a
+        round of its length, whatever it was given to verify."""
+        req = flight.request
         tokens = committed(flight.copy)
         if req.request_id not in self.live:  # (ended meanwhile: nothing to commit)
             return
-        plan = _round_plan(req, k)
         req.num_computed += 1  # (the fed token, and the sampled one pending, as a launched verify step counts them)
         req.num_pending += 1
-        self._deliver(plan, StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0), None), learned=True)
-        self.speculator.observe_step(plan, self.clock() - flight.t0)
+        self._deliver(_round_plan(req, flight.drafts), StepOutput([tokens], [[]], [len(tokens) - 1], torch.empty(0),
+                                                                  None), learned=True)
+        self.speculator.observe_step(_round_plan(req, flight.k), self.clock() - flight.t0)
 
     def _synchronize(self) -> None:
         """Wait for the device (the Speculator times one-off work to its end)."""

@@ -8,12 +8,20 @@ one small read a round. That needs a round whose shapes are fixed and whose data
 - `ids` [k + 1]: the next verify's input, the bonus token and k drafts;
 - `first` [1]: the bonus token's position (p): the verify feeds positions p .. p + k;
 - `table` [1, W]: the sequence's block table (the host rewrites it when the sequence gains blocks, between
-  replays; blocks must cover p + k + 1 + the drafter's lookahead).
+  replays; blocks must cover p + k + 1 + the drafter's lookahead);
+- `limit` [1]: the most drafts the verdict may keep: k, except in the first round after a switch from a shorter
+  length.
 
 `run()` verifies the drafts against the target's greedy tokens, keeps the verdict in `emitted` [k + 1] and
 `accepted` [1] (m: the host commits emitted[:m + 1]), lets the drafter learn the k + 1 verified rows and draft the
 next round from row m at p + m + 1, and advances `ids` and `first` to that round. Rows past m wrote K/V that the
 next round overwrites before anything reads it (its verify starts at p + m + 1 <= p + k + 1).
+
+The policy may change k between rounds. The rounds of the new length take over on the device (`continue_from`), in
+order after the round in flight: the next round's bonus token, position and drafts carry over, the first k of them,
+or all of them padded to k. Padded, that round keeps no more than the drafts it was given (`limit`): a pad the
+target happened to keep would leave the draft model's K/V unwritten where it never fed one. Starting anew instead
+costs the host a drafting and the round its overlap with the one before.
 
 Batch 1 and greedy verification: the demo target's case, and the one drafting ahead does not win
 (`docs/speculative.md`, "What is left"). Drafters that draft on the device implement RoundDrafter: DFlash
@@ -73,6 +81,7 @@ class DeviceRound:
         self.table = torch.zeros(1, max_blocks, dtype=torch.int32, device=device)
         self.emitted = torch.zeros(k + 1, dtype=torch.int64, device=device)
         self.accepted = torch.zeros(1, dtype=torch.int64, device=device)
+        self.limit = torch.full((1,), k, dtype=torch.int64, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None  # (capture)
         self._table_of: tuple[int, int] | None = None  # (id, length) of the block list the table holds
 
@@ -84,7 +93,18 @@ class DeviceRound:
         self.ids[:1].fill_(bonus)
         self.ids[1:].copy_(torch.as_tensor(drafts, dtype=torch.int64), non_blocking=True)
         self.first.fill_(position)
+        self.limit.fill_(self.k)
         self.set_blocks(blocks)
+
+    def continue_from(self, previous: DeviceRound) -> None:
+        """Take over the rounds `previous` (the same sequence's, of another length) ran, on the device and without a
+        sync: its next round's bonus token, position and first k drafts; with fewer, all of them, padded by the last
+        and kept no further (module docstring). The block table is the caller's to set."""
+        n = min(self.k, previous.k)
+        self.ids[: n + 1].copy_(previous.ids[: n + 1])
+        self.ids[n + 1 :].copy_(previous.ids[n : n + 1].expand(self.k - n))
+        self.first.copy_(previous.first)
+        self.limit.fill_(n)
 
     def set_blocks(self, blocks: list[int]) -> None:
         """The sequence's block table, as the host's pool holds it now (copied only when it grew: the pool only
@@ -132,6 +152,8 @@ class DeviceRound:
         greedy = runner.model.compute_logits(hidden).argmax(dim=-1)
         # m: the drafts that equal the target's greedy token before them, up to the first that does not.
         m = (self.ids[1:] == greedy[:-1]).to(torch.int64).cumprod(0).sum(0, keepdim=True)
+        m = torch.minimum(m, self.limit)
+        self.limit.fill_(k)
         self.emitted.copy_(greedy)
         self.accepted.copy_(m)
         verdict = RoundVerdict(inputs=self.ids, hidden=hidden, aux_hidden=aux, positions=positions, meta=meta,

@@ -321,8 +321,8 @@ QUIET_DECISIONS = 8
 QUIET_DECISIONS_ASLEEP = 64
 QUIET_MARGIN = 0.005  # an estimate this far below the pooled one still drifts up: decisions stay full
 # A draft length whose expected tokens per second lie this close to the best stays chosen. Among neighbouring k the
-# argmax flips with the measured costs' noise alone, and a device round restarts on a new k (one-off drafting on the
-# host, and a round that does not overlap the one before it: Engine._device_round).
+# argmax flips with the measured costs' noise alone, and a switch is not free: the first device round of a longer k
+# verifies only the drafts of the shorter one before it (DeviceRound.continue_from).
 KEEP_MARGIN = 0.03
 
 
