@@ -389,8 +389,8 @@ class Engine:
         left = req.max_output_tokens - len(req.output_ids) - req.num_pending if req is not None else 0
         rounds = self.device_rounds.get(k) if k else None
         flight = self.round_flight
-        # The round in flight commits 1 .. k + 1 tokens: where they may reach the limit, the next round waits for
-        # its verdict rather than run after the request ends (at 8B it cost a DFlash request a 5.8 ms round).
+        # The round in flight commits 1 .. drafts + 1 tokens: where they may reach the limit, the next round waits
+        # for its verdict rather than run after the request ends (at 8B it cost a DFlash request a 5.8 ms round).
         if flight is not None and (rounds is None or flight.request is not req or flight.drafts + 1 >= left):
             self._land_round()  # (its request's state must be on the host before anything else uses it)
             flight, req = None, self._lone_greedy_decoder()
