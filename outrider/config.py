@@ -29,6 +29,9 @@ class ModelConfig:
     attention_bias: bool = False  # bias on the q/k/v projections
     o_proj_bias: bool = False  # bias on the output projection
     qk_norm: bool = False  # RMSNorm on q and k per head
+    # Per-layer kind, HF's `layer_types` ("full_attention", "sliding_attention", ...); () = all full attention.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a "sliding_attention" layer's query sees (its own included)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -51,6 +54,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         mtp_layers = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
+        layer_types = _layer_types(cfg)
         common = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -67,6 +71,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             o_proj_bias=bool(cfg.get("attention_bias", False)),
+            layer_types=layer_types,
+            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
@@ -79,6 +85,27 @@ class ModelConfig:
     def from_path(cls, path: str | Path) -> "ModelConfig":
         with open(Path(path) / "config.json") as f:
             return cls.from_dict(json.load(f))
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers; the model has {self.num_hidden_layers}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError("sliding_attention layers need sliding_window > 0")
+
+    def layer_type(self, layer_idx: int) -> str:
+        return self.layer_types[layer_idx] if self.layer_types else "full_attention"
+
+
+def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """HF's `layer_types`, or those of the older `use_sliding_window` / `max_window_layers` keys (Qwen2, Qwen3:
+    layers from max_window_layers on slide)."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    n = cfg["num_hidden_layers"]
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    return ()
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -22,6 +22,8 @@ CASES = {
     "llama-tied-sharded": ("llama", {"tie": True, "shards": 2}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie": True}),
+    "qwen2-sliding-upper-layer": ("qwen2", {"extra_config": {"use_sliding_window": True, "sliding_window": 5,
+                                                             "max_window_layers": 1}}),
     "qwen3": ("qwen3", {"shards": 3}),
     "qwen3-tied": ("qwen3", {"tie": True, "head_dim": 32}),
 }

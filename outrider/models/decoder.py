@@ -40,6 +40,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        layer_type = cfg.layer_type(layer_idx)
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer {layer_idx} is {layer_type!r}: this decoder's layers are full_attention or "
+                             "sliding_attention")
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else 0  # (0: the whole context)
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +76,8 @@ class Attention(nn.Module):
         qkv, residual = norm.forward_linear(x, residual, self.qkv_proj)
         # The backend prepares q/k itself, so it can fuse that with the KV store (one kernel on Triton).
         q, k, v = self.split_qkv(qkv)
-        o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary))
+        o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary),
+                            self.window)
         return self.o_proj(o.flatten(1)), residual
 
 
