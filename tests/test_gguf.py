@@ -33,6 +33,10 @@ CASES = {  # name -> write_tiny_checkpoint arguments
     "qwen2": ("qwen2", {}),
     "qwen3-tied": ("qwen3", {"tie": True, "head_dim": 32}),
 }
+# Converted as another architecture's file: (write_tiny_checkpoint arguments, the architecture the file loads as).
+CONVERTED_AS = {
+    "mistral": (("mistral", {}), "LlamaForCausalLM"),
+}
 CORPUS = [
     "Hello, world! It's 2024 and we're testing 12345 tokens; 3.14159 isn't 22/7.",
     "def reverse(s: str) -> str:\n    return s[::-1]  # slice\n\n\tif x >= 10 and y != -1:\n        pass\n",
@@ -117,9 +121,22 @@ def test_k_quants_load_as_gguf_dequantizes_them(tmp_path, quant):
         assert torch.equal(params[slot.param][slot.row:slot.row + slot.shape[0]], want), hf_name
 
 
-def test_greedy_generation_matches_the_checkpoint(converted):
+@pytest.mark.parametrize("case", ["mistral"])
+def test_a_file_converted_as_another_architecture_loads_as_it(tmp_path, case):
+    """Mistral files are `llama` files (llama.cpp's converter; no window): the weights as the checkpoint's."""
+    (arch, ck_args), loads_as = CONVERTED_AS[case]
+    ck = write_tiny_checkpoint(tmp_path / case, arch, **ck_args)
+    ours, cfg = load_model(write_gguf(ck, tmp_path / f"{case}.gguf"))
+    ref, _ = load_model(ck)
+    assert cfg.architecture == loads_as
+    got, want = ours.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("case", ["qwen3-tied"])
+def test_greedy_generation_matches_the_checkpoint(converted, case):
     """Through the engine (tokens, KV cache, sampler): the file generates what its checkpoint generates."""
-    ck, path = converted("qwen3-tied", quant="F32")
+    ck, path = converted(case, quant="F32")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[1, 17, 99, 200, 7], list(range(30, 53))]
     want = [c.token_ids for c in LLM(str(ck)).generate(prompts, params)]

@@ -26,6 +26,8 @@ CASES = {
                                                              "max_window_layers": 1}}),
     "qwen3": ("qwen3", {"shards": 3}),
     "qwen3-tied": ("qwen3", {"tie": True, "head_dim": 32}),
+    "mistral": ("mistral", {}),
+    "mistral-sliding-window": ("mistral", {"extra_config": {"sliding_window": 6}}),
 }
 PROMPTS = [[1, 17, 99, 200, 7], [1] + list(range(30, 53)), [42], [1, 300, 301, 302, 5, 6, 7, 8, 9, 10, 11]]
 
