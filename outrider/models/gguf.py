@@ -36,6 +36,7 @@ _LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency factors, read into the config
+CONFIG_TENSORS = "rope_"  # RoPE factors (rope_freqs, Phi-3's rope_factors_long/short): config, not weights
 # general.file_type -> the dtype the weights were stored in before quantization, for dtype "auto"
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
@@ -155,7 +156,7 @@ def model_config(ck: GGUFCheckpoint) -> ModelConfig:
         "rope_scaling": _rope_scaling(ck),
         "tie_word_embeddings": "output.weight" not in ck.tensors,
         "attention_bias": "blk.0.attn_q.bias" in ck.tensors,
-        **(adapter.gguf_config(hparam, ck.tensors) if adapter.gguf_config else {}),
+        **(adapter.gguf_config(hparam, functools.partial(_values, ck)) if adapter.gguf_config else {}),
         "torch_dtype": _FILE_DTYPES.get(ck.value("general.file_type"), "bfloat16"),
         "bos_token_id": ck.value("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
@@ -163,11 +164,15 @@ def model_config(ck: GGUFCheckpoint) -> ModelConfig:
     return ModelConfig.from_dict(config)
 
 
+def _values(ck: GGUFCheckpoint, name: str) -> list[float] | None:
+    return _dequantize(ck.tensors[name]).reshape(-1).tolist() if name in ck.tensors else None
+
+
 def _rope_scaling(ck: GGUFCheckpoint) -> dict[str, Any] | None:
     """Llama 3's frequency factors (a tensor in GGUF), or the scaling the metadata names; unknown kinds are left
     for the model to refuse by name."""
     if ROPE_FREQS in ck.tensors:
-        return {"rope_type": "freq_factors", "factors": _dequantize(ck.tensors[ROPE_FREQS]).tolist()}
+        return {"rope_type": "freq_factors", "factors": _values(ck, ROPE_FREQS)}
     kind = ck.value(f"{ck.arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -205,7 +210,7 @@ def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
     layer_names = {**_LAYER_NAMES, **arch.gguf_layer_tensors}
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     for name, t in ck.tensors.items():
-        if name == ROPE_FREQS:
+        if name.startswith(CONFIG_TENSORS):
             continue
         layer = _LAYER_TENSOR.match(name)
         if layer and layer[2] in layer_names:

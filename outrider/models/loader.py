@@ -98,14 +98,15 @@ class CheckpointSlot(NamedTuple):
     shape: torch.Size
 
 
-def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
+def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str, CheckpointSlot]:
     """Hugging Face tensor name -> its slot, for every parameter: a packed MergedLinear tensor (e.g.
-    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order."""
+    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order, or, where
+    the checkpoint stores it `packed` as we do (Phi-3), read whole."""
     layout = {}
     for name, p in model.named_parameters():  # a tied lm_head is not listed
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if not isinstance(module, MergedLinear):
+        if packed or not isinstance(module, MergedLinear):
             layout[name] = CheckpointSlot(name, 0, p.shape)
             continue
         parent, row = module_name.rpartition(".")[0], 0
@@ -129,7 +130,7 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     arch = registry.of(cfg)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         model = arch.model(cfg)
-    layout = checkpoint_layout(model)
+    layout = checkpoint_layout(model, arch.packed_projections)
     # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
     params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
     loaded = set()

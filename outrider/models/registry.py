@@ -39,13 +39,16 @@ class Architecture:
     text_config: the decoder's keys sit under `text_config` (a multimodal checkpoint served as text only).
     tensor_renames: (checkpoint prefix, our prefix) pairs, e.g. a multimodal checkpoint's language model.
     ignored_prefixes: checkpoint tensors that are not the decoder's (a vision tower), skipped on load.
+    packed_projections: the checkpoint stores q/k/v and gate/up packed as our model does (qkv_proj, gate_up_proj:
+        Phi-3), rather than as their parts.
     from_checkpoint: HF-named checkpoint tensor -> the value of our parameter (e.g. Gemma's norms store w for
         (1 + w)); GGUF tensors arrive as llama.cpp's converter wrote them and go through gguf_tensor instead.
     gguf_names: llama.cpp `general.architecture` values it reads.
     gguf_export: the `general.architecture` llama.cpp's converter writes for it (default gguf_names[0]; Mistral:
         "llama").
     gguf_config: HF config.json keys from a GGUF file's metadata, beyond those all share; called with
-        `hparam(key, default)` over `<gguf arch>.<key>` and the file's tensor names.
+        `hparam(key, default)` over `<gguf arch>.<key>` and `values(name)`, a config tensor's values (a list, or
+        None where the file lacks it: llama.cpp stores e.g. RoPE factors as `rope_*` tensors).
     gguf_layer_tensors: `blk.N.<ggml name>` -> `model.layers.N.<HF name>` beyond the shared map.
     gguf_tensor: (HF name, tensor read from GGUF, config) -> our parameter's value (default: as read).
     gguf_permutes_qk: the converter interleaves each q/k head's rotary halves (Llama), undone on load.
@@ -61,10 +64,11 @@ class Architecture:
     text_config: bool = False
     tensor_renames: tuple[tuple[str, str], ...] = ()
     ignored_prefixes: tuple[str, ...] = ()
+    packed_projections: bool = False
     from_checkpoint: Callable[[str, torch.Tensor], torch.Tensor] | None = None
     gguf_names: tuple[str, ...] = ()
     gguf_export: str | None = None
-    gguf_config: Callable[[Callable[..., Any], Mapping[str, Any]], dict[str, Any]] | None = None
+    gguf_config: Callable[[Callable[..., Any], Callable[[str], list[float] | None]], dict[str, Any]] | None = None
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
     gguf_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor] | None = None
     gguf_permutes_qk: bool = False

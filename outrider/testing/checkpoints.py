@@ -83,7 +83,7 @@ def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
         model = registry.build_model(cfg)
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, (_, _, shape) in checkpoint_layout(model).items():  # HF names; a tied lm_head is not listed
+    for name, (_, _, shape) in checkpoint_layout(model, registry.of(cfg).packed_projections).items():  # HF names; a tied lm_head is not listed
         if name.endswith("norm.weight"):  # random signs decorrelate a tied head from the input embedding
             t = torch.randn(shape, generator=gen)
         elif name.endswith("bias"):
