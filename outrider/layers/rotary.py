@@ -33,6 +33,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, freq_factors")
 
 
+def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
+    """The factor a RoPE rule scales cos and sin by (HF's attention_factor; 1.0 for plain RoPE). Both q and k carry
+    it, so attention scores scale by its square: the attention scale takes it, the rotation stays a rotation."""
+    return float((scaling or {}).get("attention_factor") or 1.0)
+
+
 class RotaryEmbedding(nn.Module):
     """Holds RoPE's inverse frequencies, which the attention backend applies (attention.QKNormRope); the buffer
     follows the model's device."""

@@ -21,7 +21,7 @@ from outrider.kernels import ops
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
-from outrider.layers.rotary import RotaryEmbedding
+from outrider.layers.rotary import RotaryEmbedding, rope_attention_factor
 from outrider.models import registry
 
 
@@ -30,7 +30,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = self.head_dim ** -0.5
+        rope_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
+        self.scale = self.head_dim ** -0.5 * rope_factor ** 2
         self.eps = cfg.rms_norm_eps
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
