@@ -51,6 +51,8 @@ class Architecture:
         None where the file lacks it: llama.cpp stores e.g. RoPE factors as `rope_*` tensors).
     gguf_layer_tensors: `blk.N.<ggml name>` -> `model.layers.N.<HF name>` beyond the shared map.
     gguf_tensor: (HF name, tensor read from GGUF, config) -> our parameter's value (default: as read).
+    gguf_write: what llama.cpp's converter writes for it beyond the shared metadata, called with (gguf.GGUFWriter,
+        ModelConfig) by testing/gguf.py, which writes the test files.
     gguf_permutes_qk: the converter interleaves each q/k head's rotary halves (Llama), undone on load.
     tiny_config: config.json keys tiny test checkpoints of this architecture carry (transformers reads them).
     """
@@ -71,6 +73,7 @@ class Architecture:
     gguf_config: Callable[[Callable[..., Any], Callable[[str], list[float] | None]], dict[str, Any]] | None = None
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
     gguf_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor] | None = None
+    gguf_write: Callable[[Any, ModelConfig], None] | None = None
     gguf_permutes_qk: bool = False
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
 

@@ -10,8 +10,9 @@ from outrider.models.decoder import CausalLM, DecoderLayer
 from outrider.models.registry import Architecture, register
 
 
-def config(raw: dict[str, Any]) -> dict[str, Any]:
-    window = raw.get("sliding_window", 4096)  # (transformers' default when the key is absent)
+def every_layer_slides(raw: dict[str, Any], default: int | None) -> dict[str, Any]:
+    """ModelConfig fields for a config whose `sliding_window` (else `default`) applies to every layer."""
+    window = raw.get("sliding_window", default)
     if window is None:
         return {}
     return {"layer_types": ("sliding_attention",) * raw["num_hidden_layers"], "sliding_window": int(window)}
@@ -19,5 +20,6 @@ def config(raw: dict[str, Any]) -> dict[str, Any]:
 
 MISTRAL = register(Architecture(
     name="mistral", hf_names=("MistralForCausalLM",), model_type="mistral", model=CausalLM, decoder_layer=DecoderLayer,
-    config=config, gguf_export="llama", gguf_permutes_qk=True, tiny_config={"sliding_window": None},
+    config=lambda raw: every_layer_slides(raw, default=4096),  # (transformers' default when the key is absent)
+    gguf_export="llama", gguf_permutes_qk=True, tiny_config={"sliding_window": None},
 ))
