@@ -42,7 +42,8 @@ class Architecture:
     packed_projections: the checkpoint stores q/k/v and gate/up packed as our model does (qkv_proj, gate_up_proj:
         Phi-3), rather than as their parts.
     from_checkpoint: HF-named checkpoint tensor -> the value of our parameter (e.g. Gemma's norms store w for
-        (1 + w)); GGUF tensors arrive as llama.cpp's converter wrote them and go through gguf_tensor instead.
+        (1 + w)). GGUF files hold our values already (llama.cpp's converter does the same), so it applies to
+        safetensors only, and testing/gguf.py applies it when it writes a file.
     gguf_names: llama.cpp `general.architecture` values it reads.
     gguf_export: the `general.architecture` llama.cpp's converter writes for it (default gguf_names[0]; Mistral:
         "llama").
@@ -50,7 +51,6 @@ class Architecture:
         `hparam(key, default)` over `<gguf arch>.<key>` and `values(name)`, a config tensor's values (a list, or
         None where the file lacks it: llama.cpp stores e.g. RoPE factors as `rope_*` tensors).
     gguf_layer_tensors: `blk.N.<ggml name>` -> `model.layers.N.<HF name>` beyond the shared map.
-    gguf_tensor: (HF name, tensor read from GGUF, config) -> our parameter's value (default: as read).
     gguf_write: what llama.cpp's converter writes for it beyond the shared metadata, called with (gguf.GGUFWriter,
         ModelConfig) by testing/gguf.py, which writes the test files.
     gguf_permutes_qk: the converter interleaves each q/k head's rotary halves (Llama), undone on load.
@@ -72,7 +72,6 @@ class Architecture:
     gguf_export: str | None = None
     gguf_config: Callable[[Callable[..., Any], Callable[[str], list[float] | None]], dict[str, Any]] | None = None
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
-    gguf_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor] | None = None
     gguf_write: Callable[[Any, ModelConfig], None] | None = None
     gguf_permutes_qk: bool = False
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
