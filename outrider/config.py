@@ -47,8 +47,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
         adapter = registry.by_hf_name(arch)
-        if adapter.text_config and "text_config" in cfg:  # a multimodal checkpoint: its decoder's keys
-            cfg = {**cfg, **cfg["text_config"], "architectures": archs}
+        text = cfg.get("text_config") or {} if adapter.text_config else {}  # a multimodal checkpoint's decoder
+        cfg = {**adapter.config_defaults, **cfg, **text, "architectures": archs}
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         eos = cfg.get("eos_token_id")

@@ -36,6 +36,8 @@ class Architecture:
     decoder_layer: builds decoder layer i for a config of this architecture: what drafters (MTP heads, DFlash)
         stack, so they never import a model module's classes.
     config: this architecture's ModelConfig fields from its config.json (after the fields all share).
+    config_defaults: values transformers gives keys a config.json leaves out (released multimodal configs list
+        only what differs from them), applied before any field is read.
     text_config: the decoder's keys sit under `text_config` (a multimodal checkpoint served as text only).
     tensor_renames: (checkpoint prefix, our prefix) pairs, e.g. a multimodal checkpoint's language model.
     ignored_prefixes: checkpoint tensors that are not the decoder's (a vision tower), skipped on load.
@@ -63,6 +65,7 @@ class Architecture:
     model: Callable[[ModelConfig], nn.Module]
     decoder_layer: Callable[[ModelConfig, int], nn.Module]
     config: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
     text_config: bool = False
     tensor_renames: tuple[tuple[str, str], ...] = ()
     ignored_prefixes: tuple[str, ...] = ()
