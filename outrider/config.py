@@ -29,6 +29,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on the q/k/v projections
     o_proj_bias: bool = False  # bias on the output projection
     qk_norm: bool = False  # RMSNorm on q and k per head
+    hidden_act: str = "silu"  # the gated MLP's activation (layers/mlp.py)
     # Per-layer kind, HF's `layer_types` ("full_attention", "sliding_attention", ...); () = all full attention.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None  # keys a "sliding_attention" layer's query sees (its own included)
@@ -71,6 +72,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             o_proj_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=cfg.get("hidden_act") or "silu",
             layer_types=layer_types,
             sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
