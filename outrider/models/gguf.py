@@ -12,7 +12,7 @@ import functools
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,11 +190,13 @@ class HFTensor:
     source: str  # the GGUF tensor and file, for messages
     ggml: Any  # gguf.ReaderTensor
     unpermute_heads: int = 0  # Llama q/k: the converter interleaved each head's rotary halves (0: as stored)
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # the architecture's gguf_tensor, if any
 
     def read(self) -> torch.Tensor:
         w = _dequantize(self.ggml).reshape(self.shape)
         w = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are views of the read-only map
-        return unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
+        w = unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
+        return self.convert(w) if self.convert else w
 
 
 def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
@@ -217,7 +219,8 @@ def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
             hf_name = _GLOBAL_NAMES.get(name, f"<GGUF tensor {name}>")  # the loader refuses names it does not know
         shape = tuple(int(d) for d in reversed(t.shape))
         unpermute = heads.get(layer[2], 0) if arch.gguf_permutes_qk and layer else 0
-        yield HFTensor(hf_name, shape, f"{name} in {ck.tensor_files[name]}", t, unpermute)
+        convert = functools.partial(arch.gguf_tensor, hf_name, cfg=cfg) if arch.gguf_tensor else None
+        yield HFTensor(hf_name, shape, f"{name} in {ck.tensor_files[name]}", t, unpermute, convert)
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

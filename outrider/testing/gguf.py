@@ -54,14 +54,12 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     rng = np.random.default_rng(seed)
     tensors = read_tensors(checkpoint)
     if adapter.gguf_write:
-        adapter.gguf_write(writer, cfg)
+        tensors = adapter.gguf_write(writer, cfg, tensors)
     elif cfg.rope_scaling:  # llama.cpp stores Llama 3's rule as per-frequency divisors
         base = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, cfg.max_position_embeddings)
         scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         writer.add_tensor("rope_freqs.weight", (base / scaled).numpy())
     for hf_name, t in tensors.items():
-        if adapter.from_checkpoint:  # (a GGUF file holds the values the model computes with, e.g. Gemma's 1 + w)
-            t = adapter.from_checkpoint(hf_name, t)
         if adapter.gguf_permutes_qk and ".self_attn." in hf_name and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             t = _permute(t, cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))

@@ -125,8 +125,9 @@ def gguf_config(hparam: Callable[..., Any], values: Callable[[str], list[float] 
             "final_logit_softcapping": hparam("final_logit_softcapping", 0.0) or None}
 
 
-def gguf_write(writer: Any, cfg: ModelConfig) -> None:
-    """As llama.cpp's converter: the window, the softcap where set, RoPE scaling as its type and factor."""
+def gguf_write(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """As llama.cpp's converter: the window, the softcap where set, RoPE scaling as its type and factor; the norms
+    stored as 1 + w."""
     import gguf
 
     writer.add_sliding_window(cfg.sliding_window)
@@ -136,6 +137,7 @@ def gguf_write(writer: Any, cfg: ModelConfig) -> None:
     if cfg.rope_scaling:
         writer.add_rope_scaling_type(gguf.RopeScalingType[cfg.rope_scaling["rope_type"].upper()])
         writer.add_rope_scaling_factor(cfg.rope_scaling["factor"])
+    return {name: from_checkpoint(name, t) for name, t in tensors.items()}
 
 
 GEMMA3 = register(Architecture(
