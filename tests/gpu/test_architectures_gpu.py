@@ -1,5 +1,6 @@
 """The registered architectures on the GPU (CUDA graphs, the Triton attention kernel with sliding windows): greedy
-tokens equal the CPU reference in float32, prompts longer than the windows, a batch of mixed lengths."""
+tokens equal the CPU reference in float32, prompts longer than the windows, a batch of mixed lengths, whole and
+chunked prefill."""
 
 from __future__ import annotations
 
@@ -37,4 +38,7 @@ def _greedy(path, **kw) -> list[list[int]]:
 
 
 def test_greedy_gpu_equals_cpu_reference(checkpoint):
-    assert _greedy(checkpoint, device="cuda", dtype="float32") == _greedy(checkpoint, device="cpu", dtype="float32")
+    want = _greedy(checkpoint, device="cpu", dtype="float32")
+    assert _greedy(checkpoint, device="cuda", dtype="float32") == want
+    # Prompts prefilled in chunks of up to 48 tokens beside other requests' decodes (eager steps).
+    assert _greedy(checkpoint, device="cuda", dtype="float32", max_num_batched_tokens=48) == want
