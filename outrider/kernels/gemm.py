@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from outrider.kernels.fused import PREFETCH_LINE_BYTES, pdl_enter, pdl_release, prefetch_l2, silu_mul_tile
-from outrider.kernels.ops import FOLD_MAX_ROWS as FMA_MAX_M  # rows of the CUDA-core kernel (its register budget)
-from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of the tensor-core kernel (one MMA tile's side)
-from outrider.kernels.ops import pdl_args
+from outrider.kernels.launch import FOLD_MAX_ROWS as FMA_MAX_M  # rows of the CUDA-core kernel (its register budget)
+from outrider.kernels.launch import SKINNY_MAX_ROWS as MAX_M  # rows of the tensor-core kernel (one MMA tile's side)
+from outrider.kernels.launch import pdl_args
 
 # Under PDL, a skinny GEMM prefetches its whole weight into L2 before waiting on the previous kernel when the
 # weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch). 16 MB
@@ -257,7 +257,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     silu_mul: x is a packed [M, 2K] = [gate | up] and the product uses silu(gate) * up as x (ops.silu_mul_linear).
     norm: the product uses RMSNorm(x [+ norm.residual]) * norm.weight as x, and stores x + residual to norm.summed
     (ops.rms_norm_linear). Both only up to FMA_MAX_M rows. config: None picks from DEFAULT_TABLE, or DOT_CONFIG past
-    FMA_MAX_M rows (benchmarks pass their own). pdl: launch as a programmatic dependent launch (ops.use_pdl). out: a
+    FMA_MAX_M rows (benchmarks pass their own). pdl: launch as a programmatic dependent launch (launch.use_pdl). out: a
     row-major [M, N] tensor of out_dtype to write y into. No host syncs: safe in CUDA graphs."""
     m = x.shape[0]
     n, k = weight.shape
