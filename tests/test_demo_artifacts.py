@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -151,11 +148,8 @@ def test_target_predicts_held_out_code_far_better_than_its_unigram_statistics():
 
 
 def test_eval_prompts_come_from_held_out_files():
-    spec = importlib.util.spec_from_file_location("train_demo", Path(__file__).resolve().parents[1] / "scripts" /
-                                                  "train_demo.py")
-    td = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("train_demo", td)
-    spec.loader.exec_module(td)
+    from outrider_tools.demo.corpus import is_held_out
+
     prompts = demo.eval_prompts()
     assert len(prompts) >= 32 and {p["kind"] for p in prompts} == {"def", "window"}
-    assert all(td.is_held_out(p["file"]) for p in prompts)
+    assert all(is_held_out(p["file"]) for p in prompts)
