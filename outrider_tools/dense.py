@@ -129,7 +129,6 @@ class DenseLM:
                 for _ in range(cfg.num_hidden_layers)]
 
 
-
 def unroll_chain(step, hidden: torch.Tensor, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Teacher-forced chain drafting over a whole sequence with the attention pattern of serving: one decoder layer
     fed its own output back (MTP and EAGLE-3 heads; outrider/speculative/chain.py).

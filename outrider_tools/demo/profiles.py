@@ -119,7 +119,6 @@ SMOKE = Profile(
 )
 
 
-
 STAGES = ("target", "draft", "mtp", "dflash", "eagle3")
 
 

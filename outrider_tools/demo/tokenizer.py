@@ -9,13 +9,8 @@ from pathlib import Path
 import torch
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
-
-
 EOT_ID, IM_START_ID, IM_END_ID, MASK_ID = 0, 1, 2, 3
-
-
 EOS_IDS = [EOT_ID, IM_END_ID]
-
 MAX_POSITIONS = 2048
 
 CHAT_TEMPLATE = (
@@ -25,7 +20,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}\n"
 )
-
 
 
 def train_tokenizer(texts: list[str], vocab: int):

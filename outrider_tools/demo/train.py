@@ -83,7 +83,6 @@ SAMPLE_PROMPTS = (
 )
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEMO_DIR)
@@ -501,7 +500,7 @@ def main(argv=None) -> int:
                 fa = target.logits(hid).argmax(-1)[0].view(-1, Bk).tolist()  # [anchor - 1][slot]
                 record("dflash", lambda n, j: fa[n - 1][j + 1] if 1 <= n <= L - Bk else -1, Bk - 1)
     proxy = {
-        "what": "offline greedy acceptance length tau (accepted drafts + 1) simulated with this script's own "
+        "what": "offline greedy acceptance length tau (accepted drafts + 1) simulated with the trainer's own "
                 "model code on the target's greedy continuations of held-out prompts (eval_prompts.json, "
                 f"{p.eval_new} new tokens, stop at EOS); full-length steps only. Exact for greedy verification "
                 "up to numerics; NOT the engine's measurement.",

@@ -122,7 +122,6 @@ def soft_ce(student_logits, teacher_logits):
     return -(teacher_logits.float().softmax(-1) * student_logits.float().log_softmax(-1)).sum(-1)
 
 
-
 @torch.no_grad()
 def generate(model: DenseLM, prompts: torch.Tensor, n_new: int, ctx: Ctx, temperature=None, gen=None, pad=None):
     """prompts [B, P] -> generated ids [B, n_new]. temperature: None = greedy, or a per-row tensor [B] (0 = greedy).
