@@ -144,7 +144,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     On the skinny GEMM the norm (and the residual add) happen as the kernel loads x: at decode a pre-norm
     projection is one launch instead of two (the normed row is then not rounded to x's dtype before the product:
     gemm.RowNorm). LM heads do not use it: every program of a GEMM that wide re-reading x and the norm weight
-    cost Qwen3-8B's 10 us, several times a separate norm kernel (docs/benchmarks.md, run F)."""
+    cost Qwen3-8B's 10 us, several times a separate norm kernel (H200)."""
     if _use_skinny_gemm(x, weight, fold=True) and (residual is None or residual.is_contiguous()):
         from outrider.kernels import gemm
 
