@@ -129,6 +129,17 @@ def test_the_graph_sees_top_level_lazy_type_only_and_relative_imports(tmp_path, 
     assert cycles(graph) == [["outrider.a", "outrider.sub", "outrider.sub.b"]]  # (sub re-exports b, b reads sub)
 
 
+def test_the_server_package_imports_neither_the_tools_nor_the_tests():
+    """outrider_tools (trainers, measurement, soak) and tests build on the server; it never reaches back."""
+    found = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{name}: {n}" for n in names if n.split(".")[0] in ("outrider_tools", "tests")]
+    assert not found, found
+
+
 def test_the_package_import_graph_has_no_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
