@@ -116,6 +116,12 @@ def layer_config(config: dict) -> ModelConfig:
     return ModelConfig.from_dict({**config, "architectures": [arch]})
 
 
+def layer_inv_freq(config: dict, device) -> torch.Tensor:
+    """RoPE's inverse frequencies for a drafter config's layers, on `device`."""
+    cfg = layer_config(config)
+    return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
+
+
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -162,13 +168,9 @@ class DFlash:
     def mask_id(self) -> int:
         return self.config["dflash_config"]["mask_token_id"]
 
-    def inv_freq(self) -> torch.Tensor:
-        cfg = layer_config(self.config)
-        return rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(
-            self.model.fc.weight.device)
-
     def __call__(self, taps_cat, block_emb, block_pos, mask) -> torch.Tensor:
-        return dense.dflash_forward(self.model, self.inv_freq(), taps_cat, block_emb, block_pos, mask)
+        inv_freq = layer_inv_freq(self.config, taps_cat.device)
+        return dense.dflash_forward(self.model, inv_freq, taps_cat, block_emb, block_pos, mask)
 
 
 def new_dflash(s: Shape, vocab: int, target_hidden: int, **config) -> DFlash:
@@ -201,9 +203,8 @@ class Eagle3:
         return t2d.index_fill_(0, self.draft_ids().to(ids.device), True)[ids]
 
     def unroll(self, target: dense.DenseLM, taps_cat, ids, steps) -> list[torch.Tensor]:
-        cfg = layer_config(self.config)
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-        return dense.eagle3_unroll(self.model, inv_freq.to(taps_cat.device), target.embed, taps_cat, ids, steps)
+        inv_freq = layer_inv_freq(self.config, taps_cat.device)
+        return dense.eagle3_unroll(self.model, inv_freq, target.embed, taps_cat, ids, steps)
 
     def logits(self, y: torch.Tensor) -> torch.Tensor:
         """float32 logits over the draft vocabulary."""
