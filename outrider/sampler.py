@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from outrider.params import SamplingParams
+from outrider.structured.masks import TokenMasks
 from outrider.upload import to_device
 
 if TYPE_CHECKING:
@@ -165,15 +166,6 @@ class ParamTable:
         self.ints = np.concatenate([self.ints, np.zeros((7, size - old), dtype=np.int64)], axis=1)
         self.logit_bias += [()] * (size - old)
         self._owners += [None] * (size - old)
-
-
-@dataclass
-class TokenMasks:
-    """Allowed tokens of some rows (grammar-constrained ones; the others are free): bit j % 32 of bits[i, j // 32]
-    allows token j in row rows[i]."""
-
-    rows: np.ndarray  # [C] int64, ascending
-    bits: np.ndarray  # [C, ceil(V / 32)] int32
 
 
 @dataclass

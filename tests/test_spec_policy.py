@@ -449,12 +449,11 @@ def test_staged_drafts_regroup_a_chains_steps_by_request_and_fill_the_plans_list
 
 @pytest.mark.parametrize("preset", ["eagle3", "dflash"])
 def test_the_policy_earns_close_to_the_best_fixed_draft_length(preset):
-    """Against a simulated device at the 8B shape's measured costs (scripts/simulate_policy.py), the policy's own
+    """Against a simulated device at the 8B shape's measured costs (outrider_tools/policy_sim.py), the policy's own
     choices come within 5 % of the best fixed k where speculation pays, and never fall 3 % below plain where it
     does not."""
-    from tests.e2e_harness import load_script
+    from outrider_tools import policy_sim as sim
 
-    sim = load_script("simulate_policy")
     n_max, base, per_draft, step_cost = sim.PRESETS[preset]
     for alpha in (0.86, 0.7, 0.0):
         run = dict(alpha=alpha, n_max=n_max, base=base, per_draft=per_draft, step_cost=step_cost, plain=4.48,

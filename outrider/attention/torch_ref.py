@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from outrider.attention import AttentionMetadata, KVCache, QKNormRope
+from outrider.attention.interface import AttentionMetadata, KVCache, QKNormRope
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int, slot_mapping: torch.Tensor) -> None:

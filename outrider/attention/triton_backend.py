@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from outrider.attention import AttentionMetadata, KVCache, QKNormRope
+from outrider.attention.interface import AttentionMetadata, KVCache, QKNormRope
 from outrider.kernels.attention import compile_eager_variants, paged_attention
 from outrider.kernels.fused import qk_norm_rope_store_kv
 

@@ -47,7 +47,3 @@ def eval_prompts() -> list[dict]:
     """The held-out prompts (dicts with kind "def" | "window", file, prompt) used for acceptance measurements."""
     return json.loads((DEMO_DIR / "eval_prompts.json").read_text())
 
-
-def metrics() -> dict:
-    """The training run's metrics.json (losses, acceptance proxies, sizes, corpus fingerprint)."""
-    return json.loads((DEMO_DIR / "metrics.json").read_text())

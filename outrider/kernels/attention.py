@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.attention import AttentionMetadata
+from outrider.attention.interface import AttentionMetadata
 from outrider.kernels.fused import PREFETCH_LINE_BYTES, pdl_enter, prefetch_l2
-from outrider.kernels.ops import cuda_properties, pdl_args, use_pdl
+from outrider.kernels.launch import cuda_properties, pdl_args, use_pdl
 
 _LOG2E = 1.4426950408889634
 # Fewest keys a split gets. Splitting costs the last split ~2 extra L2 round trips (arrival atomic, partial

@@ -11,12 +11,12 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.ops import pdl_args, use_pdl
+from outrider.kernels.launch import pdl_args, use_pdl
 
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr, RELEASE: tl.constexpr = True):
-    """Where a kernel launched with PDL (ops.use_pdl) waits until the previous kernel has finished and its writes
+    """Where a kernel launched with PDL (launch.use_pdl) waits until the previous kernel has finished and its writes
     are visible (nothing an earlier kernel of the step writes may be read, and nothing written, before), then
     (RELEASE) lets the next kernel's blocks be scheduled early; they wait the same way. A kernel that passes
     RELEASE=False calls pdl_release itself, later."""

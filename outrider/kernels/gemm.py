@@ -20,7 +20,7 @@ Hopper warpgroup MMA) and x's few rows, padded to 16, its narrow side. No folds 
 inside the loop (the earlier `x @ W^T` kernel, d788c28) kept its loads from pipelining and ran 3-10x slower than
 cuBLAS (H200, Qwen3-8B at M = 5: gate_up 50 -> 145 us normed, 272 with the residual add; down 31 -> 289 with SiLU),
 so ops runs the norm and the activation as their own (PDL) kernels before it. Unfolded, it runs the 8B's
-projections 2-8 % faster than cuBLAS with no split-K (docs/benchmarks.md, session 18).
+projections 2-8 % faster than cuBLAS with no split-K (docs/benchmarks.md, "Kernels").
 
 Configs are explicit rather than autotuned (autotune benchmarks inside the first call, which may be a CUDA-graph
 capture): DEFAULT_TABLE picks one per shape class (DOT_CONFIG past two rows), and `bench kernels` times the
@@ -37,19 +37,19 @@ import triton
 import triton.language as tl
 
 from outrider.kernels.fused import PREFETCH_LINE_BYTES, pdl_enter, pdl_release, prefetch_l2, silu_mul_tile
-from outrider.kernels.ops import FOLD_MAX_ROWS as FMA_MAX_M  # rows of the CUDA-core kernel (its register budget)
-from outrider.kernels.ops import SKINNY_MAX_ROWS as MAX_M  # rows of the tensor-core kernel (one MMA tile's side)
-from outrider.kernels.ops import pdl_args
+from outrider.kernels.launch import FOLD_MAX_ROWS as FMA_MAX_M  # rows of the CUDA-core kernel (its register budget)
+from outrider.kernels.launch import SKINNY_MAX_ROWS as MAX_M  # rows of the tensor-core kernel (one MMA tile's side)
+from outrider.kernels.launch import pdl_args
 
 # Under PDL, a skinny GEMM prefetches its whole weight into L2 before waiting on the previous kernel when the
 # weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch). 16 MB
-# measured best of 16/40 on an H200 (docs/benchmarks.md, run G).
+# measured best of 16/40 on an H200.
 GEMM_PREFETCH_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_PREFETCH_MB", "16")) * 2**20)
 # Under PDL, a GEMM whose weight is bigger than this lets the next kernel's blocks be scheduled only after its
 # main loop, not at its start (negative: always at the start): OUTRIDER_GEMM_LATE_RELEASE_MB. Released early,
 # the next big GEMM's blocks take the SMs this one's blocks vacate first, unevenly, and then stream their
 # weight from fewer SMs (H200, Qwen3-8B: down_proj after gate_up 25 -> 30 us). Late release above 16 MB took
-# the 8B at batch 1 from 221 to 233 tok/s (PDL off: 229) and left the 0.6B as it was (docs/benchmarks.md, run H).
+# the 8B at batch 1 from 221 to 233 tok/s (PDL off: 229) on an H200 and left the 0.6B as it was.
 GEMM_LATE_RELEASE_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_LATE_RELEASE_MB", "16")) * 2**20)
 
 
@@ -257,7 +257,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     silu_mul: x is a packed [M, 2K] = [gate | up] and the product uses silu(gate) * up as x (ops.silu_mul_linear).
     norm: the product uses RMSNorm(x [+ norm.residual]) * norm.weight as x, and stores x + residual to norm.summed
     (ops.rms_norm_linear). Both only up to FMA_MAX_M rows. config: None picks from DEFAULT_TABLE, or DOT_CONFIG past
-    FMA_MAX_M rows (benchmarks pass their own). pdl: launch as a programmatic dependent launch (ops.use_pdl). out: a
+    FMA_MAX_M rows (benchmarks pass their own). pdl: launch as a programmatic dependent launch (launch.use_pdl). out: a
     row-major [M, N] tensor of out_dtype to write y into. No host syncs: safe in CUDA graphs."""
     m = x.shape[0]
     n, k = weight.shape

@@ -8,61 +8,19 @@ Safe to import on CPU: Triton is imported only when a CUDA tensor arrives.
 
 from __future__ import annotations
 
-import functools
 import os
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from outrider.kernels.launch import FOLD_MAX_ROWS, SKINNY_MAX_ROWS, in_graph_capture, use_pdl
+from outrider.kernels.launch import graph_capture  # noqa: F401  (callers capture through ops.graph_capture)
+
 # Route decode and verify projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
 # (kernels/gemm.py) instead of cuBLAS. Only there: an eager Triton launch costs 40-140 us of host time, several
-# times cuBLAS's, which short prefills would pay per projection. On an H200 it took Qwen3-0.6B batch-1 decode from
-# 690 to 877 tok/s (docs/benchmarks.md); OUTRIDER_SKINNY_GEMM=0 turns it off.
+# times cuBLAS's, which short prefills would pay per projection (its effect on decode: docs/benchmarks.md).
+# OUTRIDER_SKINNY_GEMM=0 turns it off.
 SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
-# Rows it takes: up to FOLD_MAX_ROWS on CUDA cores, with a pre-norm or SiLU folded into the projection; beyond, up
-# to SKINNY_MAX_ROWS (a verify step's), 16-bit only, on tensor cores without folds (kernels/gemm.py).
-FOLD_MAX_ROWS = 2
-SKINNY_MAX_ROWS = 16
-# Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
-# kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), to hide
-# the gap between dependent kernels of a decode step, and to prefetch weights and K/V into L2 before the wait.
-# On an H200 (docs/benchmarks.md, runs G and H): Qwen3-0.6B batch 1 +4% with the prefetch, Qwen3-8B 229 -> 233
-# tok/s with big GEMMs releasing late (kernels/gemm.py). OUTRIDER_PDL=0 turns it off.
-PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
-_in_graph_capture = False
-
-
-@functools.cache
-def _cuda_properties(index: int):
-    return torch.cuda.get_device_properties(index)
-
-
-def cuda_properties(device: torch.device):
-    """A CUDA device's properties, queried once per device (a driver call each time otherwise)."""
-    return _cuda_properties(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@contextmanager
-def graph_capture():
-    """Marks the forwards a CUDA graph runner warms up and captures (ops may pick graph-only kernels there)."""
-    global _in_graph_capture
-    _in_graph_capture = True
-    try:
-        yield
-    finally:
-        _in_graph_capture = False
-
-
-def use_pdl(x: torch.Tensor) -> bool:
-    """Whether Triton kernels on x's device launch with PDL now: inside graph capture, on compute capability 9+."""
-    return PDL and _in_graph_capture and x.is_cuda and cuda_properties(x.device).major >= 9
-
-
-def pdl_args(pdl: bool) -> dict:
-    """A PDL-aware Triton kernel's launch keywords: its USE_PDL flag (fused.pdl_enter), and launch_pdl only when
-    set (older Tritons lack the keyword)."""
-    return {"USE_PDL": pdl, "launch_pdl": True} if pdl else {"USE_PDL": False}
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -152,7 +110,7 @@ def _use_skinny_gemm(x: torch.Tensor, weight: torch.Tensor, fold: bool = False) 
     where the Triton skinny GEMM replaces cuBLAS."""
     rows = x.shape[0] if x.dim() == 2 else 0
     limit = SKINNY_MAX_ROWS if not fold and x.dtype in (torch.float16, torch.bfloat16) else FOLD_MAX_ROWS
-    return (SKINNY_GEMM and _in_graph_capture and x.is_cuda and 0 < rows <= limit and x.is_contiguous()
+    return (SKINNY_GEMM and in_graph_capture() and x.is_cuda and 0 < rows <= limit and x.is_contiguous()
             and weight.is_contiguous() and weight.dtype == x.dtype)
 
 
@@ -186,7 +144,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     On the skinny GEMM the norm (and the residual add) happen as the kernel loads x: at decode a pre-norm
     projection is one launch instead of two (the normed row is then not rounded to x's dtype before the product:
     gemm.RowNorm). LM heads do not use it: every program of a GEMM that wide re-reading x and the norm weight
-    cost Qwen3-8B's 10 us, several times a separate norm kernel (docs/benchmarks.md, run F)."""
+    cost Qwen3-8B's 10 us, several times a separate norm kernel (H200)."""
     if _use_skinny_gemm(x, weight, fold=True) and (residual is None or residual.is_contiguous()):
         from outrider.kernels import gemm
 

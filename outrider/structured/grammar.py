@@ -17,15 +17,12 @@ import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import llguidance
 import numpy as np
 
-from outrider.sampler import TokenMasks
-
-if TYPE_CHECKING:
-    from outrider.engine.scheduler import ScheduledRequest
+from outrider.structured.masks import TokenMasks
 
 log = logging.getLogger("outrider.structured")
 
@@ -152,7 +149,21 @@ class Constraint:
             row[:] = ALL_ALLOWED
 
 
-def token_masks(sampled: Sequence[ScheduledRequest], vocab_size: int) -> TokenMasks | None:
+class _Constrained(Protocol):
+    constraint: Constraint | None
+
+
+class SampledRequest(Protocol):
+    """What token_masks reads of a request sampled this step (the engine's ScheduledRequest)."""
+
+    @property
+    def request(self) -> _Constrained: ...
+
+    @property
+    def draft_tokens(self) -> Sequence[int]: ...
+
+
+def token_masks(sampled: Sequence[SampledRequest], vocab_size: int) -> TokenMasks | None:
     """The allowed tokens of a step's constrained sampling rows, or None when no request is constrained. Each
     sampling request owns 1 + len(draft_tokens) consecutive rows (its last known token's, then one per draft).
     Rows without drafts (every row of a decode step) are computed in parallel, on llguidance's threads."""

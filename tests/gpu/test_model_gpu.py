@@ -38,13 +38,13 @@ def test_cuda_graphs_equal_eager(tiny):
 def test_graphs_without_pdl_equal_graphs_with_it(tiny, monkeypatch, late_release):
     """Programmatic dependent launch changes when kernels start, never what they compute (nor does when a GEMM
     releases the next kernel: the tiny model's weights are all below the late-release size unless it is 0)."""
-    from outrider.kernels import gemm, ops
+    from outrider.kernels import gemm, launch
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
     monkeypatch.setattr(gemm, "GEMM_LATE_RELEASE_BYTES", 0 if late_release else -1)
     with_pdl = _greedy(tiny, device="cuda", dtype="bfloat16")
-    monkeypatch.setattr(ops, "PDL", False)
+    monkeypatch.setattr(launch, "PDL", False)
     assert _greedy(tiny, device="cuda", dtype="bfloat16") == with_pdl
 
 
