@@ -14,8 +14,7 @@ import torch
 
 from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
-from outrider.models import gguf
-from outrider.models.registry import model_class
+from outrider.models import gguf, registry
 
 # Tensors that the target model does not own but that may ship in its checkpoint.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
@@ -127,24 +126,29 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         cfg = rope.apply(cfg)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
+    arch = registry.of(cfg)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
-        model = model_class(cfg)(cfg)
+        model = arch.model(cfg)
     layout = checkpoint_layout(model)
     # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
     params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
     loaded = set()
     for t in gguf.hf_tensors(checkpoint, cfg) if checkpoint else safetensors_tensors(path):
-        if t.name not in layout:
-            if t.name.startswith(MTP_PREFIXES) or t.name.endswith(_IGNORED_SUFFIXES) or (
-                    t.name == "lm_head.weight" and cfg.tie_word_embeddings):
+        name = arch.checkpoint_name(t.name)
+        if name not in layout:
+            if name.startswith(MTP_PREFIXES + arch.ignored_prefixes) or name.endswith(_IGNORED_SUFFIXES) or (
+                    name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in {t.source} for {cfg.architecture}")
-        slot = layout[t.name]
+        slot = layout[name]
         if t.shape != tuple(slot.shape):
             raise ValueError(f"shape mismatch for {t.name!r}: expected {tuple(slot.shape)}, got {t.shape} in "
                              f"{t.source}")
-        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(t.read())
-        loaded.add(t.name)
+        value = t.read()
+        if arch.from_checkpoint and not checkpoint:  # (GGUF tensors are converted by models/gguf.py)
+            value = arch.from_checkpoint(name, value)
+        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(value)
+        loaded.add(name)
     missing = [n for n in layout if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -1,4 +1,6 @@
-"""One decoder for the Llama family: Llama (incl. llama3 RoPE), Qwen2 (qkv bias) and Qwen3 (per-head q/k norm).
+"""The decoder the architectures share (outrider/models/architectures/*): pre-norm attention and gated MLP blocks
+over the paged KV cache, shaped by the ModelConfig (biases, q/k norm, RoPE). An architecture that differs
+subclasses a block here and registers its own `model`/`decoder_layer`; the model contract stays this module's.
 
 Parameter names follow Hugging Face, except that q/k/v_proj and gate/up_proj are packed into qkv_proj and
 gate_up_proj (one GEMM each, which matters at batch 1); load_model and load_state_dict still take the HF
@@ -20,6 +22,7 @@ from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
+from outrider.models import registry
 
 
 class Attention(nn.Module):
@@ -29,12 +32,10 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = self.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        qkv_bias = cfg.attention_bias
-        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"  # Qwen2 biases q/k/v only
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-                                     bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -104,12 +105,13 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # The architecture's own layers (registry.Architecture.decoder_layer), declared there once.
+        self.layers = nn.ModuleList(registry.decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
 
-class LlamaForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     """The model contract (docs/architecture.md, Contracts): forward -> pre-norm hidden, compute_logits, embed."""
 
     def __init__(self, cfg: ModelConfig) -> None:
