@@ -100,11 +100,18 @@ class CheckpointSlot(NamedTuple):
 
 def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
     """Hugging Face tensor name -> its slot, for every parameter: a packed MergedLinear tensor (e.g.
-    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order."""
+    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order; a module
+    with `checkpoint_slots` (stacked MoE experts, layers/moe.py) names its own parts."""
     layout = {}
+    for module_name, module in model.named_modules():
+        if hasattr(module, "checkpoint_slots"):
+            for part, (param, row, shape) in module.checkpoint_slots().items():
+                layout[f"{module_name}.{part}"] = CheckpointSlot(f"{module_name}.{param}", row, torch.Size(shape))
     for name, p in model.named_parameters():  # a tied lm_head is not listed
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_slots"):
+            continue
         if not isinstance(module, MergedLinear):
             layout[name] = CheckpointSlot(name, 0, p.shape)
             continue

@@ -5,6 +5,7 @@ tokens, merges and token types as metadata."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,11 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[ggml_arch]
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
-    tensors = read_tensors(checkpoint)
+    tensors = _stack_experts(read_tensors(checkpoint))
+    if "num_experts" in cfg.raw:
+        writer.add_expert_count(cfg.raw["num_experts"])
+        writer.add_expert_used_count(cfg.raw["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg.raw["moe_intermediate_size"])
     if cfg.rope_scaling:  # llama.cpp stores Llama 3's rule as per-frequency divisors
         base = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, cfg.max_position_embeddings)
         scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
@@ -79,6 +84,21 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(path)[0]
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """As llama.cpp's converter: each layer's per-expert `mlp.experts.{e}.<proj>.weight` stacked into one
+    `mlp.experts.<proj>.weight` [E, rows, cols] (the name gguf's tensor map knows)."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"^(.*\.experts)\.(\d+)\.(\w+\.weight)$", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
