@@ -1,0 +1,22 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): the hybrid decoder (models/hybrid.py) with Qwen3-Next's interleaved linear
+projections (in_proj_qkvz, in_proj_ba) and a MoE block with a gated shared expert in every sparse layer. Its MTP
+head (`mtp.*`) ships in the checkpoint and is left to the MTP drafter. No GGUF yet."""
+
+from __future__ import annotations
+
+import functools
+
+from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
+from outrider.models.registry import Architecture, register
+
+QWEN3_NEXT = register(Architecture(
+    name="qwen3_next", hf_names=("Qwen3NextForCausalLM",), model_type="qwen3_next", model=HybridCausalLM,
+    decoder_layer=functools.partial(hybrid_layer, packed_linear=True), config=hybrid_config_fields,
+    from_checkpoint=one_centered_norms,
+    tiny_config={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                 "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+                 "partial_rotary_factor": 0.25, "num_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+                 "router_aux_loss_coef": 0.0},
+))
