@@ -1,4 +1,4 @@
-"""Qwen3-Next and Qwen3.5 (models/hybrid.py) against transformers on tiny random fp32 checkpoints, at the model
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (models/hybrid.py) against transformers on tiny random fp32 checkpoints, at the model
 level with a small harness (paged KV for the full-attention layers, a StatePool for the linear ones): ragged
 batches, chunked prefill, greedy decoding, and a speculative verify rolled back to each accepted length."""
 
@@ -26,6 +26,7 @@ CASES = {
     "qwen3_next": dict(arch="qwen3_next", layers=4),
     "qwen3_5": dict(arch="qwen3_5", layers=4),
     "qwen3_5-tied-3to1": dict(arch="qwen3_5", layers=4, tie=True, extra_config={"full_attention_interval": 4}),
+    "qwen3_5_moe": dict(arch="qwen3_5_moe", layers=4),
 }
 
 

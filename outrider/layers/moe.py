@@ -79,17 +79,24 @@ def torch_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ro
 
 
 class Experts(nn.Module):
-    """The routed experts' stacked weights; `checkpoint_slots` maps the per-expert checkpoint tensors to rows."""
+    """The routed experts' stacked weights; `checkpoint_slots` maps the checkpoint's expert tensors to rows: one
+    per expert and projection (most releases), or `fused_checkpoint`: gate_up_proj [E, 2I, H] and down_proj
+    [E, H, I] as transformers holds them (Qwen3.5-MoE's release), which are our layout already."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 fused_checkpoint: bool = False) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.fused_checkpoint = fused_checkpoint
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts * 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts * hidden_size, intermediate_size))
 
     def checkpoint_slots(self) -> dict[str, tuple[str, int, tuple[int, ...]]]:
         """Checkpoint tensor name (relative to this module) -> (our parameter, first row, shape)."""
         e_count, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        if self.fused_checkpoint:
+            return {"gate_up_proj": ("gate_up_proj", 0, (e_count, 2 * i, h)),
+                    "down_proj": ("down_proj", 0, (e_count, h, i))}
         slots = {}
         for e in range(e_count):
             slots[f"{e}.gate_proj.weight"] = ("gate_up_proj", 2 * i * e, (i, h))
@@ -115,11 +122,11 @@ class SparseMoe(nn.Module):
     """The MoE feed-forward block with the MLP block's contract (layers/mlp.GatedMLP): pre-norm, residual passed on.
     Parameter names follow the checkpoint: gate (router), experts.*, shared_expert.*, shared_expert_gate."""
 
-    def __init__(self, hidden_size: int, cfg: MoeConfig) -> None:
+    def __init__(self, hidden_size: int, cfg: MoeConfig, fused_checkpoint: bool = False) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.top_k, cfg.norm_topk_prob
         self.gate = Linear(hidden_size, cfg.num_experts, bias=False)
-        self.experts = Experts(cfg.num_experts, hidden_size, cfg.intermediate_size)
+        self.experts = Experts(cfg.num_experts, hidden_size, cfg.intermediate_size, fused_checkpoint)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = GatedMLP(hidden_size, cfg.shared_expert_intermediate_size)

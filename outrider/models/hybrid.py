@@ -49,9 +49,10 @@ class HybridConfig:
     rotary_dim: int
     linear: GatedDeltaNetConfig
     moe: MoeConfig | None  # None: dense feed-forward everywhere
+    fused_experts: bool = False  # the checkpoint holds each layer's experts fused (layers/moe.Experts)
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, packed_linear: bool) -> "HybridConfig":
+    def from_model_config(cls, cfg: ModelConfig, packed_linear: bool, fused_experts: bool = False) -> "HybridConfig":
         raw = cfg.raw
         types = raw.get("layer_types")
         if not types:
@@ -62,7 +63,7 @@ class HybridConfig:
             raise ValueError(f"layer_types must list {cfg.num_hidden_layers} of {FULL}, {LINEAR}; got {types}")
         factor = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
         return cls(tuple(types), int(cfg.head_dim * factor), GatedDeltaNetConfig.from_dict(raw, packed_linear),
-                   MoeConfig.from_dict(raw) if raw.get("num_experts") else None)
+                   MoeConfig.from_dict(raw) if raw.get("num_experts") else None, fused_experts)
 
 
 def one_centered_norms(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,8 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, self.index, hybrid.rotary_dim)
         else:
             self.linear_attn = GatedDeltaNet(hybrid.linear, self.index)
-        self.mlp = (SparseMoe(cfg.hidden_size, hybrid.moe) if hybrid.moe and hybrid.moe.is_sparse(layer_idx)
+        sparse = hybrid.moe is not None and hybrid.moe.is_sparse(layer_idx)
+        self.mlp = (SparseMoe(cfg.hidden_size, hybrid.moe, hybrid.fused_experts) if sparse
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -161,9 +163,11 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(x, residual, self.post_attention_layernorm)
 
 
-def hybrid_layer(cfg: ModelConfig, layer_idx: int, packed_linear: bool) -> HybridDecoderLayer:
-    """An architecture's `decoder_layer` (models/registry.py), with its linear layers' projection layout."""
-    return HybridDecoderLayer(cfg, HybridConfig.from_model_config(cfg, packed_linear), layer_idx)
+def hybrid_layer(cfg: ModelConfig, layer_idx: int, packed_linear: bool,
+                 fused_experts: bool = False) -> HybridDecoderLayer:
+    """An architecture's `decoder_layer` (models/registry.py), with its checkpoint's layouts of the linear
+    projections and the experts."""
+    return HybridDecoderLayer(cfg, HybridConfig.from_model_config(cfg, packed_linear, fused_experts), layer_idx)
 
 
 class HybridCausalLM(CausalLM):

@@ -154,7 +154,9 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         value = t.read()
         if arch.from_checkpoint and not checkpoint:  # (GGUF tensors are converted by models/gguf.py)
             value = arch.from_checkpoint(name, value)
-        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(value)
+        param = params[slot.param]
+        value = value.reshape(-1, *param.shape[1:])  # (a fused expert tensor [E, rows, cols] fills E * rows rows)
+        param[slot.row:slot.row + value.shape[0]].copy_(value)
         loaded.add(name)
     missing = [n for n in layout if n not in loaded]
     if missing:
