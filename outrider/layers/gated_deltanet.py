@@ -94,6 +94,7 @@ class StateBatch(NamedTuple):
     slots: torch.Tensor  # [B] int64, on the state's device
     slots_host: list[int]
     verify: bool = False
+    query_start_loc: torch.Tensor | None = None  # [B + 1] on the device (the attention metadata's; None: made)
 
 
 # --- the torch reference, one sequence at a time -------------------------------------------------------------
