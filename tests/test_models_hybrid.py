@@ -156,3 +156,28 @@ def test_qwen3_5_conditional_generation_checkpoint_serves_its_text_model(tmp_pat
     assert cfg.architecture == "Qwen3_5ForConditionalGeneration"
     ids = PROMPTS[1]
     torch.testing.assert_close(HybridRunner(b, 1).step([ids])[0], HybridRunner(a, 1).step([ids])[0])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_mtp_layer_reads_the_released_mtp_layer_tensors(tmp_path, arch):
+    """mtp.layers.0 as released: a gated full-attention layer (Qwen3.5 dense: its 11 tensors), with the model's
+    MoE block (router, experts, gated shared expert) where the model has one."""
+    from outrider.config import ModelConfig
+    from outrider.models.hybrid import mtp_layer
+    from outrider.models.loader import checkpoint_layout
+
+    cfg = ModelConfig.from_path(write_tiny_checkpoint(tmp_path, arch, layers=4))
+    with torch.device("meta"):
+        layer = mtp_layer(cfg, fused_experts=arch == "qwen3_5_moe")
+    names = set(checkpoint_layout(layer))
+    attention = {f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")}
+    norms = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    if arch == "qwen3_5":
+        assert names == attention | norms | {f"mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        return
+    shared = {f"mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    router = {"mlp.gate.weight", "mlp.shared_expert_gate.weight"}
+    experts = ({"mlp.experts.gate_up_proj", "mlp.experts.down_proj"} if arch == "qwen3_5_moe" else
+               {f"mlp.experts.{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")})
+    assert names == attention | norms | shared | router | experts
+    assert layer.self_attn.qkv_proj.parts["q_proj"] == 2 * cfg.num_attention_heads * cfg.head_dim  # + the gate

@@ -12,6 +12,9 @@ keeps its order.
 Norms: checkpoints store these models' RMSNorm weights as w in (1 + w) x / rms(x) (the gated norm inside the
 linear-attention layers excepted); `one_centered_norms` turns them into our w on load.
 
+MTP heads (`mtp.layers.0`) run `mtp_layer`: a full-attention layer with the model's feed-forward kind, whatever
+layer_types says of layer 0 (the shared `decoder_layer(cfg, 0)` is a linear layer in these models).
+
 Forward contract: the shared one (ForwardResult; docs/architecture.md, Contracts) plus `states`, the linear
 layers' state: a pool whose `layer(i)` gives the i-th linear layer's LayerState (engine/state_pool.py) and the
 batch's StateBatch (each sequence's slot; verify mode). The KV cache holds the full-attention layers only, in
@@ -132,21 +135,26 @@ class StateSource(Protocol):
 
 class HybridDecoderLayer(nn.Module):
     """One layer: gated full attention (KV layer `index`) or Gated DeltaNet (state layer `index`), then the dense
-    or MoE feed-forward block; pre-norm, the residual stream carried unsummed as in models/decoder.py."""
+    or MoE (`sparse`) feed-forward block; pre-norm, the residual stream carried unsummed as in models/decoder.py."""
 
-    def __init__(self, cfg: ModelConfig, hybrid: HybridConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, hybrid: HybridConfig, kind: str, index: int, sparse: bool) -> None:
         super().__init__()
-        self.kind = hybrid.layer_types[layer_idx]
-        self.index = hybrid.layer_types[:layer_idx].count(self.kind)
-        if self.kind == FULL:
-            self.self_attn = GatedAttention(cfg, self.index, hybrid.rotary_dim)
+        self.kind, self.index = kind, index
+        if kind == FULL:
+            self.self_attn = GatedAttention(cfg, index, hybrid.rotary_dim)
         else:
-            self.linear_attn = GatedDeltaNet(hybrid.linear, self.index)
-        sparse = hybrid.moe is not None and hybrid.moe.is_sparse(layer_idx)
+            self.linear_attn = GatedDeltaNet(hybrid.linear, index)
         self.mlp = (SparseMoe(cfg.hidden_size, hybrid.moe, hybrid.fused_experts) if sparse
                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: nn.Module, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Hidden state in, hidden state out, as drafters run a single layer (a full-attention one: an MTP
+        head's); `rotary` is the target's (its inv_freq already in partial_rope_order)."""
+        out, residual = self.forward_residual(h, None, positions, rotary.inv_freq, kv_cache, meta, backend, None)
+        return out + residual
 
     def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                          inv_freq: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
@@ -167,7 +175,17 @@ def hybrid_layer(cfg: ModelConfig, layer_idx: int, packed_linear: bool,
                  fused_experts: bool = False) -> HybridDecoderLayer:
     """An architecture's `decoder_layer` (models/registry.py), with its checkpoint's layouts of the linear
     projections and the experts."""
-    return HybridDecoderLayer(cfg, HybridConfig.from_model_config(cfg, packed_linear, fused_experts), layer_idx)
+    hybrid = HybridConfig.from_model_config(cfg, packed_linear, fused_experts)
+    kind = hybrid.layer_types[layer_idx]
+    return HybridDecoderLayer(cfg, hybrid, kind, hybrid.layer_types[:layer_idx].count(kind),
+                              hybrid.moe is not None and hybrid.moe.is_sparse(layer_idx))
+
+
+def mtp_layer(cfg: ModelConfig, fused_experts: bool = False) -> HybridDecoderLayer:
+    """The layer of a Qwen3-Next / Qwen3.5 MTP head (`mtp.layers.0.*`): always gated full attention (over the
+    head's own KV layer, index 0), with the model's MoE block when the model has experts."""
+    hybrid = HybridConfig.from_model_config(cfg, packed_linear=False, fused_experts=fused_experts)
+    return HybridDecoderLayer(cfg, hybrid, FULL, 0, hybrid.moe is not None)
 
 
 class HybridCausalLM(CausalLM):
