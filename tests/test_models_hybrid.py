@@ -10,17 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from outrider.attention import AttentionMetadata, KVCache
-from outrider.attention.torch_ref import TorchReferenceBackend
 from outrider.engine.state_pool import StateLayout, StatePool
 from outrider.layers.gated_deltanet import StateBatch
 from outrider.models import load_model
 from outrider.models.hybrid import LinearStates
+from outrider.models.output import ForwardResult
 from outrider.testing import write_tiny_checkpoint
+from tests.test_models_parity import Runner, hf_logits
 
 transformers = pytest.importorskip("transformers")
 
-BLOCK = 4
 PROMPTS = [[1, 17, 99, 200, 7], [1] + list(range(30, 100)), [42], [1, 300, 301, 302, 5, 6, 7, 8, 9, 10, 11]]
 CASES = {
     "qwen3_next": dict(arch="qwen3_next", layers=4),
@@ -30,41 +29,23 @@ CASES = {
 }
 
 
-class HybridRunner:
-    """Our model over shuffled KV blocks and a state pool, one slot per sequence, state kept across steps."""
+class HybridRunner(Runner):
+    """The parity tests' runner (shuffled KV blocks, state kept across steps) plus a state pool, one slot per
+    sequence; `verify` makes the next steps verify forwards."""
 
     def __init__(self, model, n_seqs: int, max_len: int = 160, verify_positions: int = 6):
-        self.model, self.backend = model, TorchReferenceBackend()
-        per_seq = -(-max_len // BLOCK)
-        self.tables = torch.randperm(n_seqs * per_seq, generator=torch.Generator().manual_seed(0)).view(n_seqs, -1)
-        cfg = model.config
-        self.kv = KVCache.allocate(model.num_kv_layers, n_seqs * per_seq, BLOCK, cfg.num_key_value_heads,
-                                   cfg.head_dim, torch.float32, "cpu")
+        super().__init__(model, model.config, n_seqs, max_len)
         layout = StateLayout.of(model.linear_config, model.num_linear_layers)
         self.pool = StatePool(layout, n_seqs + 2, verify_rows=n_seqs, verify_positions=verify_positions)
         self.slots = [self.pool.allocate() for _ in range(n_seqs)][::-1]  # slots need not follow rows
-        self.lens = [0] * n_seqs
+        self.verify = False
 
     @torch.no_grad()
-    def step(self, chunks: list[list[int]], verify: bool = False) -> list[torch.Tensor]:
-        """Append chunks[i] to sequence i: each chunk's logits [len, V]."""
-        ids, pos, slots, qsl = [], [], [], [0]
-        for i, chunk in enumerate(chunks):
-            for p in range(self.lens[i], self.lens[i] + len(chunk)):
-                pos.append(p)
-                slots.append(int(self.tables[i, p // BLOCK]) * BLOCK + p % BLOCK)
-            ids += chunk
-            self.lens[i] += len(chunk)
-            qsl.append(len(ids))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(self.lens, dtype=torch.int32), block_tables=self.tables.int(),
-            max_query_len=max(map(len, chunks)), max_seq_len=max(self.lens), query_start_loc_host=qsl,
-            seq_lens_host=list(self.lens))
-        states = LinearStates(self.pool, StateBatch(qsl, torch.tensor(self.slots), self.slots, verify))
-        out = self.model(torch.tensor(ids), torch.tensor(pos), self.kv, meta, self.backend, states=states)
-        logits = self.model.compute_logits(out.hidden)
-        return [logits[a:b] for a, b in zip(qsl, qsl[1:])]
+    def forward(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> ForwardResult:
+        ids, pos, meta = self.prepare(chunks)
+        batch = StateBatch(meta.query_start_loc_host, torch.tensor(self.slots), self.slots, self.verify,
+                           meta.query_start_loc)
+        return self.model(ids, pos, self.kv, meta, self.backend, aux_layer_ids, states=LinearStates(self.pool, batch))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -73,11 +54,6 @@ def pair(request, tmp_path_factory):
     ours, _ = load_model(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return ours, hf, path
-
-
-@torch.no_grad()
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    return hf(torch.tensor([ids])).logits[0].float()
 
 
 def test_ragged_batch_logits_match_transformers(pair):
@@ -124,7 +100,9 @@ def test_verify_then_rollback_continues_from_the_accepted_prefix(pair, accepted)
     prompts, drafts = [PROMPTS[0], PROMPTS[3]], [[5, 6, 7, 8], [70, 71, 72, 73]]
     runner = HybridRunner(ours, 2)
     last = [int(lg[-1].argmax()) for lg in runner.step(prompts)]
-    verify = runner.step([[t] + d for t, d in zip(last, drafts)], verify=True)
+    runner.verify = True
+    verify = runner.step([[t] + d for t, d in zip(last, drafts)])
+    runner.verify = False
     for ids, t, d, logits in zip(prompts, last, drafts, verify):
         torch.testing.assert_close(logits, hf_logits(hf, ids + [t] + d)[len(ids):], atol=2e-4, rtol=0)
     runner.pool.commit_verify(torch.tensor(runner.slots), torch.arange(2), torch.tensor(accepted))
