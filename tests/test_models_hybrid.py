@@ -16,7 +16,7 @@ from outrider.models import load_model
 from outrider.models.hybrid import LinearStates
 from outrider.models.output import ForwardResult
 from outrider.testing import write_tiny_checkpoint
-from tests.test_models_parity import Runner, hf_logits
+from tests.test_models_parity import Runner, assert_greedy_matches_hf, hf_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,19 +76,7 @@ def test_chunked_prefill_carries_the_state(pair):
 
 def test_greedy_generation_matches_transformers_generate(pair):
     ours, hf, _ = pair
-    n_new, prompts = 32, PROMPTS[:3]
-    runner = HybridRunner(ours, len(prompts))
-    outs: list[list[int]] = [[] for _ in prompts]
-    chunks = prompts
-    for _ in range(n_new):
-        chunks = [[int(lg[-1].argmax())] for lg in runner.step(chunks)]
-        for out, chunk in zip(outs, chunks):
-            out += chunk
-    for ids, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None)
-        assert out == ref[0, len(ids):].tolist()
-    assert len(set(outs[0])) > 4, "random tiny model degenerated into repeating one token"
+    assert_greedy_matches_hf(HybridRunner(ours, 3), hf, PROMPTS[:3], 32)
 
 
 @pytest.mark.parametrize("accepted", [[0, 4], [4, 2], [1, 0]])
