@@ -43,8 +43,8 @@ class HybridRunner(Runner):
     @torch.no_grad()
     def forward(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> ForwardResult:
         ids, pos, meta = self.prepare(chunks)
-        batch = StateBatch(meta.query_start_loc_host, torch.tensor(self.slots), self.slots, self.verify,
-                           meta.query_start_loc)
+        batch = StateBatch(meta.query_start_loc_host, torch.tensor(self.slots, device=ids.device), self.slots,
+                           self.verify, meta.query_start_loc)
         return self.model(ids, pos, self.kv, meta, self.backend, aux_layer_ids, states=LinearStates(self.pool, batch))
 
 

@@ -50,25 +50,24 @@ STEPS = {"prefill": ([70, 5, 130], [4, 0, 2], False),  # ragged, past one chunk
          "verify": ([4, 2, 5], [4, 0, 2], True)}  # ragged
 
 
-def _compare(layer, steps, dtype, device):
+def _compare(layer, steps, device, tol: float):
     fast, ref = _state(layer.cfg, device), _state(layer.cfg, device)
     for a, b in zip(fast, ref):
         b.copy_(a)
-    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     gen = torch.Generator(device=device).manual_seed(1)
     for lens, slots, verify in steps:
-        x = torch.randn(sum(lens), RAW["hidden_size"], device=device, generator=gen).to(dtype)
+        x = torch.randn(sum(lens), RAW["hidden_size"], device=device, generator=gen).to(layer.dt_bias.dtype)
         got = _step(layer, x, fast, lens, slots, verify)
         want = _step(layer, x, ref, lens, slots, verify, reference=True)
-        torch.testing.assert_close(got, want, **tol)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         for a, b in zip(fast, ref):
-            torch.testing.assert_close(a, b, **tol)
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["qwen3_next", "qwen3_5"])
 def test_step_kernels_match_the_reference_at_decode_and_verify(packed, device):
     layer = _layer(packed, torch.float32, device)
-    _compare(layer, [STEPS["decode"], STEPS["verify"], STEPS["decode"]], torch.float32, device)
+    _compare(layer, [STEPS["decode"], STEPS["verify"], STEPS["decode"]], device, tol=1e-4)
 
 
 @pytest.mark.cuda_only
@@ -77,4 +76,4 @@ def test_step_kernels_match_the_reference_at_decode_and_verify(packed, device):
 def test_fla_prefill_then_steps_match_the_reference(packed, dtype, device):
     pytest.importorskip("fla")
     layer = _layer(packed, dtype, device)
-    _compare(layer, list(STEPS.values()), dtype, device)
+    _compare(layer, list(STEPS.values()), device, tol=1e-2 if dtype == torch.float32 else 5e-2)  # (fla: tf32 dots)
