@@ -147,3 +147,27 @@ def test_mtp_layer_reads_the_released_mtp_layer_tensors(tmp_path, arch):
                {f"mlp.experts.{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")})
     assert names == attention | norms | shared | router | experts
     assert layer.self_attn.qkv_proj.parts["q_proj"] == 2 * cfg.num_attention_heads * cfg.head_dim  # + the gate
+
+
+@pytest.mark.parametrize("quant", ["F32", "F16"])
+def test_qwen3_5_gguf_as_llama_cpp_writes_it_loads_the_same_model(tmp_path, quant):
+    """llama.cpp's qwen35 file (value heads tiled, -exp(A_log), 1 + w norms, squeezed conv, MTP dropped) loads
+    to the parameters and logits of the safetensors checkpoint."""
+    from outrider.testing.gguf import write_gguf
+
+    ckpt = write_tiny_checkpoint(tmp_path / "qwen3_5", "qwen3_5", layers=4)
+    ours, cfg = load_model(ckpt)
+    from_gguf, gcfg = load_model(write_gguf(ckpt, tmp_path / "qwen3_5.gguf", quant=quant), dtype="float32")
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "full_attention_interval")
+    assert [gcfg.raw[k] for k in keys] == [cfg.raw[k] for k in keys]
+    assert from_gguf.model.layers[1].self_attn.partial == ours.model.layers[1].self_attn.partial
+    tol = 1e-6 if quant == "F32" else 2e-3  # (F32: A_log comes back through log(exp))
+    a, b = dict(ours.named_parameters()), dict(from_gguf.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=tol * max(1.0, a[name].abs().max().item()), rtol=0,
+                                   msg=name)
+    ids = PROMPTS[1]
+    torch.testing.assert_close(HybridRunner(from_gguf, 1).step([ids])[0], HybridRunner(ours, 1).step([ids])[0],
+                               atol=1e-4 if quant == "F32" else 0.1, rtol=0)

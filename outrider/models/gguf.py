@@ -34,7 +34,7 @@ _LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")  # (a few, e.g. ssm_a, have no suffix)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency factors, read into the config
 # general.file_type -> the dtype the weights were stored in before quantization, for dtype "auto"
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
@@ -212,8 +212,13 @@ def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
         if name == ROPE_FREQS:
             continue
         layer = _LAYER_TENSOR.match(name)
-        if layer and layer[2] in layer_names:
-            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2]]}.{layer[3]}"
+        suffix = f".{layer[3]}" if layer and layer[3] else ""
+        if layer and int(layer[1]) >= cfg.num_hidden_layers:  # the nextn (MTP) blocks llama.cpp appends
+            hf_name = f"mtp.<GGUF tensor {name}>"  # (not the target's: the loader skips MTP tensors)
+        elif layer and f"{layer[2]}{suffix}" in layer_names:  # a whole parameter name, e.g. ssm_dt.bias
+            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2] + suffix]}"
+        elif layer and layer[2] in layer_names:
+            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2]]}{suffix}"
         else:
             hf_name = _GLOBAL_NAMES.get(name, f"<GGUF tensor {name}>")  # the loader refuses names it does not know
         shape = tuple(int(d) for d in reversed(t.shape))

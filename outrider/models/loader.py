@@ -122,6 +122,10 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
     return layout
 
 
+def _squeezed(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                rope: RopeOverride | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture (safetensors or GGUF) and load its weights strictly, in
@@ -148,7 +152,7 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in {t.source} for {cfg.architecture}")
         slot = layout[name]
-        if t.shape != tuple(slot.shape):
+        if _squeezed(t.shape) != _squeezed(slot.shape):  # (GGUF drops unit dimensions, e.g. a conv's groups)
             raise ValueError(f"shape mismatch for {t.name!r}: expected {tuple(slot.shape)}, got {t.shape} in "
                              f"{t.source}")
         value = t.read()

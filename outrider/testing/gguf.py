@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +55,8 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     tensors = _stack_experts(read_tensors(checkpoint))
+    if adapter.name in _CONVERTERS:
+        tensors = _CONVERTERS[adapter.name](writer, cfg, tensors)
     if "num_experts" in cfg.raw:
         writer.add_expert_count(cfg.raw["num_experts"])
         writer.add_expert_used_count(cfg.raw["num_experts_per_tok"])
@@ -84,6 +87,53 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(path)[0]
+
+
+def _as_llama_cpp_qwen35(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What llama.cpp's converter does to a Qwen3.5 checkpoint, as its own terms say: hybrid metadata under
+    ssm.* keys; the MTP head dropped; A stored as -exp(A_log), dt_bias as dt_proj.bias, the conv kernel squeezed,
+    (1 + w) norms as 1 + w; value heads of the linear layers reordered from grouped by key head to tiled."""
+    raw = cfg.raw
+    hk, hv, dk, dv = (raw["linear_num_key_heads"], raw["linear_num_value_heads"], raw["linear_key_head_dim"],
+                      raw["linear_value_head_dim"])
+    writer.add_ssm_conv_kernel(raw["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(hk)
+    writer.add_ssm_time_step_rank(hv)
+    writer.add_ssm_inner_size(hv * dv)
+    writer.add_full_attention_interval(raw["full_attention_interval"])
+    factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    writer.add_rope_dimension_count(int(cfg.head_dim * factor))
+    writer.add_rope_dimension_sections([11, 11, 10, 0])
+
+    def tiled(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:  # [Hk, r, d] -> [r, Hk, d] along dim
+        shape = t.shape
+        return t.reshape(*shape[:dim], hk, hv // hk, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("mtp."):
+            continue
+        if ".linear_attn." in name:
+            if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+                t = t.reshape(t.shape[0], -1)
+                t = torch.cat([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
+            elif name.endswith(".in_proj_z.weight"):
+                t = tiled(t, 0, dv)
+            elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+                t = tiled(t, 0, 1)
+            elif name.endswith(".out_proj.weight"):
+                t = tiled(t, 1, dv)
+            if name.endswith(".A_log"):
+                t = -torch.exp(t)
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        elif name.endswith("norm.weight"):
+            t = t + 1
+        out[name] = t
+    return out
+
+
+_CONVERTERS = {"qwen3_5": _as_llama_cpp_qwen35}  # architectures the converter reshapes beyond renaming
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
