@@ -116,6 +116,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ro
     """layers.moe.torch_experts on the grouped GEMMs: x [T, H], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
     t, top_k = routing.ids.shape
     num_pairs = t * top_k
+    if num_pairs == 0:  # (an empty grid is no launch)
+        return torch.zeros_like(x)
     block_m = _block_m(num_pairs)
     layout = block_layout(routing.ids, gate_up.shape[0], block_m)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
