@@ -171,3 +171,11 @@ def test_qwen3_5_gguf_as_llama_cpp_writes_it_loads_the_same_model(tmp_path, quan
     ids = PROMPTS[1]
     torch.testing.assert_close(HybridRunner(from_gguf, 1).step([ids])[0], HybridRunner(ours, 1).step([ids])[0],
                                atol=1e-4 if quant == "F32" else 0.1, rtol=0)
+
+
+def test_a_forward_without_states_is_refused_by_name(pair):
+    ours, _, _ = pair
+    runner = HybridRunner(ours, 1)
+    ids, pos, meta = runner.prepare([[1, 2, 3]])
+    with pytest.raises(ValueError, match="needs `states`"):
+        ours(ids, pos, runner.kv, meta, runner.backend)

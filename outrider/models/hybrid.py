@@ -163,8 +163,6 @@ class HybridDecoderLayer(nn.Module):
             x, residual = self.self_attn(h, residual, self.input_layernorm, positions, inv_freq, kv_cache, meta,
                                          backend)
         else:
-            if states is None:
-                raise ValueError("a hybrid model's forward needs the linear layers' states")
             normed, summed = ops.rms_norm(h, self.input_layernorm.weight, self.input_layernorm.eps, residual)
             residual = h if summed is None else summed
             x = self.linear_attn(normed, states.pool.layer(self.index), states.batch)
@@ -206,6 +204,9 @@ class HybridCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                 backend: AttentionBackend, aux_layer_ids: tuple[int, ...] = (),
                 states: LinearStates | None = None) -> ForwardResult:
+        if states is None and self.num_linear_layers:
+            raise ValueError(f"{self.config.architecture} needs `states` in its forward: the state slots of its "
+                             "linear-attention layers (docs/hybrid-state.md)")
         h, residual = self.embed(input_ids), None
         aux = []
         inv_freq = self.model.rotary_emb.inv_freq
