@@ -179,3 +179,21 @@ def test_a_forward_without_states_is_refused_by_name(pair):
     ids, pos, meta = runner.prepare([[1, 2, 3]])
     with pytest.raises(ValueError, match="needs `states`"):
         ours(ids, pos, runner.kv, meta, runner.backend)
+
+
+def test_a_prefix_hit_from_a_block_boundary_snapshot_equals_the_cold_prompt(pair):
+    """The prefix-cache rule at the model level: sequence 0's prefill ends a chunk on a block boundary and
+    snapshots its state there; sequence 1 reuses those KV blocks (shared in its block table) and restores the
+    snapshot into its own slot, then computes only the rest: its logits are the cold prompt's."""
+    ours, hf, _ = pair
+    shared, first_rest, second_rest = PROMPTS[1][:12], PROMPTS[1][12:20], [9, 8, 7, 6, 5]
+    runner = HybridRunner(ours, 2)
+    runner.step([shared, []])  # 12 tokens = 3 whole blocks of 4
+    assert runner.pool.snapshot(runner.slots[0], key="block 3")
+    runner.step([first_rest, []])  # sequence 0 goes on past the snapshot
+    runner.tables[1, :3] = runner.tables[0, :3]  # the hit: sequence 1 reads sequence 0's first 3 blocks
+    runner.lens[1] = len(shared)
+    assert runner.pool.longest_snapshot(["block 1", "block 2", "block 3"]) == 3
+    runner.pool.restore("block 3", runner.slots[1])
+    got = runner.step([[], second_rest])[1]
+    torch.testing.assert_close(got, hf_logits(hf, shared + second_rest)[len(shared):], atol=2e-4, rtol=0)
