@@ -88,7 +88,9 @@ class LayerState(NamedTuple):
 class StateBatch(NamedTuple):
     """What a linear-attention layer needs of a ragged batch beyond its tokens: sequence i owns the query tokens
     query_start_loc[i]:query_start_loc[i + 1] and state slot slots[i]. verify: write the state after each query
-    position to verify row i (slots untouched) instead of advancing the slot."""
+    position to verify row i (slots untouched) instead of advancing the slot; for the whole batch, so a verify
+    batch holds no prompt chunks (at most the verify rows' positions per sequence), and every row of it is then
+    committed (StatePool.commit_verify; a row without drafts at position 0)."""
 
     query_start_loc_host: list[int]
     slots: torch.Tensor  # [B] int64, on the state's device
