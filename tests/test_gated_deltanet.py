@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.layers.gated_deltanet import (GatedDeltaNet, GatedDeltaNetConfig, LayerState, StateBatch,
-                                            chunked_delta_rule, recurrent_delta_rule)
+from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, QWEN3_NEXT_PROJECTIONS, GatedDeltaNet,
+                                            GatedDeltaNetConfig, LayerState, StateBatch, chunked_delta_rule,
+                                            recurrent_delta_rule)
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +34,8 @@ def hf_layer(packed: bool, seed: int = 0):
 
 
 def ours_from(hf, packed: bool) -> GatedDeltaNet:
-    layer = GatedDeltaNet(GatedDeltaNetConfig.from_dict(RAW, packed=packed), 0)
+    projections = QWEN3_NEXT_PROJECTIONS if packed else QWEN3_5_PROJECTIONS
+    layer = GatedDeltaNet(GatedDeltaNetConfig.from_dict(RAW, projections), 0)
     layer.load_state_dict(hf.state_dict())
     return layer.eval()
 

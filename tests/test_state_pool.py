@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from outrider.engine.state_pool import PAD_SLOT, StateLayout, StatePool, slots_for_budget
-from outrider.layers.gated_deltanet import GatedDeltaNetConfig
+from outrider.layers.gated_deltanet import QWEN3_5_PROJECTIONS, GatedDeltaNetConfig
 
 LAYOUT = StateLayout(num_layers=2, conv_shape=(3, 4), recurrent_shape=(2, 3, 2))
 
@@ -150,7 +150,7 @@ def test_snapshots_give_way_to_requests_and_newer_snapshots_oldest_first():
 
 def test_budget_pays_the_verify_rows_and_the_scratch_slot_first():
     cfg = GatedDeltaNetConfig(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8,
-                              conv_kernel=4, rms_norm_eps=1e-6, packed=False)
+                              conv_kernel=4, rms_norm_eps=1e-6, projections=QWEN3_5_PROJECTIONS)
     layout = StateLayout.of(cfg, num_layers=3)
     per_slot = 3 * (cfg.conv_dim * 4 + 4 * 16 * 8) * 4
     assert layout.bytes_per_slot == per_slot

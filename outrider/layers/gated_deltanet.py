@@ -29,14 +29,19 @@ from torch import nn
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 
 CHUNK = 64  # the chunked form's block length (fla's too)
-STATE_DTYPE = torch.float32
+
+# How checkpoints lay out the input projections: the tensors (module names), in packing order. In_proj_qkvz and
+# in_proj_ba interleave their parts per key head ([q_g, k_g, v_g, z_g] and [b_g, a_g] for each group g of value
+# heads); the others hold each part for all heads, in head order.
+QWEN3_5_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+QWEN3_NEXT_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")
+QWEN3_NEXT_GGUF_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_ba")  # llama.cpp splits qkvz, not ba
 
 
 @dataclass(frozen=True)
 class GatedDeltaNetConfig:
-    """The linear-attention fields of an HF config (Qwen3-Next / Qwen3.5 names). `packed`: Qwen3-Next's
-    projections (in_proj_qkvz, in_proj_ba, interleaved per key head); else Qwen3.5's (in_proj_qkv, in_proj_z,
-    in_proj_b, in_proj_a)."""
+    """The linear-attention fields of an HF config (Qwen3-Next / Qwen3.5 names), and the checkpoint's layout of
+    the input projections (one of the *_PROJECTIONS above)."""
 
     hidden_size: int
     num_k_heads: int
@@ -45,14 +50,14 @@ class GatedDeltaNetConfig:
     head_v_dim: int
     conv_kernel: int
     rms_norm_eps: float
-    packed: bool
+    projections: tuple[str, ...]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], packed: bool) -> "GatedDeltaNetConfig":
+    def from_dict(cls, raw: dict[str, Any], projections: tuple[str, ...]) -> "GatedDeltaNetConfig":
         return cls(hidden_size=raw["hidden_size"], num_k_heads=raw["linear_num_key_heads"],
                    num_v_heads=raw["linear_num_value_heads"], head_k_dim=raw["linear_key_head_dim"],
                    head_v_dim=raw["linear_value_head_dim"], conv_kernel=raw["linear_conv_kernel_dim"],
-                   rms_norm_eps=raw.get("rms_norm_eps", 1e-6), packed=packed)
+                   rms_norm_eps=raw.get("rms_norm_eps", 1e-6), projections=projections)
 
     @property
     def key_dim(self) -> int:
@@ -193,9 +198,9 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.cfg, self.layer_idx = cfg, layer_idx
         hv = cfg.num_v_heads
-        parts = ({"in_proj_qkvz": 2 * cfg.key_dim + 2 * cfg.value_dim, "in_proj_ba": 2 * hv} if cfg.packed else
-                 {"in_proj_qkv": cfg.conv_dim, "in_proj_z": cfg.value_dim, "in_proj_b": hv, "in_proj_a": hv})
-        self.in_proj = MergedLinear(cfg.hidden_size, parts)
+        rows = {"in_proj_qkv": cfg.conv_dim, "in_proj_z": cfg.value_dim, "in_proj_b": hv, "in_proj_a": hv,
+                "in_proj_qkvz": cfg.conv_dim + cfg.value_dim, "in_proj_ba": 2 * hv}
+        self.in_proj = MergedLinear(cfg.hidden_size, {name: rows[name] for name in cfg.projections})
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False,
                                 padding=cfg.conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(hv))
@@ -206,18 +211,19 @@ class GatedDeltaNet(nn.Module):
 
     def split(self, x: torch.Tensor) -> Mixed:
         cfg, t = self.cfg, x.shape[0]
-        proj = self.in_proj(x)
-        if not cfg.packed:
-            qkv, z, b, a = proj.split(self.in_proj.sizes, dim=-1)
-            return Mixed(qkv, z.reshape(t, cfg.num_v_heads, cfg.head_v_dim), b, a)
-        # Qwen3-Next interleaves by key head: [q_g, k_g, v_g (r heads), z_g (r heads)] and [b_g (r), a_g (r)].
-        qkvz, ba = proj.split(self.in_proj.sizes, dim=-1)
+        parts = dict(zip(cfg.projections, self.in_proj(x).split(self.in_proj.sizes, dim=-1)))
         r = cfg.num_v_heads // cfg.num_k_heads
-        q, k, v, z = qkvz.view(t, cfg.num_k_heads, -1).split(
-            [cfg.head_k_dim, cfg.head_k_dim, r * cfg.head_v_dim, r * cfg.head_v_dim], dim=-1)
-        b, a = ba.view(t, cfg.num_k_heads, 2 * r).split([r, r], dim=-1)
-        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return Mixed(qkv, z.reshape(t, cfg.num_v_heads, cfg.head_v_dim), b.reshape(t, -1), a.reshape(t, -1))
+        if "in_proj_qkvz" in parts:
+            q, k, v, z = parts["in_proj_qkvz"].view(t, cfg.num_k_heads, -1).split(
+                [cfg.head_k_dim, cfg.head_k_dim, r * cfg.head_v_dim, r * cfg.head_v_dim], dim=-1)
+            qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        else:
+            qkv, z = parts["in_proj_qkv"], parts["in_proj_z"]
+        if "in_proj_ba" in parts:
+            b, a = (p.reshape(t, -1) for p in parts["in_proj_ba"].view(t, cfg.num_k_heads, 2 * r).split([r, r], -1))
+        else:
+            b, a = parts["in_proj_b"], parts["in_proj_a"]
+        return Mixed(qkv, z.reshape(t, cfg.num_v_heads, cfg.head_v_dim), b, a)
 
     def heads(self, conv_out: torch.Tensor, b: torch.Tensor,
               a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -32,7 +32,8 @@ from torch import nn
 from outrider.attention import AttentionBackend, AttentionMetadata, KVCache, QKNormRope
 from outrider.config import ModelConfig
 from outrider.kernels import ops
-from outrider.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, LayerState, StateBatch
+from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, GatedDeltaNet, GatedDeltaNetConfig, LayerState,
+                                            StateBatch)
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.moe import MoeConfig, SparseMoe
@@ -55,7 +56,10 @@ class HybridConfig:
     fused_experts: bool = False  # the checkpoint holds each layer's experts fused (layers/moe.Experts)
 
     @classmethod
-    def from_model_config(cls, cfg: ModelConfig, packed_linear: bool, fused_experts: bool = False) -> "HybridConfig":
+    def from_model_config(cls, cfg: ModelConfig, projections: tuple[str, ...],
+                          fused_experts: bool = False) -> "HybridConfig":
+        """`projections`: the checkpoint's linear input projections (layers/gated_deltanet.py), unless the config
+        names them (`linear_projections`: the GGUF reader does, for llama.cpp's)."""
         raw = cfg.raw
         types = raw.get("layer_types")
         if not types:
@@ -65,7 +69,8 @@ class HybridConfig:
         if unknown or len(types) != cfg.num_hidden_layers:
             raise ValueError(f"layer_types must list {cfg.num_hidden_layers} of {FULL}, {LINEAR}; got {types}")
         factor = raw.get("partial_rotary_factor", (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-        return cls(tuple(types), int(cfg.head_dim * factor), GatedDeltaNetConfig.from_dict(raw, packed_linear),
+        linear = GatedDeltaNetConfig.from_dict(raw, tuple(raw.get("linear_projections") or projections))
+        return cls(tuple(types), int(cfg.head_dim * factor), linear,
                    MoeConfig.from_dict(raw) if raw.get("num_experts") else None, fused_experts)
 
 
@@ -169,11 +174,11 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(x, residual, self.post_attention_layernorm)
 
 
-def hybrid_layer(cfg: ModelConfig, layer_idx: int, packed_linear: bool,
+def hybrid_layer(cfg: ModelConfig, layer_idx: int, projections: tuple[str, ...],
                  fused_experts: bool = False) -> HybridDecoderLayer:
     """An architecture's `decoder_layer` (models/registry.py), with its checkpoint's layouts of the linear
     projections and the experts."""
-    hybrid = HybridConfig.from_model_config(cfg, packed_linear, fused_experts)
+    hybrid = HybridConfig.from_model_config(cfg, projections, fused_experts)
     kind = hybrid.layer_types[layer_idx]
     return HybridDecoderLayer(cfg, hybrid, kind, hybrid.layer_types[:layer_idx].count(kind),
                               hybrid.moe is not None and hybrid.moe.is_sparse(layer_idx))
@@ -182,7 +187,7 @@ def hybrid_layer(cfg: ModelConfig, layer_idx: int, packed_linear: bool,
 def mtp_layer(cfg: ModelConfig, fused_experts: bool = False) -> HybridDecoderLayer:
     """The layer of a Qwen3-Next / Qwen3.5 MTP head (`mtp.layers.0.*`): always gated full attention (over the
     head's own KV layer, index 0), with the model's MoE block when the model has experts."""
-    hybrid = HybridConfig.from_model_config(cfg, packed_linear=False, fused_experts=fused_experts)
+    hybrid = HybridConfig.from_model_config(cfg, QWEN3_5_PROJECTIONS, fused_experts)
     return HybridDecoderLayer(cfg, hybrid, FULL, 0, hybrid.moe is not None)
 
 
@@ -192,7 +197,7 @@ class HybridCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__(cfg)
-        hybrid = HybridConfig.from_model_config(cfg, packed_linear=False)  # (the layout does not change shapes)
+        hybrid = HybridConfig.from_model_config(cfg, QWEN3_5_PROJECTIONS)  # (the layout changes no state shape)
         self.num_kv_layers = hybrid.layer_types.count(FULL)
         self.num_linear_layers = hybrid.layer_types.count(LINEAR)
         self.linear_config = hybrid.linear  # what the state pool's slots are shaped by

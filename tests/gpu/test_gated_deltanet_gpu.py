@@ -8,7 +8,8 @@ from functools import partial
 import pytest
 import torch
 
-from outrider.layers.gated_deltanet import GatedDeltaNet, GatedDeltaNetConfig, LayerState, StateBatch
+from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, QWEN3_NEXT_PROJECTIONS, GatedDeltaNet,
+                                            GatedDeltaNetConfig, LayerState, StateBatch)
 
 RAW = {"hidden_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6}
@@ -16,7 +17,8 @@ RAW = {"hidden_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 
 
 def _layer(packed: bool, dtype: torch.dtype, device: torch.device) -> GatedDeltaNet:
     torch.manual_seed(0)
-    layer = GatedDeltaNet(GatedDeltaNetConfig.from_dict(RAW, packed), 0)
+    projections = QWEN3_NEXT_PROJECTIONS if packed else QWEN3_5_PROJECTIONS
+    layer = GatedDeltaNet(GatedDeltaNetConfig.from_dict(RAW, projections), 0)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 2.0))

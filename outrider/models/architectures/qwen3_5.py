@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from outrider.config import ModelConfig
+from outrider.layers.gated_deltanet import QWEN3_5_PROJECTIONS
 from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
 from outrider.models.registry import Architecture, register
 
@@ -73,7 +74,7 @@ LINEAR_GGUF_TENSORS = {"post_attention_norm": "post_attention_layernorm", "attn_
 
 QWEN3_5 = register(Architecture(
     name="qwen3_5", hf_names=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"), model_type="qwen3_5_text",
-    model=HybridCausalLM, decoder_layer=functools.partial(hybrid_layer, packed_linear=False),
+    model=HybridCausalLM, decoder_layer=functools.partial(hybrid_layer, projections=QWEN3_5_PROJECTIONS),
     config=hybrid_config_fields, text_config=True, tensor_renames=(("model.language_model.", "model."),),
     ignored_prefixes=("model.visual.",), from_checkpoint=one_centered_norms, gguf_names=("qwen35",),
     gguf_config=linear_gguf_config, gguf_layer_tensors=LINEAR_GGUF_TENSORS, gguf_tensor=linear_from_gguf,

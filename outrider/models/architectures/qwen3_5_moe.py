@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 
+from outrider.layers.gated_deltanet import QWEN3_5_PROJECTIONS
 from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
 from outrider.models.registry import Architecture, register
 
 QWEN3_5_MOE = register(Architecture(
     name="qwen3_5_moe", hf_names=("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
     model_type="qwen3_5_moe_text", model=HybridCausalLM,
-    decoder_layer=functools.partial(hybrid_layer, packed_linear=False, fused_experts=True),
+    decoder_layer=functools.partial(hybrid_layer, projections=QWEN3_5_PROJECTIONS, fused_experts=True),
     config=hybrid_config_fields, text_config=True, tensor_renames=(("model.language_model.", "model."),),
     ignored_prefixes=("model.visual.",), from_checkpoint=one_centered_norms,
     tiny_config={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import functools
 
+from outrider.layers.gated_deltanet import QWEN3_NEXT_PROJECTIONS
 from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
 from outrider.models.registry import Architecture, register
 
 QWEN3_NEXT = register(Architecture(
     name="qwen3_next", hf_names=("Qwen3NextForCausalLM",), model_type="qwen3_next", model=HybridCausalLM,
-    decoder_layer=functools.partial(hybrid_layer, packed_linear=True), config=hybrid_config_fields,
+    decoder_layer=functools.partial(hybrid_layer, projections=QWEN3_NEXT_PROJECTIONS), config=hybrid_config_fields,
     from_checkpoint=one_centered_norms,
     tiny_config={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                  "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
