@@ -150,14 +150,16 @@ def test_mtp_layer_reads_the_released_mtp_layer_tensors(tmp_path, arch):
 
 
 @pytest.mark.parametrize("quant", ["F32", "F16"])
-def test_qwen3_5_gguf_as_llama_cpp_writes_it_loads_the_same_model(tmp_path, quant):
-    """llama.cpp's qwen35 file (value heads tiled, -exp(A_log), 1 + w norms, squeezed conv, MTP dropped) loads
-    to the parameters and logits of the safetensors checkpoint."""
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_gguf_as_llama_cpp_writes_it_loads_the_same_model(tmp_path, arch, quant):
+    """llama.cpp's qwen35 / qwen3next file (1 + w norms, -exp(A_log), squeezed conv, MTP dropped; Qwen3.5's value
+    heads tiled, Qwen3-Next's qkvz split, its experts stacked) loads to the safetensors model's parameters and
+    logits."""
     from outrider.testing.gguf import write_gguf
 
-    ckpt = write_tiny_checkpoint(tmp_path / "qwen3_5", "qwen3_5", layers=4)
+    ckpt = write_tiny_checkpoint(tmp_path / arch, arch, layers=4)
     ours, cfg = load_model(ckpt)
-    from_gguf, gcfg = load_model(write_gguf(ckpt, tmp_path / "qwen3_5.gguf", quant=quant), dtype="float32")
+    from_gguf, gcfg = load_model(write_gguf(ckpt, tmp_path / f"{arch}.gguf", quant=quant), dtype="float32")
     keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
             "linear_conv_kernel_dim", "full_attention_interval")
     assert [gcfg.raw[k] for k in keys] == [cfg.raw[k] for k in keys]
@@ -166,8 +168,15 @@ def test_qwen3_5_gguf_as_llama_cpp_writes_it_loads_the_same_model(tmp_path, quan
     a, b = dict(ours.named_parameters()), dict(from_gguf.named_parameters())
     assert a.keys() == b.keys()
     for name in a:
+        if name.endswith("linear_attn.in_proj.weight"):  # (Qwen3-Next's GGUF packs its projections otherwise)
+            continue
         torch.testing.assert_close(b[name], a[name], atol=tol * max(1.0, a[name].abs().max().item()), rtol=0,
                                    msg=name)
+    x = torch.randn(3, cfg.hidden_size)
+    for mine, theirs in zip(ours.model.layers, from_gguf.model.layers):
+        if mine.kind == "linear_attention":  # the projections' parts, whatever their packing
+            for got, want in zip(theirs.linear_attn.split(x), mine.linear_attn.split(x)):
+                torch.testing.assert_close(got, want, atol=10 * tol, rtol=10 * tol)
     ids = PROMPTS[1]
     torch.testing.assert_close(HybridRunner(from_gguf, 1).step([ids])[0], HybridRunner(ours, 1).step([ids])[0],
                                atol=1e-4 if quant == "F32" else 0.1, rtol=0)

@@ -4,6 +4,7 @@ tokens, merges and token types as metadata."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -89,10 +90,12 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     return writer.format_shard_names(path)[0]
 
 
-def _as_llama_cpp_qwen35(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What llama.cpp's converter does to a Qwen3.5 checkpoint, as its own terms say: hybrid metadata under
-    ssm.* keys; the MTP head dropped; A stored as -exp(A_log), dt_bias as dt_proj.bias, the conv kernel squeezed,
-    (1 + w) norms as 1 + w; value heads of the linear layers reordered from grouped by key head to tiled."""
+def _as_llama_cpp_hybrid(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                         qwen3_5: bool) -> dict[str, torch.Tensor]:
+    """What llama.cpp's converter does to a Qwen3.5 (or Qwen3-Next) checkpoint, as its own terms say: hybrid
+    metadata under ssm.* keys; the MTP head dropped; A stored as -exp(A_log), dt_bias as dt_proj.bias, the conv
+    kernel squeezed, (1 + w) norms as 1 + w. Qwen3.5: value heads of the linear layers reordered from grouped by
+    key head to tiled. Qwen3-Next: in_proj_qkvz split into all-heads q|k|v and z (in_proj_ba kept)."""
     raw = cfg.raw
     hk, hv, dk, dv = (raw["linear_num_key_heads"], raw["linear_num_value_heads"], raw["linear_key_head_dim"],
                       raw["linear_value_head_dim"])
@@ -104,7 +107,10 @@ def _as_llama_cpp_qwen35(writer: Any, cfg: ModelConfig, tensors: dict[str, torch
     writer.add_full_attention_interval(raw["full_attention_interval"])
     factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     writer.add_rope_dimension_count(int(cfg.head_dim * factor))
-    writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if qwen3_5:
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if raw.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
 
     def tiled(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:  # [Hk, r, d] -> [r, Hk, d] along dim
         shape = t.shape
@@ -114,16 +120,24 @@ def _as_llama_cpp_qwen35(writer: Any, cfg: ModelConfig, tensors: dict[str, torch
     for name, t in tensors.items():
         if name.startswith("mtp."):
             continue
+        if name.endswith(".in_proj_qkvz.weight"):  # [Hk, (q, k, v, z)] rows -> q|k|v of all heads, z of all heads
+            q, k, v, z = t.reshape(hk, -1, t.shape[-1]).split([dk, dk, dv * hv // hk, dv * hv // hk], dim=1)
+            stem = name.removesuffix("qkvz.weight")
+            out[stem + "qkv.weight"] = torch.cat([p.reshape(-1, t.shape[-1]) for p in (q, k, v)])
+            out[stem + "z.weight"] = z.reshape(-1, t.shape[-1])
+            continue
         if ".linear_attn." in name:
-            if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+            if qwen3_5 and name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
                 t = t.reshape(t.shape[0], -1)
                 t = torch.cat([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
-            elif name.endswith(".in_proj_z.weight"):
+            elif qwen3_5 and name.endswith(".in_proj_z.weight"):
                 t = tiled(t, 0, dv)
-            elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+            elif qwen3_5 and name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
                 t = tiled(t, 0, 1)
-            elif name.endswith(".out_proj.weight"):
+            elif qwen3_5 and name.endswith(".out_proj.weight"):
                 t = tiled(t, 1, dv)
+            if name.endswith(".conv1d.weight"):
+                t = t.reshape(t.shape[0], -1)
             if name.endswith(".A_log"):
                 t = -torch.exp(t)
             name = name.replace(".dt_bias", ".dt_proj.bias")
@@ -133,7 +147,9 @@ def _as_llama_cpp_qwen35(writer: Any, cfg: ModelConfig, tensors: dict[str, torch
     return out
 
 
-_CONVERTERS = {"qwen3_5": _as_llama_cpp_qwen35}  # architectures the converter reshapes beyond renaming
+# architectures the converter reshapes beyond renaming
+_CONVERTERS = {"qwen3_5": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
+               "qwen3_next": functools.partial(_as_llama_cpp_hybrid, qwen3_5=False)}
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
