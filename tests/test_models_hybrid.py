@@ -150,11 +150,11 @@ def test_mtp_layer_reads_the_released_mtp_layer_tensors(tmp_path, arch):
 
 
 @pytest.mark.parametrize("quant", ["F32", "F16"])
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_gguf_as_llama_cpp_writes_it_loads_the_same_model(tmp_path, arch, quant):
-    """llama.cpp's qwen35 / qwen3next file (1 + w norms, -exp(A_log), squeezed conv, MTP dropped; Qwen3.5's value
-    heads tiled, Qwen3-Next's qkvz split, its experts stacked) loads to the safetensors model's parameters and
-    logits."""
+    """llama.cpp's qwen35 / qwen3next / qwen35moe file (1 + w norms, -exp(A_log), squeezed conv, MTP dropped;
+    Qwen3.5's value heads tiled, Qwen3-Next's qkvz split, experts stacked or fused) loads to the safetensors
+    model's parameters and logits."""
     from outrider.testing.gguf import write_gguf
 
     ckpt = write_tiny_checkpoint(tmp_path / arch, arch, layers=4)

@@ -70,6 +70,8 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
         if adapter.gguf_permutes_qk and ".self_attn." in hf_name and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             t = _permute(t, cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if t.dim() > 1 and not name.endswith((".weight", ".bias")):  # (fused experts: named as weights)
+            name += ".weight"
         data = t.float().numpy()
         if data.ndim == 1 or quant == "F32":
             writer.add_tensor(name, data)
@@ -149,6 +151,7 @@ def _as_llama_cpp_hybrid(writer: Any, cfg: ModelConfig, tensors: dict[str, torch
 
 # architectures the converter reshapes beyond renaming
 _CONVERTERS = {"qwen3_5": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
+               "qwen3_5_moe": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
                "qwen3_next": functools.partial(_as_llama_cpp_hybrid, qwen3_5=False)}
 
 

@@ -1,16 +1,13 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-Coder-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norm) with a sparse
 MoE feed-forward block (layers/moe.py) in every layer that `decoder_sparse_step` / `mlp_only_layers` make sparse,
-a dense SwiGLU of `intermediate_size` in the others. GGUF: llama.cpp's `qwen3moe`, whose expert tensors
-(`ffn_{gate,up,down}_exps`) stack all experts of a layer in one 3-D tensor."""
+a dense SwiGLU of `intermediate_size` in the others. GGUF: llama.cpp's `qwen3moe` (models/moe_gguf.py)."""
 
 from __future__ import annotations
-
-from collections.abc import Callable, Mapping
-from typing import Any
 
 from outrider.config import ModelConfig
 from outrider.layers.moe import MoeConfig, SparseMoe
 from outrider.models.decoder import CausalLM, DecoderLayer
+from outrider.models.moe_gguf import MOE_GGUF_TENSORS, moe_gguf_config
 from outrider.models.registry import Architecture, register
 
 
@@ -23,17 +20,6 @@ class MoeDecoderLayer(DecoderLayer):
         if moe.is_sparse(layer_idx):
             self.mlp = SparseMoe(cfg.hidden_size, moe)
 
-
-def moe_gguf_config(hparam: Callable[..., Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """The MoE keys of a llama.cpp MoE file (llama.cpp always renormalises Qwen3-MoE's top-k weights)."""
-    return {"num_experts": hparam("expert_count"), "num_experts_per_tok": hparam("expert_used_count"),
-            "moe_intermediate_size": hparam("expert_feed_forward_length"),
-            "norm_topk_prob": bool(hparam("expert_weights_norm", True))}
-
-
-# llama.cpp's per-layer MoE tensors; "{e}" marks a tensor holding every expert (one per row of its first axis).
-MOE_GGUF_TENSORS = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
-                    "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 
 QWEN3_MOE = register(Architecture(
     name="qwen3_moe", hf_names=("Qwen3MoeForCausalLM",), model_type="qwen3_moe", model=CausalLM,

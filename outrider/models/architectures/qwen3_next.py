@@ -10,22 +10,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from outrider.layers.gated_deltanet import QWEN3_NEXT_GGUF_PROJECTIONS, QWEN3_NEXT_PROJECTIONS
-from outrider.models.architectures.qwen3_moe import MOE_GGUF_TENSORS, moe_gguf_config
 from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
 from outrider.models.hybrid_gguf import LINEAR_GGUF_TENSORS, linear_from_gguf, linear_gguf_config
+from outrider.models.moe_gguf import MOE_GGUF_TENSORS, SHARED_EXPERT_GGUF_TENSORS, moe_gguf_config
 from outrider.models.registry import Architecture, register
 
 
 def qwen3_next_gguf_config(hparam: Callable[..., Any], tensors: Mapping[str, Any]) -> dict[str, Any]:
     return {**linear_gguf_config(hparam, tensors), **moe_gguf_config(hparam, tensors),
-            "shared_expert_intermediate_size": hparam("expert_shared_feed_forward_length"),
             "linear_projections": list(QWEN3_NEXT_GGUF_PROJECTIONS)}
 
-
-SHARED_EXPERT_GGUF_TENSORS = {"ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-                              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-                              "ffn_up_shexp": "mlp.shared_expert.up_proj",
-                              "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 
 QWEN3_NEXT = register(Architecture(
     name="qwen3_next", hf_names=("Qwen3NextForCausalLM",), model_type="qwen3_next", model=HybridCausalLM,
