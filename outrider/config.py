@@ -60,7 +60,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size", 0),  # (0: no dense MLP, e.g. Qwen3.5-MoE)
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=n_heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,

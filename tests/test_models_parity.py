@@ -128,11 +128,15 @@ def test_two_steps_through_the_cache_match_hf(pair):
 
 def test_greedy_generation_matches_hf_generate(pair):
     ours, cfg, hf = pair
-    n_new, prompts = 16, PROMPTS[:3]
-    runner = Runner(ours, cfg, len(prompts))
+    assert_greedy_matches_hf(Runner(ours, cfg, 3), hf, PROMPTS[:3], 16)
+
+
+def assert_greedy_matches_hf(runner: Runner, hf, prompts: list[list[int]], n_new: int) -> None:
+    """Greedy decoding through `runner` (one ragged batch: prefills first, then one decode token per sequence)
+    gives hf.generate's tokens for each prompt."""
     outs: list[list[int]] = [[] for _ in prompts]
     chunks = prompts
-    for _ in range(n_new):  # one ragged batch: prefills first, then one decode token per sequence
+    for _ in range(n_new):
         logits = runner.step(chunks)
         chunks = [[int(lg[-1].argmax())] for lg in logits]
         for out, chunk in zip(outs, chunks):

@@ -34,7 +34,7 @@ _LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")  # (a few, e.g. ssm_a, have no suffix)
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency factors, read into the config
 CONFIG_TENSORS = "rope_"  # RoPE factors (rope_freqs, Phi-3's rope_factors_long/short): config, not weights
 # general.file_type -> the dtype the weights were stored in before quantization, for dtype "auto"
@@ -191,8 +191,12 @@ class HFTensor:
     ggml: Any  # gguf.ReaderTensor
     unpermute_heads: int = 0  # Llama q/k: the converter interleaved each head's rotary halves (0: as stored)
     convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # the architecture's gguf_tensor, if any
+    expert: int | None = None  # a stacked MoE tensor (`stack`): this expert's row of its first axis
+    stack: StackedExperts | None = None
 
     def read(self) -> torch.Tensor:
+        if self.stack is not None:
+            return self.stack.value[self.expert]
         w = _dequantize(self.ggml).reshape(self.shape)
         w = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are views of the read-only map
         w = unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
@@ -213,14 +217,25 @@ def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
         if name.startswith(CONFIG_TENSORS):
             continue
         layer = _LAYER_TENSOR.match(name)
-        if layer and layer[2] in layer_names:
-            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2]]}.{layer[3]}"
+        suffix = f".{layer[3]}" if layer and layer[3] else ""
+        if layer and int(layer[1]) >= cfg.num_hidden_layers:  # the nextn (MTP) blocks llama.cpp appends
+            hf_name = f"mtp.<GGUF tensor {name}>"  # (not the target's: the loader skips MTP tensors)
+        elif layer and f"{layer[2]}{suffix}" in layer_names:  # a whole parameter name, e.g. ssm_dt.bias
+            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2] + suffix]}"
+        elif layer and layer[2] in layer_names:
+            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2]]}{suffix}"
         else:
             hf_name = _GLOBAL_NAMES.get(name, f"<GGUF tensor {name}>")  # the loader refuses names it does not know
         shape = tuple(int(d) for d in reversed(t.shape))
+        source = f"{name} in {ck.tensor_files[name]}"
+        if "{e}" in hf_name:  # every expert of a layer in one tensor [E, rows, cols]: one HF tensor per expert
+            stack = StackedExperts(t, shape)
+            for e in range(shape[0]):
+                yield HFTensor(hf_name.format(e=e), shape[1:], source, t, expert=e, stack=stack)
+            continue
         unpermute = heads.get(layer[2], 0) if arch.gguf_permutes_qk and layer else 0
         convert = functools.partial(arch.gguf_tensor, hf_name, cfg=cfg) if arch.gguf_tensor else None
-        yield HFTensor(hf_name, shape, f"{name} in {ck.tensor_files[name]}", t, unpermute, convert)
+        yield HFTensor(hf_name, shape, source, t, unpermute, convert)
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -228,6 +243,18 @@ def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     (x0, x_half, x1, x_half+1, ...); Hugging Face keeps the two halves apart, as our RoPE does."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class StackedExperts:
+    """A GGUF tensor holding every expert of a layer, dequantized once on the first expert's read (and freed with
+    the last HFTensor that refers to it)."""
+
+    def __init__(self, ggml: Any, shape: tuple[int, ...]) -> None:
+        self.ggml, self.shape = ggml, shape
+
+    @functools.cached_property
+    def value(self) -> torch.Tensor:
+        return torch.from_numpy(_dequantize(self.ggml).reshape(self.shape).copy())
 
 
 def _dequantize(t: Any) -> Any:

@@ -101,11 +101,18 @@ class CheckpointSlot(NamedTuple):
 def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str, CheckpointSlot]:
     """Hugging Face tensor name -> its slot, for every parameter: a packed MergedLinear tensor (e.g.
     self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order, or, where
-    the checkpoint stores it `packed` as we do (Phi-3), read whole."""
+    the checkpoint stores it `packed` as we do (Phi-3), read whole; a module with `checkpoint_slots` (stacked MoE
+    experts, layers/moe.py) names its own parts."""
     layout = {}
+    for module_name, module in model.named_modules():
+        if hasattr(module, "checkpoint_slots"):
+            for part, (param, row, shape) in module.checkpoint_slots().items():
+                layout[f"{module_name}.{part}"] = CheckpointSlot(f"{module_name}.{param}", row, torch.Size(shape))
     for name, p in model.named_parameters():  # a tied lm_head is not listed
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_slots"):
+            continue
         if packed or not isinstance(module, MergedLinear):
             layout[name] = CheckpointSlot(name, 0, p.shape)
             continue
@@ -114,6 +121,10 @@ def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str,
             layout[f"{parent}.{part}.{kind}"] = CheckpointSlot(name, row, torch.Size((rows, *p.shape[1:])))
             row += rows
     return layout
+
+
+def _squeezed(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
@@ -142,13 +153,15 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in {t.source} for {cfg.architecture}")
         slot = layout[name]
-        if t.shape != tuple(slot.shape):
+        if _squeezed(t.shape) != _squeezed(slot.shape):  # (GGUF drops unit dimensions, e.g. a conv's groups)
             raise ValueError(f"shape mismatch for {t.name!r}: expected {tuple(slot.shape)}, got {t.shape} in "
                              f"{t.source}")
         value = t.read()
         if arch.from_checkpoint and not checkpoint:  # (GGUF tensors are converted by models/gguf.py)
             value = arch.from_checkpoint(name, value)
-        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(value)
+        param = params[slot.param]
+        value = value.reshape(-1, *param.shape[1:])  # (a fused expert tensor [E, rows, cols] fills E * rows rows)
+        param[slot.row:slot.row + value.shape[0]].copy_(value)
         loaded.add(name)
     missing = [n for n in layout if n not in loaded]
     if missing:

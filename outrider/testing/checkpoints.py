@@ -94,7 +94,8 @@ def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
         else:
             # Strong residual branches, so the token's own embedding does not dominate (tied heads repeat it).
             gain = 4.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-            t = gain * torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+            # (divided by the fan-in: a depthwise conv's is its kernel)
+            t = gain * torch.randn(shape, generator=gen) / math.sqrt(math.prod(shape[1:]))
         out[name] = t
     return out
 

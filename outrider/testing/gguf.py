@@ -4,8 +4,11 @@ tokens, merges and token types as metadata."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,10 +55,16 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[ggml_arch]
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
-    tensors = read_tensors(checkpoint)
+    tensors = _stack_experts(read_tensors(checkpoint))
     if adapter.gguf_write:
         tensors = adapter.gguf_write(writer, cfg, tensors)
-    elif cfg.rope_scaling:  # llama.cpp stores Llama 3's rule as per-frequency divisors
+    elif adapter.name in _CONVERTERS:
+        tensors = _CONVERTERS[adapter.name](writer, cfg, tensors)
+    if "num_experts" in cfg.raw:
+        writer.add_expert_count(cfg.raw["num_experts"])
+        writer.add_expert_used_count(cfg.raw["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg.raw["moe_intermediate_size"])
+    if cfg.rope_scaling and not adapter.gguf_write:  # llama.cpp stores Llama 3's rule as per-frequency divisors
         base = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, cfg.max_position_embeddings)
         scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         writer.add_tensor("rope_freqs.weight", (base / scaled).numpy())
@@ -63,6 +72,8 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
         if adapter.gguf_permutes_qk and ".self_attn." in hf_name and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             t = _permute(t, cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if t.dim() > 1 and not name.endswith((".weight", ".bias")):  # (fused experts: named as weights)
+            name += ".weight"
         data = t.float().numpy()
         if data.ndim == 1 or quant == "F32":
             writer.add_tensor(name, data)
@@ -81,6 +92,84 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(path)[0]
+
+
+def _as_llama_cpp_hybrid(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
+                         qwen3_5: bool) -> dict[str, torch.Tensor]:
+    """What llama.cpp's converter does to a Qwen3.5 (or Qwen3-Next) checkpoint, as its own terms say: hybrid
+    metadata under ssm.* keys; the MTP head dropped; A stored as -exp(A_log), dt_bias as dt_proj.bias, the conv
+    kernel squeezed, (1 + w) norms as 1 + w. Qwen3.5: value heads of the linear layers reordered from grouped by
+    key head to tiled. Qwen3-Next: in_proj_qkvz split into all-heads q|k|v and z (in_proj_ba kept)."""
+    raw = cfg.raw
+    hk, hv, dk, dv = (raw["linear_num_key_heads"], raw["linear_num_value_heads"], raw["linear_key_head_dim"],
+                      raw["linear_value_head_dim"])
+    writer.add_ssm_conv_kernel(raw["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(dk)
+    writer.add_ssm_group_count(hk)
+    writer.add_ssm_time_step_rank(hv)
+    writer.add_ssm_inner_size(hv * dv)
+    writer.add_full_attention_interval(raw["full_attention_interval"])
+    factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    writer.add_rope_dimension_count(int(cfg.head_dim * factor))
+    if qwen3_5:
+        writer.add_rope_dimension_sections([11, 11, 10, 0])
+    if raw.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
+
+    def tiled(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:  # [Hk, r, d] -> [r, Hk, d] along dim
+        shape = t.shape
+        return t.reshape(*shape[:dim], hk, hv // hk, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+    out = {}
+    for name, t in tensors.items():
+        if name.startswith("mtp."):
+            continue
+        if name.endswith(".in_proj_qkvz.weight"):  # [Hk, (q, k, v, z)] rows -> q|k|v of all heads, z of all heads
+            q, k, v, z = t.reshape(hk, -1, t.shape[-1]).split([dk, dk, dv * hv // hk, dv * hv // hk], dim=1)
+            stem = name.removesuffix("qkvz.weight")
+            out[stem + "qkv.weight"] = torch.cat([p.reshape(-1, t.shape[-1]) for p in (q, k, v)])
+            out[stem + "z.weight"] = z.reshape(-1, t.shape[-1])
+            continue
+        if ".linear_attn." in name:
+            if qwen3_5 and name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+                t = t.reshape(t.shape[0], -1)
+                t = torch.cat([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
+            elif qwen3_5 and name.endswith(".in_proj_z.weight"):
+                t = tiled(t, 0, dv)
+            elif qwen3_5 and name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+                t = tiled(t, 0, 1)
+            elif qwen3_5 and name.endswith(".out_proj.weight"):
+                t = tiled(t, 1, dv)
+            if name.endswith(".conv1d.weight"):
+                t = t.reshape(t.shape[0], -1)
+            if name.endswith(".A_log"):
+                t = -torch.exp(t)
+            name = name.replace(".dt_bias", ".dt_proj.bias")
+        elif name.endswith("norm.weight"):
+            t = t + 1
+        out[name] = t
+    return out
+
+
+# architectures the converter reshapes beyond renaming
+_CONVERTERS = {"qwen3_5": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
+               "qwen3_5_moe": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
+               "qwen3_next": functools.partial(_as_llama_cpp_hybrid, qwen3_5=False)}
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """As llama.cpp's converter: each layer's per-expert `mlp.experts.{e}.<proj>.weight` stacked into one
+    `mlp.experts.<proj>.weight` [E, rows, cols] (the name gguf's tensor map knows)."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"^(.*\.experts)\.(\d+)\.(\w+\.weight)$", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    return out
 
 
 def _permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""Gated DeltaNet on CUDA. Prompts go through flash-linear-attention's Triton kernels (the `fla-core` package,
+the `gpu` extra): its causal conv and chunked delta rule over the ragged batch (cu_seqlens), each sequence's
+state gathered from its slot and the final one scattered back. Decode and verify steps go through our own step
+kernels (kernels/delta_rule.py), which work on the slots in place and keep every verify position's state; all
+device ops, so those steps capture into CUDA graphs.
+
+Semantics: layers/gated_deltanet.GatedDeltaNet.torch_mix (tests/gpu/test_gated_deltanet_gpu.py compares them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from outrider.layers.gated_deltanet import GatedDeltaNet, LayerState, Mixed, StateBatch
+
+
+def _fla():
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        raise RuntimeError("Gated DeltaNet layers on CUDA need flash-linear-attention: pip install "
+                           "'outrider[gpu]' (fla-core)") from e
+    return causal_conv1d, chunk_gated_delta_rule
+
+
+# Queries up to this long (decode, a verify) run the in-place step kernels; longer ones fla's chunked kernels.
+SHORT_QUERY = 16
+
+
+def mix(layer: GatedDeltaNet, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
+    """GatedDeltaNet.torch_mix on the GPU -> the delta rule's output [T, Hv, Dv] float32."""
+    qsl = batch.query_start_loc_host
+    longest = max(b - a for a, b in zip(qsl, qsl[1:]))
+    if batch.verify or longest <= SHORT_QUERY:
+        return _short(layer, mixed, state, batch, longest)
+    return _chunked(layer, mixed, state, batch)
+
+
+def _short(layer: GatedDeltaNet, mixed: Mixed, state: LayerState, batch: StateBatch, longest: int) -> torch.Tensor:
+    """Decode and verify: kernels/delta_rule.py, on the slots in place (verify: into the verify rows)."""
+    from outrider.kernels.delta_rule import causal_conv_step, recurrent_step
+
+    qsl = _device_qsl(batch, mixed.qkv.device)
+    conv_out = causal_conv_step(mixed.qkv, layer.conv1d.weight[:, 0], state.conv, qsl, batch.slots, longest,
+                                state.verify_conv if batch.verify else None)
+    q, k, v, g, beta = layer.heads(conv_out, mixed.b, mixed.a)
+    return recurrent_step(q, k, v, g, beta, state.recurrent, qsl, batch.slots, longest,
+                          state.verify_recurrent if batch.verify else None)
+
+
+def _chunked(layer: GatedDeltaNet, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
+    """Prompts: fla's causal conv and chunked delta rule over the ragged batch, states gathered from the slots
+    and scattered back."""
+    causal_conv1d, chunk_rule = _fla()
+    dtype = mixed.qkv.dtype
+    cu = _device_qsl(batch, mixed.qkv.device).to(torch.int64)
+    conv_init = state.conv.index_select(0, batch.slots).to(dtype)
+    conv_out, conv_final = causal_conv1d(mixed.qkv[None], layer.conv1d.weight[:, 0], initial_state=conv_init,
+                                         output_final_state=True, activation="silu", cu_seqlens=cu)
+    state.conv.index_copy_(0, batch.slots, conv_final.to(state.conv.dtype))
+    q, k, v, g, beta = layer.heads(conv_out[0], mixed.b, mixed.a)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    o, final = chunk_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                          initial_state=state.recurrent.index_select(0, batch.slots), output_final_state=True,
+                          cu_seqlens=cu)
+    state.recurrent.index_copy_(0, batch.slots, final.to(state.recurrent.dtype))
+    return o[0].float()
+
+
+def _device_qsl(batch: StateBatch, device: torch.device) -> torch.Tensor:
+    if batch.query_start_loc is not None:
+        return batch.query_start_loc
+    return torch.tensor(batch.query_start_loc_host).to(device, non_blocking=True)

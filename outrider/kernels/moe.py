@@ -1,0 +1,127 @@
+"""Fused MoE experts: the (token, expert) pairs sorted by expert into blocks of BLOCK_M rows, each block padded to
+one expert, and two grouped GEMMs over all blocks, one launch each: gate_up with SiLU-mul (-> [T*k, I]) and down
+scaled by the routing weight (-> [T*k, H]), summed over each token's k experts at the end.
+
+Every shape depends only on T, k and E (the block list is sized for the worst case, and blocks past the last
+expert's exit at once), and nothing reads back to the host, so a decode step with MoE layers captures into one
+CUDA graph. The expert weights are read as stored ([E, 2I, H] and [E, H, I], row-major), no transposed copies.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from outrider.layers.moe import Routing
+
+
+class BlockLayout(NamedTuple):
+    """The pairs (index t * k + j into the flattened routing) in expert order, BLOCK_M per block.
+
+    sorted_pairs [blocks * BLOCK_M]: a pair index, or T*k for padding; block_expert [blocks]: each block's expert,
+    -1 past the last."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+
+
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks the layout needs at most: every expert hit pads its pairs up to a multiple of block_m."""
+    return -(-(num_pairs + min(num_pairs, num_experts) * (block_m - 1)) // block_m)
+
+
+def block_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> BlockLayout:
+    """Sort the flattened expert ids [T, k] into per-expert blocks, with device ops of fixed shapes only."""
+    flat = ids.flatten()
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # each expert's first index in `order`
+    dest = (padded_end - padded)[expert_of] + torch.arange(n, device=flat.device) - first[expert_of]
+    blocks = max_blocks(n, num_experts, block_m)
+    sorted_pairs = torch.full((blocks * block_m,), n, dtype=torch.int64, device=flat.device)
+    sorted_pairs.scatter_(0, dest, order)
+    starts = torch.arange(0, blocks * block_m, block_m, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, starts, right=True)
+    return BlockLayout(sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1))
+
+
+@triton.jit
+def _grouped_gemm(a_ptr, w_ptr, out_ptr, scale_ptr, pairs_ptr, block_expert_ptr, num_pairs, N,
+                  stride_am, stride_we, stride_wn, stride_om, K: tl.constexpr,
+                  A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[pair, n] = (a[pair // A_ROW_DIV] @ w[e, n, :]) for the pairs of one block of expert e; GATED: w's rows
+    N..2N are the up projection and the result is silu(gate) * up; SCALED: times scale[pair]. K (the model's
+    hidden or expert size) is a compile-time constant, which also lets Triton's interpreter run the loop."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    rows = tl.where(valid, pairs // A_ROW_DIV, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + (k0 + offs_k)[None, :], mask=valid[:, None] & k_ok[None, :],
+                    other=0.0)
+        w_off = offs_n[None, :] * stride_wn + (k0 + offs_k)[:, None]
+        w_mask = n_ok[None, :] & k_ok[:, None]
+        acc += tl.dot(a, tl.load(w_base + w_off, mask=w_mask, other=0.0), input_precision=PRECISION)
+        if GATED:
+            acc_up += tl.dot(a, tl.load(w_base + N * stride_wn + w_off, mask=w_mask, other=0.0),
+                             input_precision=PRECISION)
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if SCALED:
+        acc = acc * tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + pairs[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & n_ok[None, :])
+
+
+def _block_m(num_pairs: int) -> int:
+    # Decode routes one token to k experts: each block holds one real row, so keep blocks at tl.dot's minimum.
+    return 16 if num_pairs <= 64 else 64
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m: int, num_pairs: int,
+                 a_row_div: int, gated: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_pairs, N] rows of one launch of _grouped_gemm (see there); w [E, N or 2N, K] row-major."""
+    k_dim = a.shape[1]
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    block_n, block_k = 64, 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
+    grid = (layout.block_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm[grid](a, w, out, scale if scale is not None else out, layout.sorted_pairs, layout.block_expert,
+                        num_pairs, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0), K=k_dim,
+                        A_ROW_DIV=a_row_div, GATED=gated, SCALED=scale is not None,
+                        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """layers.moe.torch_experts on the grouped GEMMs: x [T, H], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+    t, top_k = routing.ids.shape
+    num_pairs = t * top_k
+    if num_pairs == 0:  # (an empty grid is no launch)
+        return torch.zeros_like(x)
+    block_m = _block_m(num_pairs)
+    layout = block_layout(routing.ids, gate_up.shape[0], block_m)
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    act = grouped_gemm(x, gate_up, layout, block_m, num_pairs, a_row_div=top_k, gated=True)
+    weights = routing.weights.flatten().to(torch.float32).contiguous()
+    y = grouped_gemm(act, down, layout, block_m, num_pairs, a_row_div=1, gated=False, scale=weights)
+    return y.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
