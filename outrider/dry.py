@@ -1,0 +1,131 @@
+"""DRY ("Don't Repeat Yourself"), llama.cpp's repetition penalty over repeated sequences, on the host.
+
+For the last `dry_penalty_last_n` tokens (the window), a token that would extend a repeat of length L >=
+allowed_length (the window's suffix of L tokens also appears earlier, followed by that token) gets its logit
+lowered by multiplier * base^(L - allowed_length). Repeats do not run across a sequence breaker: the window's
+most recent breaker caps L at the number of tokens after it, and a token that alone is a breaker is never
+penalised. A breaker is a string; its token forms are the tokens whose text contains it (heads alone) and the
+tokens whose text ends with a prefix of it, followed by the rest of it tokenized (heads with tails).
+
+The search is per row and runs on the host (numpy), linear in the window plus the total length of the
+candidate repeats; the sampler applies the (row, token, penalty) triples to the logits on the device, for the
+whole batch at once (Sampler.adjusted_logits).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_BREAKER_CHARS = 40  # llama.cpp's limits on a breaker's length and its tail's tokens
+MAX_TAIL_TOKENS = 20
+_FLOAT_MAX_LOG = 88.7228391  # log(float32 max): the exponent is capped below overflow
+
+
+@dataclass(frozen=True)
+class Breakers:
+    """A request's sequence breakers in token form: head token -> the tails that complete a breaker after it
+    (an empty tail: the head alone is one)."""
+
+    entries: tuple[tuple[int, tuple[tuple[int, ...], ...]], ...]  # (head, its tails), by head
+
+    @functools.cached_property
+    def tails(self) -> Mapping[int, tuple[tuple[int, ...], ...]]:
+        return dict(self.entries)
+
+    @functools.cached_property
+    def single(self) -> list[int]:
+        return [h for h, tails in self.entries if () in tails]
+
+
+def breaker_sequences(tokenizer, breakers: tuple[str, ...]) -> Breakers:
+    """The token form of these breaker strings under `tokenizer` (cached: the vocab scan runs once per list)."""
+    return _breaker_sequences(tokenizer, breakers)
+
+
+@functools.lru_cache(maxsize=64)
+def _breaker_sequences(tokenizer, breakers: tuple[str, ...]) -> Breakers:
+    vocab = _vocab_bytes(tokenizer)
+    tails: dict[int, set[tuple[int, ...]]] = {}
+    for text in breakers:
+        raw = text[:MAX_BREAKER_CHARS].encode()
+        if not raw:
+            continue
+        for tok, word in enumerate(vocab):
+            if raw in word:
+                tails.setdefault(tok, set()).add(())
+                continue
+            pos = word.find(raw[:1])
+            while pos >= 0:  # the word ends with a prefix of the breaker: the rest follows in later tokens
+                if raw.startswith(word[pos:]):
+                    rest = raw[len(word) - pos:].decode("utf-8", errors="ignore")
+                    tail = tuple(tokenizer.encode(rest, add_special=False, parse_special=False)[:MAX_TAIL_TOKENS])
+                    tails.setdefault(tok, set()).add(tail)
+                pos = word.find(raw[:1], pos + 1)
+    return Breakers(tuple((h, tuple(sorted(t))) for h, t in sorted(tails.items())))
+
+
+@functools.lru_cache(maxsize=4)
+def _vocab_bytes(tokenizer) -> list[bytes]:
+    return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+
+
+def dry_penalties(window: Sequence[int], multiplier: float, base: float, allowed_length: int,
+                  breakers: Breakers | None) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, penalties to subtract from their logits) for a row whose recent tokens are `window` (already
+    cut to dry_penalty_last_n)."""
+    none = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+    tokens = np.asarray(window, dtype=np.int64)
+    n = len(tokens)
+    if multiplier == 0.0 or n <= allowed_length:
+        return none
+    limit = _repeat_limit(tokens, breakers)
+    if limit < allowed_length:
+        return none
+    # match[j]: the longest L <= limit with tokens[j-L+1 .. j] == tokens[n-L .. n-1], for j < n-1. The candidates
+    # for L+1 are those of L whose token before also matches, so each pass looks at the live candidates only.
+    match = np.zeros(n - 1, dtype=np.int64)
+    live = np.flatnonzero(tokens[:-1] == tokens[-1]) if limit >= 1 else np.zeros(0, dtype=np.int64)
+    length = 1
+    while live.size:
+        match[live] = length
+        if length == limit:
+            break
+        live = live[live >= length]
+        live = live[tokens[live - length] == tokens[n - 1 - length]]
+        length += 1
+    ends = np.flatnonzero(match >= allowed_length)
+    if not ends.size:
+        return none
+    following, lengths = tokens[ends + 1], match[ends]
+    ids, at = np.unique(following, return_inverse=True)
+    longest = np.zeros(len(ids), dtype=np.int64)
+    np.maximum.at(longest, at, lengths)
+    if breakers is not None and breakers.single:
+        keep = ~np.isin(ids, breakers.single)
+        ids, longest = ids[keep], longest[keep]
+    exponent = longest - allowed_length
+    if base > 1.000001:
+        exponent = np.minimum(exponent, int(_FLOAT_MAX_LOG / math.log(base)))
+    return ids, (multiplier * np.power(np.float64(base), exponent)).astype(np.float32)
+
+
+def _repeat_limit(tokens: np.ndarray, breakers: Breakers | None) -> int:
+    """How long a repeat may be: the tokens after the most recent breaker (all of them without one)."""
+    n = len(tokens)
+    if breakers is None or not breakers.tails:
+        return n
+    heads = np.flatnonzero(np.isin(tokens, list(breakers.tails)))
+    for at in heads[::-1].tolist():
+        after = n - 1 - at  # tokens after the head
+        longest = -1
+        for tail in breakers.tails[int(tokens[at])]:
+            if longest < len(tail) <= after and tuple(tokens[at + 1 : at + 1 + len(tail)].tolist()) == tail:
+                longest = len(tail)
+        if longest >= 0:
+            return after - longest
+    return n
