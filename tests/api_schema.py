@@ -52,8 +52,14 @@ SAMPLING = {
     "sse_ping_interval": _f("number", minimum=-1),
     "grammar": _f("string"),  # GBNF (one that does not compile is a 400 naming the field too)
     "json_schema": _f("object"),
-    **{name: OFF for name in ("mirostat", "dynatemp_range", "xtc_probability",
-                              "dry_multiplier", "min_keep", "n_indent", "t_max_predict_ms", "lora")},
+    "dry_multiplier": _f("number", minimum=0),
+    "dry_base": _f("number", minimum=1),
+    "dry_allowed_length": _f("integer", minimum=0, maximum=INT_MAX),
+    "dry_penalty_last_n": _f("integer", minimum=-1, maximum=INT_MAX),
+    "dry_sequence_breakers": _f("array", items={"type": "string"}),
+    "xtc_probability": _f("number", minimum=0, maximum=1),
+    "xtc_threshold": _f("number", minimum=0, maximum=1),
+    **{name: OFF for name in ("mirostat", "dynatemp_range", "min_keep", "n_indent", "t_max_predict_ms", "lora")},
 }
 COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
     "prompt": PROMPT, **SAMPLING,
