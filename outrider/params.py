@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from outrider.request_fields import FIELDS
+from outrider.request_fields import FIELDS, WINDOWED, history_window, sampler_on
 
 if TYPE_CHECKING:
     from outrider.structured.grammar import Grammar
@@ -42,30 +42,23 @@ class _SamplingParamsBase:
             if not ok:
                 raise ValueError(f"invalid value for '{name}'")
 
+    def sampler_on(self, sampler: str) -> bool:
+        """Does this llama-server sampler (request_fields.SAMPLER_ORDER) change anything here?"""
+        return sampler_on(self, sampler)
+
     @property
     def penalized(self) -> bool:
-        """True when a penalty reads the recent tokens on the host: repeat/presence/frequency, or DRY."""
-        return self.penalties_on or self.dry_on
+        """True when a penalty (repeat/presence/frequency, DRY) reads the recent tokens, on the host."""
+        return any(sampler_on(self, s) for s in WINDOWED)
 
     @property
     def penalty_window(self) -> int:
-        """How many recent tokens the penalties read (-1: all of them)."""
-        windows = [n for n, on in ((self.repeat_last_n, self.penalties_on), (self.dry_penalty_last_n, self.dry_on))
-                   if on]
-        return -1 if -1 in windows else max(windows, default=0)
+        """How many recent tokens the penalties read (-1: all of them, 0: none)."""
+        return history_window(self)
 
     def token_form(self, name: str) -> Any:
         """The token form of a vocab-dependent field (None when not computed: request_fields.tokenize)."""
         return next((form for n, form in self.tokenized if n == name), None)
-
-    @property
-    def penalties_on(self) -> bool:
-        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-                                            or self.frequency_penalty != 0.0)
-
-    @property
-    def dry_on(self) -> bool:
-        return self.dry_multiplier != 0.0 and self.dry_penalty_last_n != 0
 
 
 SamplingParams = dataclasses.make_dataclass(

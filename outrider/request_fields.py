@@ -41,6 +41,7 @@ class Field:
     sampler: str | None = None  # the SAMPLER_ORDER name it configures
     off: Any = None  # the value that switches `sampler` off (a `samplers` list leaving the sampler out sets it)
     column: Column | None = None  # the sampler reads it per row: a ParamTable column of this kind
+    window: bool = False  # how many recent tokens `sampler` reads (-1: all of them, 0: the sampler is off)
     tokenized: Callable[[Any, Any], Any] | None = None  # (tokenizer, value) -> its form in token ids
     shown: bool = True  # in `generation_settings`
 
@@ -73,7 +74,7 @@ FIELDS: tuple[Field, ...] = (
     Field("typical_p", float, 1.0, "locally typical sampling p (1: off)", flag="--typical", lo=0.0, hi=1.0,
           floor=1e-9, sampler="typ_p", off=1.0, column="float"),
     Field("repeat_last_n", int, 64, "penalty window (-1: the whole context, 0: off)", flag="--repeat-last-n",
-          lo=-1, sampler="penalties", column="int"),
+          lo=-1, sampler="penalties", column="int", window=True),
     # llama.cpp: divides positive logits of seen tokens, multiplies negative ones
     Field("repeat_penalty", float, 1.0, "repeat penalty (1: off)", flag="--repeat-penalty", lo=1e-9,
           sampler="penalties", off=1.0, column="float"),
@@ -87,7 +88,7 @@ FIELDS: tuple[Field, ...] = (
     Field("dry_allowed_length", int, 2, "DRY: repeats up to this long go unpenalised",
           flag="--dry-allowed-length", lo=0, sampler="dry", column="int"),
     Field("dry_penalty_last_n", int, -1, "DRY window (-1: the whole context, 0: off)",
-          flag="--dry-penalty-last-n", lo=-1, sampler="dry", column="int"),
+          flag="--dry-penalty-last-n", lo=-1, sampler="dry", column="int", window=True),
     Field("dry_sequence_breakers", tuple, ("\n", ":", '"', "*"), "DRY: strings a repeat does not run across",
           flag="--dry-sequence-breaker", sampler="dry", tokenized=breaker_sequences),
     Field("xtc_probability", float, 0.0, "XTC: chance to exclude the top choices (0: off)",
@@ -108,13 +109,25 @@ CHAIN: dict[str, dict[str, Any]] = {
 }
 
 
+WINDOWED = tuple(s for s in CHAIN if any(f.window for f in FIELDS if f.sampler == s))  # samplers reading history
+
+
+def sampler_on(params: Any, sampler: str) -> bool:
+    """Does `sampler` change anything for these params: some field of it away from its "off" value, and its
+    window (if it reads one) not empty."""
+    fields = [f for f in FIELDS if f.sampler == sampler]
+    return (any(getattr(params, f.name) != f.off for f in fields if f.off is not None)
+            and all(getattr(params, f.name) != 0 for f in fields if f.window))
+
+
+def history_window(params: Any) -> int:
+    """How many recent tokens the samplers that are on read (-1: all of them, 0: none)."""
+    windows = [getattr(params, f.name) for f in FIELDS if f.window and sampler_on(params, f.sampler)]
+    return -1 if -1 in windows else max(windows, default=0)
+
+
 def tokenize(params: Any, tokenizer: Any) -> Any:
     """`params` with each vocab-dependent field's token form (SamplingParams.tokenized), for this tokenizer."""
     forms = tuple((f.name, f.tokenized(tokenizer, getattr(params, f.name)))
-                  for f in FIELDS if f.tokenized is not None and _on(params, f))
+                  for f in FIELDS if f.tokenized is not None and sampler_on(params, f.sampler))
     return dataclasses.replace(params, tokenized=forms) if forms else params
-
-
-def _on(params: Any, field: Field) -> bool:
-    """Is the field's sampler on (its token form is worth computing)?"""
-    return any(getattr(params, f.name) != f.off for f in FIELDS if f.sampler == field.sampler and f.off is not None)

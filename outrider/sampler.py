@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 # with drafts that came with their own distribution (speculative/verify.py).
 STREAM_SAMPLE, STREAM_XTC, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
 NUM_STREAMS = 4
-SAMPLE_STREAMS = 2  # what `sample` draws on
 
 _M32 = 0xFFFFFFFF
 _SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
@@ -166,8 +165,8 @@ class ParamTable:
         bias = p.logit_bias
         flags = {_Flag.GREEDY: not sampled, _Flag.TOP_P: sampled and f[_F.top_p] < 1.0,
                  _Flag.MIN_P: sampled and f[_F.min_p] > 0.0, _Flag.TYPICAL: sampled and f[_F.typical_p] < 1.0,
-                 _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.penalties_on,
-                 _Flag.DRY: p.dry_on, _Flag.BIASED: bool(bias),
+                 _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.sampler_on("penalties"),
+                 _Flag.DRY: p.sampler_on("dry"), _Flag.BIASED: bool(bias),
                  _Flag.LOGPROBS: p.n_probs > 0,
                  _Flag.XTC: sampled and f[_F.xtc_probability] > 0.0 and f[_F.xtc_threshold] <= 0.5}
         i[_I.flags] = sum(flag for flag, on in flags.items() if on)
@@ -249,7 +248,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None = None  # None: every row disables min-p (0.0)
     typical_p: torch.Tensor | None = None  # None: no sampled row uses typical sampling
     xtc: tuple[torch.Tensor, torch.Tensor] | None = None  # [N] probability, threshold; None: no row uses XTC
-    # [S, N] int64: hash of (seed, step, stream); S = SAMPLE_STREAMS with sample_only
+    # [S, N] int64: hash of (seed, step, stream); with sample_only, the streams `sample` draws on
     stream_keys: torch.Tensor | None = None
     some_top_p_off: bool = False  # some rows disable top-p while others use it
 
@@ -319,7 +318,8 @@ class Sampler:
             V = self.vocab_size
             width = V if some & _Flag.NO_TOP_K else min(V, int(ints[_I.top_k_width].max()))
             top_k = np.minimum(ints[_I.top_k_limit], width)
-            keys = _stream_keys(ints[_I.seed_key], rows.steps, SAMPLE_STREAMS if sample_only else NUM_STREAMS)
+            streams = (STREAM_XTC + 1 if some & _Flag.XTC else STREAM_SAMPLE + 1) if sample_only else NUM_STREAMS
+            keys = _stream_keys(ints[_I.seed_key], rows.steps, streams)
             parts += [(floats[_FILTERS], np.float32), (top_k, np.int64), (keys, np.int64)]
         dev = to_device(parts, self.device)
         if bias:
