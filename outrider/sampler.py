@@ -173,8 +173,9 @@ class ParamTable:
         i[_I.top_k_limit] = p.top_k if p.top_k > 0 else _NO_LIMIT  # a row keeps min(this, width) candidates
         i[_I.top_k_width] = p.top_k if sampled and p.top_k > 0 else 1  # the width it asks for
         i[_I.n_probs] = p.n_probs
-        i[_I.eog_banned_until] = _NO_LIMIT if p.ignore_eos else p.min_tokens  # (llama-server bans EOG with
-        i[_I.seed_key] = _seed_key(seed)  # ignore_eos, or before min_tokens)
+        # llama-server bans EOG with ignore_eos, or before min_tokens
+        i[_I.eog_banned_until] = _NO_LIMIT if p.ignore_eos else p.min_tokens
+        i[_I.seed_key] = _seed_key(seed)
         self.logit_bias[slot] = bias
         self.breakers[slot] = p.token_form("dry_sequence_breakers")
         self._owners[slot] = owner
@@ -390,7 +391,8 @@ class Sampler:
         at: list[int] = []
         toks: list[int] = []
         for r in np.flatnonzero(ints[_I.flags] & _Flag.PENALIZED).tolist():
-            window = [t for t in _window(rows.histories[r], int(ints[_I.repeat_last_n, r])) if 0 <= t < self.vocab_size]
+            window = _window(rows.histories[r], int(ints[_I.repeat_last_n, r]))
+            window = [t for t in window if 0 <= t < self.vocab_size]
             at += [r] * len(window)
             toks += window
         if not toks:
