@@ -7,8 +7,8 @@ most recent breaker caps L at the number of tokens after it, and a token that al
 penalised. A breaker is a string; its token forms are the tokens whose text contains it (heads alone) and the
 tokens whose text ends with a prefix of it, followed by the rest of it tokenized (heads with tails).
 
-The search is per row and runs on the host (numpy), linear in the window plus the total length of the
-candidate repeats; the sampler applies the (row, token, penalty) triples to the logits on the device, for the
+The search is per row and runs on the host (numpy): O(n + c log n) for a window of n tokens with c earlier
+occurrences of its last token (hashes and a binary search per occurrence, vectorised); the sampler applies the (row, token, penalty) triples to the logits on the device, for the
 whole batch at once (Sampler.adjusted_logits).
 """
 
@@ -74,10 +74,10 @@ def _vocab_bytes(tokenizer) -> list[bytes]:
     return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
 
 
-def dry_penalties(window: Sequence[int], multiplier: float, base: float, allowed_length: int,
+def dry_penalties(window: np.ndarray, multiplier: float, base: float, allowed_length: int,
                   breakers: Breakers | None) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, penalties to subtract from their logits) for a row whose recent tokens are `window` (already
-    cut to dry_penalty_last_n)."""
+    """(token ids, penalties to subtract from their logits) for a row whose recent tokens are `window` (int64,
+    already cut to dry_penalty_last_n)."""
     none = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
     tokens = np.asarray(window, dtype=np.int64)
     n = len(tokens)
@@ -86,18 +86,11 @@ def dry_penalties(window: Sequence[int], multiplier: float, base: float, allowed
     limit = _repeat_limit(tokens, breakers)
     if limit < allowed_length:
         return none
-    # match[j]: the longest L <= limit with tokens[j-L+1 .. j] == tokens[n-L .. n-1], for j < n-1. The candidates
-    # for L+1 are those of L whose token before also matches, so each pass looks at the live candidates only.
+    # match[j]: the longest L <= limit with tokens[j-L+1 .. j] == tokens[n-L .. n-1], for j < n-1
     match = np.zeros(n - 1, dtype=np.int64)
-    live = np.flatnonzero(tokens[:-1] == tokens[-1]) if limit >= 1 else np.zeros(0, dtype=np.int64)
-    length = 1
-    while live.size:
-        match[live] = length
-        if length == limit:
-            break
-        live = live[live >= length]
-        live = live[tokens[live - length] == tokens[n - 1 - length]]
-        length += 1
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1]) if limit >= 1 else np.zeros(0, dtype=np.int64)
+    if ends.size:
+        match[ends] = _common_suffixes(tokens, ends, np.minimum(ends + 1, limit))
     ends = np.flatnonzero(match >= allowed_length)
     if not ends.size:
         return none
@@ -112,6 +105,61 @@ def dry_penalties(window: Sequence[int], multiplier: float, base: float, allowed
     if base > 1.000001:
         exponent = np.minimum(exponent, int(_FLOAT_MAX_LOG / math.log(base)))
     return ids, (multiplier * np.power(np.float64(base), exponent)).astype(np.float32)
+
+
+# Polynomial hashes modulo two primes below 2^31 (every product of two residues fits in int64): a segment's hash
+# is comparable to another's in O(1), so each candidate's repeat length is a binary search, O(n + c log n) for the
+# window (a periodic text, where a loop over lengths would be quadratic, included). Two unequal segments agree on
+# both hashes with probability about 2^-62.
+_MODULI = (2147483629, 2147483587)
+_BASE = 1_000_003
+_powers: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # modulus -> (B^t, B^-t) mod it, t < len
+
+
+def _power_tables(modulus: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    tables = _powers.get(modulus)
+    if tables is None or len(tables[0]) < n:
+        inverse = pow(_BASE, -1, modulus)
+        size = 1 << max(n - 1, 1).bit_length()
+        up, down = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+        while len(up) < size:  # doubling: [x^0 .. x^(k-1)] then those times x^k
+            k = len(up)
+            up = np.concatenate([up, up * pow(_BASE, k, modulus) % modulus])
+            down = np.concatenate([down, down * pow(inverse, k, modulus) % modulus])
+        tables = _powers[modulus] = (up, down)
+    return tables
+
+
+def _common_suffixes(tokens: np.ndarray, ends: np.ndarray, most: np.ndarray) -> np.ndarray:
+    """For each end j, the longest L <= most[j] with tokens[j-L+1 .. j] == tokens[n-L .. n-1]."""
+    n = len(tokens)
+    sums = []
+    for modulus in _MODULI:
+        up, down = _power_tables(modulus, n)
+        scaled = tokens % modulus * down[:n] % modulus  # x_t * B^-t
+        sums.append((modulus, up, np.concatenate([[0], np.cumsum(scaled) % modulus])))
+
+    def equal(at: np.ndarray, length: np.ndarray) -> np.ndarray:
+        ok = np.ones(len(at), dtype=bool)
+        a, b = at + 1 - length, n - length  # the two segments' starts
+        for modulus, up, prefix in sums:  # sum of x_t * B^(t - start): the segment's hash
+            ha = (prefix[at + 1] - prefix[a]) % modulus * up[a] % modulus
+            hb = (prefix[n] - prefix[b]) % modulus * up[b] % modulus
+            ok &= ha == hb
+        return ok
+
+    most = most.astype(np.int64)
+    out = np.where(equal(ends, most), most, 0)  # whole matches first: runs and periodic text end here
+    todo = np.flatnonzero(out < most)  # (L >= 1 known: the last tokens are equal)
+    lo, hi = np.ones(len(todo), dtype=np.int64), most[todo] - 1
+    while todo.size:  # binary search on the ends not settled yet
+        mid = (lo + hi + 1) // 2
+        ok = equal(ends[todo], mid)
+        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid - 1)
+        done = lo >= hi
+        out[todo[done]] = lo[done]
+        todo, lo, hi = todo[~done], lo[~done], hi[~done]
+    return out
 
 
 def _repeat_limit(tokens: np.ndarray, breakers: Breakers | None) -> int:

@@ -211,7 +211,9 @@ class SamplingRows:
     table: ParamTable
     slots: np.ndarray  # [N] int64
     steps: np.ndarray  # [N] int64
-    histories: Sequence[Sequence[int]] | None = None  # per row, the tokens before it (None: no row is penalised)
+    # per row, the tokens before it (None: no row is penalised); rows at one slot are one request's positions in
+    # order, so each history is a prefix of the next one's
+    histories: Sequence[Sequence[int]] | None = None
     allowed: TokenMasks | None = None  # None: no row is constrained
 
     @classmethod
@@ -405,8 +407,13 @@ class Sampler:
         if rows.histories is None:
             return None
         at, toks, vals = [], [], []
-        for r in np.flatnonzero(ints[_I.flags] & _Flag.DRY).tolist():
-            ids, pen = dry_penalties(_window(rows.histories[r], int(ints[_I.dry_penalty_last_n, r])),
+        dry_rows = np.flatnonzero(ints[_I.flags] & _Flag.DRY).tolist()
+        # One array per request: its rows' histories are prefixes of its last row's (SamplingRows.histories).
+        last = {int(rows.slots[r]): r for r in dry_rows}
+        arrays = {slot: np.asarray(rows.histories[r], dtype=np.int64) for slot, r in last.items()}
+        for r in dry_rows:
+            history = arrays[int(rows.slots[r])][: len(rows.histories[r])]
+            ids, pen = dry_penalties(_window(history, int(ints[_I.dry_penalty_last_n, r])),
                                      float(floats[_F.dry_multiplier, r]), float(floats[_F.dry_base, r]),
                                      int(ints[_I.dry_allowed_length, r]), rows.table.breakers[rows.slots[r]])
             keep = ids < self.vocab_size
