@@ -15,7 +15,7 @@ from outrider import __version__
 from outrider.chat_templates import BUILTIN_TEMPLATES
 from outrider.config import EngineConfig, ModelConfig, NgramConfig, RopeOverride
 from outrider.params import SamplingParams
-from outrider.request_fields import FIELDS
+from outrider.request_fields import SUPPORTED
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server import flags
 from outrider.server.settings import ServerConfig, default_params
@@ -201,9 +201,9 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def sampling_defaults(ns: argparse.Namespace) -> SamplingParams:
-    """The request defaults: the request fields' flags (request_fields.FIELDS), -n and --cache-prompt."""
-    fields = {f.name: getattr(ns, f.name) for f in FIELDS if f.flag}
-    for f in FIELDS:  # a list flag's values (it holds the default's tuple when not given)
+    """The request defaults: the request fields' flags (request_fields.SUPPORTED), -n and --cache-prompt."""
+    fields = {f.name: getattr(ns, f.name) for f in SUPPORTED if f.flag}
+    for f in SUPPORTED:  # a list flag's values (it holds the default's tuple when not given)
         if f.flag and isinstance(fields[f.name], list):
             fields[f.name] = () if fields[f.name] == ["none"] else tuple(fields[f.name])
     try:

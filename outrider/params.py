@@ -1,6 +1,6 @@
 """SamplingParams: everything a request says about how to pick and stop tokens.
 
-Its sampling fields (temperature, top_k, ..., DRY, XTC) come from request_fields.FIELDS, with their defaults and
+Its sampling fields (temperature, top_k, ..., DRY, XTC) come from request_fields.SUPPORTED, with their defaults and
 range checks; the fields below are the ones whose parsing is their own (aliases with a cap, a token-level bias,
 stop strings, per-request speculative settings, the sampler list, a grammar).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from outrider.request_fields import FIELDS, WINDOWED, history_window, sampler_on
+from outrider.request_fields import SUPPORTED, WINDOWED, history_window, sampler_on
 
 if TYPE_CHECKING:
     from outrider.structured.grammar import Grammar
@@ -36,7 +36,7 @@ _OWN_FIELDS: list[tuple[str, Any, Any]] = [
 
 class _SamplingParamsBase:
     def __post_init__(self) -> None:
-        for field in FIELDS:
+        for field in SUPPORTED:
             object.__setattr__(self, field.name, field.check(getattr(self, field.name)))
         for ok, name in [(self.max_tokens >= -1, "max_tokens"), (self.n_probs >= 0, "n_probs")]:
             if not ok:
@@ -63,7 +63,7 @@ class _SamplingParamsBase:
 
 SamplingParams = dataclasses.make_dataclass(
     "SamplingParams",
-    [(f.name, f.type, dataclasses.field(default=f.default)) for f in FIELDS]
+    [(f.name, f.type, dataclasses.field(default=f.default)) for f in SUPPORTED]
     + [(name, kind, dataclasses.field(default=default)) for name, kind, default in _OWN_FIELDS],
     bases=(_SamplingParamsBase,),
     frozen=True,

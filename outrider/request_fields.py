@@ -4,7 +4,8 @@ variable, default, bounds and the sampler it configures.
 Everything else is derived from FIELDS: SamplingParams' attributes, defaults and checks (params.py), request
 parsing (server/protocol.py), the server-wide default flags (server/flags.py, cli.py), `generation_settings`
 (server/render.py), the `samplers` list's switches (sampler_chain.py) and the sampler's per-row columns
-(sampler.py ParamTable). Adding a field is one entry here and its maths in sampler.py (docs/contributing.md).
+(sampler.py ParamTable). Adding a field is one entry here and its maths in sampler.py (docs/contributing.md);
+implementing one of llama-server's samplers we lack (declared below as not `supported`) is the same.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ class Field:
     window: bool = False  # how many recent tokens `sampler` reads (-1: all of them, 0: the sampler is off)
     tokenized: Callable[[Any, Any], Any] | None = None  # (tokenizer, value) -> its form in token ids
     shown: bool = True  # in `generation_settings`
+    # False: a llama-server field we do not implement. A request may send it at a value in [lo, hi], where it
+    # changes nothing (any other is a 400 "not supported"); generation_settings shows the default.
+    supported: bool = True
 
     @property
     def spellings(self) -> tuple[str, ...]:
@@ -98,36 +102,47 @@ FIELDS: tuple[Field, ...] = (
     Field("ignore_eos", bool, False, "keep generating after end-of-generation tokens", flag="--ignore-eos"),
     Field("min_tokens", int, 0, "tokens generated before end-of-generation is allowed", lo=0, shown=False),
     Field("cache_prompt", bool, True, "reuse cached prompt prefixes", shown=False),
+    # llama-server's samplers we lack, accepted where they are off
+    Field("dynatemp_range", float, 0.0, "dynamic temperature range", lo=0.0, hi=0.0, supported=False),
+    Field("dynatemp_exponent", float, 1.0, "dynamic temperature exponent", supported=False),
+    Field("top_n_sigma", float, -1.0, "top-n-sigma (<= 0: off)", hi=0.0, supported=False),
+    Field("mirostat", int, 0, "Mirostat version (0: off)", lo=0, hi=0, supported=False),
+    Field("mirostat_tau", float, 5.0, "Mirostat target entropy", supported=False),
+    Field("mirostat_eta", float, 0.1, "Mirostat learning rate", supported=False),
+    Field("min_keep", int, 0, "candidates every filter keeps", lo=0, hi=0, supported=False),
+    Field("adaptive_target", float, -1.0, "adaptive-p target (< 0: off)", hi=-math.ulp(0.0), shown=False,
+          supported=False),
+    Field("adaptive_decay", float, 0.9, "adaptive-p decay", shown=False, supported=False),
 )
-BY_NAME = {f.name: f for f in FIELDS}
-COLUMNS: dict[Column, tuple[str, ...]] = {kind: tuple(f.name for f in FIELDS if f.column == kind)
+SUPPORTED = tuple(f for f in FIELDS if f.supported)  # SamplingParams' fields
+COLUMNS: dict[Column, tuple[str, ...]] = {kind: tuple(f.name for f in SUPPORTED if f.column == kind)
                                           for kind in ("float", "int")}
 # Our chain, in llama-server's order: each sampler a field configures, with the values that switch it off.
 CHAIN: dict[str, dict[str, Any]] = {
-    s: {f.name: f.off for f in FIELDS if f.sampler == s and f.off is not None}
-    for s in SAMPLER_ORDER if any(f.sampler == s for f in FIELDS)
+    s: {f.name: f.off for f in SUPPORTED if f.sampler == s and f.off is not None}
+    for s in SAMPLER_ORDER if any(f.sampler == s for f in SUPPORTED)
 }
 
 
-WINDOWED = tuple(s for s in CHAIN if any(f.window for f in FIELDS if f.sampler == s))  # samplers reading history
+WINDOWED = tuple(s for s in CHAIN if any(f.window for f in SUPPORTED if f.sampler == s))  # samplers reading history
 
 
 def sampler_on(params: Any, sampler: str) -> bool:
     """Does `sampler` change anything for these params: some field of it away from its "off" value, and its
     window (if it reads one) not empty."""
-    fields = [f for f in FIELDS if f.sampler == sampler]
+    fields = [f for f in SUPPORTED if f.sampler == sampler]
     return (any(getattr(params, f.name) != f.off for f in fields if f.off is not None)
             and all(getattr(params, f.name) != 0 for f in fields if f.window))
 
 
 def history_window(params: Any) -> int:
     """How many recent tokens the samplers that are on read (-1: all of them, 0: none)."""
-    windows = [getattr(params, f.name) for f in FIELDS if f.window and sampler_on(params, f.sampler)]
+    windows = [getattr(params, f.name) for f in SUPPORTED if f.window and sampler_on(params, f.sampler)]
     return -1 if -1 in windows else max(windows, default=0)
 
 
 def tokenize(params: Any, tokenizer: Any) -> Any:
     """`params` with each vocab-dependent field's token form (SamplingParams.tokenized), for this tokenizer."""
     forms = tuple((f.name, f.tokenized(tokenizer, getattr(params, f.name)))
-                  for f in FIELDS if f.tokenized is not None and sampler_on(params, f.sampler))
+                  for f in SUPPORTED if f.tokenized is not None and sampler_on(params, f.sampler))
     return dataclasses.replace(params, tokenized=forms) if forms else params

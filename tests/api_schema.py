@@ -59,7 +59,12 @@ SAMPLING = {
     "dry_sequence_breakers": _f("array", items={"type": "string"}),
     "xtc_probability": _f("number", minimum=0, maximum=1),
     "xtc_threshold": _f("number", minimum=0, maximum=1),
-    **{name: OFF for name in ("mirostat", "dynatemp_range", "min_keep", "n_indent", "t_max_predict_ms", "lora")},
+    # llama-server's samplers we lack: accepted where they are off
+    "mirostat": _f("integer", minimum=0, maximum=0),
+    "min_keep": _f("integer", minimum=0, maximum=0),
+    "dynatemp_range": _f("number", minimum=0, maximum=0),
+    "top_n_sigma": _f("number", maximum=0),
+    **{name: OFF for name in ("n_indent", "t_max_predict_ms", "lora")},
 }
 COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
     "prompt": PROMPT, **SAMPLING,

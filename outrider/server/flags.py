@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from outrider.request_fields import CHAIN, FIELDS, Field
+from outrider.request_fields import CHAIN, SUPPORTED, Field
 from outrider.sampler_chain import LETTERS
 
 
@@ -127,7 +127,7 @@ def _field_opt(field: Field) -> Opt:
 SAMPLING = [
     Opt(("-n", "--predict", "--n-predict"), "n_predict", "LLAMA_ARG_N_PREDICT", int, -1,
         "tokens to predict (-1 = until a stop); caps every request"),
-    *(_field_opt(f) for f in FIELDS if f.flag),
+    *(_field_opt(f) for f in SUPPORTED if f.flag),
     Opt(("--samplers",), "samplers", None, str, None,
         f"samplers in order, ';'-separated: a subset of {';'.join(CHAIN)} in this order"),
     Opt(("--sampling-seq", "--sampler-seq"), "sampling_seq", None, str, None,

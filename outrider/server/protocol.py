@@ -13,7 +13,7 @@ from typing import Any
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.request_fields import FIELDS, Field, tokenize
+from outrider.request_fields import FIELDS, SUPPORTED, Field, tokenize
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server.errors import ApiError, context_exceeded, invalid
 from outrider.structured.grammar import Grammar
@@ -24,15 +24,11 @@ log = logging.getLogger("outrider.server")
 INT_MAX = 2**31 - 1
 _MISSING = object()
 
-# Fields of llama-server we do not implement, accepted only at the value that means "off".
+# Fields of llama-server we do not implement, accepted only at the value that means "off" (the samplers among them
+# are declared in request_fields.FIELDS).
 _INERT = {
     "grammar_lazy": lambda v: not v,
     "grammar_triggers": lambda v: not v,
-    "mirostat": lambda v: v == 0,
-    "dynatemp_range": lambda v: v == 0,
-    "top_n_sigma": lambda v: v is None or v <= 0,
-    "adaptive_target": lambda v: v is None or v < 0,
-    "min_keep": lambda v: v == 0,
     "n_indent": lambda v: v == 0,
     "t_max_predict_ms": lambda v: v == 0,
     "lora": lambda v: not v,
@@ -52,9 +48,8 @@ KNOWN_FIELDS = frozenset({
     "speculative.n_min", "speculative.p_min", "samplers", "stream", "stream_options", "timings_per_token",
     "return_tokens", "return_progress", "post_sampling_probs", "response_fields", "sse_ping_interval", "n_cmpl",
     "n", "id_slot", "verbose", "grammar", "json_schema", "return_draft_provenance",
-    # samplers we lack, at settings that change nothing while they are off (the web UI sends them)
-    "n_discard", "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "adaptive_decay", "backend_sampling",
-    "preserved_tokens", "chat_format",
+    # settings of things that are off or that we always do (the web UI sends them)
+    "n_discard", "backend_sampling", "preserved_tokens", "chat_format",
     # OpenAI routes
     "model", "messages", "logprobs", "top_logprobs", "echo", "suffix", "user", "response_format", "tools",
     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "reasoning_format",
@@ -118,15 +113,17 @@ def get_object(body: dict, name: str) -> dict:
     return v
 
 
-def get_field(body: dict, field: Field, default: Any) -> Any:
-    """A request field (request_fields.FIELDS) under the first of its spellings the body holds."""
+def get_field(body: dict, field: Field, default: Any, refuse: bool = True) -> Any:
+    """A request field (request_fields.FIELDS) under the first of its spellings the body holds; with `refuse`,
+    one outside the field's range is a 400."""
     name = first_present(body, field.spellings)
+    lo, hi = (field.lo, field.hi) if refuse else (-math.inf, math.inf)
     if field.type is bool:
         return get_bool(body, name, default)
     if field.type is int:
-        return get_int(body, name, default, lo=max(field.lo, -INT_MAX), hi=min(field.hi, INT_MAX))
+        return get_int(body, name, default, lo=max(lo, -INT_MAX), hi=min(hi, INT_MAX))
     if field.type is float:
-        return get_float(body, name, default, field.lo, field.hi)
+        return get_float(body, name, default, lo, hi)
     value = body.get(name)  # a list of strings
     if value is None:
         return default
@@ -166,6 +163,9 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         value = body.get(name)
         if value is not None and not _is_off(inert, value):
             raise ApiError(400, f"'{name}' is not supported by this server")
+    for f in FIELDS:
+        if not f.supported and not f.lo <= get_field(body, f, f.default, refuse=False) <= f.hi:
+            raise ApiError(400, f"'{f.name}' is not supported by this server")
     for name in body.keys() - KNOWN_FIELDS:
         _note_unknown(name)
     # llama-server reads flat "speculative.n_max" keys; a nested {"speculative": {...}} object works too
@@ -180,7 +180,7 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
     seed = get_int(body, "seed", -1, lo=-1, hi=2**64 - 1)
     stop = get_str_list(body, "stop") or []
     fields = dict(
-        {f.name: get_field(body, f, getattr(defaults, f.name)) for f in FIELDS},
+        {f.name: get_field(body, f, getattr(defaults, f.name)) for f in SUPPORTED},
         max_tokens=max_tokens,
         logit_bias=_logit_bias(body.get("logit_bias"), tokenizer) or defaults.logit_bias,
         seed=defaults.seed if seed == -1 else seed,

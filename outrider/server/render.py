@@ -56,14 +56,9 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
     bias = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in [*params.logit_bias, *banned]]
     return {
         "seed": seed,
-        **{f.name: list(v) if isinstance(v := getattr(params, f.name), tuple) else v for f in FIELDS if f.shown},
-        # samplers we lack, at their "off" values
-        "dynatemp_range": 0.0,
-        "dynatemp_exponent": 1.0,
-        "top_n_sigma": -1.0,
-        "mirostat": 0,
-        "mirostat_tau": 5.0,
-        "mirostat_eta": 0.1,
+        # (the samplers we lack at their defaults: off)
+        **{f.name: list(v) if isinstance(v := getattr(params, f.name) if f.supported else f.default, tuple) else v
+           for f in FIELDS if f.shown},
         "stop": list(params.stop),
         "max_tokens": params.max_tokens,
         "n_predict": params.max_tokens,
@@ -72,7 +67,6 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
         "stream": stream,
         "logit_bias": bias,
         "n_probs": params.n_probs,
-        "min_keep": 0,
         "grammar": params.grammar.source if params.grammar is not None else "",
         "grammar_lazy": False,
         "grammar_triggers": [],
