@@ -579,9 +579,7 @@ def _xtc_keep(vals: torch.Tensor, keep: torch.Tensor | None, rank: torch.Tensor,
     at least two candidates have a probability >= threshold (over those still kept, at T=1), drop all of them but
     the least probable. Candidates are sorted best first, so those above the threshold lead."""
     probs = torch.softmax(_masked(vals, keep), dim=-1)
-    above = probs >= threshold[:, None]
-    if keep is not None:
-        above &= keep
+    above = (probs >= threshold[:, None]) & (probs > 0)  # (a token already out has probability 0)
     last = torch.where(above, rank, -1).amax(dim=-1, keepdim=True)  # the least probable one above
     on = (chance <= probability) & (threshold <= 0.5) & (probability > 0)
     return ~(above & (rank < last) & on[:, None])

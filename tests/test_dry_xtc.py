@@ -203,6 +203,11 @@ def test_xtc_needs_two_choices_above_the_threshold_and_a_threshold_up_to_one_hal
         assert out.tolist() == pytest.approx([0, 1] if threshold == 0.4 else high)
 
 
+def test_xtc_at_threshold_zero_keeps_the_least_probable_token_still_in():
+    assert xtc_probs(xtc(xtc_threshold=0.0)) == pytest.approx([0, 0, 0, 1])  # (the rest of the vocab is -inf)
+    assert xtc_probs(xtc(xtc_threshold=0.0, top_k=3)) == pytest.approx([0, 0, 1, 0])
+
+
 def test_xtc_sees_the_truncated_distribution_at_temperature_one():
     # top-k 2 keeps 0.4 and 0.3, renormalised to 0.57 and 0.43: both above 0.35
     assert xtc_probs(xtc(top_k=2, xtc_threshold=0.35)) == pytest.approx([0, 1, 0, 0])
