@@ -121,7 +121,9 @@ def _field_opt(field: Field) -> Opt:
     """A request field's server-wide default (request_fields.FIELDS); a list takes one value per use, "none" for
     none."""
     kind = {bool: None, tuple: str}.get(field.type, field.type)
-    return Opt((field.flag,), field.name, field.env, kind, field.default, field.help, repeated=field.type is tuple)
+    many = field.type is tuple
+    return Opt((field.flag,), field.name, field.env, kind, field.default,
+               f"{field.help} (once per value; 'none': no values)" if many else field.help, repeated=many)
 
 
 SAMPLING = [
