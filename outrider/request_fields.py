@@ -65,7 +65,8 @@ class Field:
 
 
 FIELDS: tuple[Field, ...] = (
-    # llama.cpp treats any temperature <= 0 as greedy
+    # llama.cpp treats any temperature <= 0 as greedy; without its sampler it draws from the distribution as it
+    # is: temperature 1
     Field("temperature", float, 0.8, "temperature (<= 0: greedy)", flag="--temp", floor=0.0,
           sampler="temperature", off=1.0, column="float"),
     Field("top_k", int, 40, "top-k (<= 0: off)", flag="--top-k", env="LLAMA_ARG_TOP_K", sampler="top_k", off=0,
