@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-MAX_BREAKER_CHARS = 40  # llama.cpp's limits on a breaker's length and its tail's tokens
+MAX_BREAKER_BYTES = 40  # llama.cpp's limits on a breaker's length and its tail's tokens
 MAX_TAIL_TOKENS = 20
 _FLOAT_MAX_LOG = 88.7228391  # log(float32 max): the exponent is capped below overflow
 
@@ -49,29 +50,40 @@ def breaker_sequences(tokenizer, breakers: tuple[str, ...]) -> Breakers:
 
 @functools.lru_cache(maxsize=64)
 def _breaker_sequences(tokenizer, breakers: tuple[str, ...]) -> Breakers:
-    vocab = _vocab_bytes(tokenizer)
+    blob, starts, ends = _vocab_blob(tokenizer)
+    data = np.frombuffer(blob, dtype=np.uint8)
     tails: dict[int, set[tuple[int, ...]]] = {}
     for text in breakers:
-        raw = text[:MAX_BREAKER_CHARS].encode()
+        raw = text.encode()[:MAX_BREAKER_BYTES]
         if not raw:
             continue
-        for tok, word in enumerate(vocab):
-            if raw in word:
-                tails.setdefault(tok, set()).add(())
-                continue
-            pos = word.find(raw[:1])
-            while pos >= 0:  # the word ends with a prefix of the breaker: the rest follows in later tokens
-                if raw.startswith(word[pos:]):
-                    rest = raw[len(word) - pos:].decode("utf-8", errors="ignore")
-                    tail = tuple(tokenizer.encode(rest, add_special=False, parse_special=False)[:MAX_TAIL_TOKENS])
+        # the tokens holding the whole breaker: one alone
+        hits = np.array([m.start() for m in re.finditer(b"(?=" + re.escape(raw) + b")", blob)], dtype=np.int64)
+        at = np.searchsorted(starts, hits, side="right") - 1
+        whole = set(at[hits + len(raw) <= ends[at]].tolist())
+        for tok in whole:
+            tails.setdefault(tok, set()).add(())
+        # the tokens ending with the breaker's first `length` bytes: a head, the rest tokenized its tail
+        for length in range(1, len(raw)):
+            heads = np.flatnonzero((ends - starts >= length) & (data[np.maximum(ends - 1, 0)] == raw[length - 1]))
+            for i in range(length - 1):
+                heads = heads[data[ends[heads] - length + i] == raw[i]]
+            heads = [tok for tok in heads.tolist() if tok not in whole]
+            if heads:
+                rest = raw[length:].decode("utf-8", errors="ignore")
+                tail = tuple(tokenizer.encode(rest, add_special=False, parse_special=False)[:MAX_TAIL_TOKENS])
+                for tok in heads:
                     tails.setdefault(tok, set()).add(tail)
-                pos = word.find(raw[:1], pos + 1)
     return Breakers(tuple((h, tuple(sorted(t))) for h, t in sorted(tails.items())))
 
 
 @functools.lru_cache(maxsize=4)
-def _vocab_bytes(tokenizer) -> list[bytes]:
-    return [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+def _vocab_blob(tokenizer) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """Every token's bytes one after another, and where each starts and ends."""
+    pieces = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    ends = np.cumsum(lengths)
+    return b"".join(pieces), ends - lengths, ends
 
 
 def dry_penalties(window: np.ndarray, multiplier: float, base: float, allowed_length: int,

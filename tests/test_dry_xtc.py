@@ -147,7 +147,7 @@ def test_dry_applies_to_greedy_rows_and_penalties_run_first():
 
 
 class FakeTokenizer:
-    pieces = [b"<s>", b"a", b"b", b"\n", b"x\ny", b"fo", b"o", b"foo", b"bar", b"o:"]
+    pieces = [b"<s>", b"a", b"b", b"\n", b"x\ny", b"fo", b"o", b"foo", b"bar", b"o:", b":"]
     vocab_size = len(pieces)
 
     def token_bytes(self, i: int) -> bytes:
@@ -165,8 +165,48 @@ def test_breakers_in_token_form_follow_llama_cpp():
     assert form.tails == {3: ((),), 4: ((),), 7: ((),), 5: ((6,),)}  # `fo`, then `o`
     assert sorted(form.single) == [3, 4, 7]
     params = tokenize(dry(), tok)  # the default breakers, \n : " *; `o:` holds `:`
-    assert params.token_form("dry_sequence_breakers").single == [3, 4, 9]
+    assert params.token_form("dry_sequence_breakers").single == [3, 4, 9, 10]
     assert tokenize(dry(dry_multiplier=0.0), tok).tokenized == ()  # DRY off: no vocab scan
+
+
+def breakers_read_literally(tokenizer, breakers: tuple[str, ...]) -> dict:
+    """llama.cpp's breaker processing as it reads: per token, the breaker inside it, or each position from which
+    the token's end is a prefix of the breaker."""
+    out: dict[int, set] = {}
+    for text in breakers:
+        raw = text.encode()[:40]
+        for tok in range(tokenizer.vocab_size):
+            word = tokenizer.token_bytes(tok)
+            if raw and raw in word:
+                out.setdefault(tok, set()).add(())
+                continue
+            for pos in range(len(word)):
+                if raw and raw.startswith(word[pos:]):
+                    rest = raw[len(word) - pos:].decode("utf-8", errors="ignore")
+                    out.setdefault(tok, set()).add(tuple(tokenizer.encode(rest, add_special=False,
+                                                                          parse_special=False)[:20]))
+    return {t: tuple(sorted(v)) for t, v in out.items()}
+
+
+@pytest.mark.parametrize("breakers", [("\n", ":", '"', "*"), ("foo",), ("o:", "ab", ""), ("é", "\n\n"),
+                                      ("the end", "###", "x" * 50)])
+def test_breakers_in_token_form_match_a_literal_reading(tmp_path_factory, breakers):
+    tok = real_tokenizer(tmp_path_factory)
+    assert breaker_sequences(tok, breakers).tails == breakers_read_literally(tok, breakers)
+    assert breaker_sequences(FakeTokenizer(), breakers).tails == breakers_read_literally(FakeTokenizer(), breakers)
+
+
+_REAL: list = []
+
+
+def real_tokenizer(tmp_path_factory):
+    """The tiny checkpoints' byte-level tokenizer (built once)."""
+    if not _REAL:
+        from outrider.testing import write_tiny_checkpoint
+        from outrider.tokenizer import Tokenizer
+
+        _REAL.append(Tokenizer.from_pretrained(write_tiny_checkpoint(tmp_path_factory.mktemp("tok") / "t")))
+    return _REAL[0]
 
 
 # --- XTC ---
