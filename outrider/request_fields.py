@@ -123,8 +123,6 @@ CHAIN: dict[str, dict[str, Any]] = {
     s: {f.name: f.off for f in SUPPORTED if f.sampler == s and f.off is not None}
     for s in SAMPLER_ORDER if any(f.sampler == s for f in SUPPORTED)
 }
-
-
 WINDOWED = tuple(s for s in CHAIN if any(f.window for f in SUPPORTED if f.sampler == s))  # samplers reading history
 
 
