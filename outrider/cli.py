@@ -15,6 +15,7 @@ from outrider import __version__
 from outrider.chat_templates import BUILTIN_TEMPLATES
 from outrider.config import EngineConfig, ModelConfig, NgramConfig, RopeOverride
 from outrider.params import SamplingParams
+from outrider.request_fields import SUPPORTED
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server import flags
 from outrider.server.settings import ServerConfig, default_params
@@ -200,11 +201,15 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def sampling_defaults(ns: argparse.Namespace) -> SamplingParams:
-    params = default_params(max_tokens=ns.n_predict, temperature=ns.temp, top_k=ns.top_k, top_p=ns.top_p,
-                            min_p=ns.min_p, typical_p=ns.typical_p, repeat_penalty=ns.repeat_penalty,
-                            repeat_last_n=ns.repeat_last_n, presence_penalty=ns.presence_penalty,
-                            frequency_penalty=ns.frequency_penalty, ignore_eos=ns.ignore_eos,
-                            cache_prompt=ns.cache_prompt)
+    """The request defaults: the request fields' flags (request_fields.SUPPORTED), -n and --cache-prompt."""
+    fields = {f.name: getattr(ns, f.name) for f in SUPPORTED if f.flag}
+    for f in SUPPORTED:  # a list flag's values (it holds the default's tuple when not given)
+        if f.flag and isinstance(fields[f.name], list):
+            fields[f.name] = () if fields[f.name] == ["none"] else tuple(fields[f.name])
+    try:
+        params = default_params(max_tokens=ns.n_predict, cache_prompt=ns.cache_prompt, **fields)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
     try:
         if ns.samplers is not None:
             return restrict(params, parse_names([n for n in ns.samplers.split(";") if n]))

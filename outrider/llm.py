@@ -9,6 +9,7 @@ from outrider.config import EngineConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import FinishReason, Request, RequestOutput
 from outrider.params import SamplingParams
+from outrider.request_fields import tokenize
 from outrider.timing import RequestTiming, now
 
 
@@ -38,7 +39,7 @@ class LLM:
         requests, outputs = [], {}
         for prompt, p in zip(prompts, plist):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            req = Request(ids, p)
+            req = Request(ids, tokenize(p, self.tokenizer))  # (fields whose meaning depends on the vocab)
             outputs[req.request_id] = []
             requests.append(req)
             self.engine.add_request(req, outputs[req.request_id].append)

@@ -1,60 +1,72 @@
-"""SamplingParams: everything a request says about how to pick and stop tokens."""
+"""SamplingParams: everything a request says about how to pick and stop tokens.
+
+Its sampling fields (temperature, top_k, ..., DRY, XTC) come from request_fields.SUPPORTED, with their defaults and
+range checks; the fields below are the ones whose parsing is their own (aliases with a cap, a token-level bias,
+stop strings, per-request speculative settings, the sampler list, a grammar).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from outrider.request_fields import SUPPORTED, WINDOWED, history_window, sampler_on
 
 if TYPE_CHECKING:
     from outrider.structured.grammar import Grammar
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16  # -1 = until a stop or the context is full
-    temperature: float = 0.8  # <= 0 means greedy
-    top_k: int = 40  # <= 0 disables
-    top_p: float = 0.95  # 1.0 disables
-    min_p: float = 0.05  # 0.0 disables
-    typical_p: float = 1.0  # 1.0 disables
-    repeat_penalty: float = 1.0  # llama.cpp-style: divides positive logits of seen tokens
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repeat_last_n: int = 64  # window of recent tokens for penalties (-1 = whole context, 0 = off)
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
-    seed: int | None = None  # None = engine picks one; the same seed gives the same tokens
-    n_probs: int = 0  # top-n log-probabilities per generated token
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
+_OWN_FIELDS: list[tuple[str, Any, Any]] = [
+    ("max_tokens", int, 16),  # -1 = until a stop or the context is full
+    ("logit_bias", tuple, ()),  # ((token id, bias), ...); -inf bans the token
+    ("seed", "int | None", None),  # None = engine picks one; the same seed gives the same tokens
+    ("n_probs", int, 0),  # top-n log-probabilities per generated token
+    ("stop", tuple, ()),
+    ("stop_token_ids", tuple, ()),
     # Speculative decoding, per request (None = server default)
-    spec_n_max: int | None = None
-    spec_n_min: int | None = None
-    spec_p_min: float | None = None
-    cache_prompt: bool = True  # reuse cached prompt prefixes (llama-server `cache_prompt`)
-    # llama-server's `samplers` as given (sampler_chain.py; the ones left out are switched off above); () = all
-    samplers: tuple[str, ...] = ()
-    grammar: Grammar | None = None  # constrains the output (each Request matches it with its own Constraint)
+    ("spec_n_max", "int | None", None),
+    ("spec_n_min", "int | None", None),
+    ("spec_p_min", "float | None", None),
+    # llama-server's `samplers` as given (sampler_chain.py; the ones left out are switched off); () = all
+    ("samplers", tuple, ()),
+    ("grammar", "Grammar | None", None),  # constrains the output (each Request matches it with its own Constraint)
+    # (field name, its token form) for the fields whose meaning depends on the vocab (request_fields.tokenize)
+    ("tokenized", tuple, ()),
+]
 
+
+class _SamplingParamsBase:
     def __post_init__(self) -> None:
-        checks = [
-            (self.max_tokens >= -1, "max_tokens"),
-            (self.temperature >= 0 or self.temperature != self.temperature, "temperature"),
-            (0.0 < self.top_p <= 1.0, "top_p"),
-            (0.0 <= self.min_p <= 1.0, "min_p"),
-            (0.0 < self.typical_p <= 1.0, "typical_p"),
-            (self.repeat_penalty > 0, "repeat_penalty"),
-            (self.repeat_last_n >= -1, "repeat_last_n"),
-            (self.n_probs >= 0, "n_probs"),
-            (self.min_tokens >= 0, "min_tokens"),
-        ]
-        for ok, name in checks:
+        for field in SUPPORTED:
+            object.__setattr__(self, field.name, field.check(getattr(self, field.name)))
+        for ok, name in [(self.max_tokens >= -1, "max_tokens"), (self.n_probs >= 0, "n_probs")]:
             if not ok:
                 raise ValueError(f"invalid value for '{name}'")
 
+    def sampler_on(self, sampler: str) -> bool:
+        """Does this llama-server sampler (request_fields.SAMPLER_ORDER) change anything here?"""
+        return sampler_on(self, sampler)
+
     @property
     def penalized(self) -> bool:
-        """True when repeat/presence/frequency penalties apply (they read the recent tokens on the host)."""
-        return self.repeat_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-                                            or self.frequency_penalty != 0.0)
+        """True when a penalty (repeat/presence/frequency, DRY) reads the recent tokens, on the host."""
+        return any(sampler_on(self, s) for s in WINDOWED)
+
+    @property
+    def penalty_window(self) -> int:
+        """How many recent tokens the penalties read (-1: all of them, 0: none)."""
+        return history_window(self)
+
+    def token_form(self, name: str) -> Any:
+        """The token form of a vocab-dependent field (None when not computed: request_fields.tokenize)."""
+        return next((form for n, form in self.tokenized if n == name), None)
+
+
+SamplingParams = dataclasses.make_dataclass(
+    "SamplingParams",
+    [(f.name, f.type, dataclasses.field(default=f.default)) for f in SUPPORTED]
+    + [(name, kind, dataclasses.field(default=default)) for name, kind, default in _OWN_FIELDS],
+    bases=(_SamplingParamsBase,),
+    frozen=True,
+)
+SamplingParams.__module__ = __name__
+SamplingParams.__doc__ = __doc__

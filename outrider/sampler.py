@@ -2,14 +2,16 @@
 
 Each row goes through llama.cpp's default chain, so a llama-server user gets the same distribution:
 logit_bias (+ engine bans) -> penalties (repeat/presence/frequency over the last repeat_last_n tokens of
-`history`) -> grammar (a row's allowed tokens, structured/grammar.py) -> top_k -> typical_p -> top_p -> min_p ->
-temperature -> draw. Note that temperature comes last, as in llama.cpp: the filters see the T=1 distribution.
-temperature <= 0 is greedy: the argmax after bias, penalties and grammar, and its processed distribution is one-hot.
+`history`) -> DRY (dry.py, over the last dry_penalty_last_n) -> grammar (a row's allowed tokens,
+structured/grammar.py) -> top_k -> typical_p -> top_p -> min_p -> XTC -> temperature -> draw. Note that
+temperature comes last, as in llama.cpp: the filters see the T=1 distribution. temperature <= 0 is greedy: the
+argmax after bias, penalties, DRY and grammar, and its processed distribution is one-hot.
 
 Randomness is counter-based: the noise for (seed, step, stream, token id) is a murmur-style hash computed
 with integer tensor ops, and tokens are drawn by Gumbel-max over the processed log-probs. A seeded row
-therefore draws the same tokens whatever else shares its batch. Stream 0 is plain sampling; speculative/verify.py
-draws on streams 1 and 2.
+therefore draws the same tokens whatever else shares its batch. Stream 0 is plain sampling (verification draws the
+target's token there too, so a seeded request gives the same tokens with or without drafts), stream 1 XTC's coin;
+speculative/verify.py draws on streams 2 and 3 for drafts that came with their own distribution.
 
 Usage, once per step (no host sync until the runner copies `token_ids` back):
     batch = sampler.prepare([RowSpec(params, seed, step, history) for each logits row])
@@ -17,8 +19,8 @@ Usage, once per step (no host sync until the runner copies `token_ids` back):
 The runner passes SamplingRows instead: the same rows by column, over a ParamTable it keeps across steps, so a
 step's host work is a gather rather than a pass over every row's parameters.
 Speculative verification (speculative/verify.py) uses `processed` (the sparse processed distribution), `uniform`
-and `gumbel_argmax` on its own streams, and `with_logprobs` for the tokens it commits; `greedy` alone when every
-row is greedy and the drafts are argmax ones.
+and `gumbel_argmax`, and `with_logprobs` for the tokens it commits; `greedy` alone when every row is greedy and
+the drafts are argmax ones.
 
 Log-probs reported for n_probs (`top_logprobs`, `chosen_logprob`) are log_softmax of the logits after logit
 bias and penalties, before truncation and temperature (llama-server's n_probs uses the raw model logits; we
@@ -35,16 +37,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from outrider.dry import dry_penalties
 from outrider.params import SamplingParams
+from outrider.request_fields import COLUMNS
 from outrider.structured.masks import TokenMasks
 from outrider.upload import to_device
 
 if TYPE_CHECKING:
+    from outrider.dry import Breakers
     from outrider.engine.request import Request
 
-# Independent noise streams per (seed, step): plain draws, and speculative verification's two (speculative/verify.py).
-STREAM_SAMPLE, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2
-NUM_STREAMS = 3
+# Independent noise streams per (seed, step): plain draws, XTC's coin, and the two of speculative verification
+# with drafts that came with their own distribution (speculative/verify.py).
+STREAM_SAMPLE, STREAM_XTC, STREAM_ACCEPT, STREAM_RESIDUAL = 0, 1, 2, 3
+NUM_STREAMS = 4
 
 _M32 = 0xFFFFFFFF
 _SALT = 0x243F6A88  # arbitrary start state (pi's fraction bits)
@@ -91,9 +97,22 @@ class RowSpec:
     history: Sequence[int] = ()  # tokens before this row's position (prompt, outputs, earlier drafts)
 
 
-# ParamTable columns: its float32 rows, then its int64 rows.
-_TEMPERATURE, _DIVISOR, _TOP_P, _MIN_P, _TYPICAL_P, _REPEAT, _PRESENCE, _FREQUENCY = range(8)
-_FLAGS, _TOP_K, _WIDTH_K, _N_PROBS, _EOG_BANNED_UNTIL, _SEED_KEY, _REPEAT_LAST_N = range(7)
+class _Columns:
+    """Named rows of a ParamTable array: the request fields' columns (request_fields.FIELDS) after the
+    sampler's own."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+        for i, name in enumerate(names):
+            setattr(self, name, i)
+
+
+_F = _Columns("divisor", *COLUMNS["float"])  # float32: the temperature a sampled row divides by (1 when greedy)
+# int64: flags, top_k as a limit and as the width it asks for, n_probs, the first output index EOG is allowed at,
+# and the seed's hash state
+_I = _Columns("flags", "top_k_limit", "top_k_width", "n_probs", "eog_banned_until", "seed_key", *COLUMNS["int"])
+_FILTERS = [_F.temperature, _F.divisor, _F.top_p, _F.min_p, _F.typical_p, _F.xtc_probability, _F.xtc_threshold]
+_PENALTIES = [_F.repeat_penalty, _F.presence_penalty, _F.frequency_penalty]
 _NO_LIMIT = np.iinfo(np.int64).max
 
 
@@ -105,9 +124,12 @@ class _Flag:
     MIN_P = 4  # sampled with min_p > 0
     TYPICAL = 8  # sampled with typical_p < 1
     NO_TOP_K = 16  # sampled with top-k disabled
-    PENALIZED = 32
+    PENALIZED = 32  # repeat/presence/frequency penalties
     BIASED = 64  # a logit bias
     LOGPROBS = 128  # n_probs > 0
+    DRY = 256
+    XTC = 512  # sampled with XTC on (a chance > 0, a threshold <= 0.5: llama.cpp's "off" above it)
+    HISTORY = PENALIZED | DRY  # reads the recent tokens
 
 
 class ParamTable:
@@ -117,9 +139,10 @@ class ParamTable:
     identity, and is rewritten only when another request takes it (parameters and seed never change)."""
 
     def __init__(self, size: int = 0) -> None:
-        self.floats = np.zeros((8, size), dtype=np.float32)
-        self.ints = np.zeros((7, size), dtype=np.int64)
+        self.floats = np.zeros((len(_F.names), size), dtype=np.float32)
+        self.ints = np.zeros((len(_I.names), size), dtype=np.int64)
         self.logit_bias: list[tuple[tuple[int, float], ...]] = [()] * size
+        self.breakers: list[Breakers | None] = [None] * size  # DRY's sequence breakers in token form
         self._owners: list[object | None] = [None] * size  # the request each slot mirrors
 
     def sync(self, reqs: Sequence[Request]) -> None:
@@ -133,38 +156,42 @@ class ParamTable:
         """Set a slot's parameters and seed, for `owner` (the request it mirrors)."""
         if slot >= len(self._owners):
             self._grow(slot + 1)
-        p, f = params, self.floats[:, slot]
-        f[_TEMPERATURE] = p.temperature
-        sampled = bool(f[_TEMPERATURE] > 0)
-        f[:] = (p.temperature, p.temperature if sampled else 1.0, p.top_p, p.min_p, p.typical_p, p.repeat_penalty,
-                p.presence_penalty, p.frequency_penalty)
+        p, f, i = params, self.floats[:, slot], self.ints[:, slot]
+        for name in COLUMNS["float"]:
+            f[getattr(_F, name)] = getattr(p, name)
+        for name in COLUMNS["int"]:
+            i[getattr(_I, name)] = getattr(p, name)
+        sampled = bool(f[_F.temperature] > 0)
+        f[_F.divisor] = p.temperature if sampled else 1.0
         bias = p.logit_bias
-        flags = {_Flag.GREEDY: not sampled, _Flag.TOP_P: sampled and f[_TOP_P] < 1.0,
-                 _Flag.MIN_P: sampled and f[_MIN_P] > 0.0, _Flag.TYPICAL: sampled and f[_TYPICAL_P] < 1.0,
-                 _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.penalized, _Flag.BIASED: bool(bias),
-                 _Flag.LOGPROBS: p.n_probs > 0}
-        self.ints[:, slot] = (
-            sum(flag for flag, on in flags.items() if on),
-            p.top_k if p.top_k > 0 else _NO_LIMIT,  # a row keeps min(this, width) candidates
-            p.top_k if sampled and p.top_k > 0 else 1,  # the width it asks for
-            p.n_probs,
-            _NO_LIMIT if p.ignore_eos else p.min_tokens,  # (llama-server bans EOG with ignore_eos, or before)
-            _seed_key(seed),
-            p.repeat_last_n,
-        )
+        flags = {_Flag.GREEDY: not sampled, _Flag.TOP_P: sampled and f[_F.top_p] < 1.0,
+                 _Flag.MIN_P: sampled and f[_F.min_p] > 0.0, _Flag.TYPICAL: sampled and f[_F.typical_p] < 1.0,
+                 _Flag.NO_TOP_K: sampled and p.top_k <= 0, _Flag.PENALIZED: p.sampler_on("penalties"),
+                 _Flag.DRY: p.sampler_on("dry"), _Flag.BIASED: bool(bias),
+                 _Flag.LOGPROBS: p.n_probs > 0,
+                 _Flag.XTC: sampled and f[_F.xtc_probability] > 0.0 and f[_F.xtc_threshold] <= 0.5}
+        i[_I.flags] = sum(flag for flag, on in flags.items() if on)
+        i[_I.top_k_limit] = p.top_k if p.top_k > 0 else _NO_LIMIT  # a row keeps min(this, width) candidates
+        i[_I.top_k_width] = p.top_k if sampled and p.top_k > 0 else 1  # the width it asks for
+        i[_I.n_probs] = p.n_probs
+        # llama-server bans EOG with ignore_eos, or before min_tokens
+        i[_I.eog_banned_until] = _NO_LIMIT if p.ignore_eos else p.min_tokens
+        i[_I.seed_key] = _seed_key(seed)
         self.logit_bias[slot] = bias
+        self.breakers[slot] = p.token_form("dry_sequence_breakers")
         self._owners[slot] = owner
 
     def penalized(self, slots: Sequence[int]) -> bool:
-        """True when a penalty reads the history of a row at these slots."""
-        return bool(np.bitwise_or.reduce(self.ints[_FLAGS, slots]) & _Flag.PENALIZED) if len(slots) else False
+        """True when a penalty (DRY among them) reads the history of a row at these slots."""
+        return bool(np.bitwise_or.reduce(self.ints[_I.flags, slots]) & _Flag.HISTORY) if len(slots) else False
 
     def _grow(self, size: int) -> None:
         old = len(self._owners)
         size = max(size, 2 * old)
-        self.floats = np.concatenate([self.floats, np.zeros((8, size - old), dtype=np.float32)], axis=1)
-        self.ints = np.concatenate([self.ints, np.zeros((7, size - old), dtype=np.int64)], axis=1)
+        self.floats = np.concatenate([self.floats, np.zeros((len(_F.names), size - old), dtype=np.float32)], axis=1)
+        self.ints = np.concatenate([self.ints, np.zeros((len(_I.names), size - old), dtype=np.int64)], axis=1)
         self.logit_bias += [()] * (size - old)
+        self.breakers += [None] * (size - old)
         self._owners += [None] * (size - old)
 
 
@@ -176,7 +203,9 @@ class SamplingRows:
     table: ParamTable
     slots: np.ndarray  # [N] int64
     steps: np.ndarray  # [N] int64
-    histories: Sequence[Sequence[int]] | None = None  # per row, the tokens before it (None: no row is penalised)
+    # per row, the tokens before it (None: no row is penalised); rows at one slot are one request's positions in
+    # order, so each history is a prefix of the next one's
+    histories: Sequence[Sequence[int]] | None = None
     allowed: TokenMasks | None = None  # None: no row is constrained
 
     @classmethod
@@ -201,6 +230,7 @@ class SamplingBatch:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, values
     penalties: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # ^ rows, token ids (one entry per occurrence), repeat, presence, frequency [N]
+    dry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, token ids, penalties (one per pair)
     # EOG bans, added to the logits at the sampler's eog_ids [E]: -inf for every row (a 0-dim tensor) or per row
     # ([N, 1]: -inf or 0); None when no row bans them.
     eog_ban: torch.Tensor | None = None
@@ -212,7 +242,9 @@ class SamplingBatch:
     top_p: torch.Tensor | None = None  # [N] float32; None: every row disables top-p (1.0)
     min_p: torch.Tensor | None = None  # None: every row disables min-p (0.0)
     typical_p: torch.Tensor | None = None  # None: no sampled row uses typical sampling
-    stream_keys: torch.Tensor | None = None  # [S, N] int64: hash of (seed, step, stream); S = 1 with sample_only
+    xtc: tuple[torch.Tensor, torch.Tensor] | None = None  # [N] probability, threshold; None: no row uses XTC
+    # [S, N] int64: hash of (seed, step, stream); with sample_only, the streams `sample` draws on
+    stream_keys: torch.Tensor | None = None
     some_top_p_off: bool = False  # some rows disable top-p while others use it
 
 
@@ -263,13 +295,14 @@ class Sampler:
         if not isinstance(rows, SamplingRows):
             rows = SamplingRows.of(rows)
         floats, ints = rows.table.floats[:, rows.slots], rows.table.ints[:, rows.slots]
-        some, every = int(np.bitwise_or.reduce(ints[_FLAGS])), int(np.bitwise_and.reduce(ints[_FLAGS]))
-        banned = rows.steps < ints[_EOG_BANNED_UNTIL] if self.eog_ids is not None else None
+        some, every = int(np.bitwise_or.reduce(ints[_I.flags])), int(np.bitwise_and.reduce(ints[_I.flags]))
+        banned = rows.steps < ints[_I.eog_banned_until] if self.eog_ids is not None else None
         some_banned = banned is not None and banned.any()
         ban_every_row = some_banned and banned.all()  # (the usual case, ignore_eos: nothing to upload)
         bias = self._bias(rows, ints, some)
         penalties = self._penalties(rows, floats, ints) if some & _Flag.PENALIZED else None
-        parts: list[tuple] = [*(bias or ()), *(penalties or ())]
+        dry = self._dry(rows, floats, ints) if some & _Flag.DRY else None
+        parts: list[tuple] = [*(bias or ()), *(penalties or ()), *(dry or ())]
         if some_banned and not ban_every_row:
             parts.append((np.where(banned, -np.inf, 0.0), np.float32))
         if rows.allowed is not None:
@@ -278,16 +311,19 @@ class Sampler:
         filters = not (all_greedy and (sample_only or argmax_drafts))
         if filters:
             V = self.vocab_size
-            width = V if some & _Flag.NO_TOP_K else min(V, int(ints[_WIDTH_K].max()))
-            top_k = np.minimum(ints[_TOP_K], width)
-            keys = _stream_keys(ints[_SEED_KEY], rows.steps, 1 if sample_only else NUM_STREAMS)
-            parts += [(floats[:_REPEAT], np.float32), (top_k, np.int64), (keys, np.int64)]
+            width = V if some & _Flag.NO_TOP_K else min(V, int(ints[_I.top_k_width].max()))
+            top_k = np.minimum(ints[_I.top_k_limit], width)
+            streams = (STREAM_XTC + 1 if some & _Flag.XTC else STREAM_SAMPLE + 1) if sample_only else NUM_STREAMS
+            keys = _stream_keys(ints[_I.seed_key], rows.steps, streams)
+            parts += [(floats[_FILTERS], np.float32), (top_k, np.int64), (keys, np.int64)]
         dev = to_device(parts, self.device)
         if bias:
             bias, dev = tuple(dev[:3]), dev[3:]
         if penalties:
             (at, toks, coef), dev = dev[:3], dev[3:]
             penalties = (at, toks, coef[0], coef[1], coef[2])
+        if dry:
+            dry, dev = tuple(dev[:3]), dev[3:]
         eog_ban = None
         if some_banned:
             if ban_every_row:
@@ -297,20 +333,24 @@ class Sampler:
         allowed = None
         if rows.allowed is not None:
             allowed, dev = (dev[0], dev[1]), dev[2:]
-        common = dict(num_rows=len(rows.slots), n_probs=int(ints[_N_PROBS].max()) if some & _Flag.LOGPROBS else 0,
-                      bias=bias, penalties=penalties, eog_ban=eog_ban, allowed=allowed)
+        common = dict(num_rows=len(rows.slots), n_probs=int(ints[_I.n_probs].max()) if some & _Flag.LOGPROBS else 0,
+                      bias=bias, penalties=penalties, dry=dry, eog_ban=eog_ban, allowed=allowed)
         if not filters:
             return SamplingBatch(width=self.vocab_size, all_greedy=True, **common)
         filt, top_k_dev, keys_dev = dev
+        col = {c: j for j, c in enumerate(_FILTERS)}  # the uploaded filter rows, by ParamTable column
+        xtc = some & _Flag.XTC
         return SamplingBatch(
             width=width,
             all_greedy=all_greedy,
-            greedy=filt[_TEMPERATURE] <= 0 if some & _Flag.GREEDY else None,
-            temperature=filt[_DIVISOR],
+            greedy=filt[col[_F.temperature]] <= 0 if some & _Flag.GREEDY else None,
+            temperature=filt[col[_F.divisor]],
             top_k=top_k_dev if top_k.min() < width else None,
-            top_p=filt[_TOP_P] if some & _Flag.TOP_P else None,
-            min_p=filt[_MIN_P] if some & _Flag.MIN_P else None,
-            typical_p=filt[_TYPICAL_P] if some & _Flag.TYPICAL else None,
+            top_p=filt[col[_F.top_p]] if some & _Flag.TOP_P else None,
+            min_p=filt[col[_F.min_p]] if some & _Flag.MIN_P else None,
+            typical_p=filt[col[_F.typical_p]] if some & _Flag.TYPICAL else None,
+            # (a greedy row's chance is never used: greedy rows ignore every filter)
+            xtc=(filt[col[_F.xtc_probability]], filt[col[_F.xtc_threshold]]) if xtc else None,
             stream_keys=keys_dev,
             some_top_p_off=not every & _Flag.TOP_P,
             **common,
@@ -322,7 +362,7 @@ class Sampler:
         toks: list[int] = []
         vals: list[float] = []
         if flags & _Flag.BIASED:
-            for r in np.flatnonzero(ints[_FLAGS] & _Flag.BIASED).tolist():
+            for r in np.flatnonzero(ints[_I.flags] & _Flag.BIASED).tolist():
                 for tok, b in rows.table.logit_bias[rows.slots[r]]:
                     at.append(r)
                     toks.append(tok)
@@ -344,19 +384,43 @@ class Sampler:
             return None
         at: list[int] = []
         toks: list[int] = []
-        for r in np.flatnonzero(ints[_FLAGS] & _Flag.PENALIZED).tolist():
-            n, history = int(ints[_REPEAT_LAST_N, r]), rows.histories[r]
-            window = [t for t in (history[-n:] if n > 0 else history) if 0 <= t < self.vocab_size]  # -1: all
+        for r in np.flatnonzero(ints[_I.flags] & _Flag.PENALIZED).tolist():
+            window = _window(rows.histories[r], int(ints[_I.repeat_last_n, r]))
+            window = [t for t in window if 0 <= t < self.vocab_size]
             at += [r] * len(window)
             toks += window
         if not toks:
             return None
-        return [(at, np.int64), (toks, np.int64), (floats[_REPEAT:], np.float32)]
+        return [(at, np.int64), (toks, np.int64), (floats[_PENALTIES], np.float32)]
+
+    def _dry(self, rows: SamplingRows, floats: np.ndarray, ints: np.ndarray) -> list[tuple] | None:
+        """Upload parts for DRY's (rows, token ids, penalties to subtract); None if nothing is penalised. The repeat
+        search runs here, per row (dry.py)."""
+        if rows.histories is None:
+            return None
+        at, toks, vals = [], [], []
+        dry_rows = np.flatnonzero(ints[_I.flags] & _Flag.DRY).tolist()
+        # One array per request: its rows' histories are prefixes of its last row's (SamplingRows.histories).
+        last = {int(rows.slots[r]): r for r in dry_rows}
+        arrays = {slot: np.asarray(rows.histories[r], dtype=np.int64) for slot, r in last.items()}
+        for r in dry_rows:
+            history = arrays[int(rows.slots[r])][: len(rows.histories[r])]
+            ids, pen = dry_penalties(_window(history, int(ints[_I.dry_penalty_last_n, r])),
+                                     float(floats[_F.dry_multiplier, r]), float(floats[_F.dry_base, r]),
+                                     int(ints[_I.dry_allowed_length, r]), rows.table.breakers[rows.slots[r]])
+            keep = ids < self.vocab_size
+            at.append(np.full(int(keep.sum()), r, dtype=np.int64))
+            toks.append(ids[keep])
+            vals.append(pen[keep])
+        if not at or not sum(len(a) for a in at):
+            return None
+        return [(np.concatenate(at), np.int64), (np.concatenate(toks), np.int64), (np.concatenate(vals), np.float32)]
 
     # --- device side ---
     def adjusted_logits(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Logits after logit bias, bans, penalties and grammars (a new tensor; the input is left alone)."""
-        if batch.bias is None and batch.eog_ban is None and batch.penalties is None and batch.allowed is None:
+        """Logits after logit bias, bans, penalties, DRY and grammars (a new tensor; the input is left alone)."""
+        if (batch.bias is None and batch.eog_ban is None and batch.penalties is None and batch.dry is None
+                and batch.allowed is None):
             return logits.float()  # nothing to adjust (compute_logits already returns float32: no copy)
         out = logits.float().clone()
         if batch.bias is not None:
@@ -375,6 +439,9 @@ class Sampler:
             scaled = torch.where(out <= 0, out * rp, out / rp)
             scaled = scaled - counts * frequency[:, None] - seen * presence[:, None]
             out = torch.where(seen, scaled, out)
+        if batch.dry is not None:
+            rows, toks, vals = batch.dry
+            out.index_put_((rows, toks), -vals, accumulate=True)
         if batch.allowed is not None:
             rows, bits = batch.allowed
             allowed = (bits[:, :, None] >> self._bit_shifts).flatten(1)[:, : out.shape[1]] & 1
@@ -401,6 +468,8 @@ class Sampler:
             keep = _and(keep, in_top_p)
         if batch.min_p is not None:  # min-p relative to the best token
             keep = _and(keep, vals >= vals[:, :1] + torch.log(batch.min_p)[:, None])
+        if batch.xtc is not None:
+            keep = _and(keep, _xtc_keep(vals, keep, rank, *batch.xtc, self.uniform(batch, STREAM_XTC)))
         logp = torch.log_softmax(_masked(vals, keep) / batch.temperature[:, None], dim=-1)
         if batch.greedy is None:
             return Processed(adjusted, logp, ids)
@@ -489,6 +558,23 @@ def _and(keep: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
 def _gumbel_noise(keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise for vocab `ids` [N, C] under per-row stream keys [N, 1]."""
     return -torch.log(-torch.log(_to_unit(_absorb(keys, ids))))
+
+
+def _window(history: Sequence[int], n: int) -> Sequence[int]:
+    """The last n tokens of a history (-1: all of it)."""
+    return history[-n:] if n > 0 else history if n < 0 else ()
+
+
+def _xtc_keep(vals: torch.Tensor, keep: torch.Tensor | None, rank: torch.Tensor, probability: torch.Tensor,
+              threshold: torch.Tensor, chance: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's XTC ("exclude top choices"): with probability `probability` (the row's `chance` below it), when
+    at least two candidates have a probability >= threshold (over those still kept, at T=1), drop all of them but
+    the least probable. Candidates are sorted best first, so those above the threshold lead."""
+    probs = torch.softmax(_masked(vals, keep), dim=-1)
+    above = (probs >= threshold[:, None]) & (probs > 0)  # (a token already out has probability 0)
+    last = torch.where(above, rank, -1).amax(dim=-1, keepdim=True)  # the least probable one above
+    on = (chance <= probability) & (threshold <= 0.5) & (probability > 0)
+    return ~(above & (rank < last) & on[:, None])
 
 
 def _typical_keep(vals: torch.Tensor, keep: torch.Tensor | None, typical_p: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """llama-server's `samplers` (request field and --samplers/--sampling-seq): which samplers run, in which order.
 
-Our sampler runs one fixed chain (sampler.py). A list is honoured when the samplers it names that we have
-come in that chain's order: those it leaves out are switched off. Samplers we lack are accepted in the list only
-because their own parameters are refused unless off (protocol.py), so listing them changes nothing.
+Our sampler runs one fixed chain (sampler.py), in llama-server's default order. A list is honoured when the
+samplers it names that we have come in that chain's order: those it leaves out are switched off. Samplers we lack
+are accepted in the list only because their own parameters are refused unless off (protocol.py), so listing them
+changes nothing.
 """
 
 from __future__ import annotations
@@ -10,18 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 from outrider.params import SamplingParams
+from outrider.request_fields import CHAIN, SAMPLER_ORDER
 
-# Our chain, in order, by llama-server's names; each with the parameter values that switch it off.
-CHAIN: dict[str, dict[str, float]] = {
-    "penalties": {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
-    "top_k": {"top_k": 0},
-    "typ_p": {"typical_p": 1.0},
-    "top_p": {"top_p": 1.0},
-    "min_p": {"min_p": 0.0},
-    # Without a temperature sampler llama.cpp draws from the distribution as it is: temperature 1.
-    "temperature": {"temperature": 1.0},
-}
-INERT = ("dry", "top_n_sigma", "xtc", "adaptive_p")  # llama-server's samplers we lack (their parameters are off)
+INERT = tuple(name for name in SAMPLER_ORDER if name not in CHAIN)  # llama-server's samplers we lack
 ALIASES = {"top-k": "top_k", "typical_p": "typ_p", "typical": "typ_p", "typ-p": "typ_p", "typical-p": "typ_p",
            "top-p": "top_p", "nucleus": "top_p", "min-p": "min_p", "temp": "temperature",
            "top-n-sigma": "top_n_sigma", "adaptive-p": "adaptive_p"}

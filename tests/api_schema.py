@@ -52,8 +52,19 @@ SAMPLING = {
     "sse_ping_interval": _f("number", minimum=-1),
     "grammar": _f("string"),  # GBNF (one that does not compile is a 400 naming the field too)
     "json_schema": _f("object"),
-    **{name: OFF for name in ("mirostat", "dynatemp_range", "xtc_probability",
-                              "dry_multiplier", "min_keep", "n_indent", "t_max_predict_ms", "lora")},
+    "dry_multiplier": _f("number", minimum=0),
+    "dry_base": _f("number", minimum=1),
+    "dry_allowed_length": _f("integer", minimum=0, maximum=INT_MAX),
+    "dry_penalty_last_n": _f("integer", minimum=-1, maximum=INT_MAX),
+    "dry_sequence_breakers": _f("array", items={"type": "string"}),
+    "xtc_probability": _f("number", minimum=0, maximum=1),
+    "xtc_threshold": _f("number", minimum=0, maximum=1),
+    # llama-server's samplers we lack: accepted where they are off
+    "mirostat": _f("integer", minimum=0, maximum=0),
+    "min_keep": _f("integer", minimum=0, maximum=0),
+    "dynatemp_range": _f("number", minimum=0, maximum=0),
+    "top_n_sigma": _f("number", maximum=0),
+    **{name: OFF for name in ("n_indent", "t_max_predict_ms", "lora")},
 }
 COMPLETION = {"type": "object", "required": ["prompt"], "properties": {
     "prompt": PROMPT, **SAMPLING,

@@ -263,6 +263,23 @@ def test_single_dash_flags_are_matched_exactly(capsys):
         cli.engine_kwargs(serve_ns("-dev", "CUDA0,CUDA1"))
 
 
+def test_sampling_flags_set_the_request_defaults():
+    ns = serve_ns("--temp", "0.3", "--top-k", "7", "--dry-multiplier", "0.8", "--dry-base", "2",
+                  "--dry-allowed-length", "3", "--dry-penalty-last-n", "128", "--dry-sequence-breaker", "\n",
+                  "--dry-sequence-breaker", "###", "--xtc-probability", "0.5", "--xtc-threshold", "0.2", "--ignore-eos")
+    d = cli.server_config(ns, "/m").defaults
+    assert (d.temperature, d.top_k, d.ignore_eos) == (0.3, 7, True)
+    assert (d.dry_multiplier, d.dry_base, d.dry_allowed_length, d.dry_penalty_last_n) == (0.8, 2.0, 3, 128)
+    assert d.dry_sequence_breakers == ("\n", "###") and (d.xtc_probability, d.xtc_threshold) == (0.5, 0.2)
+    plain = cli.server_config(serve_ns(), "/m").defaults
+    assert plain.dry_sequence_breakers == ("\n", ":", '"', "*") and plain.dry_multiplier == 0.0
+    assert cli.server_config(serve_ns("--dry-sequence-breaker", "none"), "/m").defaults.dry_sequence_breakers == ()
+    assert cli.server_config(serve_ns("--samplers", "dry;temperature"), "/m").defaults.samplers == ("dry",
+                                                                                                  "temperature")
+    with pytest.raises(SystemExit, match="xtc_probability"):
+        cli.server_config(serve_ns("--xtc-probability", "2"), "/m")
+
+
 def test_flags_llama_server_has_are_applied(monkeypatch, tmp_path):
     ns = serve_ns("-v", "--log-file", str(tmp_path / "log.txt"), "--cors-origins", "localhost,https://app.example/",
                   "--tags", "chat,small", "--samplers", "penalties;top_k;temperature", "--no-prefill-assistant")

@@ -169,6 +169,30 @@ def test_samplers_choose_which_samplers_run(client):
         assert r.status_code == 400 and "'samplers'" in r.json()["error"]["message"]
 
 
+def test_dry_and_xtc_run_and_show_in_generation_settings(client):
+    prompt = prompt_of(6, 4) * 4  # a repeated stretch: greedy decoding tends to continue it
+    plain = post(client, "/completion", {"prompt": prompt, "n_predict": 12, "return_tokens": True, **GREEDY})
+    dry = {"dry_multiplier": 4.0, "dry_base": 2.0, "dry_allowed_length": 1, "dry_penalty_last_n": 64,
+           "dry_sequence_breakers": ["\n"]}
+    out = post(client, "/completion", {"prompt": prompt, "n_predict": 12, "return_tokens": True, **GREEDY, **dry})
+    assert out["tokens"] != plain["tokens"]
+    assert {k: out["generation_settings"][k] for k in dry} == {**dry, "dry_sequence_breakers": ["\n"]}
+    # left out of `samplers`, DRY is off: the plain output again
+    off = post(client, "/completion", {"prompt": prompt, "n_predict": 12, "return_tokens": True, **GREEDY, **dry,
+                                       "samplers": ["penalties", "top_k", "temperature"]})
+    assert off["tokens"] == plain["tokens"] and off["generation_settings"]["dry_multiplier"] == 0
+    # XTC at threshold 0 over top-2 always removes the best one: every seed draws the second
+    xtc = {"prompt": "Hello", "n_predict": 6, "return_tokens": True, "top_k": 2, "temperature": 1.0,
+           "xtc_probability": 1.0, "xtc_threshold": 0.0, "ignore_eos": True}
+    seconds = {tuple(post(client, "/completion", {**xtc, "seed": seed})["tokens"]) for seed in range(4)}
+    best = post(client, "/completion", {**xtc, "top_k": 1})["tokens"]
+    assert len(seconds) == 1 and list(seconds.pop()) != best
+    for field, value in [("dry_multiplier", -1), ("dry_base", 0.5), ("dry_sequence_breakers", "\n"),
+                         ("xtc_probability", 1.5), ("xtc_threshold", "x")]:
+        r = client.post("/completion", json={"prompt": "a", field: value})
+        assert r.status_code == 400 and f"'{field}'" in r.json()["error"]["message"], (field, r.text)
+
+
 @pytest.mark.parametrize("origin, allowed", [
     ("http://localhost:5173", True), ("http://127.0.0.1:9", True), ("http://[::1]:8080", True),
     ("https://localhost", True), ("https://app.example", True), ("https://evil.example", False),

@@ -318,7 +318,7 @@ def test_stream_keys_are_pinned_and_match_the_device_hash():
     seeds_steps = [(0, 0), (1, 7), (2**63 - 1, 2**32 + 5), (123456789012345, 99)]
     rows = [RowSpec(plain(), seed, step) for seed, step in seeds_steps]
     pinned = [[1459986880, 663870494, 1618100533, 253648000], [2537935315, 2951709447, 1652868867, 3033719192],
-              [2823541456, 631515596, 2387145058, 2891760805]]
+              [2823541456, 631515596, 2387145058, 2891760805], [4077386885, 1114654818, 1901374852, 3355370414]]
     assert stream_keys(rows).tolist() == pinned  # Python ints (a few rows)
     assert stream_keys(rows * 3).tolist() == [r * 3 for r in pinned]  # numpy (many rows)
     col = lambda f: torch.tensor([f(r) & _M32 for r in rows], dtype=torch.int64)  # noqa: E731

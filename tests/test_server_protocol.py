@@ -106,7 +106,7 @@ def test_bad_values_name_the_field(field, value):
 def test_features_we_lack_are_refused_unless_off():
     params(grammar="", mirostat=0, dry_multiplier=0.0, top_n_sigma=-1.0, samplers=["top_k"])
     for field, value in [("grammar_lazy", True), ("grammar_triggers", [{"type": 0}]), ("mirostat", 2),
-                         ("xtc_probability", 0.5), ("lora", [{"id": 0, "scale": 1}]), ("n_indent", 4)]:
+                         ("lora", [{"id": 0, "scale": 1}]), ("n_indent", 4)]:
         with pytest.raises(ApiError, match=f"'{field}' is not supported"):
             params(**{field: value})
 

@@ -1,6 +1,7 @@
-"""Lossless sampling THROUGH THE ENGINE: for every drafter kind (and n-gram lookup alone and combined), the joint distribution of the first generated
-tokens at temperature 0.8 / top-p 0.9 with speculation equals plain sampling (a two-sample chi-square test over
-many seeded requests), and the same test rejects an engine whose rejection path lacks the residual correction.
+"""Lossless sampling THROUGH THE ENGINE: for every drafter kind (and n-gram lookup alone and combined), the joint
+distribution of the first generated tokens at temperature 0.8 / top-p 0.9 with speculation equals plain sampling
+(a two-sample chi-square test over many seeded requests), also with DRY and with XTC on, and the same test
+rejects an engine whose verification sees another distribution than the plain path.
 
 A random tiny checkpoint spreads its next-token mass over the whole 512-token vocabulary and random drafters
 almost never propose a token the target keeps, so such a test would compare two plain samplers. The checkpoint
@@ -47,10 +48,15 @@ CASES |= {kind: Case(arch, served, kwargs, frozenset(kinds), tuple(prompt), min_
           for kind, (arch, served, kwargs, kinds, prompt) in LOOKUP_SETUPS.items()}
 
 
-def params(seed: int, grammar=None) -> SamplingParams:
+# Samplers that read the history (DRY) or draw their own coin (XTC), set to change the distribution visibly.
+SAMPLERS = {"dry": (("dry_multiplier", 1.0), ("dry_allowed_length", 0)),
+            "xtc": (("xtc_probability", 0.5), ("xtc_threshold", 0.1))}
+
+
+def params(seed: int, grammar=None, extra: tuple = ()) -> SamplingParams:
     # 4 tokens so the first round (after the prefill's token) drafts k = 2: the policy leaves room for the bonus.
     return SamplingParams(max_tokens=4, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=seed,
-                          ignore_eos=True, grammar=grammar)
+                          ignore_eos=True, grammar=grammar, **dict(extra))
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,8 @@ def engine(path: Path, **kwargs) -> LLM:
     return llm
 
 
-def sample(llm: LLM, seeds: range, prompt: tuple[int, ...], grammar=None) -> tuple[Counter, list]:
-    outs = llm.generate([list(prompt)] * len(seeds), [params(s, grammar) for s in seeds])
+def sample(llm: LLM, seeds: range, prompt: tuple[int, ...], grammar=None, extra: tuple = ()) -> tuple[Counter, list]:
+    outs = llm.generate([list(prompt)] * len(seeds), [params(s, grammar, extra) for s in seeds])
     assert all(len(o.token_ids) == 4 for o in outs)
     return Counter(tuple(o.token_ids[:3]) for o in outs), outs
 
@@ -79,14 +85,14 @@ def sample(llm: LLM, seeds: range, prompt: tuple[int, ...], grammar=None) -> tup
 @pytest.fixture(scope="module")
 def plain(families):
     """Plain sampling (no drafter) of a family's target on a prompt, with seeds no speculative run uses."""
-    cache: dict[tuple[str, tuple[int, ...]], Counter] = {}
+    cache: dict[tuple, Counter] = {}
 
-    def counts(case: Case) -> Counter:
-        key = (case.arch, case.prompt)
+    def counts(case: Case, extra: tuple = ()) -> Counter:
+        key = (case.arch, case.prompt, extra)
         if key not in cache:
             llm = engine(families[case.arch]["target"], spec_type="none")
             assert llm.engine.drafter is None
-            cache[key] = sample(llm, range(N), case.prompt)[0]
+            cache[key] = sample(llm, range(N), case.prompt, extra=extra)[0]
         return cache[key]
 
     return counts
@@ -105,21 +111,27 @@ def two_sample_pvalue(a: Counter, b: Counter, min_pooled: int = 10) -> float:
     return stats.chi2_contingency(table, correction=False).pvalue
 
 
-def speculative_sample(families, case: Case, grammar_text: str | None = None) -> tuple[Counter, list]:
+def speculative_sample(families, case: Case, grammar_text: str | None = None, extra: tuple = (),
+                       broken: bool = False) -> tuple[Counter, list]:
+    """`extra` sampling fields (SAMPLERS) lower the acceptance (DRY penalises the repeats n-gram lookup drafts
+    from) and a `broken` verifier drifts from the prompt's repeats: the checks that the test can see something
+    are looser there (a broken verifier is only checked to have drafted)."""
     ckpts = families[case.arch]
     llm = engine(ckpts[case.served], **case.kwargs(ckpts))
     assert set(llm.engine.drafter_kind.split(",")) == case.kinds
     grammar = llm.engine.grammars.lark(grammar_text) if grammar_text else None
-    counts, outs = sample(llm, range(10**6, 10**6 + N), case.prompt, grammar)  # seeds disjoint from the plain's
+    counts, outs = sample(llm, range(10**6, 10**6 + N), case.prompt, grammar, extra)  # seeds disjoint from the plain's
     # The test says something only if the drafter drafted (in every request, for lookup in most) and its drafts
     # were neither always accepted nor always rejected; combined kinds must each have drafted.
     drafted = sum(o.timing.draft_n for o in outs)
     accepted = sum(o.timing.draft_n_accepted for o in outs)
-    assert sum(o.timing.draft_rounds > 0 for o in outs) >= case.min_drafting * N
+    assert sum(o.timing.draft_rounds > 0 for o in outs) >= case.min_drafting * N * (0.25 if extra or broken else 1)
     assert {o.timing.draft_kind for o in outs if o.timing.draft_rounds} == case.kinds
-    assert 0.2 < accepted / drafted < 0.8, (accepted, drafted)
+    if broken:
+        return counts, outs
+    assert (0.05 if extra else 0.2) < accepted / drafted < 0.8, (accepted, drafted)
     # Some rounds reach the bonus slot (unless a grammar bans what the drafter keeps proposing second).
-    assert grammar is not None or any(o.timing.draft_n_accepted == 2 for o in outs[:50])
+    assert grammar is not None or extra or any(o.timing.draft_n_accepted == 2 for o in outs[:50])
     return counts, outs
 
 
@@ -130,11 +142,25 @@ def test_speculative_distribution_equals_plain(families, plain, kind):
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-def test_chi_square_rejects_missing_residual_correction(families, plain, kind, monkeypatch):
-    """After a rejection, draw from p itself instead of normalize(max(p - q, 0)): the drafted token is then
-    over-represented, and the same test must see it (otherwise it could not see a real bug either)."""
-    monkeypatch.setattr(verify_mod, "residual", lambda p, q: p)
-    counts, _ = speculative_sample(families, CASES[kind])
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+def test_speculative_distribution_equals_plain_with_dry_and_xtc(families, plain, kind, sampler):
+    """Verified positions get the same DRY penalties (over the drafts before them) and the same XTC coin (per
+    output index) as plain steps, so speculation keeps the distribution; and the sampler changed it."""
+    extra = SAMPLERS[sampler]
+    counts, _ = speculative_sample(families, CASES[kind], extra=extra)
+    assert two_sample_pvalue(counts, plain(CASES[kind], extra)) > 1e-3
+    assert two_sample_pvalue(plain(CASES[kind], extra), plain(CASES[kind])) < 1e-6
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_chi_square_rejects_a_verifier_that_sees_another_distribution(families, plain, kind, monkeypatch):
+    """Verify draws the target's token from logits at temperature 1.6 instead of 0.8 (as if it processed the
+    verified rows differently from plain steps): the same test must see it (otherwise it could not see a real
+    bug either)."""
+    original = verify_mod._verify_sampled
+    monkeypatch.setattr(verify_mod, "_verify_sampled",
+                        lambda sampler, logits, *rest: original(sampler, logits / 2, *rest))
+    counts, _ = speculative_sample(families, CASES[kind], broken=True)
     assert two_sample_pvalue(counts, plain(CASES[kind])) < 1e-6
 
 

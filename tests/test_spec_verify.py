@@ -254,11 +254,39 @@ def test_speculative_distribution_equals_plain(mode):
 
 @pytest.mark.parametrize("broken", ["no_residual_correction", "accept_any_possible_token"])
 def test_chi_square_catches_wrong_acceptance(broken, monkeypatch):
-    """The same test must reject a verifier whose rejection path is wrong (so it can see a real bug)."""
+    """The same test must reject a verifier whose rejection path (drafts with their q) is wrong, so it can see a
+    real bug."""
     if broken == "no_residual_correction":
         monkeypatch.setattr(verify_mod, "residual", lambda p, q: p)
     else:
         monkeypatch.setattr(verify_mod, "residual", lambda p, q: p * (q == 0))  # as if accepting all p > 0
         original = verify_mod.Sampler.uniform
         monkeypatch.setattr(verify_mod.Sampler, "uniform", lambda self, b, s: original(self, b, s) * 0)
+    assert chi_square_pvalue(speculative_pairs("sampled_draft"), plain_pairs_distribution()) < 1e-6
+
+
+def test_chi_square_catches_a_compared_draw_from_another_distribution(monkeypatch):
+    """Argmax drafts are checked against the target's own draw: a verifier drawing that from anything but p
+    (here p at temperature 2) is caught."""
+    original = verify_mod.Sampler.gumbel_argmax
+    monkeypatch.setattr(verify_mod.Sampler, "gumbel_argmax",
+                        lambda self, logp, ids, b, s: original(self, logp / 2, ids, b, s))
     assert chi_square_pvalue(speculative_pairs("greedy_draft"), plain_pairs_distribution()) < 1e-6
+
+
+def test_argmax_drafts_emit_the_plain_draw_at_every_position():
+    """Sample and compare: every token a verify step emits is the token a plain step draws at that output index
+    (same seed), accepted or not, so seeded output does not depend on the drafts."""
+    target, draft_logits = toy_tables()
+    sampler = Sampler(V_TOY, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        prev, k = int(torch.randint(V_TOY, (1,), generator=gen)), trial % 4
+        drafts = torch.randint(V_TOY, (k,), generator=gen).tolist()
+        feed = [prev, *drafts]
+        rows = rows_for(SAMPLED, trial, 5, drafts)
+        verdict = verify(sampler, target[feed], sampler.prepare(rows), [drafts]).settle()
+        plain = sampler.sample(target[feed], sampler.prepare(rows)).token_ids.tolist()
+        m = verdict.num_accepted[0]
+        assert verdict.tokens[0] == plain[: m + 1]
+        assert drafts[:m] == plain[:m] and (m == k or drafts[m] != plain[m])

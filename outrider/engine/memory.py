@@ -77,7 +77,8 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
                        get_backend(device), aux_layer_ids).hidden
         logits = model.compute_logits(hidden[-rows:])
         sampler = Sampler(mc.vocab_size, device)
-        spec = RowSpec(SamplingParams(temperature=1.0, top_k=0, top_p=0.95, min_p=0.05, seed=0), seed=0, step=0)
+        spec = RowSpec(SamplingParams(temperature=1.0, top_k=0, top_p=0.95, min_p=0.05, xtc_probability=1.0, seed=0),
+                       seed=0, step=0)  # (XTC: one more softmax over the whole vocab)
         sampler.sample(logits, sampler.prepare([spec] * rows))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base - scratch

@@ -482,9 +482,9 @@ def _reads_history(req: Request) -> bool:
 
 
 def _penalty_window(req: Request) -> list[int]:
-    """The recent tokens the penalties look at (none when no penalty is set)."""
-    p = req.params
-    if not p.penalized:
+    """The recent tokens the penalties (DRY among them) look at (none when no penalty is set)."""
+    window = req.params.penalty_window
+    if window == 0:
         return []
     n = req.num_tokens - req.num_pending  # the known tokens (a pending one is still on the device)
-    return req.token_slice(0 if p.repeat_last_n < 0 else max(0, n - p.repeat_last_n), n)
+    return req.token_slice(0 if window < 0 else max(0, n - window), n)

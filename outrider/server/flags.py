@@ -12,6 +12,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from outrider.request_fields import CHAIN, SUPPORTED, Field
+from outrider.sampler_chain import LETTERS
+
 
 @dataclass(frozen=True)
 class Opt:
@@ -22,6 +25,7 @@ class Opt:
     default: Any = None
     help: str = ""
     negative: tuple[str, ...] = ()  # spellings that set a switch to False
+    repeated: bool = False  # each use adds a value (a list)
 
 
 def _env_bool(value: str) -> bool:
@@ -113,23 +117,23 @@ MODEL = [
         "(default 256; 0: eager)"),
 ]
 
+def _field_opt(field: Field) -> Opt:
+    """A request field's server-wide default (request_fields.FIELDS); a list takes one value per use, "none" for
+    none."""
+    kind = {bool: None, tuple: str}.get(field.type, field.type)
+    many = field.type is tuple
+    return Opt((field.flag,), field.name, field.env, kind, field.default,
+               f"{field.help} (once per value; 'none': no values)" if many else field.help, repeated=many)
+
+
 SAMPLING = [
     Opt(("-n", "--predict", "--n-predict"), "n_predict", "LLAMA_ARG_N_PREDICT", int, -1,
         "tokens to predict (-1 = until a stop); caps every request"),
-    Opt(("--temp",), "temp", None, float, 0.8, "temperature"),
-    Opt(("--top-k",), "top_k", "LLAMA_ARG_TOP_K", int, 40, "top-k"),
-    Opt(("--top-p",), "top_p", None, float, 0.95, "top-p"),
-    Opt(("--min-p",), "min_p", None, float, 0.05, "min-p"),
-    Opt(("--typical",), "typical_p", None, float, 1.0, "locally typical sampling p"),
-    Opt(("--repeat-penalty",), "repeat_penalty", None, float, 1.0, "repeat penalty"),
-    Opt(("--repeat-last-n",), "repeat_last_n", None, int, 64, "penalty window"),
-    Opt(("--presence-penalty",), "presence_penalty", None, float, 0.0, "presence penalty"),
-    Opt(("--frequency-penalty",), "frequency_penalty", None, float, 0.0, "frequency penalty"),
-    Opt(("--ignore-eos",), "ignore_eos", None, None, False, "keep generating after end-of-generation tokens"),
+    *(_field_opt(f) for f in SUPPORTED if f.flag),
     Opt(("--samplers",), "samplers", None, str, None,
-        "samplers in order, ';'-separated: a subset of penalties;top_k;typ_p;top_p;min_p;temperature in this order"),
+        f"samplers in order, ';'-separated: a subset of {';'.join(CHAIN)} in this order"),
     Opt(("--sampling-seq", "--sampler-seq"), "sampling_seq", None, str, None,
-        "--samplers as letters: e (penalties), k, y (typ_p), p, m, t"),
+        "--samplers as letters: " + ", ".join(f"{c} ({name})" for c, name in LETTERS.items() if name in CHAIN)),
 ]
 
 SERVER = [
@@ -245,6 +249,7 @@ def add_options(parser: argparse.ArgumentParser, opts: list[Opt]) -> None:
                                     help=argparse.SUPPRESS)
         else:
             parser.add_argument(*o.flags, dest=o.dest, type=o.type, default=None, metavar=o.dest.upper(),
+                                action="append" if o.repeated else "store",
                                 help=f"{o.help} (env {o.env})" if o.env else o.help)
 
 

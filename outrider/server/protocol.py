@@ -13,6 +13,7 @@ from typing import Any
 
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
+from outrider.request_fields import FIELDS, SUPPORTED, Field, tokenize
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server.errors import ApiError, context_exceeded, invalid
 from outrider.structured.grammar import Grammar
@@ -23,17 +24,11 @@ log = logging.getLogger("outrider.server")
 INT_MAX = 2**31 - 1
 _MISSING = object()
 
-# Fields of llama-server we do not implement, accepted only at the value that means "off".
+# Fields of llama-server we do not implement, accepted only at the value that means "off" (the samplers among them
+# are declared in request_fields.FIELDS).
 _INERT = {
     "grammar_lazy": lambda v: not v,
     "grammar_triggers": lambda v: not v,
-    "mirostat": lambda v: v == 0,
-    "dynatemp_range": lambda v: v == 0,
-    "xtc_probability": lambda v: v == 0,
-    "dry_multiplier": lambda v: v == 0,
-    "top_n_sigma": lambda v: v is None or v <= 0,
-    "adaptive_target": lambda v: v is None or v < 0,
-    "min_keep": lambda v: v == 0,
     "n_indent": lambda v: v == 0,
     "t_max_predict_ms": lambda v: v == 0,
     "lora": lambda v: not v,
@@ -48,16 +43,13 @@ _INERT = {
 # Every request field the generation routes read (or refuse above); any other key is ignored, as llama-server
 # ignores it, and named once in the log.
 KNOWN_FIELDS = frozenset({
-    *_INERT, "prompt", "n_predict", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "min_p",
-    "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "logit_bias", "seed",
-    "n_probs", "stop", "ignore_eos", "min_tokens", "speculative", "speculative.n_max", "speculative.n_min",
-    "speculative.p_min", "cache_prompt", "samplers", "stream", "stream_options", "timings_per_token",
+    *_INERT, *(name for f in FIELDS for name in f.spellings), "prompt", "n_predict", "max_tokens",
+    "max_completion_tokens", "logit_bias", "seed", "n_probs", "stop", "speculative", "speculative.n_max",
+    "speculative.n_min", "speculative.p_min", "samplers", "stream", "stream_options", "timings_per_token",
     "return_tokens", "return_progress", "post_sampling_probs", "response_fields", "sse_ping_interval", "n_cmpl",
     "n", "id_slot", "verbose", "grammar", "json_schema", "return_draft_provenance",
-    # samplers we lack, at settings that change nothing while they are off (the web UI sends them)
-    "n_discard", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_threshold",
-    "mirostat_tau", "mirostat_eta", "dynatemp_exponent", "adaptive_decay", "backend_sampling", "preserved_tokens",
-    "chat_format",
+    # settings of things that are off or that we always do (the web UI sends them)
+    "n_discard", "backend_sampling", "preserved_tokens", "chat_format",
     # OpenAI routes
     "model", "messages", "logprobs", "top_logprobs", "echo", "suffix", "user", "response_format", "tools",
     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "reasoning_format",
@@ -121,6 +113,25 @@ def get_object(body: dict, name: str) -> dict:
     return v
 
 
+def get_field(body: dict, field: Field, default: Any, refuse: bool = True) -> Any:
+    """A request field (request_fields.FIELDS) under the first of its spellings the body holds; with `refuse`,
+    one outside the field's range is a 400."""
+    name = first_present(body, field.spellings)
+    lo, hi = (field.lo, field.hi) if refuse else (-math.inf, math.inf)
+    if field.type is bool:
+        return get_bool(body, name, default)
+    if field.type is int:
+        return get_int(body, name, default, lo=max(lo, -INT_MAX), hi=min(hi, INT_MAX))
+    if field.type is float:
+        return get_float(body, name, default, lo, hi)
+    value = body.get(name)  # a list of strings
+    if value is None:
+        return default
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise invalid(name, "expected an array of strings")
+    return tuple(value)
+
+
 def get_str_list(body: dict, name: str) -> list[str] | None:
     """A string or a list of strings (None when absent)."""
     v = body.get(name)
@@ -152,6 +163,9 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         value = body.get(name)
         if value is not None and not _is_off(inert, value):
             raise ApiError(400, f"'{name}' is not supported by this server")
+    for f in FIELDS:
+        if not f.supported and not f.lo <= get_field(body, f, f.default, refuse=False) <= f.hi:
+            raise ApiError(400, f"'{f.name}' is not supported by this server")
     for name in body.keys() - KNOWN_FIELDS:
         _note_unknown(name)
     # llama-server reads flat "speculative.n_max" keys; a nested {"speculative": {...}} object works too
@@ -166,29 +180,16 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
     seed = get_int(body, "seed", -1, lo=-1, hi=2**64 - 1)
     stop = get_str_list(body, "stop") or []
     fields = dict(
+        {f.name: get_field(body, f, getattr(defaults, f.name)) for f in SUPPORTED},
         max_tokens=max_tokens,
-        # llama.cpp treats any temperature <= 0 as greedy
-        temperature=max(0.0, get_float(body, "temperature", defaults.temperature)),
-        top_k=get_int(body, "top_k", defaults.top_k),
-        # top_p = 0 keeps only the most probable token, which a tiny positive nucleus also does
-        top_p=max(get_float(body, "top_p", defaults.top_p, 0.0, 1.0), 1e-9),
-        min_p=get_float(body, "min_p", defaults.min_p, 0.0, 1.0),
-        typical_p=max(get_float(body, "typical_p", defaults.typical_p, 0.0, 1.0), 1e-9),
-        repeat_penalty=get_float(body, "repeat_penalty", defaults.repeat_penalty, 1e-9),
-        repeat_last_n=get_int(body, "repeat_last_n", defaults.repeat_last_n, lo=-1),
-        presence_penalty=get_float(body, "presence_penalty", defaults.presence_penalty),
-        frequency_penalty=get_float(body, "frequency_penalty", defaults.frequency_penalty),
         logit_bias=_logit_bias(body.get("logit_bias"), tokenizer) or defaults.logit_bias,
         seed=defaults.seed if seed == -1 else seed,
         n_probs=min(get_int(body, "n_probs", defaults.n_probs, lo=0) if n_probs is None else n_probs,
                     tokenizer.vocab_size),
         stop=tuple(s for s in stop if s) or defaults.stop,
-        ignore_eos=get_bool(body, "ignore_eos", defaults.ignore_eos),
-        min_tokens=get_int(body, "min_tokens", defaults.min_tokens, lo=0),
         spec_n_max=get_int(spec, "speculative.n_max", defaults.spec_n_max, lo=0),
         spec_n_min=get_int(spec, "speculative.n_min", defaults.spec_n_min, lo=0),
         spec_p_min=get_float(spec, "speculative.p_min", defaults.spec_p_min, 0.0, 1.0),
-        cache_prompt=get_bool(body, "cache_prompt", defaults.cache_prompt),
         grammar=grammar,
     )
     try:
@@ -197,9 +198,10 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         raise ApiError(400, str(e)) from e
     samplers = _samplers(body.get("samplers"))
     try:
-        return restrict(params, samplers or params.samplers) if samplers or params.samplers else params
+        params = restrict(params, samplers or params.samplers) if samplers or params.samplers else params
     except SamplerChainError as e:
         raise invalid("samplers", str(e)) from e
+    return tokenize(params, tokenizer)
 
 
 def _samplers(value: Any) -> tuple[str, ...] | None:

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from outrider.config import EngineConfig
 from outrider.engine.request import TokenLogprob
 from outrider.params import SamplingParams
-from outrider.sampler_chain import CHAIN
+from outrider.request_fields import CHAIN, FIELDS
 from outrider.timing import RequestTiming
 from outrider.tokenizer import Tokenizer
 
@@ -56,38 +56,17 @@ def generation_settings(params: SamplingParams, engine: EngineConfig, seed: int 
     bias = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in [*params.logit_bias, *banned]]
     return {
         "seed": seed,
-        "temperature": params.temperature,
-        "dynatemp_range": 0.0,
-        "dynatemp_exponent": 1.0,
-        "top_k": params.top_k,
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-        "top_n_sigma": -1.0,
-        "xtc_probability": 0.0,
-        "xtc_threshold": 0.1,
-        "typical_p": params.typical_p,
-        "repeat_last_n": params.repeat_last_n,
-        "repeat_penalty": params.repeat_penalty,
-        "presence_penalty": params.presence_penalty,
-        "frequency_penalty": params.frequency_penalty,
-        "dry_multiplier": 0.0,
-        "dry_base": 1.75,
-        "dry_allowed_length": 2,
-        "dry_penalty_last_n": -1,
-        "dry_sequence_breakers": ["\n", ":", '"', "*"],
-        "mirostat": 0,
-        "mirostat_tau": 5.0,
-        "mirostat_eta": 0.1,
+        # (the samplers we lack at their defaults: off)
+        **{f.name: list(v) if isinstance(v := getattr(params, f.name) if f.supported else f.default, tuple) else v
+           for f in FIELDS if f.shown},
         "stop": list(params.stop),
         "max_tokens": params.max_tokens,
         "n_predict": params.max_tokens,
         "n_keep": 0,
         "n_discard": 0,
-        "ignore_eos": params.ignore_eos,
         "stream": stream,
         "logit_bias": bias,
         "n_probs": params.n_probs,
-        "min_keep": 0,
         "grammar": params.grammar.source if params.grammar is not None else "",
         "grammar_lazy": False,
         "grammar_triggers": [],

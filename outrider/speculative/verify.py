@@ -2,20 +2,28 @@
 
 Row i verifies drafts d_1..d_k (k may be 0) with k+1 target positions: position j holds the target's
 distribution for the slot d_{j+1} occupies, position k is the bonus slot. p is the PROCESSED target
-distribution (Sampler.processed: bias, penalties, filters, temperature), q the distribution the drafter really
-drew each d from (one-hot when it took an argmax; passing a softmax for an argmax draft biases the output).
+distribution (Sampler.processed: bias, penalties, DRY, filters, XTC, temperature).
+
+Drafts that were argmax picks (every drafter's), sample and compare, as llama-server does: at each position
+draw the target's token x_j from p with the noise a plain step draws with for that output index (Sampler stream
+0, keyed by seed and output index); accept d_j while d_j == x_j; emit x_j at the first mismatch (and at the bonus
+slot). Every emitted token is the token the plain path draws at its position, so a seeded request gives the
+same tokens with or without a drafter, at any temperature. It is also rejection sampling's rule for q one-hot at
+d: d_j is accepted with probability p(d_j) = min(1, p/q), and a rejected position emits x ~ p given x != d_j,
+which is normalize(max(p - q, 0)); so the emitted tokens follow p exactly, and accept as often.
+
+Drafts that came with their distribution q (draft_probs: a drafter that sampled) take the general rule
+(Leviathan et al. 2023) on their own streams:
 
     accept d_j with probability min(1, p(d_j) / q(d_j)), left to right;
     at the first rejection emit a draw from normalize(max(p - q, 0)) and stop;
     when all k are accepted emit a draw from p at the bonus slot.
 
-The emitted tokens follow p exactly (Leviathan et al. 2023). At temperature 0, p is one-hot at the argmax, so
-the same formulas are the greedy rule: accept while d_j == argmax, then emit the argmax. A batch whose rows are
-all greedy and whose drafts are all argmax ones (q one-hot) takes that rule directly: the argmax after bias,
-penalties and grammar (Sampler.greedy) and a comparison on the host (on the device when the drafter drafts its
-next round before the host reads this one), a handful of kernels where the general path launches about forty; a
-property test holds the two to the same verdicts. All randomness
-is counter-based (Sampler streams keyed by seed and output index), so seeded rows stay reproducible.
+At temperature 0, p is one-hot at the argmax, so both rules are the greedy one: accept while d_j == argmax, then
+emit the argmax. A batch whose rows are all greedy and whose drafts are all argmax ones takes that rule directly:
+the argmax after bias, penalties and grammar (Sampler.greedy) and a comparison on the host (on the device when
+the drafter drafts its next round before the host reads this one), a handful of kernels where the general path
+launches about forty; a property test holds the two to the same verdicts.
 """
 
 from __future__ import annotations
@@ -27,8 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from outrider.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, Sampler, SampleOutput,
-                                     SamplingBatch)
+from outrider.sampler import (STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, Processed, Sampler, SampleOutput,
+                              SamplingBatch)
 from outrider.speculative.drafter import PendingDrafts
 from outrider.upload import copy_to_host, to_device
 
@@ -112,31 +120,33 @@ def verify(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, drafts:
 def _verify_sampled(sampler: Sampler, logits: torch.Tensor, batch: SamplingBatch, lens: list[int],
                     draft_probs: Sequence[torch.Tensor | None] | None, draft: torch.Tensor,
                     layout: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, SampleOutput]:
-    """The general rule (module docstring): (emitted [T], m [R], the output with log-probs)."""
-    device = logits.device
+    """Sample and compare, or the general rule where a draft came with its q (module docstring):
+    (emitted [T], m [R], the output with log-probs)."""
     is_draft = draft >= 0
     proc = sampler.processed(logits, batch)
-    p = proc.logp.exp()  # [T, W] over the candidate ids
-    hit = proc.ids == draft[:, None]
-    q = hit.to(p.dtype)  # one-hot drafts: q = 1 on the drafted token
-    q_draft = torch.ones_like(p[:, 0])
+    plain = sampler.gumbel_argmax(proc.logp, proc.ids, batch, STREAM_SAMPLE)  # what a plain step draws here
+    accept = is_draft & (plain == draft)
+    emitted = plain
     if draft_probs is not None and any(x is not None for x in draft_probs):
-        q_full, has_q = _stack_probs(draft_probs, lens, logits.shape[-1], device)
-        q = torch.where(has_q[:, None], q_full.gather(1, proc.ids), q)
-        q_draft = torch.where(has_q, q_full.gather(1, draft.clamp_min(0)[:, None])[:, 0], q_draft)
-
-    p_draft = (p * hit).sum(-1)
-    u = sampler.uniform(batch, STREAM_ACCEPT)
-    accept = is_draft & (u * q_draft < p_draft)  # u < p/q without dividing by q
-
-    plain = sampler.gumbel_argmax(proc.logp, proc.ids, batch, STREAM_SAMPLE)  # what a plain step would draw
-    r = residual(p, q)
-    fixed = sampler.gumbel_argmax(r.log(), proc.ids, batch, STREAM_RESIDUAL)
-    # p == q up to rounding leaves no residual mass; then acceptance was ~certain and p itself is the answer.
-    fixed = torch.where(r.sum(-1) > 0, fixed, plain)
-    emitted = torch.where(accept, draft, torch.where(is_draft, fixed, plain))
+        q_full, has_q = _stack_probs(draft_probs, lens, logits.shape[-1], logits.device)
+        by_q, fixed = _rejection(sampler, batch, proc, draft, q_full, plain)
+        accept = torch.where(has_q, is_draft & by_q, accept)
+        emitted = torch.where(has_q, torch.where(accept, draft, torch.where(is_draft, fixed, plain)), emitted)
     output = sampler.with_logprobs(SampleOutput(emitted), proc.adjusted, batch)
     return emitted, _leading_run(accept, layout, len(lens)), output
+
+
+def _rejection(sampler: Sampler, batch: SamplingBatch, proc: Processed, draft: torch.Tensor, q_full: torch.Tensor,
+               plain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling against q [T, V]: (accepted [T], the token a rejected position emits [T])."""
+    p = proc.logp.exp()  # [T, W] over the candidate ids
+    p_draft = (p * (proc.ids == draft[:, None])).sum(-1)
+    q_draft = q_full.gather(1, draft.clamp_min(0)[:, None])[:, 0]
+    accept = sampler.uniform(batch, STREAM_ACCEPT) * q_draft < p_draft  # u < p/q without dividing by q
+    r = residual(p, q_full.gather(1, proc.ids))
+    fixed = sampler.gumbel_argmax(r.log(), proc.ids, batch, STREAM_RESIDUAL)
+    # p == q up to rounding leaves no residual mass; then acceptance was ~certain and p itself is the answer.
+    return accept, torch.where(r.sum(-1) > 0, fixed, plain)
 
 
 def _draft_tensor(drafts: Sequence[list[int]], lens: list[int], pending: PendingDrafts | None,
