@@ -10,6 +10,7 @@ import torch
 from outrider.attention import AttentionMetadata, KVCache
 from outrider.attention.torch_ref import TorchReferenceBackend
 from outrider.models import load_model
+from outrider.models.output import ForwardResult
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,13 +58,13 @@ class Runner:
         return torch.tensor(ids), torch.tensor(pos), meta
 
     @torch.no_grad()
-    def hidden(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> ForwardResult:
         ids, pos, meta = self.prepare(chunks)
         return self.model(ids, pos, self.kv, meta, self.backend, aux_layer_ids)
 
     def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
         """Run one ragged batch; return each chunk's logits [len, V]."""
-        logits = self.model.compute_logits(self.hidden(chunks))
+        logits = self.model.compute_logits(self.forward(chunks).hidden)
         bounds = [0, *itertools.accumulate(map(len, chunks))]
         return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
 
@@ -120,8 +121,8 @@ def test_greedy_generation_matches_hf_generate(pair):
 def test_aux_hidden_is_the_cat_of_layer_outputs(pair):
     ours, cfg, hf = pair
     ids = PROMPTS[1]
-    hidden = Runner(ours, cfg, 1).hidden([ids], aux_layer_ids=(0, cfg.num_hidden_layers - 1))
-    aux = ours.aux_hidden
+    out = Runner(ours, cfg, 1).forward([ids], aux_layer_ids=(0, cfg.num_hidden_layers - 1))
+    hidden, aux = out.hidden, out.aux_hidden
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i + 1] = output of layer i
     assert aux.shape == (len(ids), 2 * cfg.hidden_size)

@@ -20,6 +20,7 @@ from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
+from outrider.models.output import ForwardResult
 
 
 class Attention(nn.Module):
@@ -110,15 +111,14 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The model contract (docs/architecture.md, Contracts): forward -> pre-norm hidden, compute_logits, embed."""
+    """The model contract (docs/architecture.md, Contracts): forward -> ForwardResult (pre-norm hidden, taps),
+    compute_logits, embed."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # The outputs of the layers the latest forward was asked to tap (a drafter's inputs), concatenated: [T, A].
-        self.aux_hidden: torch.Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -130,10 +130,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                backend: AttentionBackend, aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor:
+                backend: AttentionBackend, aux_layer_ids: tuple[int, ...] = ()) -> ForwardResult:
         """input_ids, positions [T] -> hidden [T, H] of the last layer, before the final norm; with aux_layer_ids,
-        those layers' outputs go to aux_hidden (None without). A call argument, not model state: engines sharing
-        the weights (a benchmark's plain and speculative ones) tap different layers."""
+        those layers' outputs concatenated as aux_hidden (None without). A call argument, not model state: engines
+        sharing the weights (a benchmark's plain and speculative ones) tap different layers."""
         h, residual = self.embed(input_ids), None
         aux = []
         for i, layer in enumerate(self.model.layers):
@@ -141,8 +141,7 @@ class LlamaForCausalLM(nn.Module):
                                                  backend)
             if i in aux_layer_ids:
                 aux.append(h + residual)  # the layer's output, as HF's hidden_states[i + 1]
-        self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
-        return h + residual
+        return ForwardResult(h + residual, torch.cat(aux, dim=-1) if aux else None)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head -> float32 logits (the LM head's GEMM writes them directly at decode), into
