@@ -19,7 +19,7 @@ import outrider
 import outrider.speculative.speculator as speculator_mod
 from outrider import LLM, SamplingParams
 from outrider.engine.request import Request
-from outrider.engine.runner import StepOutput
+from outrider.steps import StepOutput
 from outrider.speculative.drafter import LEARN_ROWS
 from outrider.speculative.speculator import LEARN_BACKLOG_STEPS, PIECEWISE_LEARN_GRAPHS
 from spec_helpers import LOOKUP_SETUPS, SETUPS, write_attentive_families

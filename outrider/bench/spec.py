@@ -52,7 +52,7 @@ from outrider.bench.controlled import ControlledDrafter, RoundScript
 from outrider.bench.engine_setup import engine_config
 from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
-from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.graphs import CudaGraphRunner
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams

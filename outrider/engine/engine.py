@@ -33,14 +33,15 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
 from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status
-from outrider.engine.runner import LaunchedStep, ModelRunner, Prelaunched, StepOutput
-from outrider.engine.scheduler import ScheduledRequest, Scheduler, StepPlan
+from outrider.engine.runner import ModelRunner, Prelaunched
+from outrider.engine.scheduler import Scheduler
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.speculative.device_round import DeviceRound, RoundCopy, committed
 from outrider.speculative.drafter import DEFAULT_N_MAX, PENDING
 from outrider.speculative.speculator import Drafts, Speculator
+from outrider.steps import LaunchedStep, ScheduledRequest, StepOutput, StepPlan
 from outrider.structured.grammar import GrammarCompiler
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer

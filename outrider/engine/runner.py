@@ -19,69 +19,15 @@ import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, build_metadata, metadata_over, shifted_metadata
-from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.graphs import CudaGraphRunner
 from outrider.models.output import ForwardResult
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
 from outrider.engine.request import Request, TokenLogprob
 from outrider.speculative.drafter import Commit, NextRound, PendingDrafts
 from outrider.speculative.verify import PendingVerdict, verify
-from outrider.engine.scheduler import ScheduledRequest, StepPlan
+from outrider.steps import LaunchedStep, ScheduledRequest, StepOutput, StepPlan
 from outrider.structured.grammar import token_masks
-
-
-@dataclass
-class StepOutput:
-    """Per scheduled request (in plan order) unless noted."""
-
-    tokens: list[list[int]]  # the tokens this step commits (empty mid-prefill; m+1 after a verify)
-    logprobs: list[list[TokenLogprob]]  # one per committed token, when the request asked for n_probs
-    accepted: list[int]  # m: drafts accepted this step
-    # [T, H] pre-norm hidden states of every fed row (drafters read these; a CUDA-graph view, valid until the
-    # next replay)
-    hidden: torch.Tensor
-    aux_hidden: torch.Tensor | None  # [T, A] outputs of the layers the runner taps for a drafter that reads them
-    kept: bool = False  # hidden and aux_hidden are own copies (keep_hidden)
-
-    def keep_hidden(self) -> None:
-        """Own copies of the hidden rows (device-side, asynchronous), for a reader after the next graph replay;
-        once only."""
-        if self.kept:
-            return
-        self.hidden = self.hidden.clone()
-        if self.aux_hidden is not None:
-            self.aux_hidden = self.aux_hidden.clone()
-        self.kept = True
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose device work is enqueued (its forward by ModelRunner.launch, its sampling by
-    ModelRunner.sample); its sampled tokens reach the host in ModelRunner.collect."""
-
-    plan: StepPlan
-    sampling: list[int]  # plan indices of the requests sampled this step
-    out: StepOutput  # tokens and log-probs filled in by collect
-    # A penalty reads a sampled request's recent tokens on the host, or a grammar its matcher state: sampling
-    # must wait until every earlier step of the request is committed.
-    reads_history: bool = False
-    drafts_on_device: PendingDrafts | None = None  # the values of the plan's PENDING draft tokens
-    logits: torch.Tensor | None = None  # [R, V] the sampling rows' logits, from launch until sample enqueues them
-    verdict: PendingVerdict | None = None  # a verify step's, decided on the device; collect reads it
-    starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
-    token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
-    host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
-    ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
-
-    @property
-    def awaits_sampling(self) -> bool:
-        return self.logits is not None
-
-    @property
-    def overlappable(self) -> bool:
-        """May the next step launch before this one is committed? Not after a verify: the next step's positions
-        follow how many drafts were accepted."""
-        return self.verdict is None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
-from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.graphs import CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.device_chain import DeviceChain
 from outrider.speculative.device_round import RoundVerdict

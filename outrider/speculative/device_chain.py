@@ -12,7 +12,7 @@ import torch
 
 from outrider.attention import AttentionMetadata
 from outrider.attention.metadata import build_metadata, decode_metadata_on_device
-from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
+from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.speculative.drafter import StagedDrafts, block_capacity, stage_drafts
 

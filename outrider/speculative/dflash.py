@@ -21,7 +21,7 @@ from torch import nn
 
 from outrider.attention import KVCache, get_backend
 from outrider.config import ModelConfig
-from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
+from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata, shifted_metadata, uniform_metadata_on_device
 from outrider.layers.norm import RMSNorm

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from outrider.attention import KVCache, get_backend
-from outrider.engine.cuda_graphs import CudaGraphRunner, default_buckets
+from outrider.graphs import CudaGraphRunner, default_buckets
 from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
 from outrider.models import load_model

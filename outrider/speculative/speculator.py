@@ -31,18 +31,14 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import Request, Status
-from outrider.engine.scheduler import StepPlan
 from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, NextRound,
                                          PendingDrafts, StagedDrafts, VerifiedRows)
-
-if TYPE_CHECKING:
-    from outrider.engine.runner import LaunchedStep, StepOutput
+from outrider.steps import LaunchedStep, StepOutput, StepPlan
 
 log = logging.getLogger("outrider.engine")
 
@@ -112,8 +108,28 @@ class _Ahead:
 HiddenRows = Callable[[Sequence[Commit]], tuple[torch.Tensor, torch.Tensor | None]]
 
 
+class BlockReservations(Protocol):
+    """What speculation asks of the KV block pool (engine/kv_cache.py BlockPool): room for the positions drafts
+    write, and which blocks hold drafter K/V that was slept through (a prefix hit on one is caught up)."""
+
+    block_size: int
+    drafter_asleep: bool  # the blocks handed out from now on are marked stale as they are taken
+
+    def ensure(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for the request's first num_tokens positions (False: none left; nothing is preempted)."""
+
+    def mark_drafter_stale(self, req: Request, start: int, end: int) -> None:
+        """The drafter's K/V at positions start..end-1 of the request was not written."""
+
+    def mark_drafter_written(self, req: Request, start: int) -> None:
+        """It is written from position start on (caught up)."""
+
+    def drafter_written_until(self, req: Request, end: int) -> int:
+        """The first position before `end` whose drafter K/V is stale (end: none)."""
+
+
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool, hidden_rows: HiddenRows,
+    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations, hidden_rows: HiddenRows,
                  max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None]):
         """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
         the engine's; synchronize: waits for the device (one-off work is timed to its end)."""

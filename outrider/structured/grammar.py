@@ -25,7 +25,7 @@ import numpy as np
 from outrider.sampler import TokenMasks
 
 if TYPE_CHECKING:
-    from outrider.engine.scheduler import ScheduledRequest
+    from outrider.steps import ScheduledRequest
 
 log = logging.getLogger("outrider.structured")
 
