@@ -191,7 +191,6 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         overlap_schedule=False if ns.no_overlap_schedule else None,
         prefill_graph_tokens=ns.prefill_graph_tokens,
         spec_measured_costs=False if ns.no_spec_measured_costs else None,
-        spec_draft_ahead=False if ns.no_spec_draft_ahead else None,
         spec_device_round=False if ns.no_spec_device_round else None,
         # Every core computing leaves none for the HTTP side, which on a small box costs more than it gives.
         cpu_threads=ns.threads if ns.threads > 0 else max(1, (os.cpu_count() or 2) - 1),

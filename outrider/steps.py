@@ -25,6 +25,7 @@ class ScheduledRequest:
     num_new_tokens: int  # known tokens fed this step (prompt chunk, or the last sampled token)
     samples: bool  # this step computes the request's last known token, so its logits are sampled
     draft_tokens: list[int] = field(default_factory=list)  # speculative proposals fed after them
+    draft_kind: str | None = None  # the drafter kind that proposed them (RequestTiming.draft_kind)
 
     @property
     def num_query_tokens(self) -> int:
@@ -44,6 +45,18 @@ class StepPlan:
     @property
     def has_prefill(self) -> bool:
         return any(s.num_new_tokens > 1 or not s.samples for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A plan with its drafts: the values of drafts still on the device (the plan holds PENDING for them), q [k, V]
+    by request id where drafts were sampled (absent: argmax), and whether the verify step counts its accepted drafts
+    on the device (for drafting the next round from its verdict)."""
+
+    plan: StepPlan
+    pending: PendingDrafts | None = None
+    probs: dict[int, torch.Tensor] | None = None
+    count_accepted: bool = False
 
 
 @dataclass

@@ -3,9 +3,7 @@ captures them)."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import torch
+from dataclasses import dataclass
 
 from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
 
@@ -22,25 +20,30 @@ def prefill_graph_lens(max_tokens: int, max_model_len: int) -> list[int]:
     return lens
 
 
-def capture_step_graphs(runner, max_batch: int, max_model_len: int, verify_lens: Sequence[int] = (),
-                        prefill_lens: Sequence[int] = (), progress: bool = True) -> list[CudaGraphRunner]:
-    """Graphs over a ModelRunner's model, KV cache and attention backend, in one memory pool: decode (one token
-    per sequence; the LM head inside, as every row samples); per q in verify_lens, verify steps of q tokens per
-    sequence (a decode token and q - 1 drafts); per q in prefill_lens, one sequence's prefill chunk of q tokens
-    (ModelRunner.prepare pads a shorter one up to it). Graphs of several tokens a sequence stop at the hidden
-    states: the runner applies the LM head to the rows it needs, so that no graph keeps a [batch * q, vocab]
-    logits buffer alive."""
-    common = dict(max_blocks_per_seq=-(-max_model_len // runner.kv_cache.block_size), max_seq_len=max_model_len,
-                  device=runner.device)
-    # One logits buffer for every decode bucket (a buffer per bucket would hold sum(buckets) x vocab floats:
-    # 1.3 GB at 256 sequences for Qwen3's vocabulary).
-    runner.decode_logits = torch.empty((max_batch, runner.sampler.vocab_size), dtype=torch.float32,
-                                       device=runner.device)
-    decode = CudaGraphRunner(runner.forward_decode, max_batch=max_batch, **common)
+@dataclass(frozen=True)
+class StepGraphs:
+    """Which step graphs a runner captures: decode up to max_batch sequences; per q in verify_lens, verify steps of
+    q tokens per sequence (a decode token and q - 1 drafts); per q in prefill_lens, one sequence's prefill chunk of
+    q tokens (ModelRunner.prepare pads a shorter one up to it)."""
+
+    max_batch: int
+    max_model_len: int
+    verify_lens: tuple[int, ...] = ()
+    prefill_lens: tuple[int, ...] = ()
+
+
+def capture_step_graphs(runner, shapes: StepGraphs, progress: bool = True) -> list[CudaGraphRunner]:
+    """Graphs over a ModelRunner's model, KV cache and attention backend, in one memory pool: decode (the LM head
+    inside, as every row samples; into the runner's decode_logits), then verify and prefill steps. Graphs of several
+    tokens a sequence stop at the hidden states: the runner applies the LM head to the rows it needs, so that no
+    graph keeps a [batch * q, vocab] logits buffer alive."""
+    common = dict(max_blocks_per_seq=-(-shapes.max_model_len // runner.kv_cache.block_size),
+                  max_seq_len=shapes.max_model_len, device=runner.device)
+    decode = CudaGraphRunner(runner.forward_decode, max_batch=shapes.max_batch, **common)
     decode.capture(progress)
     graphs = [decode]
-    verify_buckets = [b for b in VERIFY_BUCKETS if b <= max_batch]
-    for q, buckets in [(q, verify_buckets) for q in verify_lens] + [(q, [1]) for q in prefill_lens]:
+    verify_buckets = [b for b in VERIFY_BUCKETS if b <= shapes.max_batch]
+    for q, buckets in [(q, verify_buckets) for q in shapes.verify_lens] + [(q, [1]) for q in shapes.prefill_lens]:
         graph = CudaGraphRunner(runner.forward_eager, max_batch=buckets[-1], tokens_per_seq=q, buckets=buckets,
                                 pool=decode.pool, **common)
         graph.capture(progress)

@@ -126,6 +126,11 @@ class Request:
         return self.prompt_ids[start:] + self.output_ids[: stop - n]
 
     @property
+    def outputs_left(self) -> int:
+        """Outputs the request may still produce beyond those known and pending (0: the limit is reached)."""
+        return self.max_output_tokens - len(self.output_ids) - self.num_pending
+
+    @property
     def num_tokens(self) -> int:
         """Sequence length, counting a pending token (token_slice and all_ids hold only the known ones)."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending

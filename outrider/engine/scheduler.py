@@ -57,8 +57,7 @@ class Scheduler:
         queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
             req = queue.popleft()
-            pending = req.num_pending
-            if pending and len(req.output_ids) + pending >= req.max_output_tokens:
+            if req.num_pending and req.outputs_left <= 0:
                 continue  # its token in flight is its last (overlap scheduling)
             todo = req.num_tokens - req.num_computed
             n = todo if todo < budget else budget  # (min() costs several times more, per request per step)

@@ -74,8 +74,6 @@ MODEL = [
         "min draft probability to keep drafting"),
     Opt(("--no-spec-measured-costs",), "no_spec_measured_costs", None, None, False,
         "choose draft lengths from the drafter's fixed cost estimate, not measured step costs (the CPU default)"),
-    Opt(("--no-spec-draft-ahead",), "no_spec_draft_ahead", None, None, False,
-        "draft each round after the last one is committed, not from its verdict on the device (MTP, EAGLE-3, DFlash)"),
     Opt(("--no-spec-device-round",), "no_spec_device_round", None, None, False,
         "GPU: a request decoding alone, greedy, runs its rounds step by step, not as one captured graph each"),
     Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",

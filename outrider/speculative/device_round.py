@@ -187,3 +187,14 @@ def committed(copy: RoundCopy) -> list[int]:
         copy.ready.synchronize()
     emitted, accepted = copy.host
     return emitted.tolist()[: int(accepted[0]) + 1]
+
+
+def device_rounds(runner, drafter: RoundDrafter, n_max: int, max_blocks: int, graph_pool=None) -> dict[int, DeviceRound]:
+    """A DeviceRound of this drafter per draft length 1..n_max, over the target's runner; captured as CUDA graphs into
+    `graph_pool` (the target graphs' memory pool) when given."""
+    rounds = {}
+    for k in range(1, n_max + 1):
+        rounds[k] = DeviceRound(runner, drafter, k, max_blocks)
+        if graph_pool is not None:
+            rounds[k].capture(graph_pool)
+    return rounds

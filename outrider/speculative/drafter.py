@@ -14,6 +14,7 @@ One engine step with a drafter (docs/speculative.md walks it through):
   8. for a drafter that drafts_ahead, between a verify step's verdict (on the device) and the host reading it:
      drafter.draft_ahead(rows, ks) learns the step's rows and stages the next round's drafts (Speculator.draft_ahead);
      the next step verifies them without steps 1-3, and step 5 skips those rows
+The engine reaches all of this through one object, speculation.py's Speculation.
 """
 
 from __future__ import annotations
@@ -152,21 +153,6 @@ class VerifiedRows:
         """[R] int64 on the device: each request's last committed row (where its next round starts)."""
         first = torch.tensor(list(itertools.accumulate(self.counts, initial=0))[:-1], dtype=torch.int64)
         return first.to(self.accepted.device, non_blocking=True) + self.accepted
-
-
-@dataclass(frozen=True)
-class NextRound:
-    """The step after a verify step drafted ahead, as far as the device knows it before the host reads the verdict:
-    these requests in order, request i feeding its bonus token and counts[i] drafts (input_ids, on the device)
-    from position starts[i] + shift[i] (shift: m_i, on the device, at most max_shift). ModelRunner.prelaunch
-    enqueues its forward then."""
-
-    requests: list[Request]
-    counts: list[int]
-    starts: list[int]
-    shift: torch.Tensor
-    max_shift: int
-    input_ids: torch.Tensor
 
 
 def row_seqs(commits: Sequence[Commit]) -> list[tuple[list[int], int, int]]:
@@ -415,7 +401,7 @@ class DraftPolicy:
 
     def _cap(self, req: Request, cap: int, in_flight: int = 0) -> int:
         p = req.params
-        left = req.max_output_tokens - len(req.output_ids) - req.num_pending - in_flight
+        left = req.outputs_left - in_flight
         return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
 
     def round_seconds(self, batch: int, k, step_cost: float):

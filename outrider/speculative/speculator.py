@@ -36,8 +36,8 @@ from typing import Protocol
 import torch
 
 from outrider.engine.request import Request, Status
-from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, NextRound,
-                                         PendingDrafts, StagedDrafts, VerifiedRows)
+from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, PendingDrafts,
+                                         StagedDrafts, VerifiedRows)
 from outrider.steps import LaunchedStep, StepOutput, StepPlan
 
 log = logging.getLogger("outrider.engine")
@@ -264,13 +264,12 @@ class Speculator:
         return (self.drafter.drafts_ahead and any(s.draft_tokens for s in plan.scheduled) and not plan.has_prefill
                 and not any(self.policy.trims(s.request) for s in plan.scheduled))
 
-    def draft_ahead(self, launched: LaunchedStep) -> NextRound | None:
+    def draft_ahead(self, launched: LaunchedStep) -> None:
         """Learn a verify step's committed rows and stage the next round's drafts from its verdict while it is still
         on the device, so the drafter runs while the host reads and commits the round. The policy picks the next
         lengths a verdict late (this round's acceptance is recorded at commit); blocks are reserved for the worst
-        case, every draft accepted, and the next verify forward on top. Returns that next step (its inputs on the
-        device) when some request drafts. A drafter fault costs the drafts: the rows are then learned after the
-        commit."""
+        case, every draft accepted, and the next verify forward on top. A drafter fault costs the drafts: the rows
+        are then learned after the commit."""
         plan, verdict = launched.plan, launched.verdict
         requests = [s.request for s in plan.scheduled]
         in_flight = [len(s.draft_tokens) for s in plan.scheduled]
@@ -280,35 +279,16 @@ class Speculator:
         lookahead, ensure = self.drafter.lookahead, self.pool.ensure
         last = [r.num_tokens - 1 + extra for r, extra in zip(requests, in_flight)]  # the worst case's bonus position
         ks = [k if k and ensure(r, p + max(lookahead(k), k + 1)) else 0 for r, k, p in zip(requests, ks, last)]
-        room = all(ensure(r, p + 1) for r, p in zip(requests, last))
         rows = VerifiedRows(requests, [s.start for s in plan.scheduled], [k + 1 for k in in_flight],
                             verdict.accepted, verdict.emitted, launched.out.hidden, launched.out.aux_hidden)
         try:
             staged = self.drafter.draft_ahead(rows, ks)
         except Exception as exc:
             log.error("drafter failed to draft ahead: %s\n%s", exc, traceback.format_exc())
-            return None
+            return
         self._learned_ahead = plan
         lengths = {r.request_id: count for r, count in zip(requests, staged.counts) if count}
         self._ahead = _Ahead(requests, lengths, staged) if lengths else None
-        if not lengths or not room:
-            return None
-        # The next step's inputs: each request's bonus token (emitted at its last committed row), then its drafts.
-        counts, total = staged.counts, len(requests)
-        order, at = [], total
-        for i, count in enumerate(counts):
-            order += [i, *range(at, at + count)]
-            at += count
-        bonus = verdict.emitted.index_select(0, rows.last())
-        index = torch.tensor(order, dtype=torch.int64).to(bonus.device, non_blocking=True)
-        input_ids = torch.cat([bonus, staged.ids.to(bonus.dtype)]).index_select(0, index)
-        return NextRound(requests, list(counts), [r.num_tokens - 1 for r in requests], verdict.accepted,
-                         max(in_flight), input_ids)
-
-    @property
-    def rounds_on_device(self) -> bool:
-        """Can the drafter draft inside a device round (speculative/device_round.py)?"""
-        return hasattr(self.drafter, "round_drafts")
 
     def device_round_drafts(self, request: Request, k: int) -> torch.Tensor | list[int] | None:
         """The first k drafts of device rounds for a request that now decodes alone (on the device where the drafter
