@@ -1,9 +1,8 @@
 """Engine: the step loop. plan = scheduler.schedule(); launched = runner.launch(plan); runner.sample(launched);
 commit(collect(launched)). Three jobs: that loop, with overlap; fault isolation; commit. engine/builder.py builds it.
-
-Everything here runs on one thread (the engine thread of AsyncEngine, or the caller's thread offline).
-Commit is where tokens become visible: stop conditions, incremental detokenization, timing stamps and the
-RequestOutput handed to the request's owner all happen in one place, once per committed token batch.
+Everything here runs on one thread (the engine thread of AsyncEngine, or the caller's thread offline). Commit is
+where tokens become visible: stop conditions, incremental detokenization, timing stamps and the RequestOutput
+handed to the request's owner happen in one place, once per committed token batch.
 
 Overlap scheduling (CUDA): each step() schedules and launches step n+1 before it collects and commits step n, so
 the host's work for one step runs while the GPU computes the other. Step n+1 feeds each request the token step n
@@ -14,10 +13,8 @@ matcher, a penalty's recent tokens) is enqueued in two phases: its forward, fed 
 then the step in flight is committed; then its sampling, whose masks and penalty windows are computed on the host
 while the device runs the forward.
 
-Speculation (speculative/speculation.py) is one object called at fixed points of a step: begin_step, plan_step,
-after_launch, after_commit, observe and release. A speculative round is committed before the next step launches
-(its positions follow the verdict); the drafter's next round is drafted meanwhile, on the device
-(docs/speculative.md).
+Speculation (speculative/speculation.py) is one object called at fixed points of a step. A speculative round is
+committed before the next step launches (its positions follow the verdict; docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -110,7 +107,6 @@ class Engine:
         # Requests admitted in a step they did not run in (it failed, or was cut down to one suspect): their
         # prompt starts when they next run, so their admission is stamped again then.
         self.restamp: set[int] = set()
-        # With a drafter, plain steps overlap; a round is committed before the next step (drafted ahead meanwhile).
         self.overlap = config.overlap_schedule if config.overlap_schedule is not None else self.device.type == "cuda"
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
@@ -120,7 +116,6 @@ class Engine:
     def drafter_kind(self) -> str | None:
         return self.speculation.kind if self.speculation is not None else None
 
-    # --- requests ---
     def add_request(self, req: Request, on_output: OutputCallback) -> None:
         if req.params.seed is not None and req.params.seed >= 0:
             req.seed = req.params.seed
@@ -147,7 +142,6 @@ class Engine:
     def has_work(self) -> bool:
         return self.inflight is not None or self.scheduler.has_work()
 
-    # --- the step ---
     def step(self) -> None:
         """One step: launch the next batch, and commit the previous one (overlap) or this one (otherwise); or, for a
         request that decodes alone, one device round (Speculation.begin_step)."""
@@ -214,7 +208,7 @@ class Engine:
         try:
             launched = self.runner.launch(plan, feed, planned.pending)
         except Exception as exc:  # a fault fails the request that caused it, never the server
-            self._fail(plan, exc, isolate=True)
+            self.fail(plan, exc, isolate=True)
             return None
         if feed is not None and launched.reads_history:
             return launched
@@ -228,7 +222,7 @@ class Engine:
         try:
             self.runner.sample(launched, draft_probs, accepted_on_device=count_accepted)
         except Exception as exc:  # (nothing was advanced yet: each request can run again alone)
-            self._fail(plan, exc, isolate=True)
+            self.fail(plan, exc, isolate=True)
             return None
         for s in plan.scheduled:
             req = s.request
@@ -251,9 +245,6 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += len(plan.scheduled)
 
-    def fail(self, plan: StepPlan, exc: Exception) -> None:
-        self._fail(plan, exc)
-
     def _isolate(self, plan: StepPlan) -> StepPlan:
         """The plan cut down to one suspect (the others wait a step: nothing of theirs was advanced)."""
         self.suspects.intersection_update(self.live)
@@ -264,7 +255,7 @@ class Engine:
         self.restamp.update(req.request_id for req in plan.admitted if req is not suspect.request)
         return StepPlan([suspect], plan.preempted, [req for req in plan.admitted if req is suspect.request])
 
-    def _fail(self, plan: StepPlan, exc: Exception, isolate: bool = False) -> None:
+    def fail(self, plan: StepPlan, exc: Exception, isolate: bool = False) -> None:
         """A step failed: fail its requests, or with `isolate` and several of them, suspect them all (the fault's
         owner is unknown; the launch advanced none of them, so each can run again alone). A device error is not a
         request's fault: the device context is lost for every request, so it ends the engine."""
@@ -283,13 +274,12 @@ class Engine:
                 self._finish(live, FinishReason.ERROR, error=f"internal error: {exc}")
 
     def _complete(self, launched: LaunchedStep) -> None:
-        """Collect a launched step's tokens, commit and deliver them, then let the drafter learn the step (the
-        tokens never wait for it), then release what finished."""
+        """Collect a launched step's tokens and deliver them."""
         plan = launched.plan
         try:
             out = self.runner.collect(launched)
         except Exception as exc:
-            self._fail(plan, exc)
+            self.fail(plan, exc)
             return
         self.deliver(plan, out)
 
@@ -379,14 +369,11 @@ class Engine:
 
     def _finish(self, live: _Live, reason: FinishReason, error: str | None = None) -> None:
         """End a request outside a step's commit (refused, aborted, failed): no tokens, and `error` says why."""
-        self._retire(live, reason)
+        self._mark_finished(live, reason, self.clock())
+        self._release(live)
         req = live.request
         live.on_output(RequestOutput(req.request_id, [], finished=True, finish_reason=reason, timing=req.timing,
                                      error=error))
-
-    def _retire(self, live: _Live, reason: FinishReason) -> None:
-        self._mark_finished(live, reason, self.clock())
-        self._release(live)
 
     @staticmethod
     def _mark_finished(live: _Live, reason: FinishReason, t: float) -> None:
@@ -405,14 +392,8 @@ class Engine:
         self.live.pop(req.request_id, None)
         self.counters["requests_finished"] += 1
 
-    # --- introspection ---
     def stats(self) -> dict:
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_used": self.pool.num_used,
-            "kv_block_size": self.pool.block_size,
-            "prefix_cache_hit_tokens": self.pool.hits,
-            **self.counters,
-        }
+        pool = self.pool
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_block_size": pool.block_size,
+                "prefix_cache_hit_tokens": pool.hits, **self.counters}
