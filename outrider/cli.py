@@ -18,10 +18,9 @@ from outrider.params import SamplingParams
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server import flags
 from outrider.server.settings import ServerConfig, default_params
-# llama-server's --spec-type names -> EngineConfig.spec_type
-SPEC_TYPES = {"draft-simple": "draft", "draft-mtp": "mtp", "draft-dflash": "dflash",
-              "draft": "draft", "mtp": "mtp", "dflash": "dflash",
-              "draft-eagle3": "eagle3", "ngram-simple": "ngram", "eagle3": "eagle3", "ngram": "ngram"}
+from outrider.speculative.kinds import KINDS as DRAFTER_KINDS
+# llama-server's --spec-type names, and our own -> EngineConfig.spec_type
+SPEC_TYPES = {**{k.llama_name: k.name for k in DRAFTER_KINDS}, **{k.name: k.name for k in DRAFTER_KINDS}}
 # llama-server's other kinds, refused by name (docs/speculative.md, "N-gram lookup", says why)
 SPEC_TYPES_REFUSED = {
     "draft-dspark": "DSpark drafters are not supported",
@@ -30,7 +29,7 @@ SPEC_TYPES_REFUSED = {
     "ngram-mod": "its hash pool shared across requests is not supported; use ngram-simple",
     "ngram-cache": "n-gram statistics files are not supported; use ngram-simple",
 }
-MODEL_KINDS = ("draft", "mtp", "dflash", "eagle3")  # kinds with weights: at most one, beside n-gram lookup
+MODEL_KINDS = tuple(k.name for k in DRAFTER_KINDS if k.weights)  # at most one, beside n-gram lookup
 
 
 def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider serve",

@@ -19,7 +19,7 @@ from outrider.bench.controlled import ControlledDrafter
 from outrider.bench.profile import patched
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative import Proposals
+from outrider.speculative.drafter import Proposals
 
 GEN, REQUESTS, REPEATS = 9, 2, 2
 

@@ -14,7 +14,8 @@ from outrider.attention.metadata import build_metadata
 from outrider.sampler import RowSpec, Sampler
 from outrider.models import load_model
 from outrider.params import SamplingParams
-from outrider.speculative import Commit, detect_kind, load_drafter
+from outrider.speculative.drafter import Commit
+from outrider.speculative.kinds import detect_kind, load_drafter
 from outrider.speculative.verify import verify
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint

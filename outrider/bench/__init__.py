@@ -8,7 +8,7 @@ import argparse
 from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
 from outrider.config import EngineConfig
-from outrider.speculative import KINDS
+from outrider.speculative.kinds import NAMES as KINDS
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -27,9 +27,9 @@ from outrider.engine.runner import ModelRunner
 from outrider.engine.scheduler import Scheduler
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
-from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.speculative.device_round import device_rounds
-from outrider.speculative.drafter import DEFAULT_N_MAX
+from outrider.speculative.drafter import DEFAULT_N_MAX, DraftPolicy, Drafter
+from outrider.speculative.kinds import detect_kind, load_drafter
 from outrider.speculative.speculation import Speculation
 from outrider.speculative.speculator import Speculator
 from outrider.structured.grammar import GrammarCompiler

@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from outrider.speculative.kinds import KINDS as DRAFTER_KINDS
+
 
 @dataclass(frozen=True)
 class Opt:
@@ -55,12 +57,13 @@ MODEL = [
     Opt(("--cache-prompt",), "cache_prompt", "LLAMA_ARG_CACHE_PROMPT", None, True, "reuse cached prompt prefixes",
         negative=("--no-cache-prompt",)),
     Opt(("--demo-draft",), "demo_draft", None, str, "mtp",
-        "without -m/-hf: the bundled demo model's drafter: draft | mtp | dflash | eagle3 | none"),
+        f"without -m/-hf: the bundled demo model's drafter: {' | '.join(k.name for k in DRAFTER_KINDS if k.weights)}"
+        " | none"),
     Opt(("-md", "--model-draft", "--spec-draft-model"), "model_draft", "LLAMA_ARG_SPEC_DRAFT_MODEL",
         help="draft model for speculative decoding"),
     Opt(("--spec-type",), "spec_type", "LLAMA_ARG_SPEC_TYPE",
-        help="none | draft-simple | draft-mtp | draft-dflash | draft-eagle3 | ngram-simple, or n-gram lookup and one "
-             "drafter with weights comma-separated, e.g. ngram-simple,draft-simple (default: detect)"),
+        help=f"none | {' | '.join(k.llama_name for k in DRAFTER_KINDS)}, or n-gram lookup and one drafter with "
+             "weights comma-separated, e.g. ngram-simple,draft-simple (default: detect)"),
     Opt(("--spec-ngram-simple-size-n",), "spec_ngram_size_n", None, int, 12,
         "ngram-simple: length of the n-gram looked up"),
     Opt(("--spec-ngram-simple-size-m",), "spec_ngram_size_m", None, int, 48,
