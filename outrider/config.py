@@ -150,8 +150,7 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # GPU: a prefill chunk that runs alone (no other sequence in its step) and has at most this many tokens
     # replays a CUDA graph captured for the next power of two, padded, instead of an eager forward: a short
-    # prompt's eager forward is launch-bound (Qwen3-8B, 128-token prompt, H200: TTFT 27.0 ms eager, 6.1 ms from
-    # the graph; docs/benchmarks.md, "Session 14"). 0: eager.
+    # prompt's eager forward is launch-bound (several times the graph's time to first token). 0: eager.
     prefill_graph_tokens: int = 256
     # Speculative decoding
     draft_model: str | None = None

@@ -1,7 +1,7 @@
 """DraftPolicy alone against a simulated device: what its choices of k earn, next to the best fixed k.
 
-Rounds cost `base + per_draft * k` ms and a plain step `plain` ms (defaults: the 8B shape's measured costs,
-docs/benchmarks.md "Session 10"); each draft is accepted with probability alpha until the first miss. Requests of
+Rounds cost `base + per_draft * k` ms and a plain step `plain` ms (defaults: the 8B shape's measured costs, in
+docs/benchmarks.md); each draft is accepted with probability alpha until the first miss. Requests of
 --tokens tokens run one after another at batch 1, each through the policy's own decisions and records, as the engine
 drives it. Prints tokens per second relative to plain decoding, the undrafted decisions, and the best fixed k run
 the same way (the ideal a policy that knew alpha would reach).

@@ -1,8 +1,7 @@
 """A speculative round whose every input lives on the device, so that CUDA can capture it whole and replay it.
 
-On a launch-bound target (the demo family: a 0.5 ms plain step that is all host time) a round built step by step
-costs the host about a hundred small launches, uploads and index operations, 2.9 ms a round (docs/benchmarks.md,
-"Session 13"): no draft length pays for that. Captured as one CUDA graph, the round leaves the host one replay and
+On a launch-bound target (a plain step that is all host time) a round built step by step costs the host about a
+hundred small launches, uploads and index operations, several plain steps' time: no draft length pays for that. Captured as one CUDA graph, the round leaves the host one replay and
 one small read a round. That needs a round whose shapes are fixed and whose data never passes through the host:
 
 - `ids` [k + 1]: the next verify's input, the bonus token and k drafts;

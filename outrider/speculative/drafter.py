@@ -268,9 +268,9 @@ class StepCosts:
     def at(self, batch: int) -> dict[int, float]:
         """Every draft length of the batch's bucket measured lately, with its seconds; and, while no round is, the
         rounds measured before: a stale round gives way to the rounds measured since, never to the drafter's own
-        guess. (Where plain steps win, rounds go stale together, and priced from the guess a round looked cheap
-        again: at 8B and batch 32, a 22-43 ms round every stale_after plain steps of 5.6 ms, each resetting the
-        probe interval and waking a sleeping drafter.)"""
+        guess. (Where plain steps win, rounds go stale together, and priced from the guess a round would look cheap
+        again: a round several plain steps long every stale_after plain steps, each resetting the probe interval and
+        waking a sleeping drafter.)"""
         bucket = batch_bucket(batch)
         since, count = self._measured_at.get(bucket, {}), self._counts.get(bucket, 0)
         seconds = self.seconds.get(bucket, {})
@@ -472,10 +472,9 @@ class DraftPolicy:
         """Decisions before the next exploratory round while k = 0 stands: `every`, times the extra plain steps a
         round of one draft costs (so exploring takes about 1/every of the time, whatever a round costs), and
         probe_max where no round could pay even with every draft accepted (only its cost could change, not
-        whether it pays: at 8B and batch 32, a round of one draft measured 22-43 ms against a 5.6 ms plain step), as
-        the costs measured more than once say: a length's first measurement may be a stall (at 8B and batch 1 a round
-        of the 0.6B draft model measured 209 ms while the warm-up compiled, 8.3 ms later, and priced so held k = 0
-        for some 1,600 decisions)."""
+        whether it pays: at large batches a round of one draft can cost several plain steps), as the costs measured
+        more than once say: a length's first measurement may be a stall (a round timed while the warm-up compiled
+        costs many times a later one, and priced so would hold k = 0 for thousands of decisions)."""
         ks = np.arange(cap + 1)
         seconds = self.round_seconds(batch, ks, step_cost)
         if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]) and self.costs.confirmed(batch):
@@ -532,8 +531,8 @@ class DraftPolicy:
         self._stats, self._pooled = {}, None
 
     def forget_costs(self) -> None:
-        """Drop the measured step costs (steps that compiled their kernels: at 8B the 0.6B draft model's first round
-        measured 209 ms, and priced so, no round at batch 1 was tried, or measured, again before ~350 decisions)."""
+        """Drop the measured step costs (steps that compiled their kernels: priced from those, no round would be tried,
+        or measured, again for hundreds of decisions)."""
         self.costs.clear()
 
     def _acceptance(self, request_id: int) -> _Acceptance:

@@ -25,8 +25,8 @@ from outrider.engine.request import Request
 from outrider.speculative.drafter import Commit, Proposals
 
 # Drafts per round when the server names no length. A lookup costs nothing on the device, and a verify of 17 rows
-# costs a launch-bound target about what one of 9 does, while copies run long: on the H200's edit workload (demo
-# target) a cap of 16 gave 2.20-2.31x plain where 8 gave 1.89-2.57x. The policy still measures each length's cost.
+# costs a launch-bound target about what one of 9 does, while copies run long: on edit workloads a cap of 16 earns
+# more than 8 (docs/benchmarks.md). The policy still measures each length's cost.
 NATURAL_N_MAX = 16
 
 

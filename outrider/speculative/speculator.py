@@ -1,21 +1,21 @@
-"""Speculation's part of an engine step, in one object: which requests draft and how far (DraftPolicy), the
-drafter's proposals with blocks reserved for what it writes, the rows it learns after a step (queued, and handed
+"""The drafter's side of a step, for Speculation (speculation.py): which requests draft and how far (DraftPolicy),
+the drafter's proposals with blocks reserved for what it writes, the rows it learns after a step (queued, and handed
 over in batches), drafting the next round from a verify step's verdict before the host reads it (draft_ahead),
 the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were
 freed.
 
 While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing, not
 even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a launch-bound
-target learning costs a plain step a fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes.
+target learning costs a plain step a good part of its time, for drafts no one makes.
 The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward
 that writes no K/V (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is
 work paid once: it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the
-round, it priced rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter
-slept again, and each exploratory round measured the next catch-up. The blocks of rows slept through are marked in
+round, it would price rounds out on a large target (a catch-up there is a target forward over every row slept
+through), the drafter would sleep again, and each exploratory round would measure the next catch-up. The blocks of rows slept through are marked in
 the pool: a prefix hit on one is caught up the same way, as its drafter K/V is whatever the block held before.
 
-Asleep, a step still read every request (deciding, learning, measuring): on the demo target at batch 8, 0.06 ms of
-a 0.5 ms plain step on the H200, the loops running cold between forwards. So where every running request decodes
+Asleep, a step would still read every request (deciding, learning, measuring), loops that run cold between
+forwards and cost a launch-bound step a noticeable share. So where every running request decodes
 and sleeps, the batch goes dormant: until it changes (Scheduler.running, by identity) or the policy's quiet run for
 it ends (DraftPolicy.stands), a step decides, keeps, learns and is measured without reading a request. The
 per-request work is done when it falls dormant: the blocks each request holds from its first row slept through are
@@ -51,9 +51,9 @@ log = logging.getLogger("outrider.engine")
 # every step or two costs more than one eager learn every LEARN_BACKLOG_STEPS steps.)
 LEARN_BACKLOG_STEPS = 16
 # A learn of up to this many of the largest learning graph's rows (LEARN_ROWS; a short prompt's) is handed over in
-# pieces that each fit it: at 8B on an H200, learning a 128-token prompt eagerly took DFlash 1.15 ms of launches and
-# the 0.6B draft model about 22 ms (a launch per kernel of its 28 layers); a replay costs a fraction of a
-# millisecond. Beyond, a learn runs as one eager, ragged forward, whose cost grows with its rows more slowly.
+# pieces that each fit it: learning a short prompt eagerly costs a launch per kernel of the drafter's layers
+# (milliseconds for a draft model), a replay a fraction of a millisecond. Beyond, a learn runs as one eager, ragged
+# forward, whose cost grows with its rows more slowly.
 PIECEWISE_LEARN_GRAPHS = 4
 
 
@@ -191,7 +191,7 @@ class Speculator:
             return {}
         # (the whole decoding batch sizes the costs.) No exploratory round wakes a sleeping drafter beside other
         # requests: its catch-up is a forward over every row slept through, as many a step as there are requests,
-        # which at 8B and batch 32 costs a tenth of the steps it follows. Nor where k = 0 stands at this batch size
+        # which at large batches costs a good share of the steps it follows. Nor where k = 0 stands at this batch size
         # for requests that just joined it: their prompts are slept through (_skips). Alone, a round now and then
         # stays cheap, and a long request's acceptance may change.
         n = len(decoding)
@@ -333,7 +333,7 @@ class Speculator:
     def _skips(self, plan: StepPlan) -> bool:
         """Does the drafter sleep through this step's rows? A decode step's: while k = 0 stands (draft_lengths). A
         prompt's: where rounds are priced out at the step's batch size beside other requests, as no exploratory
-        round wakes the drafter there (at 8B and batch 32, learning 32 prompts added 18 ms to their 65 ms step)."""
+        round wakes the drafter there (learning a large batch's prompts adds a sizeable part to their step)."""
         if self._dormant_step(plan):
             return True
         if plan.has_prefill:
