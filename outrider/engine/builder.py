@@ -28,7 +28,7 @@ from outrider.engine.scheduler import Scheduler
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.speculative.device_round import device_rounds
-from outrider.speculative.drafter import DEFAULT_N_MAX, DraftPolicy, Drafter
+from outrider.speculative.drafter import DEFAULT_N_MAX, MAX_VERIFY_TOKENS, DraftPolicy, Drafter
 from outrider.speculative.kinds import detect_kind, load_drafter
 from outrider.speculative.speculation import Speculation
 from outrider.speculative.speculator import Speculator
@@ -72,20 +72,13 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     if config.chat_template:
         tokenizer.chat_template = config.chat_template
     # The drafter loads before the KV pools are sized: its weights and the target rows it reads count in the budget.
+    pools = _KVPools(config, target)
     kind = spec_kind(config, target)
-    drafter, policy, drafter_error = _load_drafter(config, target, kind) if kind else (None, None, None)
+    drafter, policy, drafter_error = _load_drafter(config, target, kind, pools) if kind else (None, None, None)
     if config.spec_draft_n_max is None:  # the default draft length, resolved (/props and /slots show it)
         config = replace(config, spec_draft_n_max=policy.n_max if policy is not None else DEFAULT_N_MAX)
     taps = tuple(drafter.aux_layer_ids) if drafter is not None else ()
-    # The drafter's KV pool has as many blocks as the target's (they share block ids): one budget sizes both.
-    shapes = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)]
-    shapes += [drafter.kv_shape] if drafter is not None else []
-    num_blocks = _num_kv_blocks(config, target, policy, taps,
-                                sum(kv_block_bytes(p, config.block_size, target.dtype) for p in shapes))
-    kv_cache, *drafter_kv = [KVCache.allocate(layers, num_blocks, config.block_size, kv_heads, head_dim,
-                                              target.dtype, device) for layers, kv_heads, head_dim in shapes]
-    if drafter is not None:
-        drafter.kv = drafter_kv[0]
+    kv_cache, num_blocks = pools.target(drafted=drafter is not None), pools.num_blocks
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, target.max_model_len)
     graphs = _step_graphs(config, target, policy) if device.type == "cuda" and not config.enforce_eager else None
@@ -122,8 +115,8 @@ def spec_kind(config: EngineConfig, target: _Target) -> str | None:
     return "mtp" if target.config.mtp_num_hidden_layers > 0 else None
 
 
-def _load_drafter(config: EngineConfig, target: _Target,
-                  kind: str) -> tuple[Drafter | None, DraftPolicy | None, str | None]:
+def _load_drafter(config: EngineConfig, target: _Target, kind: str,
+                  pools: _KVPools) -> tuple[Drafter | None, DraftPolicy | None, str | None]:
     """The drafter of this kind, weights loaded, and its policy; on failure, log why and serve without speculation
     (the third part says why)."""
     t0 = now()
@@ -131,7 +124,7 @@ def _load_drafter(config: EngineConfig, target: _Target,
     try:
         drafter = load_drafter(kind, target=target.model, target_cfg=target.config, target_path=target.path,
                                draft_path=config.draft_model, block_size=config.block_size, dtype=target.dtype,
-                               ngram=config.spec_ngram, device=target.device,
+                               ngram=config.spec_ngram, device=target.device, kv_pool=pools.drafter,
                                max_draft=max(asked, 1) if asked is not None else None)
     except Exception as exc:
         if config.spec_required:  # asked for on the command line: refusing to start says so plainly
@@ -145,7 +138,40 @@ def _load_drafter(config: EngineConfig, target: _Target,
     return drafter, policy, None
 
 
-def _num_kv_blocks(config: EngineConfig, target: _Target, policy: DraftPolicy | None, taps: tuple[int, ...],
+class _KVPools:
+    """The target's KV pool and the drafter's, with as many blocks each (they share block ids), sized in one budget
+    and allocated once: when the drafter asks for its pool (its weights loaded: they count), else for the target
+    alone."""
+
+    def __init__(self, config: EngineConfig, target: _Target) -> None:
+        self.config, self.model = config, target
+        self.num_blocks = 0
+        self._target: KVCache | None = None
+
+    def drafter(self, shape: tuple[int, int, int], taps: tuple[int, ...]) -> KVCache:
+        """drafter.KVPool: the drafter's pool (the target's is allocated beside it)."""
+        if self._target is not None:
+            raise ValueError("only one drafter with weights has a KV pool")
+        return self._allocate([shape], taps, drafted=True)[1]
+
+    def target(self, drafted: bool) -> KVCache:
+        """The target's pool (`drafted`: a drafter without a pool of its own is loaded)."""
+        if self._target is None:
+            self._allocate([], (), drafted)
+        return self._target
+
+    def _allocate(self, drafter_shapes: list, taps: tuple[int, ...], drafted: bool) -> list[KVCache]:
+        config, target, mc = self.config, self.model, self.model.config
+        shapes = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim), *drafter_shapes]
+        self.num_blocks = _num_kv_blocks(config, target, drafted, taps,
+                                         sum(kv_block_bytes(p, config.block_size, target.dtype) for p in shapes))
+        pools = [KVCache.allocate(layers, self.num_blocks, config.block_size, kv_heads, head_dim, target.dtype,
+                                  target.device) for layers, kv_heads, head_dim in shapes]
+        self._target = pools[0]
+        return pools
+
+
+def _num_kv_blocks(config: EngineConfig, target: _Target, drafted: bool, taps: tuple[int, ...],
                    per_block: int) -> int:
     """Blocks for the KV pools (`per_block` bytes a block across them): what the limits can use, within the memory
     budget (engine/memory.py)."""
@@ -156,12 +182,12 @@ def _num_kv_blocks(config: EngineConfig, target: _Target, policy: DraftPolicy | 
         return num_kv_blocks(per_block, wanted, (config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30)
     # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
     tokens = max(1, min(config.max_num_batched_tokens, target.max_model_len))
-    rows = min(tokens, max(config.max_num_seqs, policy.max_verify_tokens if policy is not None else 0))
+    rows = min(tokens, max(config.max_num_seqs, MAX_VERIFY_TOKENS if drafted else 0))
     reserve = measure_step_reserve(target.model, target.config, tokens=tokens, rows=rows,
                                    block_size=config.block_size, dtype=target.dtype, device=target.device,
                                    aux_layer_ids=taps)
     log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
-    graphs = graph_reserve(config.max_num_seqs, target.config.vocab_size, drafted=policy is not None,
+    graphs = graph_reserve(config.max_num_seqs, target.config.vocab_size, drafted=drafted,
                            eager=config.enforce_eager)
     return num_kv_blocks(per_block, wanted, cuda_budget(target.device, config.gpu_memory_utilization,
                                                         reserve + graphs))

@@ -26,6 +26,7 @@ from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedD
 
 
 class ChainDrafter:
+    kv: KVCache  # the head's own pool: its constructor asks its KVPool for it
     aux_layer_ids: tuple[int, ...] = ()
     reads_hidden = True  # the head's input at each committed pair
     learns = True
@@ -38,7 +39,6 @@ class ChainDrafter:
         self.device = torch.device(device)
         self.hidden_size, self.dtype = hidden_size, dtype
         self.target = target
-        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
         self.block_size = block_size
         self.max_draft = max_draft
         self.backend = get_backend(self.device)

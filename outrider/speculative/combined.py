@@ -39,15 +39,7 @@ class CombinedDrafter:
         self.max_draft = max(m.max_draft for m in members)
         self.step_cost = max(m.step_cost for m in members)  # the dearest member bounds what a round may cost
         self.kv_shape = self.model.kv_shape if self.model else (0, 0, 0)
-
-    @property
-    def kv(self) -> KVCache | None:
-        return self.model.kv if self.model else None
-
-    @kv.setter
-    def kv(self, pool: KVCache | None) -> None:  # the engine hands the pool over after sizing it
-        if self.model:
-            self.model.kv = pool
+        self.kv: KVCache | None = self.model.kv if self.model else None
 
     def lookahead(self, k: int) -> int:
         return max(m.lookahead(k) for m in self.members)

@@ -32,6 +32,12 @@ from outrider.engine.request import Request
 from outrider.kernels import ops
 
 
+# A drafter's KV pool, asked for by its constructor once its weights are loaded: (kv_shape, aux_layer_ids) ->
+# a pool of that shape with the target's block ids and count (engine/builder.py sizes both pools in one budget
+# then, its weights counted).
+KVPool = Callable[[tuple[int, int, int], tuple[int, ...]], KVCache]
+
+
 @dataclass(frozen=True)
 class TargetView:
     """What a drafter may use of the target model, and nothing more: its token embedding, final norm, LM head (over
@@ -78,7 +84,7 @@ class Drafter(Protocol):
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
     kv_shape: tuple[int, int, int]  # (layers, KV heads, head dim) of its own KV pool
-    kv: KVCache | None  # that pool, with the target's block ids and count: allocated by the engine after loading
+    kv: KVCache | None  # that pool, with the target's block ids and count, from the KVPool its constructor is given
 
     def lookahead(self, k: int) -> int:
         """KV positions from the last committed token on that proposing k tokens writes (blocks must exist)."""
@@ -161,6 +167,7 @@ def row_seqs(commits: Sequence[Commit]) -> list[tuple[list[int], int, int]]:
 
 
 DEFAULT_N_MAX = 4  # drafts per round when neither the server nor the drafter says otherwise
+MAX_VERIFY_TOKENS = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
 
 
 def block_capacity(request: Request, block_size: int) -> int:
@@ -331,7 +338,7 @@ class DraftPolicy:
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
     p_min: float = 0.0  # drafting stops at the first token the drafter gives less than this (--draft-p-min)
     measured: bool = False  # choose k from measured step costs (on by default on CUDA: EngineConfig)
-    max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
+    max_verify_tokens: int = MAX_VERIFY_TOKENS
     max_batch: int = 64  # no drafting above this many decoding requests
     prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
     decay: float = 0.9  # weight of the past per round (a request's estimate; its drift per undrafted step: 1 - decay)

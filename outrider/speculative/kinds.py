@@ -19,13 +19,14 @@ if TYPE_CHECKING:
     from torch import nn
 
     from outrider.config import ModelConfig
-    from outrider.speculative.drafter import Drafter
+    from outrider.speculative.drafter import Drafter, KVPool
 
 
 @dataclass(frozen=True)
 class DrafterLoad:
     """What loading a drafter gets: the target (its modules, config and checkpoint path), the drafter's own
-    checkpoint (None: none was given), the KV pool's layout, and the most drafts a round (None: the kind's own)."""
+    checkpoint (None: none was given), the KV pool's layout and where its pool comes from once its weights are
+    loaded (kv_pool), and the most drafts a round (None: the kind's own)."""
 
     target: nn.Module
     target_cfg: ModelConfig
@@ -34,6 +35,7 @@ class DrafterLoad:
     block_size: int
     dtype: torch.dtype
     device: torch.device | str
+    kv_pool: KVPool | None = None  # (n-gram lookup needs none)
     max_draft: int | None = None
     ngram: NgramConfig = NgramConfig()
 
@@ -64,7 +66,7 @@ def _load_draft_model(a: DrafterLoad) -> Drafter:
     from outrider.speculative.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(a.checkpoint("a draft model"), a.target_cfg.vocab_size, max_draft=_n_max(a),
-                             block_size=a.block_size, dtype=a.dtype, device=a.device)
+                             block_size=a.block_size, dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
 
 
 def _load_mtp(a: DrafterLoad) -> Drafter:
@@ -73,7 +75,8 @@ def _load_mtp(a: DrafterLoad) -> Drafter:
     from outrider.speculative.mtp import MTPDrafter
 
     return MTPDrafter(TargetView.of(a.target), a.target_cfg, str(resolve_model_path(a.draft_path or a.target_path)),
-                      max_draft=_n_max(a), block_size=a.block_size, dtype=a.dtype, device=a.device)
+                      max_draft=_n_max(a), block_size=a.block_size, dtype=a.dtype, device=a.device,
+                      kv_pool=a.kv_pool)
 
 
 def _load_dflash(a: DrafterLoad) -> Drafter:
@@ -81,7 +84,7 @@ def _load_dflash(a: DrafterLoad) -> Drafter:
     from outrider.speculative.drafter import TargetView
 
     return DFlashDrafter(TargetView.of(a.target), a.target_cfg, a.checkpoint("DFlash"), block_size=a.block_size,
-                         dtype=a.dtype, device=a.device)
+                         dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
 
 
 def _load_eagle3(a: DrafterLoad) -> Drafter:
@@ -89,7 +92,7 @@ def _load_eagle3(a: DrafterLoad) -> Drafter:
     from outrider.speculative.eagle3 import Eagle3Drafter
 
     return Eagle3Drafter(TargetView.of(a.target), a.target_cfg, a.checkpoint("EAGLE-3"), max_draft=_n_max(a),
-                         block_size=a.block_size, dtype=a.dtype, device=a.device)
+                         block_size=a.block_size, dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
 
 
 def _load_ngram(a: DrafterLoad) -> Drafter:
@@ -151,8 +154,8 @@ def detect_kind(draft_path: str, target_path: str | None = None) -> str:
 
 
 def load_drafter(kind: str, **load) -> Drafter:
-    """Build a drafter from DrafterLoad's fields, weights loaded; its KV pool (Drafter.kv, of Drafter.kv_shape, with the target's block ids
-    and block count) is the caller's to allocate, once the memory budget is known. `kind` may name several kinds,
+    """Build a drafter from DrafterLoad's fields, weights loaded; it asks `kv_pool` for its KV pool (of its
+    kv_shape, with the target's block ids and block count) once they are. `kind` may name several kinds,
     comma-separated: they are combined (combined.py). A drafter whose vocabulary does not match the target's is
     refused (IncompatibleDrafter, speculative/compat.py)."""
     from outrider.models import resolve_model_path

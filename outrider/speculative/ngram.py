@@ -142,7 +142,7 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig, max_draft: int) -> None:
         self.config = config
         self.max_draft = min(max_draft, config.size_m)
-        self.kv: KVCache | None = None  # the engine hands it its (empty) pool
+        self.kv: KVCache | None = None  # (no pool)
         self._index: dict[int, NgramIndex] = {}
 
     def index_of(self, req: Request) -> NgramIndex:
