@@ -223,12 +223,13 @@ def pattern_run(families, kind: str, batch: int, sleeps: bool, dormant: bool = F
     spec, pool, recomputed, dormant_steps, unmarked = engine.speculation.speculator, engine.pool, [], [], []
     hidden_rows, decide, free = spec.hidden_rows, spec.draft_lengths, pool.free_request
     spec.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
-    spec.draft_lengths = lambda running: (decide(running), dormant_steps.append(spec._dormant))[0]
+    spec.draft_lengths = lambda running: (decide(running), dormant_steps.append(spec.dormant))[0]
 
     def checked_free(req):
-        if req.request_id in spec._asleep:  # (its rows: positions up to the one before its last token's)
+        since = spec.asleep_since(req.request_id)
+        if since is not None:  # (its rows: positions up to the one before its last token's)
             last = req.num_prompt + len(req.output_ids) - 2
-            slept = req.block_ids[spec._asleep[req.request_id] // pool.block_size: last // pool.block_size + 1]
+            slept = req.block_ids[since // pool.block_size: last // pool.block_size + 1]
             unmarked.append(len(set(slept) - pool.drafter_stale))
         free(req)
 
@@ -344,7 +345,7 @@ def test_a_dormant_step_reads_no_request_however_large_the_batch(families, monke
         llm = spec_llm(families, "dflash")
         priced_out_beside_company(llm.engine)
         spec, steps = llm.engine.speculation.speculator, []
-        monkeypatch.setattr(StepOutput, "keep_hidden", lambda out: kept.append(spec._dormant) or keep(out))
+        monkeypatch.setattr(StepOutput, "keep_hidden", lambda out: kept.append(spec.dormant) or keep(out))
 
         def counted(call, starts_step):
             def run(*args):
@@ -352,7 +353,7 @@ def test_a_dormant_step_reads_no_request_however_large_the_batch(families, monke
                     steps.append(LineCount())
                 with steps[-1]:
                     out = call(*args)
-                steps[-1].dormant = spec._dormant and not spec._queued
+                steps[-1].dormant = spec.dormant and not spec.queued
                 return out
             return run
 
@@ -481,7 +482,7 @@ def schedule_run(families, overlap: bool, dormant: bool) -> ScheduleRun:
 
     def draft_lengths(running):
         lengths = decide(running)
-        run.steps.append(Decision(list(lengths.values()), len(running) if spec._dormant else 0))
+        run.steps.append(Decision(list(lengths.values()), len(running) if spec.dormant else 0))
         return lengths
 
     spec.draft_lengths = draft_lengths
@@ -496,7 +497,7 @@ def schedule_run(families, overlap: bool, dormant: bool) -> ScheduleRun:
             engine.add_request(reqs[3], outs[reqs[3].request_id].append)
         engine.step()
     run.out = [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs]
-    run.probes = {bucket: replace(p, ids=len(p.ids)) for bucket, p in engine.speculation.policy._probes.items()}  # (ids differ)
+    run.probes = {bucket: replace(p, ids=len(p.ids)) for bucket, p in engine.speculation.policy.probes.items()}  # (ids differ)
     return run
 
 

@@ -533,6 +533,11 @@ class DraftPolicy:
     def release(self, request_id: int) -> None:
         self._stats.pop(request_id, None)
 
+    @property
+    def probes(self) -> dict:
+        """Each batch bucket's probe state (exploratory rounds while k = 0 stands), as a copy."""
+        return dict(self._probes)
+
     def forget_acceptance(self) -> None:
         """Drop what rounds so far said of acceptance (warm-up traffic: synthetic prompts)."""
         self._stats, self._pooled = {}, None

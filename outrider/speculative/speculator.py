@@ -158,6 +158,20 @@ class Speculator:
         self._unkept: StepOutput | None = None  # the last step launched asleep (keep left its hidden rows)
         self._asleep: dict[int, int] = {}  # request id -> its first row the drafter has not learned (asleep since)
 
+    @property
+    def dormant(self) -> bool:
+        """Was this step's decision taken on the dormant path (reading no request)?"""
+        return self._dormant
+
+    @property
+    def queued(self) -> bool:
+        """Are committed rows waiting for the drafter to learn them?"""
+        return bool(self._queued)
+
+    def asleep_since(self, request_id: int) -> int | None:
+        """The request's first row the drafter has not learned, asleep (None: it is awake for it)."""
+        return self._asleep.get(request_id)
+
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
         those whose last token is still on the device (the engine then commits the step in flight first). After a
