@@ -9,7 +9,6 @@ bound the attention kernels size their split-KV grid from, so any shorter contex
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import sys
 from typing import Callable, Sequence
@@ -141,8 +140,8 @@ def _rows(out: Outputs, n: int) -> Outputs:
     if isinstance(out, torch.Tensor):
         return out[:n]
     if isinstance(out, ForwardResult):
-        return ForwardResult(*(None if t is None else t[:n] for t in
-                               (getattr(out, f.name) for f in dataclasses.fields(out))))
+        aux, logits = out.aux_hidden, out.logits
+        return ForwardResult(out.hidden[:n], None if aux is None else aux[:n], None if logits is None else logits[:n])
     return tuple(o[:n] for o in out)
 
 

@@ -204,7 +204,7 @@ class Engine:
                 # llama-server's first progress report: before any prompt work, the cache only
                 self.live[req.request_id].on_output(RequestOutput(
                     req.request_id, [], progress=self._progress(req, req.num_computed), timing=req.timing))
-        self.count_step(plan)
+        self.count_step(len(plan.scheduled))
         try:
             launched = self.runner.launch(plan, feed, planned.pending)
         except Exception as exc:  # a fault fails the request that caused it, never the server
@@ -241,9 +241,9 @@ class Engine:
             self._complete(prev)
         return prev is not None
 
-    def count_step(self, plan: StepPlan) -> None:
+    def count_step(self, num_requests: int) -> None:
         self.counters["steps"] += 1
-        self.counters["busy_slots_total"] += len(plan.scheduled)
+        self.counters["busy_slots_total"] += num_requests
 
     def _isolate(self, plan: StepPlan) -> StepPlan:
         """The plan cut down to one suspect (the others wait a step: nothing of theirs was advanced)."""

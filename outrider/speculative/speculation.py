@@ -45,8 +45,8 @@ class RoundHost(Protocol):
     def complete_inflight(self) -> bool:
         """Commit the step in flight, if any (False: there was none)."""
 
-    def count_step(self, plan: StepPlan) -> None:
-        """A step launched (the engine's counters)."""
+    def count_step(self, num_requests: int) -> None:
+        """A step of this many requests launched (the engine's counters)."""
 
     def deliver(self, plan: StepPlan, out: StepOutput) -> None:
         """Commit a step's tokens and deliver them (after_commit follows, as for any step)."""
@@ -195,14 +195,13 @@ class Speculation:
         rounds.set_blocks(req.block_ids)
         self._owner = (req.request_id, k)
         t0 = self.clock()
-        plan = self._round_plan(req, k)
-        host.count_step(plan)
+        host.count_step(1)
         try:
             rounds.replay()
             copy = rounds.verdict_to_host()
         except Exception as exc:
             self._owner = self._flight = None
-            host.fail(plan, exc)
+            host.fail(self._round_plan(req, k), exc)
             return True
         self._flight = _RoundFlight(req, k, verified, copy, t0)
         if flight is not None:
