@@ -73,7 +73,7 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
         tokenizer.chat_template = config.chat_template
     # The drafter loads before the KV pools are sized: its weights and the target rows it reads count in the budget.
     pools = _KVPools(config, target)
-    kind = spec_kind(config, target)
+    kind = _spec_kind(config, target)
     drafter, policy, drafter_error = _load_drafter(config, target, kind, pools) if kind else (None, None, None)
     if config.spec_draft_n_max is None:  # the default draft length, resolved (/props and /slots show it)
         config = replace(config, spec_draft_n_max=policy.n_max if policy is not None else DEFAULT_N_MAX)
@@ -106,7 +106,7 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     return engine
 
 
-def spec_kind(config: EngineConfig, target: _Target) -> str | None:
+def _spec_kind(config: EngineConfig, target: _Target) -> str | None:
     """The configured (or detected) drafter kind; None: no speculation."""
     if config.spec_type is not None:
         return None if config.spec_type == "none" else config.spec_type
