@@ -1,5 +1,6 @@
 """What one engine step is, as the scheduler, the runner, the engine and speculation pass it between them: the plan
-(which requests feed which tokens and drafts), the step once launched on the device, and what it outputs.
+(which requests feed which tokens and drafts), the step once launched on the device, and what it outputs; and a
+request's status with the scheduler.
 
 A module of data below both the engine and the speculative package, so that each reads the other's steps without
 importing the other."""
@@ -7,6 +8,7 @@ importing the other."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +18,14 @@ if TYPE_CHECKING:
     from outrider.engine.request import Request, TokenLogprob
     from outrider.speculative.drafter import PendingDrafts
     from outrider.speculative.verify import PendingVerdict
+
+
+class Status(enum.Enum):
+    """Where a request stands with the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass(slots=True)

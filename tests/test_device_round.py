@@ -11,7 +11,8 @@ import torch
 
 from outrider import LLM, SamplingParams
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
-from outrider.engine.request import Request, Status
+from outrider.engine.request import Request
+from outrider.steps import Status
 from outrider.speculative.device_round import DeviceRound
 from spec_helpers import SETUPS, write_attentive_families
 

@@ -30,11 +30,11 @@ import torch
 from outrider.attention import KVCache
 from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.kv_cache import BlockPool
-from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput, Status
+from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput
 from outrider.engine.runner import ModelRunner
 from outrider.engine.scheduler import Scheduler
 from outrider.speculative.speculation import Speculation
-from outrider.steps import LaunchedStep, PlannedStep, StepOutput, StepPlan
+from outrider.steps import LaunchedStep, PlannedStep, Status, StepOutput, StepPlan
 from outrider.structured.grammar import GrammarCompiler
 from outrider.timing import now
 from outrider.tokenizer import Detokenizer, Tokenizer

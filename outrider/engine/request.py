@@ -8,16 +8,11 @@ import sys
 from dataclasses import dataclass, field
 
 from outrider.params import SamplingParams
+from outrider.steps import Status
 from outrider.structured.grammar import Constraint
 from outrider.timing import RequestTiming
 
 _ids = itertools.count()
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):

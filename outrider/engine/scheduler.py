@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 
 from outrider.engine.kv_cache import BlockPool
-from outrider.engine.request import Request, Status
-from outrider.steps import ScheduledRequest, StepPlan
+from outrider.engine.request import Request
+from outrider.steps import ScheduledRequest, Status, StepPlan
 
 
 class Scheduler:

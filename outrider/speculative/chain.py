@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
 from outrider.graphs import CudaGraphRunner
-from outrider.engine.request import Request
 from outrider.speculative.device_chain import DeviceChain
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
                                          block_capacity, row_seqs, stage_drafts)
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 class ChainDrafter:

@@ -10,12 +10,15 @@ only where lookup has nothing to offer. llama-server gives draftless kinds the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import KVCache
-from outrider.engine.request import Request
 from outrider.speculative.drafter import Commit, Drafter, Proposals
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 def has_pool(drafter: Drafter) -> bool:

@@ -15,6 +15,7 @@ import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,7 +23,6 @@ from torch import nn
 from outrider.attention import KVCache, get_backend
 from outrider.config import ModelConfig
 from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
-from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata, shifted_metadata, uniform_metadata_on_device
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
@@ -31,6 +31,9 @@ from outrider.models.llama import DecoderLayer
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, KVPool, Proposals, StagedDrafts, TargetView,
                                          VerifiedRows, block_capacity, greedy_drafts, row_seqs, stage_drafts)
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 def _taps(aux_hidden: torch.Tensor | None) -> torch.Tensor:

@@ -10,18 +10,21 @@ drafts argmax tokens one position at a time on the device (DeviceChain: one grap
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import KVCache, get_backend
 from outrider.graphs import CudaGraphRunner, default_buckets
-from outrider.engine.request import Request
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
 from outrider.models import load_model
 from outrider.speculative.device_chain import DeviceChain
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, KVPool, Proposals, block_capacity, greedy_drafts,
                                          row_seqs)
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 class DraftModelDrafter:

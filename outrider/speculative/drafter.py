@@ -22,14 +22,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from outrider.attention import KVCache
-from outrider.engine.request import Request
 from outrider.kernels import ops
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 # A drafter's KV pool, asked for by its constructor once its weights are loaded: (kv_shape, aux_layer_ids) ->

@@ -16,13 +16,16 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import KVCache
 from outrider.config import NgramConfig
-from outrider.engine.request import Request
 from outrider.speculative.drafter import Commit, Proposals
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 # Drafts per round when the server names no length. A lookup costs nothing on the device, and a verify of 17 rows
 # costs a launch-bound target about what one of 9 does, while copies run long: on edit workloads a cap of 16 earns

@@ -25,15 +25,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from outrider.engine.request import Request, Status
 from outrider.speculative.device_round import DeviceRound, RoundCopy, committed
 from outrider.speculative.drafter import PENDING, DraftPolicy, Drafter
 from outrider.speculative.speculator import Drafts, Speculator
-from outrider.steps import LaunchedStep, PlannedStep, ScheduledRequest, StepOutput, StepPlan
+from outrider.steps import LaunchedStep, PlannedStep, ScheduledRequest, Status, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 class RoundHost(Protocol):

@@ -31,14 +31,16 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from outrider.engine.request import Request, Status
 from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, PendingDrafts,
                                          StagedDrafts, VerifiedRows)
-from outrider.steps import LaunchedStep, StepOutput, StepPlan
+from outrider.steps import LaunchedStep, Status, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 log = logging.getLogger("outrider.engine")
 
