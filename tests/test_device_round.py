@@ -398,10 +398,12 @@ def test_controlled_acceptance_substitutes_inside_device_rounds(families, kind, 
     ctl = ControlledDrafter(engine.speculation.drafter, alpha, engine.model_config.vocab_size, seed=0, rounds=script)
     req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
     ctl.expect(req.request_id, PROMPT + plain[:TOKENS], stream=0)
+    loaded = engine.speculation.drafter, engine.speculation.rounds
     with engine.speculation.drafting_with(ctl, device_rounds_for(engine, ctl)):
         engine.add_request(req, lambda out: None)
         while engine.has_work():
             engine.step()
+    assert (engine.speculation.drafter, engine.speculation.rounds) == loaded  # (the loaded drafter drafts again)
     assert req.output_ids == plain[:TOKENS] and replays
     t = req.timing
     accepted = t.draft_n_accepted
