@@ -135,9 +135,11 @@ class Speculation:
         """A step was launched and sampled. `overlapped`: it is committed only after the next one launches, so the
         drafter's hidden rows are kept from the next replay; else a verify step's next round is drafted from its
         verdict, still on the device, while the host commits this one (Speculator.draft_ahead)."""
+        verdict = launched.verdict
         if overlapped:
             self.speculator.keep(launched.plan, launched.out)
-        elif launched.verdict is not None and self.speculator.drafts_ahead(launched.plan):
+        # (m on the device, as plan_step asked for it: a plan cut down to one suspect since may not have)
+        elif verdict is not None and verdict.accepted is not None and self.speculator.drafts_ahead(launched.plan):
             self.speculator.draft_ahead(launched)
 
     def after_commit(self, plan: StepPlan, out: StepOutput, live: set[int] | dict) -> None:
