@@ -98,7 +98,8 @@ class Engine:
         self.device, self.model, self.model_config = parts.device, parts.model, parts.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.model_path, self.tokenizer, self.max_model_len = parts.model_path, parts.tokenizer, parts.max_model_len
-        self.kv_cache, self.pool, self.scheduler, self.runner = parts.kv_cache, parts.pool, parts.scheduler, parts.runner
+        self.kv_cache, self.pool, self.scheduler = parts.kv_cache, parts.pool, parts.scheduler
+        self.runner = parts.runner
         self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
         self.speculation, self.drafter_error = parts.speculation, parts.drafter_error
         self.live: dict[int, _Live] = {}
@@ -275,13 +276,12 @@ class Engine:
 
     def _complete(self, launched: LaunchedStep) -> None:
         """Collect a launched step's tokens and deliver them."""
-        plan = launched.plan
         try:
             out = self.runner.collect(launched)
         except Exception as exc:
-            self.fail(plan, exc)
+            self.fail(launched.plan, exc)
             return
-        self.deliver(plan, out)
+        self.deliver(launched.plan, out)
 
     def deliver(self, plan: StepPlan, out: StepOutput) -> None:
         """Commit a step's tokens and deliver them, then let speculation learn the step, then release what

@@ -1,8 +1,8 @@
 """A speculative round whose every input lives on the device, so that CUDA can capture it whole and replay it.
 
 On a launch-bound target (a plain step that is all host time) a round built step by step costs the host about a
-hundred small launches, uploads and index operations, several plain steps' time: no draft length pays for that. Captured as one CUDA graph, the round leaves the host one replay and
-one small read a round. That needs a round whose shapes are fixed and whose data never passes through the host:
+hundred small launches, uploads and index operations, several plain steps' time: no draft length pays for that.
+Captured as one CUDA graph, the round leaves the host one replay and one small read a round. That needs a round whose shapes are fixed and whose data never passes through the host:
 
 - `ids` [k + 1]: the next verify's input, the bonus token and k drafts;
 - `first` [1]: the bonus token's position (p): the verify feeds positions p .. p + k;
@@ -188,7 +188,8 @@ def committed(copy: RoundCopy) -> list[int]:
     return emitted.tolist()[: int(accepted[0]) + 1]
 
 
-def device_rounds(runner, drafter: RoundDrafter, n_max: int, max_blocks: int, graph_pool=None) -> dict[int, DeviceRound]:
+def device_rounds(runner, drafter: RoundDrafter, n_max: int, max_blocks: int,
+                  graph_pool=None) -> dict[int, DeviceRound]:
     """A DeviceRound of this drafter per draft length 1..n_max, over the target's runner; captured as CUDA graphs into
     `graph_pool` (the target graphs' memory pool) when given."""
     rounds = {}

@@ -173,7 +173,8 @@ class Speculation:
         flight = self._flight
         # The round in flight commits 1 .. drafts + 1 tokens: where they may reach the limit, the next round waits
         # for its verdict rather than run after the request ends.
-        if flight is not None and (rounds is None or flight.request is not req or flight.drafts + 1 >= req.outputs_left):
+        if flight is not None and (rounds is None or flight.request is not req
+                                   or flight.drafts + 1 >= req.outputs_left):
             self._land_round(host)  # (its request's state must be on the host before anything else uses it)
             flight, req = None, self._lone_greedy(host)
         if req is None or rounds is None:

@@ -11,8 +11,9 @@ The first round after that catches up: the target's hidden states at the rows sk
 that writes no K/V (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is
 work paid once: it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the
 round, it would price rounds out on a large target (a catch-up there is a target forward over every row slept
-through), the drafter would sleep again, and each exploratory round would measure the next catch-up. The blocks of rows slept through are marked in
-the pool: a prefix hit on one is caught up the same way, as its drafter K/V is whatever the block held before.
+through), the drafter would sleep again, and each exploratory round would measure the next catch-up. The blocks of
+rows slept through are marked in the pool: a prefix hit on one is caught up the same way, as its drafter K/V is
+whatever the block held before.
 
 Asleep, a step would still read every request (deciding, learning, measuring), loops that run cold between
 forwards and cost a launch-bound step a noticeable share. So where every running request decodes
