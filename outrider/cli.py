@@ -19,10 +19,9 @@ from outrider.request_fields import SUPPORTED
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
 from outrider.server import flags
 from outrider.server.settings import ServerConfig, default_params
-# llama-server's --spec-type names -> EngineConfig.spec_type
-SPEC_TYPES = {"draft-simple": "draft", "draft-mtp": "mtp", "draft-dflash": "dflash",
-              "draft": "draft", "mtp": "mtp", "dflash": "dflash",
-              "draft-eagle3": "eagle3", "ngram-simple": "ngram", "eagle3": "eagle3", "ngram": "ngram"}
+from outrider.speculative.kinds import KINDS as DRAFTER_KINDS
+# llama-server's --spec-type names, and our own -> EngineConfig.spec_type
+SPEC_TYPES = {**{k.llama_name: k.name for k in DRAFTER_KINDS}, **{k.name: k.name for k in DRAFTER_KINDS}}
 # llama-server's other kinds, refused by name (docs/speculative.md, "N-gram lookup", says why)
 SPEC_TYPES_REFUSED = {
     "draft-dspark": "DSpark drafters are not supported",
@@ -31,7 +30,7 @@ SPEC_TYPES_REFUSED = {
     "ngram-mod": "its hash pool shared across requests is not supported; use ngram-simple",
     "ngram-cache": "n-gram statistics files are not supported; use ngram-simple",
 }
-MODEL_KINDS = ("draft", "mtp", "dflash", "eagle3")  # kinds with weights: at most one, beside n-gram lookup
+MODEL_KINDS = tuple(k.name for k in DRAFTER_KINDS if k.weights)  # at most one, beside n-gram lookup
 
 
 def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider serve",
@@ -192,7 +191,6 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         overlap_schedule=False if ns.no_overlap_schedule else None,
         prefill_graph_tokens=ns.prefill_graph_tokens,
         spec_measured_costs=False if ns.no_spec_measured_costs else None,
-        spec_draft_ahead=False if ns.no_spec_draft_ahead else None,
         spec_device_round=False if ns.no_spec_device_round else None,
         # Every core computing leaves none for the HTTP side, which on a small box costs more than it gives.
         cpu_threads=ns.threads if ns.threads > 0 else max(1, (os.cpu_count() or 2) - 1),

@@ -180,7 +180,7 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # GPU: a prefill chunk that runs alone (no other sequence in its step) and has at most this many tokens
     # replays a CUDA graph captured for the next power of two, padded, instead of an eager forward: a short
-    # prompt's eager forward is launch-bound (docs/benchmarks.md). 0: eager.
+    # prompt's eager forward is launch-bound (several times the graph's time to first token). 0: eager.
     prefill_graph_tokens: int = 256
     # Speculative decoding
     draft_model: str | None = None
@@ -192,18 +192,10 @@ class EngineConfig:
     # Choose draft lengths from measured step costs (None: on for CUDA; on the CPU, where costs vary with the
     # machine's load, the drafter's fixed cost estimate keeps tests deterministic).
     spec_measured_costs: bool | None = None
-    # Draft the next round from a verify step's verdict on the device, before the host reads it (MTP, EAGLE-3,
-    # DFlash; docs/speculative.md). Off: every round drafts after the host commits the last one (for comparison).
-    spec_draft_ahead: bool = True
-    # With it, enqueue the next round's verify forward too (ModelRunner.prelaunch). Off by default: on the H200 it
-    # has not yet measured faster (docs/benchmarks.md, "Session 12"), and a request admitted meanwhile, or at batch 1
-    # a stop, drops the forward it enqueued.
-    spec_verify_ahead: bool = False
     # A request that decodes alone, greedy, runs whole rounds on the device (speculative/device_round.py: on CUDA
     # each draft length's round is one captured graph), the host replaying a round and reading its verdict: what a
-    # launch-bound target needs (the demo family, H200: DFlash 0.79x -> 2.33x plain; docs/benchmarks.md, "Session
-    # 14"). Drafters with weights (DFlash, MTP, EAGLE-3, draft model). None: on where CUDA graphs are captured
-    # (eager, a round saves nothing).
+    # launch-bound target needs (docs/speculative.md, "Device rounds"). Drafters with weights (DFlash, MTP, EAGLE-3,
+    # draft model). None: on where CUDA graphs are captured (eager, a round saves nothing).
     spec_device_round: bool | None = None
     # The user asked for speculation (-md / --spec-type): a drafter that fails to load or is refused stops the
     # start. Otherwise (detected, e.g. an MTP head) the engine serves without it and says why.

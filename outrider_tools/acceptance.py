@@ -154,7 +154,7 @@ def record_rounds(llm) -> tuple[dict[int, list[tuple[int, list[int]]]], list[int
     after it."""
     log: dict[int, list] = {}
     order: list[int] = []
-    drafter, add = llm.engine.drafter, llm.engine.add_request
+    drafter, add = llm.engine.speculation.drafter, llm.engine.add_request
     # (a drafter that stages its drafts on the device proposes through `stage`; they are read here for the record)
     name = "stage" if drafter.stages_on_device else "propose"
     propose = getattr(drafter, name)
@@ -312,7 +312,8 @@ def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks
     `draft_model` (default: the demo's) for the kinds that have one. fixed: no measured step costs (the CUDA
     default), so that a drafter with step_cost 0 always drafts the cap, and each round drafted after the last one
     is committed (drafting ahead caps the last rounds of a request by the tokens the round in flight may still
-    commit: not the documented k there)."""
+    commit: not the documented k there); a confidence stop no draft falls below keeps rounds from being drafted
+    ahead, and trims nothing."""
     from outrider import LLM, demo
 
     kwargs = dict(device=device, dtype=dtype, num_kv_blocks=num_kv_blocks, max_num_seqs=max(batch, 1))
@@ -323,7 +324,7 @@ def make_llm(kind: str | None, k: int, *, device: str, dtype: str, num_kv_blocks
         if kind in ("draft", "dflash", "eagle3"):
             kwargs["draft_model"] = draft_model or str(demo.demo_path(kind))
         if fixed:
-            kwargs.update(spec_measured_costs=False, spec_draft_ahead=False)
+            kwargs.update(spec_measured_costs=False, draft_p_min=1e-30)
     llm = LLM(target or str(demo.demo_path("target")), **kwargs)
     if kind is not None and llm.engine.drafter_kind != kind:
         raise RuntimeError(f"the engine did not load the {kind} drafter (see the log)")
@@ -369,7 +370,7 @@ def measure(settings: list[tuple[str, int]], prompts: list[tuple[int, dict]], *,
             if policy == "fixed":
                 # expected_tokens(alpha, n) grows with n, so with no cost per draft the online rule always takes
                 # the cap: min(K, max_draft, tokens left - 1, batch cap).
-                llm.engine.drafter.step_cost = 0.0
+                llm.engine.speculation.drafter.step_cost = 0.0
             res = SettingResult(kind, k, policy)
             log_rounds, request_ids = record_rounds(llm)
             outs = run_prompts(llm, prompts, max_tokens, batch)

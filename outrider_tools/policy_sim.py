@@ -15,6 +15,8 @@ import argparse
 import random
 from types import SimpleNamespace
 
+from outrider.engine.request import Request
+from outrider.params import SamplingParams
 from outrider.speculative.drafter import DraftPolicy
 
 PRESETS = {  # name: (max draft, fixed ms of a round, ms per draft, the drafter's own step_cost estimate)
@@ -37,9 +39,9 @@ def simulate(alpha: float, n_max: int, base: float, per_draft: float, step_cost:
     for k in range(n_max + 1):  # what warm-up calibration leaves: every length measured
         policy.observe_step(1, k, cost(k))
     seconds = made = undrafted = 0
-    for i in range(requests):
-        req = SimpleNamespace(request_id=i, max_output_tokens=tokens, output_ids=[], num_pending=0,
-                              params=SimpleNamespace(spec_n_max=None))
+    for _ in range(requests):
+        req = Request([0], SamplingParams(max_tokens=tokens))
+        req.limit_outputs(tokens + 1)
         while len(req.output_ids) < tokens:
             if fixed_k is None:
                 k = policy.draft_lengths([req], drafter)[0]
@@ -48,7 +50,7 @@ def simulate(alpha: float, n_max: int, base: float, per_draft: float, step_cost:
             accepted = 0
             if k:
                 accepted = next((j for j in range(k) if rng.random() >= alpha), k)
-                policy.record(i, k, accepted)
+                policy.record(req.request_id, k, accepted)
             else:
                 undrafted += 1
             policy.observe_step(1, k, cost(k))
@@ -56,7 +58,7 @@ def simulate(alpha: float, n_max: int, base: float, per_draft: float, step_cost:
             n = min(accepted + 1, tokens - len(req.output_ids))
             req.output_ids += [0] * n
             made += n
-        policy.release(i)
+        policy.release(req.request_id)
     return made / seconds * plain / 1e3, undrafted
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from outrider.config import EngineConfig
+from outrider.engine.builder import build_engine
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.kernels import ops
@@ -45,9 +46,9 @@ def rounds(engine: Engine, prompt: list[int], tokens: int, k: int) -> tuple[list
     engine.add_request(req, lambda o: None)
     while not req.output_ids:
         engine.step()
-    engine.speculator.flush()
+    engine.speculation.speculator.flush()
     width = -(-engine.max_model_len // engine.pool.block_size)
-    dr = DeviceRound(engine.runner, engine.drafter, k, width)
+    dr = DeviceRound(engine.runner, engine.speculation.drafter, k, width)
     dr.load(req.all_ids[-1], [0] * k, req.num_tokens - 1, req.block_ids)
     position, out, accepted = req.num_tokens - 1, list(req.output_ids), []
 
@@ -93,9 +94,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="outrider/demo/eval_prompts.json")
     args = ap.parse_args()
     common = dict(model=args.model, device=args.device, max_num_seqs=1, max_model_len=2048)
-    plain = Engine(EngineConfig(spec_type="none", **common))
+    plain = build_engine(EngineConfig(spec_type="none", **common))
     # (its own rounds step by step, as without device rounds: what the captured round is compared with)
-    spec = Engine(EngineConfig(draft_model=args.draft_model, spec_type=args.spec_type, spec_draft_n_max=args.k,
+    spec = build_engine(EngineConfig(draft_model=args.draft_model, spec_type=args.spec_type, spec_draft_n_max=args.k,
                                spec_device_round=False, **common))
     texts = json.loads(Path(args.prompts).read_text())
     for text in texts[:3]:

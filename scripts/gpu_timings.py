@@ -23,6 +23,7 @@ from outrider.bench.profile import admission_times, lone_first_token_s
 from outrider.bench.shapes import random_model, write_stub_checkpoint
 from outrider.config import EngineConfig
 from outrider.demo import demo_path
+from outrider.engine.builder import build_engine
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -37,7 +38,7 @@ def shape_engine(shape: str, overlap: bool | None, model=None) -> Engine:
     stub = write_stub_checkpoint(shape, Path(tempfile.mkdtemp(prefix="outrider-timings-")))
     config = EngineConfig(model=str(stub), max_num_seqs=4, max_model_len=4096, overlap_schedule=overlap,
                           enable_prefix_caching=False, gpu_memory_utilization=0.5)
-    return Engine(config, preloaded=model)
+    return build_engine(config, preloaded=model)
 
 
 def prompt_case(engine: Engine, vocab: int) -> tuple[float, float]:
@@ -88,7 +89,7 @@ def demo_engine(kind: str | None, max_num_seqs: int, measured: bool | None = Non
         kwargs = dict(draft_model=str(demo_path(kind)))
     else:
         kwargs = dict(spec_type="none")
-    return Engine(EngineConfig(model=str(demo_path("target")), max_num_seqs=max_num_seqs, max_model_len=2048,
+    return build_engine(EngineConfig(model=str(demo_path("target")), max_num_seqs=max_num_seqs, max_model_len=2048,
                                gpu_memory_utilization=0.3, spec_measured_costs=measured, **kwargs))
 
 
@@ -111,8 +112,8 @@ def tok_per_s(engine: Engine, batch: int, tokens: int = 128) -> tuple[float, flo
 
 def round_split(engine: Engine) -> str:
     """Host-timed phases of forced speculative rounds at batch 1 (CUDA synchronised around each)."""
-    phases: dict[str, list[float]] = {"propose": [], "forward": [], "verify": [], "collect+commit+learn": []}
-    spec, runner = engine.speculator, engine.runner
+    phases: dict[str, list[float]] = {"propose": [], "forward": [], "verify": [], "collect": [], "commit+learn": []}
+    spec, runner = engine.speculation.speculator, engine.runner
 
     def timed(name, fn):
         def wrapper(*a, **k):
@@ -124,10 +125,10 @@ def round_split(engine: Engine) -> str:
             return out
         return wrapper
 
-    propose, launch, sample, complete = spec.propose, runner.launch, runner.sample, engine._complete
-    spec.propose, runner.launch, runner.sample, engine._complete = (
-        timed("propose", propose), timed("forward", launch), timed("verify", sample),
-        timed("collect+commit+learn", complete))
+    propose, launch, sample, collect = spec.propose, runner.launch, runner.sample, runner.collect
+    spec.propose, runner.launch, runner.sample, runner.collect, engine.deliver = (
+        timed("propose", propose), timed("forward", launch), timed("verify", sample), timed("collect", collect),
+        timed("commit+learn", engine.deliver))
     step_ms = []
     req = Request([0] + [50 + j for j in range(24)], greedy(96))
     engine.add_request(req, lambda out: None)
@@ -137,7 +138,8 @@ def round_split(engine: Engine) -> str:
         engine.step()
         torch.cuda.synchronize()
         step_ms.append((now() - t0) * 1e3)
-    spec.propose, runner.launch, runner.sample, engine._complete = propose, launch, sample, complete
+    spec.propose, runner.launch, runner.sample, runner.collect = propose, launch, sample, collect
+    del engine.deliver
     med = {k: statistics.median(v[2:]) if len(v) > 2 else float("nan") for k, v in phases.items()}
     return (f"step {statistics.median(step_ms[2:]):.3f} ms; " + ", ".join(f"{k} {v:.3f}" for k, v in med.items())
             + f"; tau {(req.timing.draft_n_accepted + req.timing.draft_rounds) / max(req.timing.draft_rounds, 1):.2f}")

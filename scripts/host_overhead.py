@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from outrider.config import EngineConfig
+from outrider.engine.builder import build_engine
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.models.output import ForwardResult
@@ -37,9 +38,10 @@ VOCAB = 500  # prompts draw ids below this (the tiny tokenizer's vocabulary is l
 
 
 def stub_engine(ckpt: Path, prefix_caching: bool, max_num_seqs: int, max_model_len: int, bank_rows: int) -> Engine:
-    engine = Engine(EngineConfig(model=str(ckpt), device="cpu", max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                 max_num_batched_tokens=16384, enable_prefix_caching=prefix_caching,
-                                 num_kv_blocks=max_num_seqs * -(-max_model_len // 16) + 1))
+    engine = build_engine(EngineConfig(model=str(ckpt), device="cpu", max_num_seqs=max_num_seqs,
+                                       max_model_len=max_model_len, max_num_batched_tokens=16384,
+                                       enable_prefix_caching=prefix_caching,
+                                       num_kv_blocks=max_num_seqs * -(-max_model_len // 16) + 1))
     hidden = engine.model_config.hidden_size
     bank = torch.randn(bank_rows, engine.model_config.vocab_size, generator=torch.Generator().manual_seed(0))
     engine.runner.forward_eager = lambda ids, pos, meta: ForwardResult(torch.zeros(ids.shape[0], hidden))

@@ -28,6 +28,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from outrider.bench.engine_setup import build_engine, engine_config
+from outrider.engine import builder
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -47,8 +48,6 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--spec-type", choices=["draft", "mtp", "dflash", "eagle3"], help="load this drafter preset")
     ap.add_argument("--k", type=int, default=0, help="with --spec-type: drafts per request every decode step")
-    ap.add_argument("--verify-ahead", action="store_true", help="with --spec-type: enqueue the next verify forward "
-                    "ahead (EngineConfig.spec_verify_ahead)")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
                            gpu_memory_utilization=0.9, no_overlap=a.no_overlap,
@@ -56,7 +55,6 @@ def main() -> None:
     limits = dict(max_num_seqs=a.batch, max_model_len=a.prompt_len + (4 + a.k) * a.steps + 64,
                   max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
     engine = drafting_engine(args, a, limits) if a.spec_type else build_engine(args, **limits)
-    taken = count_prelaunches(engine)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=4 * a.steps, temperature=a.temperature, seed=0, ignore_eos=True)
     for b in range(a.batch):
@@ -67,7 +65,6 @@ def main() -> None:
     sync()
     if a.spec_type:
         host_split(engine, a.steps, sync)
-    taken.update(made=0, taken=0)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(a.steps):
@@ -89,8 +86,6 @@ def main() -> None:
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
     for name, (tot, cnt) in rows:
         print(f"  {tot / 1e3 / a.steps:8.4f} ms/step  {cnt / a.steps:6.1f}/step  {tot / max(cnt, 1):8.2f} us/call  {name[:110]}")
-    if a.spec_type:
-        print(f"  verify forwards enqueued ahead: {taken['made']}, taken by their step: {taken['taken']}")
     host_calls(prof.events(), a.steps)
     if a.timeline:
         idle_gaps(gpu_events, a.steps)
@@ -107,31 +102,13 @@ def drafting_engine(args, a, limits: dict) -> Engine:
     shape = preset(a.model, a.spec_type)
     paths = write_preset(a.model, shape, Path(tempfile.mkdtemp(prefix="outrider-profile-")), dtype, 0)
     model = random_model(a.model, torch.device(a.device), dtype)
-    engine = Engine(engine_config(args, str(paths.target), spec_type=shape.kind, spec_draft_n_max=max(a.k, 1),
-                                  spec_verify_ahead=a.verify_ahead,
-                                  draft_model=str(paths.draft) if paths.draft else None, **limits), preloaded=model)
+    engine = builder.build_engine(engine_config(args, str(paths.target), spec_type=shape.kind,
+                                                spec_draft_n_max=max(a.k, 1),
+                                                draft_model=str(paths.draft) if paths.draft else None, **limits),
+                                  preloaded=model)
     # (the policy's decision, which drafting ahead takes too, not the speculator's)
-    engine.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [a.k] * len(requests)
+    engine.speculation.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [a.k] * len(requests)
     return engine
-
-
-def count_prelaunches(engine: Engine) -> dict[str, int]:
-    """Counts of verify forwards enqueued ahead (ModelRunner.prelaunch) and of those a step took."""
-    counts = {"made": 0, "taken": 0}
-    runner, prelaunch = engine.runner, engine.runner.prelaunch
-    launch = runner.launch
-
-    def counted_prelaunch(round_):
-        counts["made"] += 1
-        return prelaunch(round_)
-
-    def counted_launch(plan, feed=None, drafts_on_device=None, prelaunched=None):
-        if prelaunched is not None and feed is None and prelaunched.rows(plan) is not None:
-            counts["taken"] += 1
-        return launch(plan, feed, drafts_on_device, prelaunched)
-
-    runner.prelaunch, runner.launch = counted_prelaunch, counted_launch
-    return counts
 
 
 def host_split(engine: Engine, steps: int, sync) -> None:
@@ -153,9 +130,9 @@ def host_split(engine: Engine, steps: int, sync) -> None:
         setattr(owner, name, wrapper)
         return lambda: delattr(owner, name) if original is None else setattr(owner, name, original)
 
-    spec = engine.speculator
+    spec = engine.speculation.speculator
     undo = [timed(engine.runner, "launch", "runner.launch"), timed(engine.runner, "sample", "runner.sample"),
-            timed(engine.runner, "prelaunch", "runner.prelaunch"), timed(engine, "_commit", "engine._commit"),
+            timed(engine, "deliver", "engine.deliver"),
             timed(engine.scheduler, "schedule", "scheduler.schedule"),
             timed(spec, "draft_lengths", "speculator.draft_lengths"), timed(spec, "propose", "speculator.propose"),
             timed(spec, "draft_ahead", "speculator.draft_ahead"), timed(spec, "learn", "speculator.learn"),

@@ -34,6 +34,7 @@ import outrider
 
 from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
+from outrider.engine.builder import build_engine
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -81,8 +82,8 @@ def profile(name: str, engine: Engine, prompts: list[list[int]], args) -> None:
 def timed_calls(engine: Engine, prompts: list[list[int]], args) -> None:
     timer = PhaseTimer(engine.device, synchronise=False)
     targets = [(engine.runner, name, timer.timed(f"runner.{name}")) for name in ("launch", "sample", "collect")]
-    if engine.speculator is not None:
-        targets += [(engine.speculator, name, timer.timed(f"speculator.{name}"))
+    if engine.speculation is not None:
+        targets += [(engine.speculation.speculator, name, timer.timed(f"speculator.{name}"))
                     for name in ("draft_lengths", "propose", "keep", "learn", "flush", "observe_step")]
     with patched(*targets):
         _, steps, _ = run(engine, prompts, args.tokens)
@@ -133,12 +134,12 @@ def main() -> None:
     tok = Tokenizer.from_pretrained(args.model)
     prompts = [tok.encode(f"def function_{i}(x):") for i in range(args.batch)]
     limits = dict(max_num_seqs=args.batch, max_model_len=1024, device=args.device)
-    profile("plain", Engine(EngineConfig(args.model, spec_type="none", **limits)), prompts, args)
-    spec = Engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type,
+    profile("plain", build_engine(EngineConfig(args.model, spec_type="none", **limits)), prompts, args)
+    spec = build_engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type,
                                spec_ngram=NgramConfig(size_n=3, min_hits=args.ngram_min_hits), **limits))
     if args.k is not None:
         spec.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [args.k] * len(requests)
-    profile(f"speculative ({spec.drafter.kind})", spec, prompts, args)
+    profile(f"speculative ({spec.drafter_kind})", spec, prompts, args)
 
 
 if __name__ == "__main__":

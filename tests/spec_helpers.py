@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.config import NgramConfig
+from outrider.speculative.kinds import KINDS
 from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint
 from outrider.timing import RequestTiming, now
 
@@ -141,7 +142,7 @@ SETUPS = {
     "eagle3": ("eagle", "target", lambda c: dict(draft_model=str(c["eagle3"])), "eagle3"),
 }
 # The reported kind in llama-server's `speculative.types` spelling (its --spec-type names).
-LLAMA_SPEC_TYPES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash", "eagle3": "draft-eagle3"}
+LLAMA_SPEC_TYPES = {k.name: k.llama_name for k in KINDS if k.weights}
 
 # N-gram lookup, alone and combined with a drafter with weights: it drafts only where the context repeats, so these
 # run on prompts that hold some of the hubs' bigrams (100 -> 200, 300 -> 100) but not all: lookup drafts after
@@ -294,7 +295,7 @@ def check_hidden_rows_recompute_without_writing(model: Path, device: str) -> Non
     from outrider import LLM, SamplingParams
     from outrider.attention.metadata import build_metadata
     from outrider.engine.request import Request
-    from outrider.speculative import Commit
+    from outrider.speculative.drafter import Commit
 
     engine = LLM(model, device=device, dtype="float32").engine
     prompt = [5, 9, 100, 13, 7]

@@ -19,7 +19,7 @@ from outrider.bench.controlled import ControlledDrafter
 from outrider.bench.profile import patched
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative import Proposals
+from outrider.speculative.drafter import Proposals
 
 GEN, REQUESTS, REPEATS = 9, 2, 2
 
@@ -137,7 +137,7 @@ def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undistu
         return step_timed
 
     def watched(engine, *args, **kwargs):
-        side = "spec" if engine.drafter is not None else "plain"
+        side = "spec" if engine.speculation is not None else "plain"
         aux[side].add(engine.runner.aux_layer_ids)  # (what every forward of this engine taps)
         if side == "spec":
             spec_passes.append(engine)

@@ -119,12 +119,6 @@ def test_ngram_flags():
         serve_ns("--spec-ngram-mod-n-match", "16")
 
 
-def test_drafting_ahead_is_on_unless_turned_off():
-    assert "spec_draft_ahead" not in cli.engine_kwargs(serve_ns())  # (EngineConfig's default: on)
-    assert EngineConfig(model="m").spec_draft_ahead
-    assert cli.engine_kwargs(serve_ns("--no-spec-draft-ahead"))["spec_draft_ahead"] is False
-
-
 def test_speculation_is_required_only_when_asked_for_on_the_command_line():
     def required(*argv):
         return cli.engine_kwargs(serve_ns(*argv))["spec_required"]

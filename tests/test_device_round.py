@@ -11,7 +11,8 @@ import torch
 
 from outrider import LLM, SamplingParams
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
-from outrider.engine.request import Request, Status
+from outrider.engine.request import Request
+from outrider.steps import Status
 from outrider.speculative.device_round import DeviceRound
 from spec_helpers import SETUPS, write_attentive_families
 
@@ -50,7 +51,7 @@ def prefilled(families, kind, **overrides):
     engine.add_request(req, lambda out: None)
     while not req.output_ids:
         engine.step()
-    engine.speculator.flush()
+    engine.speculation.speculator.flush()
     return engine, req
 
 
@@ -64,7 +65,7 @@ def rounds_of(engine, req, first_drafts: list[int], lengths: list[int]) -> tuple
     """As `rounds`, a round of each length in turn: a new length takes over from the rounds before it, as the engine
     switches (DeviceRound.continue_from); the last round object."""
     width = engine.max_model_len // engine.pool.block_size
-    objects = {k: DeviceRound(engine.runner, engine.drafter, k, width) for k in set(lengths)}
+    objects = {k: DeviceRound(engine.runner, engine.speculation.drafter, k, width) for k in set(lengths)}
     dr = objects[lengths[0]]
     dr.load(req.all_ids[-1], first_drafts, req.num_tokens - 1, req.block_ids)
     out, accepted = [], []
@@ -121,7 +122,7 @@ def test_a_round_longer_than_the_one_before_keeps_no_more_drafts_than_it_was_giv
     what matches again."""
     engine, req = prefilled(families, kind)
     width = engine.max_model_len // engine.pool.block_size
-    short, long = (DeviceRound(engine.runner, engine.drafter, k, width) for k in (1, K))
+    short, long = (DeviceRound(engine.runner, engine.speculation.drafter, k, width) for k in (1, K))
     truth = plain[1:]
     short.load(req.all_ids[-1], truth[:1], req.num_tokens - 1, req.block_ids)
     long.continue_from(short)
@@ -143,7 +144,7 @@ def test_dflash_drafts_what_it_drafts_from_host_built_metadata(families):
     out, _, dr = rounds(engine, req, [0] * K, 4)
     first = int(dr.first.item())
     assert first == req.num_tokens - 1 + len(out)
-    drafter = engine.drafter
+    drafter = engine.speculation.drafter
     block = torch.tensor([int(dr.ids[0].item())] + [drafter.mask_token_id] * (drafter.block - 1))
     drafts, conf = drafter.block_drafts(block, [(req.block_ids, first, drafter.block)])  # (the round's block K/V)
     assert dr.ids[1:].tolist() == drafts[1 : K + 1].tolist()
@@ -161,10 +162,10 @@ def test_dflash_rounds_learn_the_context_the_host_path_learns(families):
     assert n == int(dr.first.item())
     meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device("cpu"))
     aux = engine.runner.forward_eager(torch.tensor(committed), positions, meta).aux_hidden
-    kv = engine.drafter.kv
+    kv = engine.speculation.drafter.kv
     slots = meta.slot_mapping
     learned = [layer.view(-1, *layer.shape[2:])[slots].clone() for layer in kv.k + kv.v]
-    engine.drafter._store_context(aux, positions, meta)
+    engine.speculation.drafter._store_context(aux, positions, meta)
     again = [layer.view(-1, *layer.shape[2:])[slots] for layer in kv.k + kv.v]
     for a, b in zip(learned, again):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -198,7 +199,7 @@ def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families,
     meta, positions = build_metadata([(req.block_ids, 0, n)], block, torch.device("cpu"))
     target = engine.runner.forward_eager(torch.tensor(committed), positions, meta)
     hidden, aux = target.hidden, target.aux_hidden
-    drafter, kv = engine.drafter, engine.drafter.kv
+    drafter, kv = engine.speculation.drafter, engine.speculation.drafter.kv
     learned = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping].clone() for layer in kv.k + kv.v]
     rows, _ = build_metadata([(req.block_ids, p, 1) for p in range(n)], block, torch.device("cpu"))
     y, drafts, conf = drafter._step(torch.tensor(committed[1:] + [bonus]), drafter.context(hidden, aux), positions,
@@ -221,12 +222,12 @@ def test_draft_model_rounds_draft_its_greedy_continuation_of_what_they_committed
     the one before it: that round keeps the drafts it was given, and no more."""
     engine, req = prefilled(families, "draft", draft_model=str(families["qwen3"][checkpoint]), spec_type="draft")
     assert engine.pool.ensure(req, req.num_tokens + 2 * K)  # (as the engine does first: room for its lookahead)
-    first = engine.speculator.device_round_drafts(req, lengths[0])
+    first = engine.speculation.speculator.device_round_drafts(req, lengths[0])
     out, accepted, dr = rounds_of(engine, req, first, lengths)
     committed = req.prompt_ids + req.output_ids + out
     if checkpoint == "target":
         assert accepted == [min(k, before) for k, before in zip(lengths, lengths[:1] + lengths)]
-    drafter, n = engine.drafter, len(committed)
+    drafter, n = engine.speculation.drafter, len(committed)
     assert int(dr.first.item()) == n - 1
     meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device("cpu"))
     learned = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping].clone() for layer in drafter.kv.k + drafter.kv.v]
@@ -285,7 +286,7 @@ def test_device_rounds_give_way_to_a_second_request_and_resume(families, replays
         engine.step()
         if len(replays) > before:  # (a committed round leaves the request as a verify step does: all computed but
             assert first.num_pending == 0 and first.num_computed == first.num_tokens - 1  # the last token)
-            assert engine.round_flight is not None  # (and the round just launched runs while the host commits)
+            assert engine.speculation.round_in_flight  # (and the round just launched runs while the host commits)
     alone = len(replays)
     second = Request(list(other), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.add_request(second, lambda o: got[1].extend(o.new_token_ids))
@@ -304,7 +305,7 @@ def test_a_lone_requests_rounds_shorten_near_its_limit_and_none_runs_past_it(fam
     waits for its verdict: every round replayed is committed, none runs after the request has ended."""
     llm = served(families, kind)
     engine = llm.engine
-    policy, speculator = engine.policy, engine.speculator
+    policy, speculator = engine.speculation.policy, engine.speculation.speculator
     policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [policy._cap(r, K) for r in requests]
     starts, device_round_drafts = [], speculator.device_round_drafts
     speculator.device_round_drafts = lambda req, k: starts.append(k) or device_round_drafts(req, k)
@@ -320,7 +321,7 @@ def test_device_rounds_change_length_on_the_device_and_still_give_plain_output(f
     and the request's draft count says so."""
     llm = served(families, kind)
     engine = llm.engine
-    policy, speculator = engine.policy, engine.speculator
+    policy, speculator = engine.speculation.policy, engine.speculation.speculator
     wanted = itertools.cycle([K, 1, 2, K, K, 1])
     policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [
         min(next(wanted), policy._cap(r, K)) for r in requests]
@@ -348,8 +349,8 @@ def test_a_request_that_trims_its_drafts_runs_host_rounds_that_honour_it(familie
     """A device round verifies all k drafts: a request with a confidence stop or a minimum draft length drafts in
     host rounds, which apply them, and still decodes what plain greedy decoding does."""
     llm = served(families, kind)
-    trims, trim_calls = llm.engine.policy.trim, []
-    llm.engine.policy.trim = lambda requests, proposals: trim_calls.append(len(requests)) or trims(requests, proposals)
+    trims, trim_calls = llm.engine.speculation.policy.trim, []
+    llm.engine.speculation.policy.trim = lambda requests, proposals: trim_calls.append(len(requests)) or trims(requests, proposals)
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, **trim)
     out = llm.generate([PROMPT], params)[0]
     assert replays == [] and trim_calls and out.timing.draft_rounds > 0
@@ -365,7 +366,7 @@ def test_a_stop_inside_a_device_round_ends_the_request_where_plain_decoding_does
     out = llm.generate([PROMPT], params)[0]
     assert out.token_ids == want.token_ids and len(want.token_ids) < TOKENS
     assert out.finish_reason == want.finish_reason and out.timing.draft_rounds > 0
-    assert replays and llm.engine.round_flight is None and not llm.engine.has_work()
+    assert replays and not llm.engine.speculation.round_in_flight and not llm.engine.has_work()
 
 
 def test_an_abort_with_a_round_in_flight_leaves_the_engine_serving(families, replays):
@@ -373,7 +374,7 @@ def test_an_abort_with_a_round_in_flight_leaves_the_engine_serving(families, rep
     engine = llm.engine
     req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
     engine.add_request(req, lambda out: None)
-    while engine.round_flight is None:
+    while not engine.speculation.round_in_flight:
         engine.step()
     engine.abort(req.request_id)
     while engine.has_work():
@@ -389,19 +390,20 @@ def test_controlled_acceptance_substitutes_inside_device_rounds(families, kind, 
     device from the recording (RoundScript), keeping each round's drawn count: all of them at alpha 1, none at 0,
     both kinds of round at 0.6; the output is the recording."""
     from outrider.bench.controlled import ControlledDrafter, RoundScript
-    from outrider.bench.profile import patched
+    from outrider.engine.builder import device_rounds_for
 
     llm = served(families, kind)
     engine = llm.engine
     script = RoundScript(len(PROMPT) + TOKENS + 2 * K + 2, TOKENS + 1, engine.device)
-    ctl = ControlledDrafter(engine.drafter, alpha, engine.model_config.vocab_size, seed=0, rounds=script)
+    ctl = ControlledDrafter(engine.speculation.drafter, alpha, engine.model_config.vocab_size, seed=0, rounds=script)
     req = Request(list(PROMPT), SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True))
     ctl.expect(req.request_id, PROMPT + plain[:TOKENS], stream=0)
-    with patched((engine.speculator, "drafter", lambda _: ctl), (engine, "device_rounds",
-                                                                 lambda _: engine.device_rounds_for(ctl))):
+    loaded = engine.speculation.drafter, engine.speculation.rounds
+    with engine.speculation.drafting_with(ctl, device_rounds_for(engine, ctl)):
         engine.add_request(req, lambda out: None)
         while engine.has_work():
             engine.step()
+    assert (engine.speculation.drafter, engine.speculation.rounds) == loaded  # (the loaded drafter drafts again)
     assert req.output_ids == plain[:TOKENS] and replays
     t = req.timing
     accepted = t.draft_n_accepted

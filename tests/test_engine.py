@@ -11,6 +11,7 @@ import pytest
 import outrider.llm
 from outrider import LLM, SamplingParams
 from outrider.config import EngineConfig, NgramConfig
+from outrider.engine.builder import warm_up
 from outrider.engine.request import FinishReason, Request
 from outrider.testing import write_tiny_checkpoint
 
@@ -330,7 +331,7 @@ def test_warm_up_runs_each_attention_tile_height_alone_and_leaves_the_engine_cle
         return launch(plan, *args)
 
     engine.runner.launch = record
-    engine._warm_up()
+    warm_up(engine)
     mc = engine.model_config
     group = mc.num_attention_heads // mc.num_key_value_heads
     for q_len in (q for q in (1, 2, 4, 8, 16, 32, 64) if q * group <= 64):

@@ -190,14 +190,14 @@ def test_first_token_is_delivered_before_the_drafter_learns(tmp_path):
     sim = SimulatedDevice(P, R, L)
     engine = LLM(family["mtp"], clock=sim, max_num_seqs=2).engine
     sim.install(engine)
-    assert engine.drafter is not None
-    learn = engine.drafter.on_commit
+    assert engine.speculation is not None
+    learn = engine.speculation.drafter.on_commit
 
     def slow_learn(*args, **kwargs):
         sim.advance(0.200)
         return learn(*args, **kwargs)
 
-    engine.drafter.on_commit = slow_learn
+    engine.speculation.drafter.on_commit = slow_learn
     delivered: list[float] = []
     req = Request(list(range(3, 30)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
                   timing=RequestTiming(t_arrival=sim.t))

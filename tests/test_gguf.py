@@ -18,7 +18,7 @@ from outrider.models import load_model, registry, resolve_model_path
 from outrider.models.loader import checkpoint_layout
 from outrider.models.gguf import QUANT_TYPES
 from outrider.models.hub import resolve_hub_model
-from outrider.speculative import detect_kind
+from outrider.speculative.kinds import detect_kind
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.testing.gguf import RANDOM_BLOCK_TYPES, write_gguf
 from outrider.tokenizer import Tokenizer

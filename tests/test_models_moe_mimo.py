@@ -85,7 +85,7 @@ def test_mimo_serves_with_its_mtp_head_detected(tmp_path):
     ckpt = write_mtp_checkpoint(tmp_path / "mimo", "mimo", arch="mimo", layers=2)
     llm = LLM(str(ckpt), dtype="float32")
     assert llm.engine.model_config.mtp_num_hidden_layers == 1
-    assert llm.engine.speculator is not None
+    assert llm.engine.speculation is not None and llm.engine.drafter_kind == "mtp"
 
 
 @pytest.mark.parametrize("quant", ["F32", "Q8_0"])

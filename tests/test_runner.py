@@ -113,7 +113,7 @@ def test_forward_replays_the_graph_that_fits():
 
 
 def test_forward_decode_writes_logits_into_the_shared_buffer(tmp_path):
-    """With decode_logits set (as capture_step_graphs sets it), decode logits land in its first rows: every decode
+    """With decode_logits set (as a runner built with graphs sets it), decode logits land in its first rows: every decode
     graph shares that one buffer. The values are compute_logits' own."""
     from outrider import LLM
     from outrider.testing.checkpoints import write_tiny_checkpoint

@@ -103,7 +103,7 @@ def test_training_taps_are_the_taps_the_engine_hands_the_drafter(smol, smoke, sc
     serves: the aux_hidden rows of every committed position, prefill and decode, of two requests in one batch."""
     out, _, _ = smoke
     llm = engine(smol, out / "dflash")
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculation.drafter
     rows: dict[int, dict[int, torch.Tensor]] = {}
     learn = drafter.on_commit
 

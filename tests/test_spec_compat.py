@@ -21,8 +21,8 @@ from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.async_engine import AsyncEngine
 from outrider.server.app import create_app
 from outrider.server.settings import ServerConfig
-from outrider.speculative import IncompatibleDrafter
-from outrider.speculative.compat import check_vocabulary
+from outrider.speculative.compat import IncompatibleDrafter
+from outrider.speculative.kinds import BY_NAME
 from outrider.testing import write_tiny_checkpoint
 from outrider.testing.drafters import write_dflash_checkpoint
 
@@ -50,7 +50,7 @@ def family(tmp_path_factory):
 
 def check(family, kind: str, draft: str) -> None:
     target = family["target"]
-    check_vocabulary(kind, ModelConfig.from_path(target), str(target), str(family[draft]))
+    BY_NAME[kind].check_vocabulary(ModelConfig.from_path(target), target, family[draft])
 
 
 def test_matching_drafters_pass(family):

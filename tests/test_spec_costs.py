@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from outrider import LLM, SamplingParams
+from outrider.engine.builder import calibrate_speculation, warm_up
 from outrider.engine.request import Request
 from outrider.timing import RequestTiming
 from tests.spec_helpers import write_families
@@ -28,13 +29,13 @@ def generate(family, verify_s: float | None, draft_s: float, speculate: bool):
     engine = LLM(family["target"], clock=sim, max_num_seqs=2, overlap_schedule=True, **kwargs).engine
     sim.install(engine)
     if speculate:
-        propose = engine.drafter.propose
+        propose = engine.speculation.drafter.propose
 
         def timed_propose(*args, **kw):
             sim.advance(draft_s)
             return propose(*args, **kw)
 
-        engine.drafter.propose = timed_propose
+        engine.speculation.drafter.propose = timed_propose
     # The first request teaches the engine the costs, as serving does (its probes come ever less often: after 32,
     # 64, 128, 256 decisions); the second is timed.
     for first, tokens in ((5, 500), (40, TOKENS)):
@@ -69,9 +70,9 @@ def test_warm_up_calibration_measures_every_bucket(family):
     engine = LLM(family["target"], clock=sim, max_num_seqs=2, overlap_schedule=True, spec_draft_n_max=3,
                  draft_model=str(family["draft"]), spec_measured_costs=True).engine
     sim.install(engine)
-    engine._calibrate_speculation()
+    calibrate_speculation(engine)
     for batch in (1, 2):
-        measured = engine.policy.costs.at(batch)
+        measured = engine.speculation.policy.costs.at(batch)
         assert measured[0] == pytest.approx(R) and max(measured) >= 1
         assert all(t == pytest.approx(6 * R) for k, t in measured.items() if k > 0)
     assert not engine.has_work() and engine.pool.num_used == 0
@@ -93,10 +94,10 @@ def test_steps_that_compile_during_warm_up_do_not_price_the_calibrated_rounds(fa
         return launch(plan, *args, **kwargs)
 
     engine.runner.launch = compiling_launch
-    engine._warm_up()
+    warm_up(engine)
     assert compiled
     for batch in (1, 2):
-        measured = engine.policy.costs.at(batch)
+        measured = engine.speculation.policy.costs.at(batch)
         assert measured[0] == pytest.approx(R)
         assert {k for k in measured if k} == {1, 2, 3}
         assert all(t == pytest.approx(1.5 * R) for k, t in measured.items() if k > 0), measured

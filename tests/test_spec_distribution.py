@@ -68,11 +68,11 @@ def engine(path: Path, **kwargs) -> LLM:
     # Many requests per step (up to 256 running at once); no context beyond what they need.
     llm = LLM(path, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=64, spec_draft_n_max=N_MAX,
               **kwargs)
-    if llm.engine.policy is not None:
+    if llm.engine.speculation is not None:
         # The batch-size caps switch drafting off for large batches (right for a GPU server, useless here):
         # lift them so every request of the big batch drafts.
-        llm.engine.policy.max_batch = 1 << 20
-        llm.engine.policy.max_verify_tokens = 1 << 20
+        llm.engine.speculation.policy.max_batch = 1 << 20
+        llm.engine.speculation.policy.max_verify_tokens = 1 << 20
     return llm
 
 
@@ -91,7 +91,7 @@ def plain(families):
         key = (case.arch, case.prompt, extra)
         if key not in cache:
             llm = engine(families[case.arch]["target"], spec_type="none")
-            assert llm.engine.drafter is None
+            assert llm.engine.speculation is None
             cache[key] = sample(llm, range(N), case.prompt, extra=extra)[0]
         return cache[key]
 

@@ -1,10 +1,9 @@
 """Drafting ahead: the drafter learns a verify step's committed rows and drafts the next round from the verdict while
-it is still on the device (Speculator.draft_ahead), and the next verify forward is enqueued too (ModelRunner.
-prelaunch), before the host reads and commits the round.
+it is still on the device (Speculator.draft_ahead), before the host reads and commits the round.
 
 It must propose what drafting after the commit proposes (token for token, in float32, wherever both draft the same
-length from the same sequence), and keep greedy output equal to plain decoding when rounds end early on a stop or a
-token limit (the forward enqueued ahead then serves the requests left, or is dropped)."""
+length from the same sequence: the path of a request that trims its drafts), and keep greedy output equal to plain
+decoding when rounds end early on a stop or a token limit."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:
     """The kind's setup, or with `plain` its target alone."""
     arch, served, engine_kwargs, _ = SETUPS[kind]
     extra = {"spec_type": "none"} if plain else engine_kwargs(families[arch])
-    kwargs.setdefault("spec_verify_ahead", True)
     return LLM(families[arch][served], dtype="float32", max_num_seqs=8, overlap_schedule=True, spec_draft_n_max=3,
                spec_measured_costs=False, **extra, **kwargs)
 
@@ -34,22 +32,8 @@ def spec_llm(families, kind: str, plain: bool = False, **kwargs) -> LLM:
 def record_rounds(engine) -> dict:
     """Every verified round, keyed by (the request's tokens before it, its draft length) -> the drafts (read in the
     verdict's copy); and how many rounds were drafted ahead."""
-    rounds, counts = {}, {"ahead": 0, "prelaunched": 0, "served": 0, "served_fewer": 0}
-    collect, draft_ahead = engine.runner.collect, engine.speculator.draft_ahead
-    prelaunch, launch = engine.runner.prelaunch, engine.runner.launch
-
-    def counted_prelaunch(round_):
-        counts["prelaunched"] += 1
-        return prelaunch(round_)
-
-    def counted_launch(plan, feed=None, drafts_on_device=None, prelaunched=None):
-        rows = prelaunched.rows(plan) if prelaunched is not None and feed is None else None
-        if rows is not None:
-            counts["served"] += 1
-            counts["served_fewer"] += len(rows) < prelaunched.logits.shape[0]
-        return launch(plan, feed, drafts_on_device, prelaunched)
-
-    engine.runner.prelaunch, engine.runner.launch = counted_prelaunch, counted_launch
+    rounds, counts = {}, {"ahead": 0}
+    collect, draft_ahead = engine.runner.collect, engine.speculation.speculator.draft_ahead
 
     def recorded_collect(step):
         before = {s.request.request_id: tuple(s.request.prompt_ids + s.request.output_ids) for s in step.plan.scheduled}
@@ -63,7 +47,7 @@ def record_rounds(engine) -> dict:
         counts["ahead"] += 1
         return draft_ahead(launched)
 
-    engine.runner.collect, engine.speculator.draft_ahead = recorded_collect, counted
+    engine.runner.collect, engine.speculation.speculator.draft_ahead = recorded_collect, counted
     return {"rounds": rounds, "counts": counts}
 
 
@@ -77,19 +61,18 @@ def generate(llm: LLM, prompts, max_tokens, **kwargs) -> list[list[int]]:
 def test_drafting_ahead_proposes_what_drafting_after_the_commit_proposes(families, kind, batch):
     """Greedy output equals plain decoding with rounds drafted ahead, and every round that both paths draft from the
     same tokens at the same length carries the same drafts (requests end at different steps, on their token limit,
-    often inside a round)."""
+    often inside a round). Drafting after the commit: requests with a confidence stop no draft falls below (it
+    trims nothing, but reading the drafts keeps their rounds from being drafted ahead)."""
     prompts, max_tokens = PROMPTS[:batch], [41 - 7 * i for i in range(batch)]
     plain = generate(spec_llm(families, kind, plain=True), prompts, max_tokens)
     runs = {}
-    for ahead in (True, False):
-        llm = spec_llm(families, kind, spec_draft_ahead=ahead)
+    for ahead, p_min in ((True, None), (False, 1e-30)):
+        llm = spec_llm(families, kind)
         record = record_rounds(llm.engine)
-        assert generate(llm, prompts, max_tokens) == plain
+        assert generate(llm, prompts, max_tokens, spec_p_min=p_min) == plain
         runs[ahead] = record
     ahead, after = runs[True], runs[False]
-    assert ahead["counts"]["ahead"] >= 5 and after["counts"]["ahead"] == after["counts"]["prelaunched"] == 0
-    # (the next verify forward, enqueued ahead too, served the next step where nothing changed meanwhile)
-    assert ahead["counts"]["ahead"] > ahead["counts"]["prelaunched"] >= ahead["counts"]["served"] > 0
+    assert ahead["counts"]["ahead"] >= 5 and after["counts"]["ahead"] == 0
     shared = ahead["rounds"].keys() & after["rounds"].keys()
     assert len(shared) >= len(ahead["rounds"]) // 2 and any(any(ahead["rounds"][key]) for key in shared)
     assert {key: ahead["rounds"][key] for key in shared} == {key: after["rounds"][key] for key in shared}
@@ -98,8 +81,8 @@ def test_drafting_ahead_proposes_what_drafting_after_the_commit_proposes(familie
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_a_stop_inside_a_round_discards_the_round_drafted_ahead(families, kind):
     """Requests that stop on a token inside a round (a stop token id, past a min_tokens that differs per request)
-    have the round drafted after it discarded, and their rows of the verify forward enqueued ahead left unread: each
-    output stops where plain decoding's does, and the requests beside them go on unchanged."""
+    have the round drafted after it discarded: each output stops where plain decoding's does, and the requests
+    beside them go on unchanged."""
     prompts, max_tokens = PROMPTS, [40] * 4
     plain = generate(spec_llm(families, kind, plain=True), prompts, max_tokens)
     stop = plain[0][0]
@@ -114,8 +97,6 @@ def test_a_stop_inside_a_round_discards_the_round_drafted_ahead(families, kind):
     assert [c.token_ids for c in llm.generate(prompts, params)] == want
     counts = record["counts"]
     assert counts["ahead"] > 0
-    # (where a request stopped, the forward enqueued ahead served the others; the last to stop dropped it)
-    assert counts["prelaunched"] > counts["served"] and counts["served_fewer"] > 0, counts
     assert llm.engine.pool.num_used == 0  # (the blocks reserved for the discarded rounds are free again)
 
 

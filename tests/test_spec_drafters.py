@@ -14,7 +14,8 @@ from outrider.attention.metadata import build_metadata
 from outrider.sampler import RowSpec, Sampler
 from outrider.models import load_model
 from outrider.params import SamplingParams
-from outrider.speculative import Commit, detect_kind, load_drafter
+from outrider.speculative.drafter import Commit
+from outrider.speculative.kinds import detect_kind, load_drafter
 from outrider.speculative.verify import verify
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint
@@ -40,9 +41,9 @@ class Loop:
         if kind is not None:
             self.drafter = load_drafter(kind, target=self.model, target_cfg=c, target_path=str(target_path),
                                         draft_path=str(draft_path) if draft_path else None,
-                                        block_size=BLOCK, dtype=torch.float32, device="cpu")
-            self.drafter.kv = KVCache.allocate(self.drafter.kv_shape[0], NUM_BLOCKS, BLOCK, *self.drafter.kv_shape[1:],
-                                               torch.float32, "cpu")
+                                        block_size=BLOCK, dtype=torch.float32, device="cpu",
+                                        kv_pool=lambda shape, taps: KVCache.allocate(shape[0], NUM_BLOCKS, BLOCK,
+                                                                                     *shape[1:], torch.float32, "cpu"))
             self.taps = tuple(self.drafter.aux_layer_ids)
         self.rounds: list[tuple[int, int]] = []  # (proposed, accepted)
         self.force = None  # test hook: f(k) -> m overrides the verdict, committing d[:m] + a target token
@@ -250,8 +251,9 @@ def test_draft_model_proposes_through_its_graphs_when_they_fit(tmp_path):
     from outrider.testing.checkpoints import write_tiny_checkpoint
 
     path = write_tiny_checkpoint(tmp_path / "draft", hidden_size=32, layers=1, seed=6)
-    drafter = DraftModelDrafter(str(path), 512, block_size=16, dtype=torch.float32, device="cpu")
-    drafter.kv = KVCache.allocate(drafter.kv_shape[0], 16, 16, *drafter.kv_shape[1:], torch.float32, "cpu")
+    drafter = DraftModelDrafter(str(path), 512, block_size=16, dtype=torch.float32, device="cpu",
+                                kv_pool=lambda shape, taps: KVCache.allocate(shape[0], 16, 16, *shape[1:], torch.float32,
+                                                                             "cpu"))
     req = Request(list(range(3, 20)), SamplingParams())
     req.block_ids = [1, 2]
     eager = drafter.propose([req], [3]).tokens
@@ -277,8 +279,9 @@ def test_a_draft_chain_beside_a_request_whose_block_table_is_full(tmp_path):
     from outrider.speculative.draft_model import DraftModelDrafter
 
     path = write_tiny_checkpoint(tmp_path / "draft", hidden_size=32, layers=1, seed=6)
-    drafter = DraftModelDrafter(str(path), 512, block_size=16, dtype=torch.float32, device="cpu")
-    drafter.kv = KVCache.allocate(drafter.kv_shape[0], 16, 16, *drafter.kv_shape[1:], torch.float32, "cpu")
+    drafter = DraftModelDrafter(str(path), 512, block_size=16, dtype=torch.float32, device="cpu",
+                                kv_pool=lambda shape, taps: KVCache.allocate(shape[0], 16, 16, *shape[1:], torch.float32,
+                                                                             "cpu"))
     roomy, full = Request(list(range(3, 20)), SamplingParams()), Request(list(range(3, 35)), SamplingParams())
     roomy.block_ids, full.block_ids = [1, 2], [3, 4]  # 17 tokens in 32 slots; 32 tokens in 32
     alone = drafter.propose([roomy], [3]).tokens[0]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import outrider.engine.engine as engine_mod
+import outrider.engine.builder as builder_mod
 from outrider import LLM, SamplingParams
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.config import NgramConfig
@@ -147,7 +147,7 @@ def test_model_drafts_stay_on_the_device_until_the_verdict_reads_them(families, 
     (no placeholder left), which the target accepted where they were right. A request with a confidence stop (p_min > 0) needs the values
     before scheduling, so its drafts are proposed to the host."""
     llm = family_llm(families, kind)
-    engine, drafter = llm.engine, llm.engine.drafter
+    engine, drafter = llm.engine, llm.engine.speculation.drafter
     calls, plans = {"stage": 0, "propose": 0}, []
 
     def counted(name, method):
@@ -179,13 +179,13 @@ def test_timings_cover_prefill_and_rounds(families, kind):
 
 def test_slow_drafter_load_shows_in_no_timings(families, monkeypatch, caplog):
     load_s = 1.0
-    real_loader = engine_mod.load_drafter
+    real_loader = builder_mod.load_drafter
 
     def slow_loader(*args, **kwargs):
         time.sleep(load_s)
         return real_loader(*args, **kwargs)
 
-    monkeypatch.setattr(engine_mod, "load_drafter", slow_loader)
+    monkeypatch.setattr(builder_mod, "load_drafter", slow_loader)
     with caplog.at_level(logging.INFO, logger="outrider.engine"):
         llm = family_llm(families, "draft")
     loaded = re.search(r"Drafter loaded \(kind=draft, (\d+) ms\)", caplog.text)
@@ -199,10 +199,10 @@ def test_default_draft_length_is_the_drafters(families, kind):
     resolved value is what the engine config (and so /props) reports. An explicit value always wins."""
     arch, served, kwargs, _ = FAMILY[kind]
     llm = LLM(families[arch][served], max_num_seqs=2, **kwargs(families[arch]))
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculation.drafter
     want = drafter.block - 1 if kind == "dflash" else 4
-    assert drafter.max_draft == llm.engine.policy.n_max == llm.engine.config.spec_draft_n_max == want
-    assert family_llm(families, kind).engine.policy.n_max == 3
+    assert drafter.max_draft == llm.engine.speculation.policy.n_max == llm.engine.config.spec_draft_n_max == want
+    assert family_llm(families, kind).engine.speculation.policy.n_max == 3
 
 
 def test_ngram_lookup_drafts_up_to_sixteen_by_default_and_each_combined_kind_keeps_its_own(families):
@@ -210,10 +210,10 @@ def test_ngram_lookup_drafts_up_to_sixteen_by_default_and_each_combined_kind_kee
     model, the lookup keeps 16 and the draft model its 4, and the policy's length is the longer."""
     target = families["qwen3"]["target"]
     lookup = LLM(target, max_num_seqs=2, spec_type="ngram").engine
-    assert lookup.drafter.max_draft == lookup.policy.n_max == lookup.config.spec_draft_n_max == 16
+    assert lookup.speculation.drafter.max_draft == lookup.speculation.policy.n_max == lookup.config.spec_draft_n_max == 16
     both = LLM(target, max_num_seqs=2, spec_type="ngram,draft", draft_model=str(families["qwen3"]["draft"])).engine
-    assert [m.max_draft for m in both.drafter.members] == [16, 4] and both.policy.n_max == 16
-    assert LLM(target, max_num_seqs=2, spec_type="ngram", spec_draft_n_max=5).engine.policy.n_max == 5
+    assert [m.max_draft for m in both.speculation.drafter.members] == [16, 4] and both.speculation.policy.n_max == 16
+    assert LLM(target, max_num_seqs=2, spec_type="ngram", spec_draft_n_max=5).engine.speculation.policy.n_max == 5
 
 
 @pytest.mark.parametrize("kind", list(SETUPS))
@@ -228,10 +228,10 @@ def test_one_memory_budget_sizes_the_target_and_drafter_pools(ckpts, kind):
     def pool_bytes(kv):
         return sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v))
 
-    target_bytes, draft_bytes = pool_bytes(engine.kv_cache), pool_bytes(engine.drafter.kv)
+    target_bytes, draft_bytes = pool_bytes(engine.kv_cache), pool_bytes(engine.speculation.drafter.kv)
     blocks = engine.kv_cache.num_blocks
     per_block = (target_bytes + draft_bytes) // blocks
-    assert engine.drafter.kv.num_blocks == blocks
+    assert engine.speculation.drafter.kv.num_blocks == blocks
     assert blocks == int(budget_gib * 2**30 // per_block)  # the budget binds, not the limits
     assert target_bytes + draft_bytes <= budget_gib * 2**30 < target_bytes + draft_bytes + per_block
 

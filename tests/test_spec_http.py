@@ -24,7 +24,7 @@ import httpx
 import pytest
 import uvicorn
 
-import outrider.engine.engine as engine_mod
+import outrider.engine.builder as builder_mod
 from e2e_harness import sse_events
 from outrider.config import EngineConfig
 from outrider.engine.async_engine import AsyncEngine
@@ -103,7 +103,7 @@ def scrape(client: httpx.Client) -> dict[str, float]:
 
 def test_http_timings_cover_prefill_and_rounds_and_never_the_drafter_load(families, monkeypatch, caplog):
     loading, release = threading.Event(), threading.Event()
-    real_loader = engine_mod.load_drafter
+    real_loader = builder_mod.load_drafter
 
     def slow_loader(*args, **kwargs):
         loading.set()
@@ -111,7 +111,7 @@ def test_http_timings_cover_prefill_and_rounds_and_never_the_drafter_load(famili
         time.sleep(LOAD_S)  # the slowness itself
         return real_loader(*args, **kwargs)
 
-    monkeypatch.setattr(engine_mod, "load_drafter", slow_loader)
+    monkeypatch.setattr(builder_mod, "load_drafter", slow_loader)
     caplog.set_level(logging.INFO, logger="outrider.engine")
     srv = LoopbackServer(engine_config(families, "draft"))
     try:
@@ -282,7 +282,7 @@ def test_server_without_a_drafter(families, monkeypatch, caplog, why):
         def broken_loader(*args, **kwargs):
             raise OSError("draft checkpoint unreadable")
 
-        monkeypatch.setattr(engine_mod, "load_drafter", broken_loader)
+        monkeypatch.setattr(builder_mod, "load_drafter", broken_loader)
     srv = LoopbackServer(engine_config(families, "draft", **kwargs))
     try:
         assert srv.engine.wait_ready(timeout=120) and srv.engine.drafter_kind is None
@@ -309,9 +309,9 @@ def test_streams_one_frame_per_token_while_speculating(spec_server):
     # Each request meets the policy afresh: the acceptance it learned from earlier requests (the drafts of this
     # module's tiny drafters mostly miss) would otherwise give the two requests different rounds, whose logits
     # round differently (a verify forward of k + 1 rows is not a one-row step).
-    srv.engine.engine.policy.forget_acceptance()
+    srv.engine.engine.speculation.policy.forget_acceptance()
     whole = client.post("/completion", json=body).json()
-    srv.engine.engine.policy.forget_acceptance()
+    srv.engine.engine.speculation.policy.forget_acceptance()
     with client.stream("POST", "/completion", json={**body, "stream": True, "timings_per_token": True}) as r:
         *frames, final = sse_events(r.iter_lines())
     assert [f["tokens_predicted"] for f in frames] == list(range(1, 17)) and final["tokens_predicted"] == 16

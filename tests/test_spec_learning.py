@@ -19,7 +19,7 @@ import outrider
 import outrider.speculative.speculator as speculator_mod
 from outrider import LLM, SamplingParams
 from outrider.engine.request import Request
-from outrider.engine.runner import StepOutput
+from outrider.steps import StepOutput
 from outrider.speculative.drafter import LEARN_ROWS
 from outrider.speculative.speculator import LEARN_BACKLOG_STEPS, PIECEWISE_LEARN_GRAPHS
 from spec_helpers import LOOKUP_SETUPS, SETUPS, write_attentive_families
@@ -36,9 +36,10 @@ def families(tmp_path_factory):
 
 def spec_llm(families, kind: str, **kwargs) -> LLM:
     """(Rounds drafted after each commit: this file holds the learning queue to learning every step; drafting ahead
-    learns a round's rows from its verdict, and test_spec_draft_ahead.py holds it to this path.)"""
+    learns a round's rows from its verdict, and test_spec_draft_ahead.py holds it to this path. A confidence stop
+    that no draft falls below trims nothing, but reading the drafts keeps rounds from being drafted ahead.)"""
     arch, served, engine_kwargs, _ = SETUPS[kind]
-    kwargs.setdefault("spec_draft_ahead", False)
+    kwargs.setdefault("draft_p_min", 1e-30)
     kwargs.setdefault("overlap_schedule", True)
     return LLM(families[arch][served], dtype="float32", max_num_seqs=8, spec_draft_n_max=3, spec_measured_costs=False,
                **engine_kwargs(families[arch]), **kwargs)
@@ -54,7 +55,7 @@ class Recorder:
     events: list = field(default_factory=list)
 
     def install(self, engine) -> Recorder:
-        drafter, pool = engine.drafter, engine.pool
+        drafter, pool = engine.speculation.drafter, engine.pool
         propose, on_commit, free = drafter.propose, drafter.on_commit, pool.free_request
 
         def recorded_propose(requests, ks):
@@ -103,7 +104,7 @@ def force_lengths(engine, drafts: bool = True) -> None:
               for r in running if r.num_computed == r.num_tokens - 1}
         return {rid: k for rid, k in ks.items() if k > 0}
 
-    engine.speculator.draft_lengths = lengths
+    engine.speculation.speculator.draft_lengths = lengths
 
 
 def assert_same_proposals(got: list, want: list) -> None:
@@ -192,10 +193,10 @@ def pattern_policy(engine, sleeps: bool, dormant: bool = False) -> None:
         step += 1
         return True
 
-    engine.policy.draft_lengths = draft_lengths
-    engine.policy.priced_out = lambda batch: sleeps
+    engine.speculation.policy.draft_lengths = draft_lengths
+    engine.speculation.policy.priced_out = lambda batch: sleeps
     if dormant:
-        engine.policy.stands = stands
+        engine.speculation.policy.stands = stands
 
 
 @dataclass
@@ -216,18 +217,19 @@ def pattern_run(families, kind: str, batch: int, sleeps: bool, dormant: bool = F
     llm = spec_llm(families, kind)
     engine = llm.engine
     pattern_policy(engine, sleeps, dormant)
-    lookahead = engine.drafter.lookahead
-    engine.drafter.lookahead = lambda k: max(lookahead(k), reach)
+    lookahead = engine.speculation.drafter.lookahead
+    engine.speculation.drafter.lookahead = lambda k: max(lookahead(k), reach)
     record = Recorder().install(engine)
-    spec, pool, recomputed, dormant_steps, unmarked = engine.speculator, engine.pool, [], [], []
+    spec, pool, recomputed, dormant_steps, unmarked = engine.speculation.speculator, engine.pool, [], [], []
     hidden_rows, decide, free = spec.hidden_rows, spec.draft_lengths, pool.free_request
     spec.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
-    spec.draft_lengths = lambda running: (decide(running), dormant_steps.append(spec._dormant))[0]
+    spec.draft_lengths = lambda running: (decide(running), dormant_steps.append(spec.dormant))[0]
 
     def checked_free(req):
-        if req.request_id in spec._asleep:  # (its rows: positions up to the one before its last token's)
+        since = spec.asleep_since(req.request_id)
+        if since is not None:  # (its rows: positions up to the one before its last token's)
             last = req.num_prompt + len(req.output_ids) - 2
-            slept = req.block_ids[spec._asleep[req.request_id] // pool.block_size: last // pool.block_size + 1]
+            slept = req.block_ids[since // pool.block_size: last // pool.block_size + 1]
             unmarked.append(len(set(slept) - pool.drafter_stale))
         free(req)
 
@@ -290,11 +292,11 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     in one recomputed forward and drafts again. Both outputs are plain greedy decoding's."""
     llm = spec_llm(families, kind)
     engine = llm.engine
-    engine.policy.probe_every = 2  # (it would explore a round every other step, were it not asleep)
+    engine.speculation.policy.probe_every = 2  # (it would explore a round every other step, were it not asleep)
     priced_out_beside_company(engine)
     recomputed: list[tuple[int, int, int]] = []  # (first row, rows, the request's tokens then)
-    hidden_rows = engine.speculator.hidden_rows
-    engine.speculator.hidden_rows = lambda spans: recomputed.extend(
+    hidden_rows = engine.speculation.speculator.hidden_rows
+    engine.speculation.speculator.hidden_rows = lambda spans: recomputed.extend(
         (c.start, c.count, c.request.num_tokens) for c in spans) or hidden_rows(spans)
     long, short = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), \
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -342,8 +344,8 @@ def test_a_dormant_step_reads_no_request_however_large_the_batch(families, monke
     for batch in (2, 8):
         llm = spec_llm(families, "dflash")
         priced_out_beside_company(llm.engine)
-        spec, steps = llm.engine.speculator, []
-        monkeypatch.setattr(StepOutput, "keep_hidden", lambda out: kept.append(spec._dormant) or keep(out))
+        spec, steps = llm.engine.speculation.speculator, []
+        monkeypatch.setattr(StepOutput, "keep_hidden", lambda out: kept.append(spec.dormant) or keep(out))
 
         def counted(call, starts_step):
             def run(*args):
@@ -351,7 +353,7 @@ def test_a_dormant_step_reads_no_request_however_large_the_batch(families, monke
                     steps.append(LineCount())
                 with steps[-1]:
                     out = call(*args)
-                steps[-1].dormant = spec._dormant and not spec._queued
+                steps[-1].dormant = spec.dormant and not spec.queued
                 return out
             return run
 
@@ -367,8 +369,8 @@ def test_a_dormant_step_reads_no_request_however_large_the_batch(families, monke
 
 def priced_out_beside_company(engine, factor: float = 100.0) -> None:
     """Rounds pay alone, not beside another request: there they cost `factor` times as much (costs injected)."""
-    seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + (factor - 1) * (k > 0)
+    seconds = engine.speculation.policy.round_seconds
+    engine.speculation.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + (factor - 1) * (k > 0)
                                                                                    * (batch > 1))
 
 
@@ -377,7 +379,7 @@ def test_requests_joining_a_batch_where_rounds_are_priced_out_explore_no_round(f
     are due every few decisions. None is explored, neither while the drafter sleeps nor when a new pair of requests
     joins (their prompts are slept through, so a round would first recompute them)."""
     llm = spec_llm(families, "dflash")
-    llm.engine.policy.probe_every = 2
+    llm.engine.speculation.policy.probe_every = 2
     priced_out_beside_company(llm.engine, factor=3.0)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for _ in range(3):
@@ -409,8 +411,8 @@ def test_a_prefix_hit_on_rows_the_drafter_slept_through_is_caught_up_before_it_d
     priced_out_beside_company(llm.engine)
     llm.generate([prefix + [7], prefix + [8]], params)
     recomputed: list[int] = []
-    hidden_rows = llm.engine.speculator.hidden_rows
-    llm.engine.speculator.hidden_rows = lambda spans: recomputed.extend(c.start for c in spans) or hidden_rows(spans)
+    hidden_rows = llm.engine.speculation.speculator.hidden_rows
+    llm.engine.speculation.speculator.hidden_rows = lambda spans: recomputed.extend(c.start for c in spans) or hidden_rows(spans)
     hits = llm.engine.pool.hits
     record = Recorder().install(llm.engine)
     got = llm.generate([prefix + [9, 10]], params)[0]
@@ -431,12 +433,12 @@ def test_a_lone_request_asleep_still_explores_rounds_and_catches_up_for_each(fam
     first catching up on the rows slept through; output is plain greedy's."""
     llm = spec_llm(families, "mtp")
     engine = llm.engine
-    engine.policy.probe_every = 4
-    seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
+    engine.speculation.policy.probe_every = 4
+    seconds = engine.speculation.policy.round_seconds
+    engine.speculation.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
     recomputed: list[int] = []
-    hidden_rows = engine.speculator.hidden_rows
-    engine.speculator.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
+    hidden_rows = engine.speculation.speculator.hidden_rows
+    engine.speculation.speculator.hidden_rows = lambda spans: recomputed.append(sum(c.count for c in spans)) or hidden_rows(spans)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     got = llm.generate([PROMPTS[0]], params)[0]
     want = LLM(families["qwen3"]["mtp"], dtype="float32", spec_type="none").generate([PROMPTS[0]], params)[0]
@@ -469,22 +471,22 @@ def schedule_run(families, overlap: bool, dormant: bool) -> ScheduleRun:
     them at every decision.)"""
     llm = spec_llm(families, "mtp", overlap_schedule=overlap)
     engine = llm.engine
-    engine.policy.probe_every = 4
+    engine.speculation.policy.probe_every = 4
     priced_out_beside_company(engine)
-    seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
+    seconds = engine.speculation.policy.round_seconds
+    engine.speculation.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
     if not dormant:
-        engine.policy.stands = lambda batch, explore=True: False
-    spec, run = engine.speculator, ScheduleRun([], [], Recorder().install(engine), [], {})
-    decide, observe = spec.draft_lengths, engine.policy.observe_step
+        engine.speculation.policy.stands = lambda batch, explore=True: False
+    spec, run = engine.speculation.speculator, ScheduleRun([], [], Recorder().install(engine), [], {})
+    decide, observe = spec.draft_lengths, engine.speculation.policy.observe_step
 
     def draft_lengths(running):
         lengths = decide(running)
-        run.steps.append(Decision(list(lengths.values()), len(running) if spec._dormant else 0))
+        run.steps.append(Decision(list(lengths.values()), len(running) if spec.dormant else 0))
         return lengths
 
     spec.draft_lengths = draft_lengths
-    engine.policy.observe_step = lambda batch, k, s: run.measured.append((batch, k)) or observe(batch, k, s)
+    engine.speculation.policy.observe_step = lambda batch, k, s: run.measured.append((batch, k)) or observe(batch, k, s)
     reqs = [Request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
             for prompt, n in zip(PROMPTS, (24, 16, 20, 96))]
     outs: dict[int, list] = {r.request_id: [] for r in reqs}
@@ -495,7 +497,7 @@ def schedule_run(families, overlap: bool, dormant: bool) -> ScheduleRun:
             engine.add_request(reqs[3], outs[reqs[3].request_id].append)
         engine.step()
     run.out = [[t for o in outs[r.request_id] for t in o.new_token_ids] for r in reqs]
-    run.probes = {bucket: replace(p, ids=len(p.ids)) for bucket, p in engine.policy._probes.items()}  # (ids differ)
+    run.probes = {bucket: replace(p, ids=len(p.ids)) for bucket, p in engine.speculation.policy.probes.items()}  # (ids differ)
     return run
 
 
@@ -523,20 +525,20 @@ def test_a_catch_up_is_left_out_of_the_measured_cost_of_the_round_that_does_it(f
     stay priced out, re-measured each time with the next catch-up."""
     llm = spec_llm(families, "mtp")
     engine = llm.engine
-    engine.policy.probe_every = 4
-    seconds = engine.policy.round_seconds
-    engine.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
-    hidden_rows, catch_ups = engine.speculator.hidden_rows, []
+    engine.speculation.policy.probe_every = 4
+    seconds = engine.speculation.policy.round_seconds
+    engine.speculation.policy.round_seconds = lambda batch, k, cost: seconds(batch, k, cost) * (1 + 2 * (k > 0))
+    hidden_rows, catch_ups = engine.speculation.speculator.hidden_rows, []
 
     def slow_hidden_rows(spans):
         catch_ups.append(len(spans))
         time.sleep(0.25)
         return hidden_rows(spans)
 
-    engine.speculator.hidden_rows = slow_hidden_rows
+    engine.speculation.speculator.hidden_rows = slow_hidden_rows
     observed: list[tuple[int, float]] = []
-    observe = engine.policy.observe_step
-    engine.policy.observe_step = lambda batch, k, s: observed.append((k, s)) or observe(batch, k, s)
+    observe = engine.speculation.policy.observe_step
+    engine.speculation.policy.observe_step = lambda batch, k, s: observed.append((k, s)) or observe(batch, k, s)
     got = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
     assert got.timing.draft_rounds >= 2 and len(catch_ups) >= 2
     assert any(k > 0 for k, _ in observed) and max(s for _, s in observed) < 0.2
@@ -548,7 +550,7 @@ def test_a_draft_model_feeds_one_token_per_request_when_it_proposes(families):
     a GPU), even after 19 plain steps; before, it caught up there on everything unseen, eagerly."""
     llm = spec_llm(families, "draft")
     force_lengths(llm.engine)
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculation.drafter
     propose, forward, fed = drafter.propose, drafter.model.forward, []
     firsts: list[tuple[int, int]] = []  # (rows fed by a propose's first forward, drafting requests)
 
@@ -603,13 +605,13 @@ def test_drafters_without_hidden_rows_keep_none(families, monkeypatch):
     for kind in ("ngram", "ngram,draft"):
         arch, served, kwargs, _, prompt = LOOKUP_SETUPS[kind]
         llm = LLM(families[arch][served], max_num_seqs=4, overlap_schedule=True, **kwargs(families[arch]))
-        assert not llm.engine.drafter.reads_hidden
+        assert not llm.engine.speculation.drafter.reads_hidden
         record = Recorder().install(llm.engine)
         outs = llm.generate([prompt, prompt[::-1]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         assert any(c.timing.draft_rounds for c in outs)
         learns = [e for e in record.events if e[0] == "learn"]
         assert all(rows is None for _, _, rows in learns)
-        assert bool(learns) == llm.engine.drafter.learns == (kind != "ngram")
+        assert bool(learns) == llm.engine.speculation.drafter.learns == (kind != "ngram")
     assert not copies
 
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from outrider.config import NgramConfig
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
-from outrider.speculative import Commit, load_drafter
+from outrider.speculative.drafter import Commit
+from outrider.speculative.kinds import load_drafter
 from outrider.speculative.ngram import NgramDrafter, NgramIndex
 
 
@@ -145,7 +146,7 @@ def test_lookup_misses_leave_the_step_plain_before_its_token_is_known():
     """The engine decides draft lengths while the step in flight still holds each request's last token; a request
     whose lookup cannot hit gets no length, so the step is not completed early and stays overlapped."""
     from outrider.engine.kv_cache import BlockPool
-    from outrider.speculative import DraftPolicy
+    from outrider.speculative.drafter import DraftPolicy
     from outrider.speculative.speculator import Speculator
 
     def no_rows(spans):

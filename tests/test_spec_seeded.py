@@ -40,9 +40,9 @@ def families(tmp_path_factory):
 
 def engine(path, **kwargs) -> LLM:
     llm = LLM(path, max_num_seqs=8, max_model_len=64, overlap_schedule=True, **kwargs)
-    if llm.engine.policy is not None:  # (the batch-size caps would switch drafting off at batch 8 on the CPU)
-        llm.engine.policy.max_batch = 1 << 20
-        llm.engine.policy.max_verify_tokens = 1 << 20
+    if llm.engine.speculation is not None:  # (the batch-size caps would switch drafting off at batch 8 on the CPU)
+        llm.engine.speculation.policy.max_batch = 1 << 20
+        llm.engine.speculation.policy.max_verify_tokens = 1 << 20
     return llm
 
 
@@ -73,7 +73,7 @@ def plain(families):
 def test_seeded_output_is_the_same_with_and_without_a_drafter(families, plain, kind, batch, n_max):
     arch, served, kwargs = KINDS[kind]
     llm = engine(families[arch][served], spec_draft_n_max=n_max, **kwargs(families[arch]))
-    assert llm.engine.drafter is not None and llm.engine.overlap
+    assert llm.engine.speculation is not None and llm.engine.overlap
     outs = run(llm, batch)
     assert [o.token_ids for o in outs] == plain(arch, served)
     # drafts were proposed, and both accepted and rejected: the verify path decided many of these tokens

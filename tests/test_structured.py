@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from outrider.demo import demo_path
 from outrider.engine.request import Request
 from outrider.sampler import RowSpec, Sampler, SamplingRows, TokenMasks
-from outrider.engine.scheduler import ScheduledRequest
+from outrider.steps import ScheduledRequest
 from outrider.params import SamplingParams
 from outrider.structured.grammar import Constraint, GrammarCompiler, GrammarError, closed_objects, token_masks
 from outrider.structured.reasoning import split_reasoning

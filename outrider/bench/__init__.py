@@ -8,7 +8,7 @@ import argparse
 from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
 from outrider.config import EngineConfig
-from outrider.speculative import KINDS
+from outrider.speculative.kinds import NAMES as KINDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,10 +76,6 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--acceptance", type=float, nargs="+", metavar="ALPHA",
                      help="controlled acceptance: keep each draft position with probability ALPHA (one run each)")
     spc.add_argument("--draft-n-max", type=int, help="draft length cap k (default: the drafter's)")
-    spc.add_argument("--no-draft-ahead", action="store_true",
-                     help="draft each round after the host commits the last (default: from its verdict, ahead)")
-    spc.add_argument("--verify-ahead", action="store_true",
-                     help="enqueue each round's verify forward ahead too (EngineConfig.spec_verify_ahead)")
     spc.add_argument("--no-device-round", action="store_true",
                      help="a request decoding alone runs its rounds step by step, not captured whole on the device "
                      "(spec_device_round: on by default with CUDA graphs)")

@@ -9,6 +9,7 @@ import torch
 
 from outrider.bench.shapes import random_model, write_stub_checkpoint
 from outrider.config import EngineConfig
+from outrider.engine import builder
 from outrider.engine.engine import Engine
 
 
@@ -31,5 +32,5 @@ def build_engine(args, *, max_num_seqs: int, max_model_len: int, max_num_batched
             preloaded = random_model(args.random_weights, torch.device(args.device))
         stub = write_stub_checkpoint(args.random_weights, Path(tempfile.mkdtemp(prefix="outrider-bench-")),
                                      full_vocab=getattr(args, "json_schema", None) is not None)
-        return Engine(engine_config(args, str(stub), **limits), preloaded=preloaded)
-    return Engine(engine_config(args, args.model, **limits), preloaded=preloaded)
+        return builder.build_engine(engine_config(args, str(stub), **limits), preloaded=preloaded)
+    return builder.build_engine(engine_config(args, args.model, **limits), preloaded=preloaded)

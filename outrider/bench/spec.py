@@ -52,7 +52,8 @@ from outrider.bench.controlled import ControlledDrafter, RoundScript
 from outrider.bench.engine_setup import engine_config
 from outrider.bench.profile import PhaseTimer, patched
 from outrider.config import EngineConfig, NgramConfig
-from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.graphs import CudaGraphRunner
+from outrider.engine.builder import build_engine, device_rounds_for
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
@@ -213,22 +214,21 @@ def run(args) -> list[SpecResult]:
         workloads = {b: _workload(setup.prompts, b, args.num_requests) for b in batches}
         longest = max(len(p) for p in setup.prompts)
         max_model_len = longest + args.gen + 32
-        # Every sequence at full length, and the null block: the engine wants no more (Engine._num_kv_blocks),
+        # Every sequence at full length, and the null block: the engine wants no more (builder._num_kv_blocks),
         # and each engine taking a share of the free GPU memory would leave none for the other.
         blocks = batches[-1] * -(-max_model_len // EngineConfig.block_size) + 1
         limits = dict(max_num_seqs=batches[-1], max_model_len=max_model_len, num_kv_blocks=blocks,
                       max_num_batched_tokens=max(2048, batches[-1] * longest))
-        plain = Engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
-        spec = Engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
-                                    spec_draft_ahead=not args.no_draft_ahead, spec_verify_ahead=args.verify_ahead,
-                                    spec_device_round=False if args.no_device_round else None,
-                                    **setup.drafter, **limits),
-                      preloaded=setup.preloaded)
-        if spec.drafter is None:
+        plain = build_engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
+        spec = build_engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
+                                          spec_device_round=False if args.no_device_round else None,
+                                          **setup.drafter, **limits),
+                            preloaded=setup.preloaded)
+        if spec.speculation is None:
             raise SystemExit("the speculative engine has no drafter (see the log above for why)")
-        print(f"spec: {setup.name}, drafter {spec.drafter.kind}, draft length <= {spec.config.spec_draft_n_max}, "
+        print(f"spec: {setup.name}, drafter {spec.drafter_kind}, draft length <= {spec.config.spec_draft_n_max}, "
               f"{args.gen} tokens per request, greedy, device {spec.device} ({spec.dtype}), best of {args.repeats} "
-              f"timed passes per side, device rounds {'on' if spec.device_rounds else 'off'}", flush=True)
+              f"timed passes per side, device rounds {'on' if spec.speculation.rounds else 'off'}", flush=True)
         results = [r for b, prompts in workloads.items() for r in _compare(args, plain, spec, prompts, b)]
     if args.json:
         with open(args.json, "w") as f:
@@ -317,14 +317,14 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
             return _decode(plain, prompts, batch, args)
 
     recorded = plain_pass()  # (the first pass at this batch size: it warms up too)
-    real = spec.drafter
+    real = spec.speculation.drafter
     vocab = spec.model_config.vocab_size
     results = []
     for n, alpha in enumerate(args.acceptance or [None]):
         ctl = None
         if alpha is not None:  # (device rounds substitute on the device, from a RoundScript: rounds of their own)
             script = RoundScript(max(map(len, prompts)) + args.gen + 2 * real.max_draft + 2, args.gen + 1,
-                                 spec.device) if spec.device_rounds else None
+                                 spec.device) if spec.speculation.rounds else None
             ctl = ControlledDrafter(real, alpha, vocab, args.seed, script)
 
         def register(i: int, req: Request) -> None:
@@ -333,16 +333,18 @@ def _compare(args, plain: Engine, spec: Engine, prompts: list[list[int]], batch:
 
         passes = {"plain": plain_pass, "spec": lambda: _decode(spec, prompts, batch, args, register)}
         timed: dict[str, list[Pass]] = {"plain": [], "spec": []}
-        swaps = [(spec.speculator, "drafter", lambda _: ctl)] if ctl is not None else []
-        if ctl is not None and ctl.rounds is not None:
-            swaps.append((spec, "device_rounds", lambda _: spec.device_rounds_for(ctl)))
-        with patched(*swaps):
+        if ctl is None:
+            drafting = nullcontext()
+        else:
+            rounds = device_rounds_for(spec, ctl) if ctl.rounds is not None else spec.speculation.rounds
+            drafting = spec.speculation.drafting_with(ctl, rounds)
+        with drafting:
             if n == 0:
                 _decode(spec, prompts[:batch], batch, args, register)  # warm-up: one wave at this batch size
             for i in range(args.repeats):  # P S, S P, P S, ...: a drift does not favour one side
                 for side in ("plain", "spec") if i % 2 == 0 else ("spec", "plain"):
                     timed[side].append(passes[side]())
-            policy_ms = {k: 1e3 * s for k, s in sorted(spec.policy.costs.at(batch).items())}
+            policy_ms = {k: 1e3 * s for k, s in sorted(spec.speculation.policy.costs.at(batch).items())}
             # The two profiled passes back to back: their decode steps are compared
             plain_profile, profile = StepProfile(plain, None), StepProfile(spec, real)
             plain_pass(plain_profile)
@@ -428,20 +430,19 @@ class StepProfile:
         timed = self.timer.timed
         targets = [(self.engine, "step", self._step), (self.engine.runner, "launch", self._launch),
                    (self.engine.runner, "sample", timed("verify")), (self.engine.runner, "collect", timed("verify")),
-                   (self.engine, "_deliver", self._deliver), (self.engine.runner, "forward_eager", self._eager),
+                   (self.engine, "deliver", self._deliver), (self.engine.runner, "forward_eager", self._eager),
                    (DeviceRound, "replay", timed("verify"))]  # (a device round: verify and drafts, one replay)
-        if self.engine.policy is not None:  # (synchronised steps run slower than served ones: not the policy's costs)
+        if self.engine.speculation is not None:  # (synchronised steps run slower than served ones: not the costs)
             # The costs stay as the timed passes left them, none going stale: a stale plain step would make the
             # policy take plain steps to re-measure it, which this pass never does.
-            targets += [(self.engine.policy, "observe_step", lambda _: _unmeasured),
-                        (self.engine.policy.costs, "stale_after", lambda _: 1 << 62)]
+            targets += [(self.engine.speculation.policy, "observe_step", lambda _: _unmeasured),
+                        (self.engine.speculation.policy.costs, "stale_after", lambda _: 1 << 62)]
         if self.drafter is not None:
             # (a drafter that stages its drafts on the device proposes through `stage` too: timed once, there)
             drafts = "stage" if self.drafter.stages_on_device else "propose"
             targets += [(self.drafter, drafts, timed("draft")), (self.drafter, "on_commit", timed("draft"))]
-            # (drafting ahead of a verdict, and the next verify forward enqueued then, count in the step doing it)
-            targets += [(self.engine.speculator, "draft_ahead", timed("draft")),
-                        (self.engine.runner, "prelaunch", timed("verify"))]
+            # (drafting ahead of a verdict counts in the step doing it)
+            targets.append((self.engine.speculation.speculator, "draft_ahead", timed("draft")))
             targets.append((CudaGraphRunner, "can_run", self._drafter_graph))
         return patched(*targets)
 
@@ -492,14 +493,14 @@ class StepProfile:
         return keep_plan
 
     def _deliver(self, deliver):
-        def count(plan, out, learned=False):
+        def count(plan, out):
             self._plan = self._plan or plan  # (a device round launches nothing through the runner)
             for s, m in zip(plan.scheduled, out.accepted):
                 if s.draft_tokens:
                     self.rounds.append((len(s.draft_tokens), m))
                 elif s.samples and s.num_new_tokens == 1:
                     self.undrafted += 1
-            return deliver(plan, out, learned)
+            return deliver(plan, out)
 
         return count
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from outrider.speculative.kinds import KINDS as KINDS_DECLARED
+
 DEMO_DIR = Path(__file__).resolve().parent
 SERVED_NAME = "outrider-demo"  # the model's name in /props, /v1/models and responses when the demo is served
 
-# drafter kind -> directory holding it ("mtp" lives inside the target checkpoint)
-KINDS = {"target": "target", "draft": "draft", "mtp": "target", "dflash": "dflash", "eagle3": "eagle3"}
-DRAFTER_KINDS = ("draft", "mtp", "dflash", "eagle3")
+# The demo ships a drafter of every kind with weights: kind -> directory holding it (MTP lives in the target's)
+DRAFTER_KINDS = tuple(k.name for k in KINDS_DECLARED if k.weights)
+KINDS = {"target": "target", **{k.name: "target" if k.in_target else k.name for k in KINDS_DECLARED if k.weights}}
 
 
 def demo_path(kind: str = "target") -> Path:

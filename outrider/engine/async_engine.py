@@ -21,6 +21,7 @@ import traceback
 from typing import AsyncIterator, Callable
 
 from outrider.config import EngineConfig
+from outrider.engine.builder import build_engine
 from outrider.engine.engine import Engine
 from outrider.engine.request import FinishReason, Request, RequestOutput
 from outrider.testing.faults import FaultPlan
@@ -32,7 +33,7 @@ log = logging.getLogger("outrider.engine")
 class AsyncEngine:
     def __init__(self, config: EngineConfig, faults: FaultPlan | None = None):
         """`faults`: test-only fault injection into the target's forward (outrider/testing/faults.py)."""
-        self.config = config
+        self._config = config
         self.faults = faults
         self.engine: Engine | None = None
         self.load_error: str | None = None
@@ -49,6 +50,11 @@ class AsyncEngine:
         self._slots: list[dict] = []
         self._last_task: dict[int, Request] = {}  # slot -> the request it serves or served last (as /slots shows)
         self._stats: dict = {}
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's configuration: once it is built, with the defaults the builder resolved (the draft length)."""
+        return self.engine.config if self.engine is not None else self._config
 
     @property
     def ready(self) -> bool:
@@ -121,8 +127,7 @@ class AsyncEngine:
     # --- engine thread ---
     def _run(self) -> None:
         try:
-            self.engine = Engine(self.config)
-            self.config = self.engine.config  # with the defaults the engine resolved (e.g. the draft length)
+            self.engine = build_engine(self._config)
             # Everything alive now (model, tokenizer, framework) lives as long as the server: keep the cyclic
             # garbage collector from walking it again in every collection it runs between steps.
             gc.collect()

@@ -8,16 +8,11 @@ import sys
 from dataclasses import dataclass, field
 
 from outrider.params import SamplingParams
+from outrider.steps import Status
 from outrider.structured.grammar import Constraint
 from outrider.timing import RequestTiming
 
 _ids = itertools.count()
-
-
-class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):
@@ -124,6 +119,11 @@ class Request:
         if stop <= n:
             return self.prompt_ids[start:stop]
         return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
+    @property
+    def outputs_left(self) -> int:
+        """Outputs the request may still produce beyond those known and pending (0: the limit is reached)."""
+        return self.max_output_tokens - len(self.output_ids) - self.num_pending
 
     @property
     def num_tokens(self) -> int:

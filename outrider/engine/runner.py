@@ -9,103 +9,25 @@ reads host state that step advances (a grammar's matcher, a penalty's recent tok
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
-from outrider.attention.metadata import batch_layout, build_metadata, metadata_over, shifted_metadata
-from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.attention.metadata import batch_layout, build_metadata, metadata_over
+from outrider.engine.cuda_graphs import StepGraphs, capture_step_graphs
+from outrider.graphs import CudaGraphRunner
 from outrider.models.output import ForwardResult
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
 from outrider.engine.request import Request, TokenLogprob
-from outrider.speculative.drafter import Commit, NextRound, PendingDrafts
-from outrider.speculative.verify import PendingVerdict, verify
-from outrider.engine.scheduler import ScheduledRequest, StepPlan
+from outrider.speculative.drafter import Commit, PendingDrafts
+from outrider.speculative.verify import verify
+from outrider.steps import LaunchedStep, ScheduledRequest, StepOutput, StepPlan
 from outrider.structured.grammar import token_masks
-
-
-@dataclass
-class StepOutput:
-    """Per scheduled request (in plan order) unless noted."""
-
-    tokens: list[list[int]]  # the tokens this step commits (empty mid-prefill; m+1 after a verify)
-    logprobs: list[list[TokenLogprob]]  # one per committed token, when the request asked for n_probs
-    accepted: list[int]  # m: drafts accepted this step
-    # [T, H] pre-norm hidden states of every fed row (drafters read these; a CUDA-graph view, valid until the
-    # next replay)
-    hidden: torch.Tensor
-    aux_hidden: torch.Tensor | None  # [T, A] outputs of the layers the runner taps for a drafter that reads them
-    kept: bool = False  # hidden and aux_hidden are own copies (keep_hidden)
-
-    def keep_hidden(self) -> None:
-        """Own copies of the hidden rows (device-side, asynchronous), for a reader after the next graph replay;
-        once only."""
-        if self.kept:
-            return
-        self.hidden = self.hidden.clone()
-        if self.aux_hidden is not None:
-            self.aux_hidden = self.aux_hidden.clone()
-        self.kept = True
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose device work is enqueued (its forward by ModelRunner.launch, its sampling by
-    ModelRunner.sample); its sampled tokens reach the host in ModelRunner.collect."""
-
-    plan: StepPlan
-    sampling: list[int]  # plan indices of the requests sampled this step
-    out: StepOutput  # tokens and log-probs filled in by collect
-    # A penalty reads a sampled request's recent tokens on the host, or a grammar its matcher state: sampling
-    # must wait until every earlier step of the request is committed.
-    reads_history: bool = False
-    drafts_on_device: PendingDrafts | None = None  # the values of the plan's PENDING draft tokens
-    logits: torch.Tensor | None = None  # [R, V] the sampling rows' logits, from launch until sample enqueues them
-    verdict: PendingVerdict | None = None  # a verify step's, decided on the device; collect reads it
-    starts: Sequence[int] = ()  # per sampled request, its first row in the log-prob tensors
-    token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
-    host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
-    ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
-
-    @property
-    def awaits_sampling(self) -> bool:
-        return self.logits is not None
-
-    @property
-    def overlappable(self) -> bool:
-        """May the next step launch before this one is committed? Not after a verify: the next step's positions
-        follow how many drafts were accepted."""
-        return self.verdict is None
-
-
-@dataclass(frozen=True)
-class Prelaunched:
-    """A verify forward enqueued ahead of its step (ModelRunner.prelaunch): the rows' hidden states, aux rows and
-    logits, and where each request's rows lie (request id -> first row, drafts: it fed its last token and those)."""
-
-    spans: dict[int, tuple[int, int]]
-    hidden: torch.Tensor
-    aux_hidden: torch.Tensor | None
-    logits: torch.Tensor
-
-    def rows(self, plan: StepPlan) -> list[int] | None:
-        """The rows that serve this plan, in its order: every scheduled request fed here one token and as many
-        drafts (a request that finished meanwhile leaves its rows unread). None: the plan is another step."""
-        if plan.has_prefill:
-            return None
-        rows = []
-        for s in plan.scheduled:
-            span = self.spans.get(s.request.request_id)
-            if span is None or span[1] != len(s.draft_tokens):
-                return None
-            rows.extend(range(span[0], span[0] + span[1] + 1))
-        return rows
 
 
 @dataclass
@@ -172,9 +94,9 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, device: torch.device,
-                 aux_layer_ids: tuple[int, ...] = ()):
+                 aux_layer_ids: tuple[int, ...] = (), graphs: StepGraphs | None = None):
         """aux_layer_ids: the target layers whose outputs every forward also returns (aux_hidden), for a drafter
-        that reads them."""
+        that reads them. graphs: the step graphs to capture (CUDA), now."""
         self.model = model
         self.aux_layer_ids = aux_layer_ids
         self.kv_cache = kv_cache
@@ -184,12 +106,16 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device)
         self.block_tables = BlockTables()
         self.sampling_table = ParamTable()  # by scheduler slot, like block_tables
-        self.graphs: list[CudaGraphRunner] = []  # decode, then verify CUDA graphs: set by the engine on CUDA
-        # [max batch, V] float32 that forward_decode writes logits into when set (by capture_step_graphs): every
-        # decode graph's logits are rows of this one buffer, not a buffer per captured batch size.
+        # [max batch, V] float32 that forward_decode writes logits into when set (with graphs): every decode graph's
+        # logits are rows of this one buffer, not a buffer per captured batch size (that would hold sum(buckets) x
+        # vocab floats: 1.3 GB at 256 sequences for Qwen3's vocabulary).
         self.decode_logits: torch.Tensor | None = None
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
+        self.graphs: list[CudaGraphRunner] = []  # decode, then verify and prefill CUDA graphs
+        if graphs is not None:
+            self.decode_logits = torch.empty((graphs.max_batch, vocab_size), dtype=torch.float32, device=device)
+            self.graphs = capture_step_graphs(self, graphs)
 
     def prepare(self, plan: StepPlan, feed: LaunchedStep | None = None,
                 drafts_on_device: PendingDrafts | None = None) -> StepBatch:
@@ -313,25 +239,11 @@ class ModelRunner:
         return replace(out, logits=self.model.compute_logits(out.hidden, out=into))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None, drafts_on_device: PendingDrafts | None = None,
-               prelaunched: Prelaunched | None = None) -> LaunchedStep:
+    def launch(self, plan: StepPlan, feed: LaunchedStep | None = None,
+               drafts_on_device: PendingDrafts | None = None) -> LaunchedStep:
         """Enqueue a step's forward (feeding pending tokens from `feed`, the step in flight, and drafts that stayed
-        on the device) and the logits of the rows it samples; `sample` enqueues their sampling. A forward already
-        enqueued for this plan's requests (`prelaunched`: each fed one token and as many drafts) is taken instead."""
+        on the device) and the logits of the rows it samples; `sample` enqueues their sampling."""
         n = len(plan.scheduled)
-        rows = prelaunched.rows(plan) if prelaunched is not None and feed is None else None
-        if rows is not None:
-            for i, s in enumerate(plan.scheduled):
-                s.request.sample_row = i
-            parts = [prelaunched.hidden, prelaunched.aux_hidden, prelaunched.logits]
-            if len(rows) < prelaunched.logits.shape[0]:
-                index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                parts = [t.index_select(0, index) if t is not None else None for t in parts]
-            hidden, aux, logits = parts
-            out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
-            step = LaunchedStep(plan, list(range(n)), out, drafts_on_device=drafts_on_device, logits=logits)
-            step.reads_history = any(_reads_history(s.request) for s in plan.scheduled)
-            return step
         batch = self.prepare(plan, feed, drafts_on_device)
         fwd = self.forward(batch)
         hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
@@ -347,27 +259,6 @@ class ModelRunner:
         step.logits = logits
         step.reads_history = any(_reads_history(plan.scheduled[i].request) for i in batch.sampling)
         return step
-
-    @torch.inference_mode()
-    def prelaunch(self, round_: NextRound) -> Prelaunched:
-        """Enqueue the forward of the next step's verification before the host has read the verdict that places it
-        (positions p_i + m_i on, m_i on the device; Speculator.draft_ahead), so that the device runs it while the
-        host commits this round. `launch` takes it when the next step's plan is this one, less requests that finished
-        meanwhile; else it is dropped: its K/V lies past every request's committed tokens, where the next forward
-        writes before anything reads."""
-        requests, counts = round_.requests, round_.counts
-        meta, positions = build_metadata([(r.block_ids, start, c + 1) for r, start, c in
-                                          zip(requests, round_.starts, counts)], self.block_size, self.device)
-        owner = torch.tensor([i for i, c in enumerate(counts) for _ in range(c + 1)], dtype=torch.int64)
-        meta, positions = shifted_metadata(meta, positions, round_.shift, owner.to(self.device, non_blocking=True),
-                                           round_.max_shift, self.block_size)
-        fwd = self.forward(StepBatch(round_.input_ids, positions, meta, [], None))
-        hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
-        if logits is None:
-            logits = self.model.compute_logits(hidden)
-        firsts = itertools.accumulate((c + 1 for c in counts), initial=0)
-        return Prelaunched({r.request_id: (first, c) for r, first, c in zip(requests, firsts, counts)}, hidden, aux,
-                           logits)
 
     @torch.inference_mode()
     def sample(self, step: LaunchedStep, draft_probs: dict[int, torch.Tensor] | None = None,

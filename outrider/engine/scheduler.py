@@ -10,38 +10,10 @@ preempted: its blocks are freed and it waits to recompute (prompt and outputs so
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from outrider.engine.kv_cache import BlockPool
-from outrider.engine.request import Request, Status
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # position of its first fed token (request.num_computed when scheduled)
-    num_new_tokens: int  # known tokens fed this step (prompt chunk, or the last sampled token)
-    samples: bool  # this step computes the request's last known token, so its logits are sampled
-    draft_tokens: list[int] = field(default_factory=list)  # speculative proposals fed after them
-
-    @property
-    def num_query_tokens(self) -> int:
-        return self.num_new_tokens + len(self.draft_tokens)
-
-
-@dataclass
-class StepPlan:
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-    admitted: list[Request] = field(default_factory=list)  # admissions (first, or a resume after preemption)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_query_tokens for s in self.scheduled)
-
-    @property
-    def has_prefill(self) -> bool:
-        return any(s.num_new_tokens > 1 or not s.samples for s in self.scheduled)
+from outrider.engine.request import Request
+from outrider.steps import ScheduledRequest, Status, StepPlan
 
 
 class Scheduler:
@@ -85,8 +57,7 @@ class Scheduler:
         queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
             req = queue.popleft()
-            pending = req.num_pending
-            if pending and len(req.output_ids) + pending >= req.max_output_tokens:
+            if req.num_pending and req.outputs_left <= 0:
                 continue  # its token in flight is its last (overlap scheduling)
             todo = req.num_tokens - req.num_computed
             n = todo if todo < budget else budget  # (min() costs several times more, per request per step)

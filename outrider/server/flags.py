@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from outrider.request_fields import CHAIN, SUPPORTED, Field
 from outrider.sampler_chain import LETTERS
+from outrider.speculative.kinds import KINDS as DRAFTER_KINDS
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,13 @@ MODEL = [
     Opt(("--cache-prompt",), "cache_prompt", "LLAMA_ARG_CACHE_PROMPT", None, True, "reuse cached prompt prefixes",
         negative=("--no-cache-prompt",)),
     Opt(("--demo-draft",), "demo_draft", None, str, "mtp",
-        "without -m/-hf: the bundled demo model's drafter: draft | mtp | dflash | eagle3 | none"),
+        f"without -m/-hf: the bundled demo model's drafter: {' | '.join(k.name for k in DRAFTER_KINDS if k.weights)}"
+        " | none"),
     Opt(("-md", "--model-draft", "--spec-draft-model"), "model_draft", "LLAMA_ARG_SPEC_DRAFT_MODEL",
         help="draft model for speculative decoding"),
     Opt(("--spec-type",), "spec_type", "LLAMA_ARG_SPEC_TYPE",
-        help="none | draft-simple | draft-mtp | draft-dflash | draft-eagle3 | ngram-simple, or n-gram lookup and one "
-             "drafter with weights comma-separated, e.g. ngram-simple,draft-simple (default: detect)"),
+        help=f"none | {' | '.join(k.llama_name for k in DRAFTER_KINDS)}, or n-gram lookup and one drafter with "
+             "weights comma-separated, e.g. ngram-simple,draft-simple (default: detect)"),
     Opt(("--spec-ngram-simple-size-n",), "spec_ngram_size_n", None, int, 12,
         "ngram-simple: length of the n-gram looked up"),
     Opt(("--spec-ngram-simple-size-m",), "spec_ngram_size_m", None, int, 48,
@@ -78,8 +80,6 @@ MODEL = [
         "min draft probability to keep drafting"),
     Opt(("--no-spec-measured-costs",), "no_spec_measured_costs", None, None, False,
         "choose draft lengths from the drafter's fixed cost estimate, not measured step costs (the CPU default)"),
-    Opt(("--no-spec-draft-ahead",), "no_spec_draft_ahead", None, None, False,
-        "draft each round after the last one is committed, not from its verdict on the device (MTP, EAGLE-3, DFlash)"),
     Opt(("--no-spec-device-round",), "no_spec_device_round", None, None, False,
         "GPU: a request decoding alone, greedy, runs its rounds step by step, not as one captured graph each"),
     Opt(("--chat-template",), "chat_template", "LLAMA_ARG_CHAT_TEMPLATE",

@@ -12,6 +12,7 @@ from outrider.config import EngineConfig
 from outrider.engine.request import TokenLogprob
 from outrider.params import SamplingParams
 from outrider.request_fields import CHAIN, FIELDS
+from outrider.speculative.kinds import KINDS as DRAFTER_KINDS
 from outrider.timing import RequestTiming
 from outrider.tokenizer import Tokenizer
 
@@ -19,8 +20,7 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # what llama-server shows for "random seed"
 SAMPLERS = list(CHAIN)  # our fixed chain (sampler.py), in llama-server's sampler names
 # Our drafter kinds by llama-server's --spec-type names: `speculative.types` is a comma-joined string of these
 # ("none" without a drafter), which clients compare and split as a string.
-SPEC_TYPE_NAMES = {"draft": "draft-simple", "mtp": "draft-mtp", "dflash": "draft-dflash", "eagle3": "draft-eagle3",
-                   "ngram": "ngram-simple"}
+SPEC_TYPE_NAMES = {k.name: k.llama_name for k in DRAFTER_KINDS}
 
 
 def dumps(obj: Any) -> str:

@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
-from outrider.engine.cuda_graphs import CudaGraphRunner
-from outrider.engine.request import Request
+from outrider.graphs import CudaGraphRunner
 from outrider.speculative.device_chain import DeviceChain
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
                                          block_capacity, row_seqs, stage_drafts)
 
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
+
 
 class ChainDrafter:
+    kv: KVCache  # the head's own pool: its constructor asks its KVPool for it
     aux_layer_ids: tuple[int, ...] = ()
     reads_hidden = True  # the head's input at each committed pair
     learns = True
@@ -38,7 +42,6 @@ class ChainDrafter:
         self.device = torch.device(device)
         self.hidden_size, self.dtype = hidden_size, dtype
         self.target = target
-        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
         self.block_size = block_size
         self.max_draft = max_draft
         self.backend = get_backend(self.device)

@@ -10,12 +10,15 @@ only where lookup has nothing to offer. llama-server gives draftless kinds the s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import KVCache
-from outrider.engine.request import Request
 from outrider.speculative.drafter import Commit, Drafter, Proposals
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 def has_pool(drafter: Drafter) -> bool:
@@ -39,15 +42,7 @@ class CombinedDrafter:
         self.max_draft = max(m.max_draft for m in members)
         self.step_cost = max(m.step_cost for m in members)  # the dearest member bounds what a round may cost
         self.kv_shape = self.model.kv_shape if self.model else (0, 0, 0)
-
-    @property
-    def kv(self) -> KVCache | None:
-        return self.model.kv if self.model else None
-
-    @kv.setter
-    def kv(self, pool: KVCache | None) -> None:  # the engine hands the pool over after sizing it
-        if self.model:
-            self.model.kv = pool
+        self.kv: KVCache | None = self.model.kv if self.model else None
 
     def lookahead(self, k: int) -> int:
         return max(m.lookahead(k) for m in self.members)

@@ -19,7 +19,7 @@ from pathlib import Path
 import tokenizers
 
 from outrider.config import ModelConfig
-from outrider.models import gguf, resolve_model_path
+from outrider.models import gguf
 from outrider.tokenizer import Tokenizer
 
 log = logging.getLogger("outrider.speculative")
@@ -27,14 +27,6 @@ log = logging.getLogger("outrider.speculative")
 
 class IncompatibleDrafter(ValueError):
     """The drafter's vocabulary does not match the target's."""
-
-
-def check_vocabulary(kind: str, target_cfg: ModelConfig, target_path: str, draft_path: str | None) -> None:
-    """Raise IncompatibleDrafter, naming the mismatch, when the drafter of `kind` cannot draft for this target."""
-    if kind == "draft" and draft_path is not None:
-        _check_draft_model(target_cfg, resolve_model_path(target_path), resolve_model_path(draft_path))
-    elif kind == "dflash" and draft_path is not None:
-        _check_dflash(target_cfg, resolve_model_path(draft_path))
 
 
 def _vocab(path: Path) -> dict[str, int] | None:
@@ -49,7 +41,8 @@ def _config(path: Path) -> ModelConfig:
     return gguf.model_config(gguf.open_gguf(path)) if gguf.is_gguf(path) else ModelConfig.from_path(path)
 
 
-def _check_draft_model(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
+def check_draft_model(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
+    """Raise IncompatibleDrafter, naming the mismatch, when the draft model cannot draft for this target."""
     draft_rows = _config(draft).vocab_size
     target_vocab, draft_vocab = _vocab(target), _vocab(draft)
     n_target = len(target_vocab) if target_vocab is not None else target_cfg.vocab_size
@@ -68,7 +61,8 @@ def _check_draft_model(target_cfg: ModelConfig, target: Path, draft: Path) -> No
                                   f"{tok!r}: target id {i}, draft id {draft_vocab.get(tok)})")
 
 
-def _check_dflash(target_cfg: ModelConfig, draft: Path) -> None:
+def check_dflash(target_cfg: ModelConfig, draft: Path) -> None:
+    """Raise IncompatibleDrafter when the DFlash drafter was built for another vocabulary."""
     raw = json.loads((draft / "config.json").read_text())
     vocab = raw.get("vocab_size", target_cfg.vocab_size)
     if vocab != target_cfg.vocab_size:

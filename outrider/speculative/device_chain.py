@@ -7,14 +7,17 @@ draft model (draft_model.py) draft through it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import AttentionMetadata
 from outrider.attention.metadata import build_metadata, decode_metadata_on_device
-from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
-from outrider.engine.request import Request
+from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.speculative.drafter import StagedDrafts, block_capacity, stage_drafts
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 # Chains captured as graphs go up to this length (k <= 8): every length is a graph of its own per batch size, so a
 # draft model's capture grows with the square of it; a longer chain runs the same steps eagerly.

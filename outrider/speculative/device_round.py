@@ -1,9 +1,8 @@
 """A speculative round whose every input lives on the device, so that CUDA can capture it whole and replay it.
 
-On a launch-bound target (the demo family: a 0.5 ms plain step that is all host time) a round built step by step
-costs the host about a hundred small launches, uploads and index operations, 2.9 ms a round (docs/benchmarks.md,
-"Session 13"): no draft length pays for that. Captured as one CUDA graph, the round leaves the host one replay and
-one small read a round. That needs a round whose shapes are fixed and whose data never passes through the host:
+On a launch-bound target (a plain step that is all host time) a round built step by step costs the host about a
+hundred small launches, uploads and index operations, several plain steps' time: no draft length pays for that.
+Captured as one CUDA graph, the round leaves the host one replay and one small read a round. That needs a round whose shapes are fixed and whose data never passes through the host:
 
 - `ids` [k + 1]: the next verify's input, the bonus token and k drafts;
 - `first` [1]: the bonus token's position (p): the verify feeds positions p .. p + k;
@@ -187,3 +186,15 @@ def committed(copy: RoundCopy) -> list[int]:
         copy.ready.synchronize()
     emitted, accepted = copy.host
     return emitted.tolist()[: int(accepted[0]) + 1]
+
+
+def device_rounds(runner, drafter: RoundDrafter, n_max: int, max_blocks: int,
+                  graph_pool=None) -> dict[int, DeviceRound]:
+    """A DeviceRound of this drafter per draft length 1..n_max, over the target's runner; captured as CUDA graphs into
+    `graph_pool` (the target graphs' memory pool) when given."""
+    rounds = {}
+    for k in range(1, n_max + 1):
+        rounds[k] = DeviceRound(runner, drafter, k, max_blocks)
+        if graph_pool is not None:
+            rounds[k].capture(graph_pool)
+    return rounds

@@ -15,22 +15,25 @@ import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from outrider.attention import KVCache, get_backend
 from outrider.config import ModelConfig
-from outrider.engine.cuda_graphs import VERIFY_BUCKETS, CudaGraphRunner
-from outrider.engine.request import Request
+from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.attention.metadata import build_metadata, shifted_metadata, uniform_metadata_on_device
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.registry import decoder_layer
 from outrider.speculative.device_round import RoundVerdict
-from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
-                                         block_capacity, greedy_drafts, row_seqs, stage_drafts)
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, KVPool, Proposals, StagedDrafts, TargetView,
+                                         VerifiedRows, block_capacity, greedy_drafts, row_seqs, stage_drafts)
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 def _taps(aux_hidden: torch.Tensor | None) -> torch.Tensor:
@@ -68,7 +71,7 @@ class DFlashDrafter:
     step_cost = 0.02  # [est] one small forward per block, whatever k is
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_pool: KVPool) -> None:
         raw = json.loads((Path(path) / "config.json").read_text())
         # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
         cfg = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})
@@ -88,7 +91,7 @@ class DFlashDrafter:
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings).to(self.device)
         self.kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
+        self.kv: KVCache = kv_pool(self.kv_shape, self.aux_layer_ids)
         self.block_size = block_size
         self.vocab_size = target_cfg.vocab_size
         self.backend = get_backend(self.device)

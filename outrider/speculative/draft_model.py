@@ -10,17 +10,21 @@ drafts argmax tokens one position at a time on the device (DeviceChain: one grap
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import KVCache, get_backend
-from outrider.engine.cuda_graphs import CudaGraphRunner, default_buckets
-from outrider.engine.request import Request
+from outrider.graphs import CudaGraphRunner, default_buckets
 from outrider.attention.metadata import build_metadata, uniform_metadata_on_device
 from outrider.models import load_model
 from outrider.speculative.device_chain import DeviceChain
 from outrider.speculative.device_round import RoundVerdict
-from outrider.speculative.drafter import LEARN_ROWS, Commit, Proposals, block_capacity, greedy_drafts, row_seqs
+from outrider.speculative.drafter import (LEARN_ROWS, Commit, KVPool, Proposals, block_capacity, greedy_drafts,
+                                         row_seqs)
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
 
 
 class DraftModelDrafter:
@@ -33,12 +37,12 @@ class DraftModelDrafter:
     step_cost = 0.1  # [est] a draft model ~10x smaller than the target
 
     def __init__(self, path: str, vocab_size: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str, max_draft: int = 16) -> None:
+                 device: torch.device | str, kv_pool: KVPool, max_draft: int = 16) -> None:
         self.device = torch.device(device)
         self.model, self.config = load_model(path, dtype, self.device)
         cfg = self.config
         self.kv_shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv: KVCache | None = None  # allocated by the engine (Drafter.kv)
+        self.kv: KVCache = kv_pool(self.kv_shape, self.aux_layer_ids)
         self.block_size = block_size
         self.vocab_size = vocab_size  # the target's: drafts outside it are never proposed
         self.max_draft = max_draft

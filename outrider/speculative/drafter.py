@@ -14,6 +14,7 @@ One engine step with a drafter (docs/speculative.md walks it through):
   8. for a drafter that drafts_ahead, between a verify step's verdict (on the device) and the host reading it:
      drafter.draft_ahead(rows, ks) learns the step's rows and stages the next round's drafts (Speculator.draft_ahead);
      the next step verifies them without steps 1-3, and step 5 skips those rows
+The engine reaches all of this through one object, speculation.py's Speculation.
 """
 
 from __future__ import annotations
@@ -21,14 +22,22 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from outrider.attention import KVCache
-from outrider.engine.request import Request
 from outrider.kernels import ops
+
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
+
+
+# A drafter's KV pool, asked for by its constructor once its weights are loaded: (kv_shape, aux_layer_ids) ->
+# a pool of that shape with the target's block ids and count (engine/builder.py sizes both pools in one budget
+# then, its weights counted).
+KVPool = Callable[[tuple[int, int, int], tuple[int, ...]], KVCache]
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ class Drafter(Protocol):
     max_draft: int  # most tokens one propose returns per request
     step_cost: float  # [est] marginal cost of one drafted token, in target decode steps (policy input)
     kv_shape: tuple[int, int, int]  # (layers, KV heads, head dim) of its own KV pool
-    kv: KVCache | None  # that pool, with the target's block ids and count: allocated by the engine after loading
+    kv: KVCache | None  # that pool, with the target's block ids and count, from the KVPool its constructor is given
 
     def lookahead(self, k: int) -> int:
         """KV positions from the last committed token on that proposing k tokens writes (blocks must exist)."""
@@ -154,27 +163,13 @@ class VerifiedRows:
         return first.to(self.accepted.device, non_blocking=True) + self.accepted
 
 
-@dataclass(frozen=True)
-class NextRound:
-    """The step after a verify step drafted ahead, as far as the device knows it before the host reads the verdict:
-    these requests in order, request i feeding its bonus token and counts[i] drafts (input_ids, on the device)
-    from position starts[i] + shift[i] (shift: m_i, on the device, at most max_shift). ModelRunner.prelaunch
-    enqueues its forward then."""
-
-    requests: list[Request]
-    counts: list[int]
-    starts: list[int]
-    shift: torch.Tensor
-    max_shift: int
-    input_ids: torch.Tensor
-
-
 def row_seqs(commits: Sequence[Commit]) -> list[tuple[list[int], int, int]]:
     """The committed rows as one-token sequences (block table, position, 1), in commit order (see LEARN_ROWS)."""
     return [(c.request.block_ids, c.start + j, 1) for c in commits for j in range(c.count)]
 
 
 DEFAULT_N_MAX = 4  # drafts per round when neither the server nor the drafter says otherwise
+MAX_VERIFY_TOKENS = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
 
 
 def block_capacity(request: Request, block_size: int) -> int:
@@ -282,9 +277,9 @@ class StepCosts:
     def at(self, batch: int) -> dict[int, float]:
         """Every draft length of the batch's bucket measured lately, with its seconds; and, while no round is, the
         rounds measured before: a stale round gives way to the rounds measured since, never to the drafter's own
-        guess. (Where plain steps win, rounds go stale together, and priced from the guess a round looked cheap
-        again: at 8B and batch 32, a 22-43 ms round every stale_after plain steps of 5.6 ms, each resetting the
-        probe interval and waking a sleeping drafter.)"""
+        guess. (Where plain steps win, rounds go stale together, and priced from the guess a round would look cheap
+        again: a round several plain steps long every stale_after plain steps, each resetting the probe interval and
+        waking a sleeping drafter.)"""
         bucket = batch_bucket(batch)
         since, count = self._measured_at.get(bucket, {}), self._counts.get(bucket, 0)
         seconds = self.seconds.get(bucket, {})
@@ -345,7 +340,7 @@ class DraftPolicy:
     n_min: int = 0  # shorter drafts are dropped (--draft-min)
     p_min: float = 0.0  # drafting stops at the first token the drafter gives less than this (--draft-p-min)
     measured: bool = False  # choose k from measured step costs (on by default on CUDA: EngineConfig)
-    max_verify_tokens: int = 256  # sum of (k+1) over drafting requests: keeps verify memory-bound on a GPU
+    max_verify_tokens: int = MAX_VERIFY_TOKENS
     max_batch: int = 64  # no drafting above this many decoding requests
     prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
     decay: float = 0.9  # weight of the past per round (a request's estimate; its drift per undrafted step: 1 - decay)
@@ -415,7 +410,7 @@ class DraftPolicy:
 
     def _cap(self, req: Request, cap: int, in_flight: int = 0) -> int:
         p = req.params
-        left = req.max_output_tokens - len(req.output_ids) - req.num_pending - in_flight
+        left = req.outputs_left - in_flight
         return max(0, min(cap, p.spec_n_max if p.spec_n_max is not None else self.n_max, left - 1))  # +1 bonus
 
     def round_seconds(self, batch: int, k, step_cost: float):
@@ -486,10 +481,9 @@ class DraftPolicy:
         """Decisions before the next exploratory round while k = 0 stands: `every`, times the extra plain steps a
         round of one draft costs (so exploring takes about 1/every of the time, whatever a round costs), and
         probe_max where no round could pay even with every draft accepted (only its cost could change, not
-        whether it pays: at 8B and batch 32, a round of one draft measured 22-43 ms against a 5.6 ms plain step), as
-        the costs measured more than once say: a length's first measurement may be a stall (at 8B and batch 1 a round
-        of the 0.6B draft model measured 209 ms while the warm-up compiled, 8.3 ms later, and priced so held k = 0
-        for some 1,600 decisions)."""
+        whether it pays: at large batches a round of one draft can cost several plain steps), as the costs measured
+        more than once say: a length's first measurement may be a stall (a round timed while the warm-up compiled
+        costs many times a later one, and priced so would hold k = 0 for thousands of decisions)."""
         ks = np.arange(cap + 1)
         seconds = self.round_seconds(batch, ks, step_cost)
         if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]) and self.costs.confirmed(batch):
@@ -541,13 +535,18 @@ class DraftPolicy:
     def release(self, request_id: int) -> None:
         self._stats.pop(request_id, None)
 
+    @property
+    def probes(self) -> dict:
+        """Each batch bucket's probe state (exploratory rounds while k = 0 stands), as a copy."""
+        return dict(self._probes)
+
     def forget_acceptance(self) -> None:
         """Drop what rounds so far said of acceptance (warm-up traffic: synthetic prompts)."""
         self._stats, self._pooled = {}, None
 
     def forget_costs(self) -> None:
-        """Drop the measured step costs (steps that compiled their kernels: at 8B the 0.6B draft model's first round
-        measured 209 ms, and priced so, no round at batch 1 was tried, or measured, again before ~350 decisions)."""
+        """Drop the measured step costs (steps that compiled their kernels: priced from those, no round would be tried,
+        or measured, again for hundreds of decisions)."""
         self.costs.clear()
 
     def _acceptance(self, request_id: int) -> _Acceptance:

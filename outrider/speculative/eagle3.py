@@ -34,7 +34,7 @@ from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.registry import decoder_layer
 from outrider.speculative.chain import ChainDrafter
-from outrider.speculative.drafter import TargetView, greedy_drafts
+from outrider.speculative.drafter import KVPool, TargetView, greedy_drafts
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
 
@@ -142,7 +142,7 @@ class Eagle3Drafter(ChainDrafter):
     step_cost = 0.05  # [est] one decoder layer and a reduced LM head per drafted token
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_pool: KVPool, max_draft: int = 4) -> None:
         model, cfg, aux_layer_ids = load_eagle3(path, target_cfg)
         super().__init__(target, block_size, device, max_draft, cfg.hidden_size, dtype)
         self.aux_layer_ids = aux_layer_ids
@@ -151,6 +151,7 @@ class Eagle3Drafter(ChainDrafter):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                       cfg.max_position_embeddings).to(self.device)
         self.kv_shape = (1, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv = kv_pool(self.kv_shape, self.aux_layer_ids)
         self.draft_vocab = self.model.lm_head.out_features
 
     def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
 from outrider.models.registry import decoder_layer
 from outrider.speculative.chain import ChainDrafter
-from outrider.speculative.drafter import TargetView, greedy_drafts
+from outrider.speculative.drafter import KVPool, TargetView, greedy_drafts
 
 
 class QwenMTP(nn.Module):
@@ -100,10 +100,11 @@ class MTPDrafter(ChainDrafter):
     step_cost = 0.05  # [est] one decoder layer of the target per drafted token
 
     def __init__(self, target: TargetView, cfg: ModelConfig, path: str, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str, max_draft: int = 4) -> None:
+                 dtype: torch.dtype, device: torch.device | str, kv_pool: KVPool, max_draft: int = 4) -> None:
         super().__init__(target, block_size, device, max_draft, cfg.hidden_size, dtype)
         self.layout, self.head = load_mtp_head(path, cfg, dtype, self.device)
         self.kv_shape = (1, cfg.num_key_value_heads, cfg.head_dim)  # one decoder layer of the target's shape
+        self.kv = kv_pool(self.kv_shape, self.aux_layer_ids)
         self.vocab_size = cfg.vocab_size
 
     def context(self, hidden: torch.Tensor, aux_hidden: torch.Tensor | None) -> torch.Tensor:

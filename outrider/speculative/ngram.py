@@ -16,17 +16,20 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
+from typing import TYPE_CHECKING
 
 import torch
 
 from outrider.attention import KVCache
 from outrider.config import NgramConfig
-from outrider.engine.request import Request
 from outrider.speculative.drafter import Commit, Proposals
 
+if TYPE_CHECKING:
+    from outrider.engine.request import Request
+
 # Drafts per round when the server names no length. A lookup costs nothing on the device, and a verify of 17 rows
-# costs a launch-bound target about what one of 9 does, while copies run long: on the H200's edit workload (demo
-# target) a cap of 16 gave 2.20-2.31x plain where 8 gave 1.89-2.57x. The policy still measures each length's cost.
+# costs a launch-bound target about what one of 9 does, while copies run long: on edit workloads a cap of 16 earns
+# more than 8 (docs/benchmarks.md). The policy still measures each length's cost.
 NATURAL_N_MAX = 16
 
 
@@ -142,7 +145,7 @@ class NgramDrafter:
     def __init__(self, config: NgramConfig, max_draft: int) -> None:
         self.config = config
         self.max_draft = min(max_draft, config.size_m)
-        self.kv: KVCache | None = None  # the engine hands it its (empty) pool
+        self.kv: KVCache | None = None  # (no pool)
         self._index: dict[int, NgramIndex] = {}
 
     def index_of(self, req: Request) -> NgramIndex:

@@ -1,21 +1,22 @@
-"""Speculation's part of an engine step, in one object: which requests draft and how far (DraftPolicy), the
-drafter's proposals with blocks reserved for what it writes, the rows it learns after a step (queued, and handed
+"""The drafter's side of a step, for Speculation (speculation.py): which requests draft and how far (DraftPolicy),
+the drafter's proposals with blocks reserved for what it writes, the rows it learns after a step (queued, and handed
 over in batches), drafting the next round from a verify step's verdict before the host reads it (draft_ahead),
 the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were
 freed.
 
 While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing, not
 even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a launch-bound
-target learning costs a plain step a fifth of its time (docs/benchmarks.md, "Session 14"), for drafts no one makes.
+target learning costs a plain step a good part of its time, for drafts no one makes.
 The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward
 that writes no K/V (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is
 work paid once: it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the
-round, it priced rounds out at 8B (a catch-up there is a target forward over every row slept through), the drafter
-slept again, and each exploratory round measured the next catch-up. The blocks of rows slept through are marked in
-the pool: a prefix hit on one is caught up the same way, as its drafter K/V is whatever the block held before.
+round, it would price rounds out on a large target (a catch-up there is a target forward over every row slept
+through), the drafter would sleep again, and each exploratory round would measure the next catch-up. The blocks of
+rows slept through are marked in the pool: a prefix hit on one is caught up the same way, as its drafter K/V is
+whatever the block held before.
 
-Asleep, a step still read every request (deciding, learning, measuring): on the demo target at batch 8, 0.06 ms of
-a 0.5 ms plain step on the H200, the loops running cold between forwards. So where every running request decodes
+Asleep, a step would still read every request (deciding, learning, measuring), loops that run cold between
+forwards and cost a launch-bound step a noticeable share. So where every running request decodes
 and sleeps, the batch goes dormant: until it changes (Scheduler.running, by identity) or the policy's quiet run for
 it ends (DraftPolicy.stands), a step decides, keeps, learns and is measured without reading a request. The
 per-request work is done when it falls dormant: the blocks each request holds from its first row slept through are
@@ -31,18 +32,16 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from outrider.engine.kv_cache import BlockPool
-from outrider.engine.request import Request, Status
-from outrider.engine.scheduler import StepPlan
-from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, NextRound,
-                                         PendingDrafts, StagedDrafts, VerifiedRows)
+from outrider.speculative.drafter import (LEARN_ROWS, PENDING, Commit, DraftPolicy, Drafter, PendingDrafts,
+                                         StagedDrafts, VerifiedRows)
+from outrider.steps import LaunchedStep, Status, StepOutput, StepPlan
 
 if TYPE_CHECKING:
-    from outrider.engine.runner import LaunchedStep, StepOutput
+    from outrider.engine.request import Request
 
 log = logging.getLogger("outrider.engine")
 
@@ -55,9 +54,9 @@ log = logging.getLogger("outrider.engine")
 # every step or two costs more than one eager learn every LEARN_BACKLOG_STEPS steps.)
 LEARN_BACKLOG_STEPS = 16
 # A learn of up to this many of the largest learning graph's rows (LEARN_ROWS; a short prompt's) is handed over in
-# pieces that each fit it: at 8B on an H200, learning a 128-token prompt eagerly took DFlash 1.15 ms of launches and
-# the 0.6B draft model about 22 ms (a launch per kernel of its 28 layers); a replay costs a fraction of a
-# millisecond. Beyond, a learn runs as one eager, ragged forward, whose cost grows with its rows more slowly.
+# pieces that each fit it: learning a short prompt eagerly costs a launch per kernel of the drafter's layers
+# (milliseconds for a draft model), a replay a fraction of a millisecond. Beyond, a learn runs as one eager, ragged
+# forward, whose cost grows with its rows more slowly.
 PIECEWISE_LEARN_GRAPHS = 4
 
 
@@ -112,8 +111,28 @@ class _Ahead:
 HiddenRows = Callable[[Sequence[Commit]], tuple[torch.Tensor, torch.Tensor | None]]
 
 
+class BlockReservations(Protocol):
+    """What speculation asks of the KV block pool (engine/kv_cache.py BlockPool): room for the positions drafts
+    write, and which blocks hold drafter K/V that was slept through (a prefix hit on one is caught up)."""
+
+    block_size: int
+    drafter_asleep: bool  # the blocks handed out from now on are marked stale as they are taken
+
+    def ensure(self, req: Request, num_tokens: int) -> bool:
+        """Blocks for the request's first num_tokens positions (False: none left; nothing is preempted)."""
+
+    def mark_drafter_stale(self, req: Request, start: int, end: int) -> None:
+        """The drafter's K/V at positions start..end-1 of the request was not written."""
+
+    def mark_drafter_written(self, req: Request, start: int) -> None:
+        """It is written from position start on (caught up)."""
+
+    def drafter_written_until(self, req: Request, end: int) -> int:
+        """The first position before `end` whose drafter K/V is stale (end: none)."""
+
+
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockPool, hidden_rows: HiddenRows,
+    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations, hidden_rows: HiddenRows,
                  max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None]):
         """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
         the engine's; synchronize: waits for the device (one-off work is timed to its end)."""
@@ -141,6 +160,20 @@ class Speculator:
         self._sleepers: Sequence[Request] | None = None  # the running batch the dormant path is for (by identity)
         self._unkept: StepOutput | None = None  # the last step launched asleep (keep left its hidden rows)
         self._asleep: dict[int, int] = {}  # request id -> its first row the drafter has not learned (asleep since)
+
+    @property
+    def dormant(self) -> bool:
+        """Was this step's decision taken on the dormant path (reading no request)?"""
+        return self._dormant
+
+    @property
+    def queued(self) -> bool:
+        """Are committed rows waiting for the drafter to learn them?"""
+        return bool(self._queued)
+
+    def asleep_since(self, request_id: int) -> int | None:
+        """The request's first row the drafter has not learned, asleep (None: it is awake for it)."""
+        return self._asleep.get(request_id)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         """This step's k by request id (only k > 0), decided once per step for the decoding requests, counting
@@ -175,7 +208,7 @@ class Speculator:
             return {}
         # (the whole decoding batch sizes the costs.) No exploratory round wakes a sleeping drafter beside other
         # requests: its catch-up is a forward over every row slept through, as many a step as there are requests,
-        # which at 8B and batch 32 costs a tenth of the steps it follows. Nor where k = 0 stands at this batch size
+        # which at large batches costs a good share of the steps it follows. Nor where k = 0 stands at this batch size
         # for requests that just joined it: their prompts are slept through (_skips). Alone, a round now and then
         # stays cheap, and a long request's acceptance may change.
         n = len(decoding)
@@ -248,13 +281,12 @@ class Speculator:
         return (self.drafter.drafts_ahead and any(s.draft_tokens for s in plan.scheduled) and not plan.has_prefill
                 and not any(self.policy.trims(s.request) for s in plan.scheduled))
 
-    def draft_ahead(self, launched: LaunchedStep) -> NextRound | None:
+    def draft_ahead(self, launched: LaunchedStep) -> None:
         """Learn a verify step's committed rows and stage the next round's drafts from its verdict while it is still
         on the device, so the drafter runs while the host reads and commits the round. The policy picks the next
         lengths a verdict late (this round's acceptance is recorded at commit); blocks are reserved for the worst
-        case, every draft accepted, and the next verify forward on top. Returns that next step (its inputs on the
-        device) when some request drafts. A drafter fault costs the drafts: the rows are then learned after the
-        commit."""
+        case, every draft accepted, and the next verify forward on top. A drafter fault costs the drafts: the rows
+        are then learned after the commit."""
         plan, verdict = launched.plan, launched.verdict
         requests = [s.request for s in plan.scheduled]
         in_flight = [len(s.draft_tokens) for s in plan.scheduled]
@@ -264,35 +296,16 @@ class Speculator:
         lookahead, ensure = self.drafter.lookahead, self.pool.ensure
         last = [r.num_tokens - 1 + extra for r, extra in zip(requests, in_flight)]  # the worst case's bonus position
         ks = [k if k and ensure(r, p + max(lookahead(k), k + 1)) else 0 for r, k, p in zip(requests, ks, last)]
-        room = all(ensure(r, p + 1) for r, p in zip(requests, last))
         rows = VerifiedRows(requests, [s.start for s in plan.scheduled], [k + 1 for k in in_flight],
                             verdict.accepted, verdict.emitted, launched.out.hidden, launched.out.aux_hidden)
         try:
             staged = self.drafter.draft_ahead(rows, ks)
         except Exception as exc:
             log.error("drafter failed to draft ahead: %s\n%s", exc, traceback.format_exc())
-            return None
+            return
         self._learned_ahead = plan
         lengths = {r.request_id: count for r, count in zip(requests, staged.counts) if count}
         self._ahead = _Ahead(requests, lengths, staged) if lengths else None
-        if not lengths or not room:
-            return None
-        # The next step's inputs: each request's bonus token (emitted at its last committed row), then its drafts.
-        counts, total = staged.counts, len(requests)
-        order, at = [], total
-        for i, count in enumerate(counts):
-            order += [i, *range(at, at + count)]
-            at += count
-        bonus = verdict.emitted.index_select(0, rows.last())
-        index = torch.tensor(order, dtype=torch.int64).to(bonus.device, non_blocking=True)
-        input_ids = torch.cat([bonus, staged.ids.to(bonus.dtype)]).index_select(0, index)
-        return NextRound(requests, list(counts), [r.num_tokens - 1 for r in requests], verdict.accepted,
-                         max(in_flight), input_ids)
-
-    @property
-    def rounds_on_device(self) -> bool:
-        """Can the drafter draft inside a device round (speculative/device_round.py)?"""
-        return hasattr(self.drafter, "round_drafts")
 
     def device_round_drafts(self, request: Request, k: int) -> torch.Tensor | list[int] | None:
         """The first k drafts of device rounds for a request that now decodes alone (on the device where the drafter
@@ -337,7 +350,7 @@ class Speculator:
     def _skips(self, plan: StepPlan) -> bool:
         """Does the drafter sleep through this step's rows? A decode step's: while k = 0 stands (draft_lengths). A
         prompt's: where rounds are priced out at the step's batch size beside other requests, as no exploratory
-        round wakes the drafter there (at 8B and batch 32, learning 32 prompts added 18 ms to their 65 ms step)."""
+        round wakes the drafter there (learning a large batch's prompts adds a sizeable part to their step)."""
         if self._dormant_step(plan):
             return True
         if plan.has_prefill:

@@ -52,7 +52,7 @@ def test_verify_graphs_replay_and_equal_eager(tiny, tmp_path, monkeypatch):
     """Speculative steps of one or two sequences replay captured verify graphs (k + 1 tokens per sequence) and
     the draft model its decode graphs, and greedy output equals the eager engine's, which equals plain
     decoding's (lossless)."""
-    from outrider.engine.cuda_graphs import CudaGraphRunner
+    from outrider.graphs import CudaGraphRunner
 
     draft = write_tiny_checkpoint(tmp_path / "draft", "qwen3", hidden_size=64, layers=1, heads=4, kv_heads=2,
                                   head_dim=16, dtype=torch.float32, seed=3)
@@ -129,7 +129,7 @@ def test_lm_head_rows_keep_float32_logits_at_every_row_count(tiny):
 def test_lone_prefill_chunks_replay_padded_graphs_and_equal_eager(tiny, monkeypatch):
     """With prefill_graph_tokens, each prompt here runs alone and its prefill replays a graph of the next power of
     two (the 5- and 37-token prompts padded, the 2-token one too), whole or in chunks; output equals eager."""
-    from outrider.engine.cuda_graphs import CudaGraphRunner
+    from outrider.graphs import CudaGraphRunner
 
     replays: list[int] = []
     run = CudaGraphRunner.run

@@ -59,7 +59,7 @@ def test_dflash_learns_a_short_prompt_in_graph_replays_as_it_does_eagerly(famili
     replayed (each row its own one-token sequence): the context K/V each piece writes equals an eager learn's."""
     llm = LLM(families["qwen3"]["target"], device="cuda", dtype="float32", draft_model=str(families["qwen3"]["dflash"]),
               max_model_len=1024, spec_measured_costs=False)
-    drafter = llm.engine.drafter
+    drafter = llm.engine.speculation.drafter
     graphs, on_commit, learned = drafter.learn_graphs, drafter.on_commit, []
 
     def both_ways(commits, hidden, aux_hidden):
@@ -96,7 +96,7 @@ def test_drafter_learning_never_waits_for_the_device(families, kind, caplog):
     arch, served, kwargs, _ = SETUPS[kind]
     llm = LLM(families[arch][served], device="cuda", max_num_seqs=8, spec_measured_costs=False,
               **kwargs(families[arch]))
-    speculator = llm.engine.speculator
+    speculator = llm.engine.speculation.speculator
 
     def strict(method):
         def run(*args, **kw):
@@ -111,7 +111,7 @@ def test_drafter_learning_never_waits_for_the_device(families, kind, caplog):
 
     speculator.learn, speculator.flush = strict(speculator.learn), strict(speculator.flush)
     speculator.draft_ahead = strict(speculator.draft_ahead)
-    staged = llm.engine.drafter.stages_on_device
+    staged = llm.engine.speculation.drafter.stages_on_device
     if staged:  # drafts that stay on the device: proposing them must not wait for the device either
         speculator.propose = strict(speculator.propose)
     got = llm.generate([[7 + i, 11, 13, 17 + i, 19] for i in range(4)], GREEDY)
@@ -125,14 +125,15 @@ def test_prompt_ms_while_another_request_decodes(families, drafter):
     spec = dict(draft_model=str(families["qwen3"][drafter]), spec_measured_costs=False) if drafter else {}
     llm = LLM(families["qwen3"]["target"], device="cuda", max_num_seqs=4, max_model_len=2048, **spec)
     engine = llm.engine
-    assert engine.overlap and bool(engine.device_rounds) == bool(drafter)
+    speculation = engine.speculation
+    assert engine.overlap and bool(speculation is not None and speculation.rounds) == bool(drafter)
     with admission_times(engine) as scheduled:
         for trial in range(3):
             a = Request([7 + trial] * 16, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
             engine.add_request(a, lambda out: None)
             for _ in range(10):
                 engine.step()
-            assert (engine.round_flight is not None) == bool(drafter)
+            assert (speculation is not None and speculation.round_in_flight) == bool(drafter)
             b = Request([3 + i % 500 for i in range(1024)], SamplingParams(max_tokens=4, temperature=0.0))
             first: list[float] = []
             engine.add_request(b, lambda out: first.append(now()) if out.new_token_ids and not first else None)
@@ -154,11 +155,11 @@ def test_overlap_does_not_delay_a_lone_prompts_first_token(tmp_path):
     each takes its best of three."""
     from outrider.bench.shapes import random_model, write_stub_checkpoint
     from outrider.config import EngineConfig
-    from outrider.engine.engine import Engine
+    from outrider.engine.builder import build_engine
 
     model = random_model("qwen3-0.6b", torch.device("cuda"))
     stub = write_stub_checkpoint("qwen3-0.6b", tmp_path / "stub")
-    engines = {overlap: Engine(EngineConfig(model=str(stub), max_num_seqs=4, max_model_len=2048,
+    engines = {overlap: build_engine(EngineConfig(model=str(stub), max_num_seqs=4, max_model_len=2048,
                                             overlap_schedule=overlap, enable_prefix_caching=False,
                                             kv_cache_memory_gib=2.0), preloaded=model)
                for overlap in (True, False)}

@@ -1,0 +1,179 @@
+"""The drafter kinds, each declared once: its name (EngineConfig.spec_type), llama-server's --spec-type spelling,
+whether it needs weights, how a checkpoint is recognised as one, how its vocabulary is checked and how it loads.
+The CLI, the /props renderer, the flags' help, the demo and the benchmarks derive their tables from KINDS.
+
+Light on purpose (no torch at import): the CLI reads it before any model loads; each loader imports its drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from outrider.config import NgramConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from outrider.config import ModelConfig
+    from outrider.speculative.drafter import Drafter, KVPool
+
+
+@dataclass(frozen=True)
+class DrafterLoad:
+    """What loading a drafter gets: the target (its modules, config and checkpoint path), the drafter's own
+    checkpoint (None: none was given), the KV pool's layout and where its pool comes from once its weights are
+    loaded (kv_pool), and the most drafts a round (None: the kind's own)."""
+
+    target: nn.Module
+    target_cfg: ModelConfig
+    target_path: str
+    draft_path: str | None
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device | str
+    kv_pool: KVPool | None = None  # (n-gram lookup needs none)
+    max_draft: int | None = None
+    ngram: NgramConfig = NgramConfig()
+
+    def checkpoint(self, what: str) -> str:
+        """The drafter's checkpoint path, resolved; a clear error where it needs one and none was given."""
+        from outrider.models import resolve_model_path
+
+        if self.draft_path is None:
+            raise ValueError(f"{what} needs a checkpoint path (--model-draft)")
+        return str(resolve_model_path(self.draft_path))
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str  # EngineConfig.spec_type
+    llama_name: str  # llama-server's --spec-type spelling
+    weights: bool  # loads weights (at most one such kind in a combination, beside n-gram lookup)
+    load: Callable[[DrafterLoad], Drafter]
+    # Is a draft checkpoint (its config.json; {} for a GGUF file) this kind? `is_target`: it is the target's own
+    # directory. Kinds are tried in KINDS order; None: never detected from a checkpoint.
+    detects: Callable[[dict, bool], bool] | None = None
+    in_target: bool = False  # its weights ship inside the target's checkpoint (the demo keeps no directory for it)
+    # Raise IncompatibleDrafter where the drafter cannot draft for the target (speculative/compat.py).
+    check_vocabulary: Callable[[ModelConfig, Path, Path], None] | None = None
+
+
+def _load_draft_model(a: DrafterLoad) -> Drafter:
+    from outrider.speculative.draft_model import DraftModelDrafter
+
+    return DraftModelDrafter(a.checkpoint("a draft model"), a.target_cfg.vocab_size, max_draft=_n_max(a),
+                             block_size=a.block_size, dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
+
+
+def _load_mtp(a: DrafterLoad) -> Drafter:
+    from outrider.models import resolve_model_path
+    from outrider.speculative.drafter import TargetView
+    from outrider.speculative.mtp import MTPDrafter
+
+    return MTPDrafter(TargetView.of(a.target), a.target_cfg, str(resolve_model_path(a.draft_path or a.target_path)),
+                      max_draft=_n_max(a), block_size=a.block_size, dtype=a.dtype, device=a.device,
+                      kv_pool=a.kv_pool)
+
+
+def _load_dflash(a: DrafterLoad) -> Drafter:
+    from outrider.speculative.dflash import DFlashDrafter
+    from outrider.speculative.drafter import TargetView
+
+    return DFlashDrafter(TargetView.of(a.target), a.target_cfg, a.checkpoint("DFlash"), block_size=a.block_size,
+                         dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
+
+
+def _load_eagle3(a: DrafterLoad) -> Drafter:
+    from outrider.speculative.drafter import TargetView
+    from outrider.speculative.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(TargetView.of(a.target), a.target_cfg, a.checkpoint("EAGLE-3"), max_draft=_n_max(a),
+                         block_size=a.block_size, dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
+
+
+def _load_ngram(a: DrafterLoad) -> Drafter:
+    from outrider.speculative.ngram import NATURAL_N_MAX, NgramDrafter
+
+    return NgramDrafter(a.ngram, a.max_draft if a.max_draft is not None else NATURAL_N_MAX)
+
+
+def _n_max(a: DrafterLoad) -> int:
+    from outrider.speculative.drafter import DEFAULT_N_MAX
+
+    return a.max_draft if a.max_draft is not None else DEFAULT_N_MAX
+
+
+def _is_dflash(raw: dict, is_target: bool) -> bool:
+    return "DFlashDraftModel" in (raw.get("architectures") or []) or "dflash_config" in raw
+
+
+def _is_eagle3(raw: dict, is_target: bool) -> bool:
+    from outrider.speculative.eagle3 import is_eagle3_config
+
+    return is_eagle3_config(raw)
+
+
+def _check_draft_model(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
+    from outrider.speculative.compat import check_draft_model
+
+    check_draft_model(target_cfg, target, draft)
+
+
+def _check_dflash(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
+    from outrider.speculative.compat import check_dflash
+
+    check_dflash(target_cfg, draft)
+
+
+KINDS = (
+    DrafterKind("dflash", "draft-dflash", True, _load_dflash, detects=_is_dflash, check_vocabulary=_check_dflash),
+    DrafterKind("eagle3", "draft-eagle3", True, _load_eagle3, detects=_is_eagle3),
+    DrafterKind("mtp", "draft-mtp", True, _load_mtp, detects=lambda raw, is_target: is_target, in_target=True),
+    # (a separate causal LM sharing the target's tokenizer: whatever checkpoint is no other kind)
+    DrafterKind("draft", "draft-simple", True, _load_draft_model, detects=lambda raw, is_target: True,
+                check_vocabulary=_check_draft_model),
+    DrafterKind("ngram", "ngram-simple", False, _load_ngram),
+)
+BY_NAME = {k.name: k for k in KINDS}
+NAMES = tuple(BY_NAME)
+
+
+def detect_kind(draft_path: str, target_path: str | None = None) -> str:
+    """The kind of the drafter a checkpoint holds: the first of KINDS that recognises it."""
+    from outrider.models import resolve_model_path
+    from outrider.models.gguf import is_gguf
+
+    path = resolve_model_path(draft_path)
+    raw = {} if is_gguf(path) else json.loads((path / "config.json").read_text())  # a GGUF is a draft model
+    is_target = target_path is not None and path.resolve() == resolve_model_path(target_path).resolve()
+    return next(k.name for k in KINDS if k.detects is not None and k.detects(raw, is_target))
+
+
+def load_drafter(kind: str, **load) -> Drafter:
+    """Build a drafter from DrafterLoad's fields, weights loaded; it asks `kv_pool` for its KV pool (of its
+    kv_shape, with the target's block ids and block count) once they are. `kind` may name several kinds,
+    comma-separated: they are combined (combined.py). A drafter whose vocabulary does not match the target's is
+    refused (IncompatibleDrafter, speculative/compat.py)."""
+    from outrider.models import resolve_model_path
+
+    return _load(kind, DrafterLoad(**load), resolve_model_path)
+
+
+def _load(kind: str, load: DrafterLoad, resolve: Callable) -> Drafter:
+    names = kind.split(",")
+    if len(names) > 1:
+        from outrider.speculative.combined import CombinedDrafter
+
+        if len(set(names)) < len(names):
+            raise ValueError(f"speculative kind listed twice in {kind!r}")
+        return CombinedDrafter([_load(name, load, resolve) for name in names])
+    declared = BY_NAME.get(kind)
+    if declared is None:
+        raise ValueError(f"unknown speculative kind {kind!r}; one of {', '.join(NAMES)}")
+    if declared.check_vocabulary is not None and load.draft_path is not None:
+        declared.check_vocabulary(load.target_cfg, resolve(load.target_path), resolve(load.draft_path))
+    return declared.load(load)
