@@ -17,7 +17,8 @@ from outrider.server.native import native_result, progress_fields, state_of
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState, ended_error
-from outrider.server.structured import chat_shape, request_grammar, template_body, tool_choice_grammar
+from outrider.server.chat_core import chat_prompt_ids, plan_chat
+from outrider.server.structured import request_grammar
 from outrider.server.transport import read_json, sse_response, until_disconnected
 from outrider.structured.grammar import Grammar
 
@@ -189,21 +190,15 @@ async def completions(request: Request):
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     state = state_of(request)
-    body = template_body(await read_json(request), state.config)
-    tok = state.tokenizer
-    text = _chat_prompt(body, tok, state.config.prefill_assistant)
-    shape = chat_shape(body, state.config, tok, text)
-    grammar = request_grammar(body, state.core.grammars)
-    tool_grammar = tool_choice_grammar(body, shape, state.core.grammars)
-    if grammar is not None and tool_grammar is not None:
-        raise ApiError(400, "'tool_choice' that requires a call cannot be combined with 'response_format', "
-                            "'json_schema' or 'grammar'")
+    body = await read_json(request)
+    plan = plan_chat(body, state)
+    body, tok, shape = plan.body, state.tokenizer, plan.shape
     want_logprobs = proto.get_bool(body, "logprobs", False)
     top = proto.get_int(body, "top_logprobs", 0, lo=0, hi=20)
     if top and not want_logprobs:
         raise proto.invalid("top_logprobs", "needs 'logprobs': true")
     call = Call.parse(body, state, "chatcmpl-", "chat.completion", top if want_logprobs else None)
-    gen = call.submit(body, state, [proto.encode_chat(text, tok, state.n_ctx)], grammar or tool_grammar)
+    gen = call.submit(body, state, [plan.prompt_ids], plan.grammar)
 
     def logprobs_of(outs: list[RequestOutput]) -> dict | None:
         if call.n_top is None:
@@ -263,17 +258,4 @@ async def chat_completions(request: Request):
 async def chat_input_tokens(request: Request):
     """The prompt length a chat request would have, rendered and tokenized exactly as the chat route does."""
     state = state_of(request)
-    body = template_body(await read_json(request), state.config)
-    text = _chat_prompt(body, state.tokenizer, state.config.prefill_assistant)
-    return JSON({"input_tokens": len(proto.encode_chat(text, state.tokenizer, state.n_ctx))})
-
-
-def _chat_prompt(body: dict, tok, prefill_assistant: bool) -> str:
-    """The rendered chat prompt. With tool_choice "none" the model may not call tools, so the template does not
-    offer them (the body loses its `tools`)."""
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
-        raise proto.invalid("tool_choice", 'expected "auto", "none", "required" or {"type": "function", ...}')
-    if choice == "none":
-        body.pop("tools", None)
-    return proto.chat_prompt(body, tok, prefill_assistant)
+    return JSON({"input_tokens": len(chat_prompt_ids(await read_json(request), state))})
