@@ -6,6 +6,7 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,28 @@ _EOG_TOKENS = (
     "<|end_of_text|>", "<EOT>", "<|end▁of▁sentence|>",
 )
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+# Fill-in-the-middle tokens by role, as checkpoints spell them (Qwen2.5/Qwen3-Coder, StarCoder/SmolLM, CodeLlama,
+# Codestral, DeepSeek-Coder).
+_FIM_NAMES = {
+    "pre": ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>", "▁<PRE>", "[PREFIX]", "<｜fim▁begin｜>"),
+    "suf": ("<|fim_suffix|>", "<fim_suffix>", "<fim-suffix>", "<SUF>", "▁<SUF>", "[SUFFIX]", "<｜fim▁hole｜>"),
+    "mid": ("<|fim_middle|>", "<fim_middle>", "<fim-middle>", "<MID>", "▁<MID>", "[MIDDLE]", "<｜fim▁end｜>"),
+    "rep": ("<|repo_name|>", "<repo_name>", "<reponame>"),
+    "sep": ("<|file_sep|>", "<file_sep>", "<filename>"),
+}
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A tokenizer's fill-in-the-middle token ids; `rep`/`sep` (repository name, file separator) may be absent."""
+
+    pre: int
+    suf: int
+    mid: int
+    rep: int | None
+    sep: int | None
 
 
 class ChatTemplateError(ValueError):
@@ -150,6 +173,15 @@ class Tokenizer:
         tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
         tok.encode_special_tokens = True
         return tok
+
+    @functools.cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """The fill-in-the-middle tokens the vocabulary declares, None without a prefix, suffix and middle one."""
+        vocab = self.vocab()
+        found = {role: next((vocab[n] for n in names if n in vocab), None) for role, names in _FIM_NAMES.items()}
+        if None in (found["pre"], found["suf"], found["mid"]):
+            return None
+        return FimTokens(**found)
 
     def vocab(self) -> dict[str, int]:
         """Every token's vocabulary string (added tokens included) -> its id."""

@@ -227,3 +227,10 @@ def test_a_call_cut_by_max_tokens_is_not_prose(oai):
     chunks = list(oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Paris?"}],
                                               tools=tools, tool_choice="required", max_tokens=6, stream=True))
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+# --- /infill: SmolLM2's vocabulary has repository tokens but no FIM ones ---
+def test_infill_without_fim_tokens_is_a_clear_400(server):
+    r = httpx.post(server.url + "/infill", json={"input_prefix": "a", "input_suffix": "b"},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400 and "Infill is not supported by this model" in r.json()["error"]["message"]

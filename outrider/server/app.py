@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from outrider.engine.async_engine import AsyncEngine
-from outrider.server import messages, native, openai, responses, webui
+from outrider.server import infill, messages, native, openai, responses, webui
 from outrider.server.errors import ApiError
 from outrider.server.middleware import CORS, BodyLimit, Gate
 from outrider.server.settings import ServerConfig
@@ -23,7 +23,6 @@ log = logging.getLogger("outrider.server")
 UNSUPPORTED = {
     ("/embedding", "/embeddings", "/v1/embeddings"): "embeddings",
     ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"): "reranking",
-    ("/infill",): "infill",
     ("/v1/chat/completions/control",): "reasoning control",
     ("/audio/transcriptions", "/v1/audio/transcriptions"): "audio",
     ("/lora-adapters",): "LoRA adapters",
@@ -39,6 +38,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(responses.router)
     app.include_router(messages.router)
+    app.include_router(infill.router)
     app.state.responses = responses.ResponseStore()
     if config.webui:
         webui.add_routes(app)

@@ -118,10 +118,11 @@ def chat_body(body: dict) -> dict:
     system = body.get("system")
     if system is not None:
         chat["messages"].insert(0, {"role": "system", "content": _text_of(system, "system")})
-    for ours, theirs in (("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("top_k", "top_k"), ("stop", "stop_sequences")):
-        if body.get(theirs) is not None:
-            chat[ours] = body[theirs]
+    for name in ("max_tokens", "temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    if (stop := proto.get_str_list(body, "stop_sequences")) is not None:
+        chat["stop"] = stop
     if (tools := _tools(body.get("tools"))) is not None:
         chat["tools"] = tools
     choice = body.get("tool_choice")

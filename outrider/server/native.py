@@ -58,8 +58,13 @@ class NativeOptions:
 async def completion(request: Request):
     state = state_of(request)
     body = await read_json(request)
+    return await complete(request, body, proto.tokenize_prompts(body.get("prompt"), state.tokenizer, state.n_ctx))
+
+
+async def complete(request: Request, body: dict, prompts: list[list[int]]):
+    """/completion's answer for these prompts (also /infill's, with its FIM prompt)."""
+    state = state_of(request)
     tok = state.tokenizer
-    prompts = proto.tokenize_prompts(body.get("prompt"), tok, state.n_ctx)
     params = proto.sampling_params(body, state.config.defaults, tok,
                                    grammar=request_grammar(body, state.core.grammars))
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)

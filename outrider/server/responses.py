@@ -183,11 +183,11 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
         raise invalid("instructions", "expected a string")
     messages = [{"role": "system", "content": instructions}, *conversation] if instructions else conversation
     chat: dict[str, Any] = {"messages": messages}
-    for ours, theirs in (("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("parallel_tool_calls", "parallel_tool_calls"), ("seed", "seed"),
-                         ("timings_per_token", "timings_per_token")):
-        if body.get(theirs) is not None:
-            chat[ours] = body[theirs]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = proto.get_int(body, "max_output_tokens", -1, lo=1)
+    for name in ("temperature", "top_p", "parallel_tool_calls", "seed", "timings_per_token"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
     effort = proto.get_object(body, "reasoning").get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
