@@ -300,6 +300,9 @@ def test_flags_for_features_we_lack_say_why(capsys):
     serve_ns("--no-context-shift", "--keep", "16", "--backend-sampling")  # what we do anyway: accepted
     err = capsys.readouterr().err
     assert "--keep only applies to context shift" in err and "always samples on the device" in err
+    serve_ns("--backend_sampling", "--tools", "all")  # (the spellings llama-server's own tests start it with)
+    err = capsys.readouterr().err
+    assert "--backend_sampling outrider always samples on the device" in err and "--tools enables the web UI" in err
 
 
 def test_rope_overrides_change_the_loaded_model(tiny_checkpoint):

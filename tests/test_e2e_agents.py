@@ -234,3 +234,8 @@ def test_infill_without_fim_tokens_is_a_clear_400(server):
     r = httpx.post(server.url + "/infill", json={"input_prefix": "a", "input_suffix": "b"},
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     assert r.status_code == 400 and "Infill is not supported by this model" in r.json()["error"]["message"]
+
+
+def test_models_report_the_gguf_format(server):
+    models = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).json()["models"]
+    assert models[0]["details"]["format"] == "gguf"

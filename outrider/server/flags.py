@@ -189,14 +189,16 @@ GGML_ONLY = {
     ("-Cr", "--cpu-range"): True, ("--prio",): True, ("--poll",): True, ("-ot", "--override-tensor"): True,
     ("--cache-reuse",): True, ("-cd", "--ctx-size-draft"): True,
     ("--mlock",): False, ("--no-mmap",): False, ("--mmap",): False, ("-cb", "--cont-batching"): False,
-    ("-nocb", "--no-cont-batching"): False, ("-bs", "--backend-sampling"): False,
+    ("-nocb", "--no-cont-batching"): False, ("-bs", "--backend-sampling", "--backend_sampling"): False,
     ("-nkvo", "--no-kv-offload"): False, ("--no-warmup",): False, ("--warmup",): False, ("--swa-full",): False,
-    ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False,
+    ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False, ("--tools",): True,
 }
 # Why a flag is ignored, where "only applies to GGML backends" is not the reason.
 ON_DEVICE = "outrider always samples on the device"
 IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider never does",
-                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE}
+                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE, "--backend_sampling": ON_DEVICE,
+                   "--tools": "enables the web UI's server-side tools (/tools), which outrider does not serve; "
+                              "request tools reach the model through the chat, Responses and Messages routes"}
 # Flags for features outrider lacks: an error that says so.
 REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
            ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",

@@ -11,6 +11,7 @@ from fastapi.responses import PlainTextResponse
 
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.engine.request import Request as EngineRequest
+from outrider.models.gguf import is_gguf
 from outrider.server import protocol as proto
 from outrider.server import provenance
 from outrider.server.errors import ApiError
@@ -158,7 +159,8 @@ async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> A
                 "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
         timings = timings_fields(out.timing) if opts.timings_per_token else {}
         if out.progress is not None:
-            yield {**head, **progress_fields(out), **timings}
+            progress = out.timing.at_progress(out.progress.processed, out.progress.t)
+            yield {**head, **progress_fields(out), **(timings_fields(progress) if opts.timings_per_token else {})}
         for step in provenance.split_by_token(out):
             predicted[index] += 1
             frame = {**head, "content": step.text, "tokens": [step.token_id], "tokens_predicted": predicted[index],
@@ -338,7 +340,8 @@ async def models(request: Request):
         "models": [{"name": cfg.model_alias, "model": cfg.model_alias, "modified_at": "", "size": str(size),
                     "digest": "", "type": "model", "description": "", "tags": list(cfg.tags) or [""],
                     "capabilities": ["completion"], "parameters": "",
-                    "details": {"parent_model": "", "format": "safetensors", "family": mc.architecture,
+                    "details": {"parent_model": "", "format": "gguf" if is_gguf(core.model_path) else "safetensors",
+                                "family": mc.architecture,
                                 "families": [mc.architecture], "parameter_size": str(n_params),
                                 "quantization_level": ""}}],
     })

@@ -119,6 +119,19 @@ async def _respond(request: Request, call: Call, gen: Generation, choice, chunks
                           **call.verbose(state_of(request), gen, 0, results[0])))
 
 
+def _as_sent(source: Any, ids: list[int], tok) -> str:
+    """The prompt as the client sent it (OpenAI's `echo`): a text as is, token ids decoded, without the BOS the
+    server added before a leading text."""
+    if isinstance(source, list) and len(source) == 1 and isinstance(source[0], (str, dict)):
+        source = source[0]  # (a batch of one)
+    if isinstance(source, dict):
+        source = source.get("prompt_string")
+    if isinstance(source, str):
+        return source
+    added = tok.add_bos and isinstance(source, list) and bool(source) and isinstance(source[0], str)
+    return tok.decode(ids[1:] if added else ids)
+
+
 # --- /v1/completions ---
 @router.post("/v1/completions")
 async def completions(request: Request):
@@ -134,7 +147,8 @@ async def completions(request: Request):
         raise ApiError(400, "'suffix' is not supported by this server")
     call = Call.parse(body, state, "cmpl-", "text_completion", logprobs if logprobs >= 0 else None)
     gen = call.submit(body, state, prompts, request_grammar(body, state.core.grammars))
-    prefixes = [tok.decode(r.prompt_ids) if echo else "" for r in gen.requests]
+    sources = body["prompt"] if isinstance(body["prompt"], list) and len(prompts) > 1 else [body["prompt"]]
+    prefixes = [_as_sent(sources[i // call.n], r.prompt_ids, tok) if echo else "" for i, r in enumerate(gen.requests)]
 
     def logprobs_of(outs: list[RequestOutput], offset: int) -> dict | None:
         """`offset`: characters of completion before these tokens (never the prompt: echo excludes log-probs)."""
