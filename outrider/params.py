@@ -24,6 +24,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
     seed: int | None = None  # None = engine picks one; the same seed gives the same tokens
     n_probs: int = 0  # top-n log-probabilities per generated token
+    prompt_logprobs: int | None = None  # top-n log-probabilities per prompt token (None: not computed)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
