@@ -25,6 +25,7 @@ class SamplingParams:
     seed: int | None = None  # None = engine picks one; the same seed gives the same tokens
     n_probs: int = 0  # top-n log-probabilities per generated token
     prompt_logprobs: int | None = None  # top-n log-probabilities per prompt token (None: not computed)
+    pooling: str | None = None  # mean | cls | last | none: pool the prompt's hidden states (engine/pooling.py)
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -53,6 +54,11 @@ class SamplingParams:
         for ok, name in checks:
             if not ok:
                 raise ValueError(f"invalid value for '{name}'")
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Prompt log-probs and pooling need every prompt row computed: no cached prefix is reused."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def penalized(self) -> bool:

@@ -65,8 +65,8 @@ class BlockPool:
     # --- prefix cache ---
     def match_prefix(self, req: Request) -> list[int]:
         """Ids of cached blocks that hold a prefix of req's known tokens (always leaving one token to compute)."""
-        if not (self.enable_prefix_caching and req.params.cache_prompt) or req.params.prompt_logprobs is not None:
-            return []  # (prompt log-probs need every prompt row computed: engine/prompt_logprobs.py)
+        if not (self.enable_prefix_caching and req.params.cache_prompt) or req.params.reads_every_prompt_row:
+            return []
         ids = req.all_ids
         bs = self.block_size
         matched: list[int] = []

@@ -6,7 +6,7 @@ prompt token p + 1 (the first prompt token has none). `capture` enqueues, right 
 over those rows a few at a time (never a [prompt, vocab] tensor at once), keeping only each row's target
 log-probability and its top-n; `deliver` brings them to the host when the step is collected and files them by
 position, so a prefill recomputed after a preemption writes the same entries again. A request asking for them
-reads no cached prefix (KVCacheManager.match_prefix): what a prefix hit would skip is computed again, so every
+reads no cached prefix (SamplingParams.reads_every_prompt_row): what a prefix hit would skip is computed again, so every
 prompt row is there.
 """
 

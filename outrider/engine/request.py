@@ -13,6 +13,7 @@ from outrider.structured.grammar import Constraint
 from outrider.timing import RequestTiming
 
 if TYPE_CHECKING:
+    from outrider.engine.pooling import Pooled
     from outrider.engine.prompt_logprobs import PromptLogprob
 
 _ids = itertools.count()
@@ -105,6 +106,7 @@ class Request:
     # Per prompt position, once its prefill row ran (params.prompt_logprobs; engine/prompt_logprobs.py): None at
     # position 0, which no row predicts
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    pooled: Pooled | None = None  # the prompt's pooled hidden states (params.pooling; engine/pooling.py)
     # Prefix-cache publishing progress (BlockPool.commit_full_blocks): leading blocks already walked, the chain
     # hash of the last of them, and blocks whose hash another block held (published once that one is gone).
     num_hashed_blocks: int = 0

@@ -19,8 +19,9 @@ import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, build_metadata, metadata_over, shifted_metadata
-from outrider.engine import prompt_logprobs
+from outrider.engine import pooling, prompt_logprobs
 from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.engine.pooling import PendingPool
 from outrider.engine.prompt_logprobs import PendingRows
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
@@ -74,6 +75,7 @@ class LaunchedStep:
     host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     prompt_logprobs: list[PendingRows] = field(default_factory=list)  # prefill rows' (engine/prompt_logprobs.py)
+    pooled: list[PendingPool] = field(default_factory=list)  # prefill rows' (engine/pooling.py)
 
     @property
     def awaits_sampling(self) -> bool:
@@ -344,7 +346,8 @@ class ModelRunner:
         hidden, aux, logits = self.forward(batch)
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
         step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device,
-                            prompt_logprobs=prompt_logprobs.capture(plan, hidden, self.model))
+                            prompt_logprobs=prompt_logprobs.capture(plan, hidden, self.model),
+                            pooled=pooling.capture(plan, hidden, self.model))
         if not batch.sampling:
             return step
         rows = batch.logits_rows
@@ -422,6 +425,7 @@ class ModelRunner:
         if self.step_hook is not None:
             self.step_hook(plan)
         prompt_logprobs.deliver(step.prompt_logprobs)
+        pooling.deliver(step.pooled)
         if not step.sampling:
             return out
         if step.verdict is not None:
