@@ -114,6 +114,9 @@ ANTHROPIC_BODY = {"type": "object", "required": ["messages"], "properties": {
     **ANTHROPIC_PROMPT, "max_tokens": _f("integer", minimum=1, maximum=INT_MAX), "temperature": _f("number"),
     "top_p": _f("number", minimum=0, maximum=1), "top_k": _f("integer", minimum=0, maximum=INT_MAX),
     "stop_sequences": _f("array", items={"type": "string"}), "stream": _f("boolean")}}
+EMBEDDING = {"type": "object", "properties": {
+    "input": {"oneOf": [{"type": "string", "minLength": 1}, PROMPT, {"type": "array", "items": PROMPT}]},
+    "content": _f("string"), "embd_normalize": _f("number", minimum=-1), "encoding_format": {"enum": ["float", "base64"]}}}
 BODIES = {
     "/completion": COMPLETION, "/completions": COMPLETION, "/v1/completions": OPENAI_COMPLETION,
     "/v1/chat/completions": CHAT, "/chat/completions": CHAT,
@@ -128,6 +131,7 @@ BODIES = {
     "/v1/responses": RESPONSES_BODY, "/responses": RESPONSES_BODY,
     "/v1/responses/input_tokens": RESPONSES_BODY, "/responses/input_tokens": RESPONSES_BODY,
     "/v1/messages": ANTHROPIC_BODY,
+    "/embedding": EMBEDDING, "/embeddings": EMBEDDING, "/v1/embeddings": EMBEDDING,
     "/infill": {"type": "object", "required": ["input_prefix", "input_suffix"], "properties": {
         "input_prefix": {"type": "string"}, "input_suffix": {"type": "string"}, "prompt": _f("string"),
         "input_extra": _f("array", items={"type": "object", "properties": {"filename": {"type": "string"},

@@ -40,7 +40,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 def server(tmp_path_factory):
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "target", "qwen3", seed=5)
     srv = ServerProcess(["-m", str(ckpt), "-np", str(N_SLOTS), "-c", "256", "-n", "16", "--props", "--metrics",
-                         "--max-queue", "64"])
+                         "--max-queue", "64", "--embedding"])
     yield srv
     assert srv.proc.poll() is None, "the server fell over:\n" + "".join(srv.stderr)
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200

@@ -47,3 +47,48 @@ def test_pooled_embeddings_equal_transformers(checkpoint, hidden, budget):
             torch.testing.assert_close(got, exp, atol=1e-4, rtol=0)
     # twice: no cached prefix is reused, so the second pooling sees every row again
     torch.testing.assert_close(pooled(llm, "mean")[0], want["mean"][0], atol=1e-4, rtol=0)
+
+
+# --- the routes ---
+def test_embedding_routes_return_normalised_pooled_embeddings(checkpoint, hidden, tmp_path):
+    import base64
+    import json
+    import shutil
+
+    import httpx
+    import numpy as np
+
+    from e2e_harness import ServerProcess
+
+    # a sentence-transformers layout that declares last-token pooling: used when --pooling is not given
+    model = shutil.copytree(checkpoint, tmp_path / "st")
+    (model / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type":
+                                                     "sentence_transformers.models.Transformer"},
+                                                    {"idx": 1, "name": "1", "path": "1_Pooling", "type":
+                                                     "sentence_transformers.models.Pooling"}]))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    unit = [torch.nn.functional.normalize(h[-1], dim=0) for h in hidden]
+    with ServerProcess(["-m", str(model), "-c", "256", "-np", "2", "--embedding", "--dtype", "float32"]) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": PROMPTS, "model": "m"}, timeout=60).json()
+        assert [d["index"] for d in r["data"]] == [0, 1] and r["usage"]["prompt_tokens"] == sum(map(len, PROMPTS))
+        for d, want in zip(r["data"], unit):
+            torch.testing.assert_close(torch.tensor(d["embedding"]), want, atol=1e-4, rtol=0)
+        b64 = httpx.post(srv.url + "/v1/embeddings", json={"input": PROMPTS[1], "encoding_format": "base64"},
+                         timeout=60).json()["data"][0]["embedding"]
+        torch.testing.assert_close(torch.from_numpy(np.frombuffer(base64.b64decode(b64), "<f4").copy()), unit[1],
+                                   atol=1e-4, rtol=0)
+        native = httpx.post(srv.url + "/embedding", json={"content": PROMPTS[1], "embd_normalize": -1},
+                            timeout=60).json()
+        torch.testing.assert_close(torch.tensor(native[0]["embedding"][0]), hidden[1][-1], atol=1e-4, rtol=0)
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": [[]]}, timeout=60)
+        assert r.status_code == 400 and "input" in r.json()["error"]["message"]
+    with ServerProcess(["-m", str(checkpoint), "-c", "256", "-np", "2", "--embedding", "--pooling", "none",
+                        "--dtype", "float32"]) as srv:
+        rows = httpx.post(srv.url + "/embeddings", json={"input": PROMPTS[1]}, timeout=60).json()[0]["embedding"]
+        torch.testing.assert_close(torch.tensor(rows), hidden[1], atol=1e-4, rtol=0)  # unnormalised, per token
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
+        assert r.status_code == 400 and "not OAI compatible" in r.json()["error"]["message"]
+    with ServerProcess(["-m", str(checkpoint), "-c", "256", "-np", "2"]) as srv:
+        r = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
+        assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from outrider.engine.async_engine import AsyncEngine
-from outrider.server import infill, messages, native, openai, responses, webui
+from outrider.server import embeddings, infill, messages, native, openai, responses, webui
 from outrider.server.errors import ApiError
 from outrider.server.middleware import CORS, BodyLimit, Gate
 from outrider.server.settings import ServerConfig
@@ -21,7 +21,6 @@ log = logging.getLogger("outrider.server")
 
 # llama-server routes we do not implement: a 501 naming the feature says more than a 404.
 UNSUPPORTED = {
-    ("/embedding", "/embeddings", "/v1/embeddings"): "embeddings",
     ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"): "reranking",
     ("/v1/chat/completions/control",): "reasoning control",
     ("/audio/transcriptions", "/v1/audio/transcriptions"): "audio",
@@ -39,6 +38,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.include_router(responses.router)
     app.include_router(messages.router)
     app.include_router(infill.router)
+    app.include_router(embeddings.router)
     app.state.responses = responses.ResponseStore()
     if config.webui:
         webui.add_routes(app)

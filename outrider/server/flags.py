@@ -99,7 +99,9 @@ MODEL = [
     Opt(("--context-shift",), "context_shift", "LLAMA_ARG_CONTEXT_SHIFT", None, False,
         "refused: outrider stops a request when its context is full", negative=("--no-context-shift",)),
     Opt(("--embedding", "--embeddings"), "embedding", "LLAMA_ARG_EMBEDDINGS", None, False,
-        "refused: outrider serves no embeddings"),
+        "serve /embedding, /embeddings and /v1/embeddings (pooled from the same engine)"),
+    Opt(("--pooling",), "pooling", "LLAMA_ARG_POOLING", help="embeddings: mean | cls | last | none (default: the "
+        "model's sentence-transformers pooling config, else mean)"),
     Opt(("--tokenizer",), "tokenizer", None, help="tokenizer directory (default: the model's)"),
     Opt(("--block-size",), "block_size", None, int, None, "KV block size in tokens"),
     Opt(("--num-kv-blocks",), "num_kv_blocks", None, int, None, "KV blocks (default: sized from memory)"),
@@ -203,7 +205,6 @@ IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider neve
 REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
            ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",
            ("--rerank", "--reranking"): "reranking is not supported",
-           ("--pooling",): "pooling is for embeddings, which are not supported",
            ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m", "--spec-ngram-map-k-min-hits",
             "--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m", "--spec-ngram-map-k4v-min-hits",
             "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max", "--spec-ngram-mod-n-match"):
