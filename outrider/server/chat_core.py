@@ -4,7 +4,7 @@ rendered prompt's ids, the reading of the reply (reasoning split, tool calls) an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
@@ -50,6 +50,27 @@ def _chat_prompt(body: dict, state: ServerState) -> str:
     if choice == "none":
         body.pop("tools", None)
     return proto.chat_prompt(body, state.tokenizer, state.config.prefill_assistant)
+
+
+def function_tools(tools: Any, accepted: Callable[[dict], bool], schema_key: str, refusal: str) -> list[dict] | None:
+    """A route's tool list (Responses', Anthropic's) as chat `tools`: each a {"name", "description", schema_key}
+    that `accepted` takes; any other is a 400 saying `refusal`."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise proto.invalid("tools", "expected an array")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not accepted(tool) or not isinstance(tool.get("name"), str):
+            raise proto.invalid(f"tools[{i}]", refusal)
+        schema = tool.get(schema_key) or {"type": "object", "properties": {}}
+        if not isinstance(schema, dict):
+            raise proto.invalid(f"tools[{i}].{schema_key}", "expected a JSON Schema object")
+        fn = {"name": tool["name"], "parameters": schema}
+        if tool.get("description"):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 async def reply_deltas(gen: Generation, shape: ChatShape) -> AsyncIterator[tuple[list[dict[str, Any]], RequestOutput]]:

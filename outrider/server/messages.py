@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
-from outrider.server.chat_core import chat_prompt_ids, plan_chat, reply_deltas, submit_chat
+from outrider.server.chat_core import chat_prompt_ids, function_tools, plan_chat, reply_deltas, submit_chat
 from outrider.server.errors import ApiError, invalid
 from outrider.server.native import state_of
 from outrider.server.render import JSON
@@ -94,25 +94,6 @@ def chat_messages(messages: Any) -> list[dict]:
     return out
 
 
-def _tools(tools: Any) -> list[dict] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise invalid("tools", "expected an array")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str):
-            raise invalid(f"tools[{i}]", "only custom tools with a 'name' and an 'input_schema' are supported")
-        schema = tool.get("input_schema") or {"type": "object", "properties": {}}
-        if not isinstance(schema, dict):
-            raise invalid(f"tools[{i}].input_schema", "expected a JSON Schema object")
-        fn = {"name": tool["name"], "parameters": schema}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out
-
-
 def chat_body(body: dict) -> dict:
     chat: dict[str, Any] = {"messages": chat_messages(body.get("messages"))}
     system = body.get("system")
@@ -123,7 +104,9 @@ def chat_body(body: dict) -> dict:
             chat[name] = body[name]
     if (stop := proto.get_str_list(body, "stop_sequences")) is not None:
         chat["stop"] = stop
-    if (tools := _tools(body.get("tools"))) is not None:
+    tools = function_tools(body.get("tools"), lambda t: t.get("type", "custom") == "custom", "input_schema",
+                           "only custom tools with a 'name' and an 'input_schema' are supported")
+    if tools is not None:
         chat["tools"] = tools
     choice = body.get("tool_choice")
     if choice is not None:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.server import protocol as proto
-from outrider.server.chat_core import chat_prompt_ids, plan_chat, reply_deltas, submit_chat
+from outrider.server.chat_core import chat_prompt_ids, function_tools, plan_chat, reply_deltas, submit_chat
 from outrider.server.errors import ApiError, invalid
 from outrider.server.native import state_of
 from outrider.server.render import JSON
@@ -132,23 +132,6 @@ def _calls_may_join(items: list, i: int) -> bool:
                                        prev.get("type", "message") == "message" and prev.get("role") == "assistant")
 
 
-def _tools(tools: Any) -> list[dict] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise invalid("tools", "expected an array")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise invalid(f"tools[{i}]", f"only function tools with a 'name' are supported (got type {kind!r})")
-        fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out
-
-
 def _tool_choice(choice: Any) -> Any:
     if choice is None or choice in ("auto", "none", "required"):
         return choice
@@ -191,7 +174,9 @@ def chat_body(body: dict, history: list[dict]) -> tuple[dict, list[dict]]:
     effort = proto.get_object(body, "reasoning").get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
-    if (tools := _tools(body.get("tools"))) is not None:
+    tools = function_tools(body.get("tools"), lambda t: t.get("type") == "function", "parameters",
+                           "only function tools with a 'name' are supported")
+    if tools is not None:
         chat["tools"] = tools
     if (choice := _tool_choice(body.get("tool_choice"))) is not None:
         chat["tool_choice"] = choice
