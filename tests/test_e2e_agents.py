@@ -126,7 +126,7 @@ def test_responses_create_with_a_function_tool(oai, server):
 def test_responses_create_streams_events_in_openai_order(oai):
     events = list(oai.responses.create(model="m", input="What is the weather in Paris?", tools=[WEATHER],
                                        tool_choice={"type": "function", "name": "get_weather"},
-                                       max_output_tokens=60, stream=True))
+                                       max_output_tokens=100, temperature=0, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert kinds[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
@@ -137,7 +137,7 @@ def test_responses_create_streams_events_in_openai_order(oai):
     assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == \
         done.output[0].arguments
     text = list(oai.responses.create(model="m", input="Say hello.", instructions="Be brief.", max_output_tokens=12,
-                                     stream=True, store=False))
+                                     temperature=0, stream=True, store=False))
     deltas = "".join(e.delta for e in text if e.type == "response.output_text.delta")
     assert deltas and deltas == text[-1].response.output_text
     assert text[-1].type in ("response.completed", "response.incomplete")
@@ -152,14 +152,15 @@ def test_responses_refuse_bad_input_in_openai_format(oai, server):
 
 
 # --- anthropic: messages.create, count_tokens ---
+GREEDY = {"temperature": 0}  # (this anthropic client takes no `temperature` argument; the API does)
 TOOL = {"name": "get_weather", "description": "The weather in a city",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
 def test_messages_create_with_a_tool_and_count_tokens(claude):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = claude.messages.create(model="m", max_tokens=60, system="Be brief.", messages=messages, tools=[TOOL],
-                                   tool_choice={"type": "any"})
+    first = claude.messages.create(model="m", max_tokens=100, system="Be brief.", messages=messages, tools=[TOOL],
+                                   tool_choice={"type": "any"}, extra_body=GREEDY)
     assert first.stop_reason == "tool_use" and first.content[-1].type == "tool_use"
     use = first.content[-1]
     assert use.name == "get_weather" and isinstance(use.input, dict)
@@ -177,8 +178,9 @@ def test_messages_create_with_a_tool_and_count_tokens(claude):
 
 
 def test_messages_stream_events_in_anthropic_order(claude):
-    with claude.messages.stream(model="m", max_tokens=60, messages=[{"role": "user", "content": "Paris weather?"}],
-                                tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"}) as stream:
+    with claude.messages.stream(model="m", max_tokens=100, messages=[{"role": "user", "content": "Paris weather?"}],
+                                tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"},
+                                extra_body=GREEDY) as stream:
         kinds = [e.type for e in stream if e.type in ("message_start", "content_block_start", "content_block_delta",
                                                       "content_block_stop", "message_delta", "message_stop")]
         final = stream.get_final_message()
@@ -187,7 +189,7 @@ def test_messages_stream_events_in_anthropic_order(claude):
     assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
     assert isinstance(final.content[0].input, dict)
     text = claude.messages.create(model="m", max_tokens=16, messages=[{"role": "user", "content": "Hello!"}],
-                                  stream=True)
+                                  stream=True, extra_body=GREEDY)
     events = list(text)
     assert events[0].type == "message_start" and events[-1].type == "message_stop"
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta")
