@@ -122,6 +122,7 @@ def test_generic_replies_read_back_as_calls_or_text():
     assert fmt.parse('{"response": "Hel').content == "Hel"
     assert fmt.parse('{"tool_calls": [{"name": "a", "argu').content == ""
     assert fmt.parse('{"tool').content == ""
+    assert fmt.parse('{"response": {"a": [1, "é"]}}').content == '{"a": [1, "é"]}'  # a response_format value
 
 
 def test_partial_json_strings_hold_back_unfinished_escapes():
@@ -134,7 +135,8 @@ def test_partial_json_strings_hold_back_unfinished_escapes():
 
 GENERIC_REPLIES = ['{"response": "It is \\"sunny\\"\\n\\u00e9 today"}',
                    '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}',
-                   '{"response": "cut sho', '{"tool_calls": [{"name": "get_w', "plain words"]
+                   '{"response": "cut sho', '{"tool_calls": [{"name": "get_w', "plain words",
+                   '{"response": {"answer": "Paris", "n": [1, 2]}}']
 
 
 @settings(max_examples=80, deadline=None)

@@ -241,3 +241,24 @@ def test_infill_without_fim_tokens_is_a_clear_400(server):
 def test_models_report_the_gguf_format(server):
     models = httpx.get(server.url + "/v1/models", headers={"x-api-key": KEY}).json()["models"]
     assert models[0]["details"]["format"] == "gguf"
+
+
+def test_tools_and_a_response_format_share_one_grammar(oai):
+    """A template without tools binds the generic reply: either calls, or a `response` that follows the schema."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "degrees": {"type": "integer"}},
+              "required": ["city", "degrees"]}
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    messages = [{"role": "user", "content": "It is 21 degrees in Paris. Answer in JSON."},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
+    reply = oai.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=80, temperature=0,
+                                        response_format={"type": "json_schema",
+                                                         "json_schema": {"name": "w", "schema": schema}})
+    out = reply.choices[0]
+    if out.message.tool_calls:
+        assert out.finish_reason == "tool_calls"
+    else:
+        import jsonschema
+
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.message.content), schema)

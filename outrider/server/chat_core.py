@@ -10,7 +10,9 @@ from outrider.server import protocol as proto
 from outrider.server.errors import ApiError
 from outrider.engine.request import RequestOutput
 from outrider.server.state import Generation, ServerState
-from outrider.server.structured import ChatShape, chat_shape, request_grammar, template_body, tool_choice_grammar
+from outrider.server.structured import (ChatShape, chat_shape, request_grammar, response_schema, template_body,
+                                        tool_choice_grammar)
+from outrider.structured.generic_tools import GenericFormat
 from outrider.structured.grammar import Grammar
 
 
@@ -27,11 +29,15 @@ def plan_chat(body: dict, state: ServerState) -> ChatPlan:
     text = _chat_prompt(body, state)
     shape = chat_shape(body, state.config, state.tokenizer, text)
     grammar = request_grammar(body, state.core.grammars)
-    tool_grammar = tool_choice_grammar(body, shape, state.core.grammars)
+    response = None
+    if isinstance(shape.tools, GenericFormat) and body.get("tool_choice") in (None, "auto"):
+        response = response_schema(body)  # (the generic reply's `response` follows it: one grammar for both)
+    tool_grammar = tool_choice_grammar(body, shape, state.core.grammars, response)
+    if response is not None:
+        grammar = None
     if grammar is not None and tool_grammar is not None:
-        raise ApiError(400, "'tools' (unless 'tool_choice' is \"none\") cannot be combined with 'response_format', "
-                            "'json_schema' or 'grammar' for this model's template, nor a 'tool_choice' that requires "
-                            "a call with any template")
+        raise ApiError(400, "a 'tool_choice' that requires a call cannot be combined with 'response_format', "
+                            "'json_schema' or 'grammar', nor 'tools' with a GBNF 'grammar' for this model's template")
     return ChatPlan(body, proto.encode_chat(text, state.tokenizer, state.n_ctx), shape, grammar or tool_grammar)
 
 

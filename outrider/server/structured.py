@@ -150,9 +150,20 @@ def chat_shape(body: dict, config: ServerConfig, tokenizer: Tokenizer, prompt: s
     return ChatShape(tools, fmt, opens_in_reasoning(prompt))
 
 
-def tool_choice_grammar(body: dict, shape: ChatShape, compiler: GrammarCompiler) -> Grammar | None:
+def response_schema(body: dict) -> dict | None:
+    """The JSON Schema `json_schema` or a JSON `response_format` gives (None: neither, or a GBNF `grammar`)."""
+    name = "json_schema" if body.get("json_schema") is not None else "response_format"
+    fmt = body.get("response_format")
+    if name == "response_format" and not (isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")):
+        return None
+    return _schema(body, name)
+
+
+def tool_choice_grammar(body: dict, shape: ChatShape, compiler: GrammarCompiler,
+                        response: dict | None = None) -> Grammar | None:
     """`tool_choice` "required" or a named function: a grammar that admits only calls (of that function);
-    "auto" constrains nothing but the generic format's JSON reply; "none" constrains nothing."""
+    "auto" constrains nothing but the generic format's JSON reply (whose `response` follows the `response` schema
+    when given); "none" constrains nothing."""
     choice = body.get("tool_choice")
     generic = isinstance(shape.tools, GenericFormat)
     if choice == "none" or choice in (None, "auto") and not generic:
@@ -173,8 +184,8 @@ def tool_choice_grammar(body: dict, shape: ChatShape, compiler: GrammarCompiler)
     parallel = proto.get_bool(body, "parallel_tool_calls", True)
     try:
         if generic:
-            return compiler.lark(shape.tools.grammar(tools, parallel, required=choice not in (None, "auto")),
-                                 kind="tool_calls")
+            return compiler.lark(shape.tools.grammar(tools, parallel, required=choice not in (None, "auto"),
+                                                     response=response), kind="tool_calls")
         return compiler.lark(tool_grammar(shape.tools, tools, parallel), kind="tool_calls")
     except GrammarError as e:
         raise invalid("tools", f"a tool's parameters do not compile to a grammar: {e}") from e

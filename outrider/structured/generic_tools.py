@@ -3,7 +3,7 @@
 - the tools are described in the system message, with the reply's format;
 - the reply is one JSON object, bound by a grammar: `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`
   (`{"tool_call": {...}}` when parallel calls are off) or `{"response": "text for the user"}` (not offered when
-  `tool_choice` requires a call);
+  `tool_choice` requires a call; with a response_format, `response` is a value of its schema);
 - the reply reads back as OpenAI `tool_calls`, or as the `response` text for `content` (streamed as it is written).
 A reply cut short (max_tokens) inside a call gives no call and no text: half a call is not prose.
 """
@@ -16,7 +16,8 @@ from typing import Any
 from outrider.structured.grammar import JSON_OPTIONS, closed_objects
 from outrider.structured.tool_calls import Reply, ToolCall, tool_call
 
-RESPONSE_PREFIX = '{"response": "'
+RESPONSE_PREFIX = '{"response": "'  # a text response, streamed as it is written
+VALUE_PREFIX = '{"response": '  # followed by anything else: a response_format value, held to the end
 _CALL_PREFIXES = ('{"tool_calls": ', '{"tool_call": ')
 
 
@@ -31,8 +32,9 @@ class GenericFormat:
         calls = _calls(obj)
         if calls is not None:
             return Reply("", calls)
-        if isinstance(obj, dict) and isinstance(obj.get("response"), str):
-            return Reply(obj["response"], [])
+        if isinstance(obj, dict) and "response" in obj:  # text, or a value of the response_format schema
+            value = obj["response"]
+            return Reply(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False), [])
         return Reply(text, [])
 
     def _partial(self, text: str) -> Reply:
@@ -45,12 +47,15 @@ class GenericFormat:
             return Reply("", [])
         return Reply(text, [])
 
-    def grammar(self, tools: list[dict[str, Any]], parallel: bool, required: bool) -> str:
-        """Lark (llguidance) for a reply: calls of `tools` (OpenAI entries) and, unless `required`, a response."""
-        schema = {**closed_objects(self.schema(tools, parallel, required)), "x-guidance": JSON_OPTIONS}
+    def grammar(self, tools: list[dict[str, Any]], parallel: bool, required: bool,
+                response: dict[str, Any] | None = None) -> str:
+        """Lark (llguidance) for a reply: calls of `tools` (OpenAI entries) and, unless `required`, a response (a
+        string, or a value of the `response` schema: the request's response_format)."""
+        schema = {**closed_objects(self.schema(tools, parallel, required, response)), "x-guidance": JSON_OPTIONS}
         return f"start: %json {json.dumps(schema)}\n"
 
-    def schema(self, tools: list[dict[str, Any]], parallel: bool, required: bool) -> dict[str, Any]:
+    def schema(self, tools: list[dict[str, Any]], parallel: bool, required: bool,
+               response: dict[str, Any] | None = None) -> dict[str, Any]:
         """The JSON Schema of a reply: calls of `tools` and, unless `required`, a response."""
         options = [_call_schema(t["function"]) for t in tools]
         one = options[0] if len(options) == 1 else {"anyOf": options}
@@ -61,8 +66,9 @@ class GenericFormat:
             calls = {"type": "object", "properties": {"tool_call": one}, "required": ["tool_call"]}
         if required:
             return calls
-        response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
-        return {"anyOf": [calls, response]}
+        reply = {"type": "object", "properties": {"response": response or {"type": "string"}},
+                 "required": ["response"]}
+        return {"anyOf": [calls, reply]}
 
 
 def _call_schema(fn: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +123,7 @@ class GenericStream:
         self.fmt = fmt
         self._text = ""
         self._sent = 0  # characters of the response text sent
-        self._mode: str | None = None  # response | calls | text, once the reply's start tells
+        self._mode: str | None = None  # response | whole (calls, a response_format value) | text, once it tells
         self.num_calls = 0
 
     def push(self, text: str) -> Reply:
@@ -126,8 +132,9 @@ class GenericStream:
         if self._mode is None:
             if stripped.startswith(RESPONSE_PREFIX):
                 self._mode = "response"
-            elif any(stripped.startswith(p) for p in _CALL_PREFIXES):
-                self._mode = "calls"
+            elif any(stripped.startswith(p) for p in _CALL_PREFIXES) or len(stripped) > len(VALUE_PREFIX) and \
+                    stripped.startswith(VALUE_PREFIX):
+                self._mode = "whole"
             elif stripped and not any(p.startswith(stripped) for p in (RESPONSE_PREFIX, *_CALL_PREFIXES)):
                 self._mode = "text"
         if self._mode == "response":
