@@ -106,3 +106,69 @@ def test_anthropic_refusals_name_the_field(body, field):
     with pytest.raises(ApiError) as e:
         anthropic_chat(body)
     assert e.value.status == 400 and f"'{field}'" in e.value.message
+
+
+# --- replies: the chat deltas of one reply as Responses output items and Anthropic blocks, with their events ---
+def _reply():
+    from outrider.engine.request import FinishReason, RequestOutput
+    from outrider.timing import RequestTiming
+
+    timing = RequestTiming(prompt_n=10, predicted_n=6)
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    pushes = [([{"reasoning_content": "Let me "}], [1]), ([{"reasoning_content": "think."}], [2]),
+              ([{"content": "Calling."}], [3, 4]), ([{"tool_calls": [call]}], [5, 6])]
+    outs = [RequestOutput(1, ids, timing=timing) for _, ids in pushes]
+    last = RequestOutput(1, [], finished=True, finish_reason=FinishReason.STOP, stop_type="eos", timing=timing)
+    return [(d, o) for (d, _), o in zip(pushes, outs)], last
+
+
+def test_a_reply_as_responses_output_items_and_events():
+    from outrider.server.responses import ResponseBuilder
+
+    builder = ResponseBuilder({"id": "resp_1", "output": [], "status": "in_progress"})
+    events = builder.start()
+    pushes, last = _reply()
+    for deltas, out in pushes:
+        events += builder.push(deltas, out)
+    events += builder.finish(last, prompt_tokens=10)
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = events[-1]["response"]
+    assert [i["type"] for i in done["output"]] == ["reasoning", "message", "function_call"]
+    assert done["output"][0]["content"][0]["text"] == "Let me think."
+    assert done["output"][1]["content"][0]["text"] == "Calling."
+    assert done["output"][2]["arguments"] == '{"x": 1}' and done["output"][2]["call_id"] == "call_1"
+    assert done["usage"]["output_tokens_details"]["reasoning_tokens"] == 2 and done["usage"]["output_tokens"] == 6
+    assert builder.conversation() == [{"role": "assistant", "content": "Calling.", "reasoning_content": "Let me think.",
+                                       "tool_calls": [{"id": "call_1", "type": "function",
+                                                       "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+
+
+def test_a_reply_as_anthropic_blocks_and_events():
+    from outrider.server.messages import MessageBuilder
+
+    builder = MessageBuilder({"content": [], "usage": {"input_tokens": 10, "output_tokens": 0}})
+    events = builder.start()
+    pushes, last = _reply()
+    for deltas, _ in pushes:
+        events += builder.push(deltas)
+    events += builder.finish(last)
+    assert [(e["type"], e.get("index")) for e in events] == [
+        ("message_start", None), ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0),
+        ("content_block_stop", 0), ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
+        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_stop", 2), ("message_delta", None),
+        ("message_stop", None)]
+    assert events[2]["delta"] == {"type": "thinking_delta", "thinking": "Let me "}
+    assert events[9]["delta"] == {"type": "input_json_delta", "partial_json": '{"x": 1}'}
+    assert builder.message["content"] == [{"type": "thinking", "thinking": "Let me think.", "signature": ""},
+                                          {"type": "text", "text": "Calling."},
+                                          {"type": "tool_use", "id": "call_1", "name": "f", "input": {"x": 1}}]
+    assert builder.message["stop_reason"] == "tool_use" and events[-2]["usage"] == {"output_tokens": 6}
