@@ -97,7 +97,8 @@ MODEL = [
     Opt(("--rope-freq-base",), "rope_freq_base", "LLAMA_ARG_ROPE_FREQ_BASE", float, None,
         "RoPE base frequency (default: the model's)"),
     Opt(("--context-shift",), "context_shift", "LLAMA_ARG_CONTEXT_SHIFT", None, False,
-        "refused: outrider stops a request when its context is full", negative=("--no-context-shift",)),
+        "a request that fills its context discards half of it after the BOS and goes on (recomputed)",
+        negative=("--no-context-shift",)),
     Opt(("--embedding", "--embeddings"), "embedding", "LLAMA_ARG_EMBEDDINGS", None, False,
         "serve /embedding, /embeddings and /v1/embeddings (pooled from the same engine)"),
     Opt(("--pooling",), "pooling", "LLAMA_ARG_POOLING", help="embeddings: mean | cls | last | none (default: the "
@@ -197,7 +198,7 @@ GGML_ONLY = {
 }
 # Why a flag is ignored, where "only applies to GGML backends" is not the reason.
 ON_DEVICE = "outrider always samples on the device"
-IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider never does",
+IGNORED_BECAUSE = {"--keep": "is not read: outrider's context shift keeps the BOS alone (n_keep 0)",
                    "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE, "--backend_sampling": ON_DEVICE,
                    "--tools": "enables the web UI's server-side tools (/tools), which outrider does not serve; "
                               "request tools reach the model through the chat, Responses and Messages routes"}

@@ -12,6 +12,7 @@ from fastapi.responses import PlainTextResponse
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.engine.request import Request as EngineRequest
 from outrider.models.gguf import is_gguf
+from outrider.server import context_shift
 from outrider.server import protocol as proto
 from outrider.server import provenance
 from outrider.server.errors import ApiError
@@ -112,7 +113,8 @@ def native_result(state: ServerState, req: EngineRequest, outs: list[RequestOutp
                                                          post_sampling_probs=post_sampling_probs),
         "prompt": state.tokenizer.decode(req.prompt_ids),
         "has_new_line": "\n" in text,
-        "truncated": last.finish_reason is FinishReason.CONTEXT,  # stopped because the context is full
+        # stopped because the context is full, or (--context-shift) went on after shifting it
+        "truncated": last.finish_reason is FinishReason.CONTEXT or context_shift.shifted(req),
         "stop_type": last.stop_type,
         "stopping_word": last.stopping_word,
         "tokens_cached": req.num_prompt + max(len(ids) - 1, 0),  # the last sampled token has no K/V yet

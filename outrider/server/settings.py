@@ -51,6 +51,7 @@ class ServerConfig:
     jinja: bool = True
     # --embedding serves the embedding routes; --pooling (None: the model's pooling config, else mean)
     embeddings: bool = False
+    context_shift: bool = False  # a request that fills its context goes on shifted (server/context_shift.py)
     pooling: str | None = None
 
     @property
