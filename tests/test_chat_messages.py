@@ -149,3 +149,25 @@ def test_streamed_generic_replies_equal_the_whole_parse(text, cuts):
     assert "".join(p.content for p in parts) == whole.content
     assert [(c.name, c.arguments) for p in parts for c in p.tool_calls] == [
         (c.name, c.arguments) for c in whole.tool_calls]
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                        max_size=3), max_leaves=8)
+MESSAGES = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool"])},
+    optional={"content": JSON_VALUES | st.text(max_size=5), "tool_calls": JSON_VALUES | st.just([CALL]),
+              "tool_call_id": JSON_VALUES, "name": JSON_VALUES}), min_size=1, max_size=4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(MESSAGES, st.sampled_from(["chatml", "llama3", "gemma", "smollm2", "tools"]))
+def test_any_message_renders_or_is_a_template_error(tok, messages, name):
+    """Whatever the messages hold, rendering either works or raises ChatTemplateError (a 400): never another
+    exception (a 500)."""
+    template = {"smollm2": SMOLLM2_TEMPLATE, "tools": CHAT_TEMPLATE}.get(name) or BUILTIN_TEMPLATES[name]
+    tok = with_template(tok, template)
+    try:
+        tok.apply_chat_template(messages, tools=TOOLS)
+    except ChatTemplateError:
+        pass
