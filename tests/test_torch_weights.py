@@ -54,3 +54,10 @@ def test_files_holding_more_than_tensors_are_refused(checkpoint, tmp_path):
     torch.save({**state, "args": argparse.Namespace(x=1)}, dst / "head.pth")
     with pytest.raises(ValueError, match="head.pth is not a plain tensor file .*weights_only"):
         load_model(dst, dtype="float32")
+
+
+def test_a_hub_repo_without_safetensors_fetches_its_torch_files():
+    from outrider.models.hub import snapshot_patterns
+
+    assert "*.bin" in snapshot_patterns(("config.json", "pytorch_model.bin"))
+    assert "*.bin" not in snapshot_patterns(("config.json", "model.safetensors", "training_args.bin"))
