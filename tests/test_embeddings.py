@@ -92,3 +92,19 @@ def test_embedding_routes_return_normalised_pooled_embeddings(checkpoint, hidden
     with ServerProcess(["-m", str(checkpoint), "-c", "256", "-np", "2"]) as srv:
         r = httpx.post(srv.url + "/v1/embeddings", json={"input": "hi"}, timeout=60)
         assert r.status_code == 501 and "--embeddings" in r.json()["error"]["message"]
+
+
+def test_a_gguf_declares_its_pooling(tmp_path):
+    import gguf
+
+    from outrider.server.embeddings import model_pooling
+
+    for kind, mode in ((gguf.PoolingType.LAST, "last"), (gguf.PoolingType.CLS, "cls")):
+        path = tmp_path / f"{mode}.gguf"
+        writer = gguf.GGUFWriter(path, "qwen3")
+        writer.add_pooling_type(kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        assert model_pooling(path) == mode

@@ -1,7 +1,7 @@
 """Embedding routes (`--embedding`): `POST /embedding`, `/embeddings` (llama-server's format) and `/v1/embeddings`
 (OpenAI's). Each input runs as a one-token request whose prefill pools the prompt's hidden states (engine/pooling.py)
-with the server's pooling: `--pooling`, else the model's sentence-transformers pooling config (modules.json ->
-1_Pooling/config.json), else mean. Without `--embedding` these routes answer 501, as llama-server's do."""
+with the server's pooling: `--pooling`, else the model's (a GGUF's pooling type, or a sentence-transformers
+Pooling config: modules.json -> 1_Pooling/config.json), else mean. Without `--embedding` these routes answer 501, as llama-server's do."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from fastapi import APIRouter, Request
 
+from outrider.models import gguf
 from outrider.params import SamplingParams
 from outrider.server import protocol as proto
 from outrider.server.errors import ApiError, invalid
@@ -28,9 +29,16 @@ router = APIRouter()
 _ST_MODES = (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"))
 
 
+GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last"}  # llama.cpp's `<arch>.pooling_type` (4, rank: not served)
+
+
 @functools.cache
 def model_pooling(model_path: Path) -> str | None:
-    """The pooling a sentence-transformers checkpoint declares (None: none declared)."""
+    """The pooling a checkpoint declares: a GGUF's `<arch>.pooling_type`, or a sentence-transformers layout's
+    Pooling module (None: none declared)."""
+    if gguf.is_gguf(model_path):
+        ck = gguf.open_gguf(model_path)
+        return GGUF_POOLING.get(ck.value(f"{ck.arch}.pooling_type"))
     modules = model_path / "modules.json" if model_path.is_dir() else None
     if modules is None or not modules.is_file():
         return None
