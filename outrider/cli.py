@@ -43,11 +43,8 @@ def parse(groups: list[list[flags.Opt]], argv: list[str], prog: str = "outrider 
     flags.add_llama_compat(parser)
     ns = parser.parse_args(argv)
     flags.apply_env_and_defaults(parser, ns, [o for g in groups for o in g])
-    if ns.context_shift:
-        parser.error("--context-shift: outrider does not shift the context; a request stops when its context is "
-                     "full (stop_type limit, truncated true)")
-    if ns.embedding:
-        parser.error("--embedding: embeddings are not supported by outrider")
+    if ns.pooling not in (None, "mean", "cls", "last", "none"):
+        parser.error(f"--pooling {ns.pooling}: one of mean, cls, last, none (rank: reranking is not supported)")
     if ns.hf_token:  # every hub download of this process (model, drafter, tokenizer) reads it
         os.environ["HF_TOKEN"] = ns.hf_token
     # Asked for on the command line (not the demo's default drafter, not a detected MTP head).
@@ -252,6 +249,7 @@ def server_config(ns: argparse.Namespace, model: str) -> ServerConfig:
         prefill_assistant=ns.prefill_assistant, verbose=ns.verbose, log_disable=ns.log_disable,
         log_file=ns.log_file, slots_debug=ns.slots_debug, shutdown_timeout=ns.shutdown_timeout,
         exit_on_engine_failure=ns.exit_on_engine_failure, stall_timeout=ns.engine_stall_timeout, **chat_settings(ns),
+        embeddings=ns.embedding, pooling=ns.pooling, context_shift=ns.context_shift,
     )
 
 

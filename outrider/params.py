@@ -20,6 +20,8 @@ _OWN_FIELDS: list[tuple[str, Any, Any]] = [
     ("logit_bias", tuple, ()),  # ((token id, bias), ...); -inf bans the token
     ("seed", "int | None", None),  # None = engine picks one; the same seed gives the same tokens
     ("n_probs", int, 0),  # top-n log-probabilities per generated token
+    ("prompt_logprobs", "int | None", None),  # top-n log-probabilities per prompt token (None: not computed)
+    ("pooling", "str | None", None),  # mean | cls | last | none: pool the prompt's hidden states (engine/pooling.py)
     ("stop", tuple, ()),
     ("stop_token_ids", tuple, ()),
     # Speculative decoding, per request (None = server default)
@@ -45,6 +47,11 @@ class _SamplingParamsBase:
     def sampler_on(self, sampler: str) -> bool:
         """Does this llama-server sampler (request_fields.SAMPLER_ORDER) change anything here?"""
         return sampler_on(self, sampler)
+
+    @property
+    def reads_every_prompt_row(self) -> bool:
+        """Prompt log-probs and pooling need every prompt row computed: no cached prefix is reused."""
+        return self.prompt_logprobs is not None or self.pooling is not None
 
     @property
     def penalized(self) -> bool:

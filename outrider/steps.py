@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from outrider.engine.pooling import PendingPool
+    from outrider.engine.prompt_logprobs import PendingRows
     from outrider.engine.request import Request, TokenLogprob
     from outrider.speculative.drafter import PendingDrafts
     from outrider.speculative.verify import PendingVerdict
@@ -111,6 +113,8 @@ class LaunchedStep:
     token_ids: torch.Tensor | None = None  # [R] sampled ids on the device, row r for sampling[r] (Request.sample_row)
     host: list[torch.Tensor] = field(default_factory=list)  # pinned copies in flight: ids, then log-prob parts
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
+    prompt_logprobs: list[PendingRows] = field(default_factory=list)  # prefill rows' (engine/prompt_logprobs.py)
+    pooled: list[PendingPool] = field(default_factory=list)  # prefill rows' (engine/pooling.py)
 
     @property
     def awaits_sampling(self) -> bool:

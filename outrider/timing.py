@@ -93,6 +93,16 @@ class RequestTiming:
         snap.accepted_per_position = list(self.accepted_per_position)
         return snap
 
+    def at_progress(self, processed: int, t: float) -> RequestTiming:
+        """The record as a prefill report at time t sees it: `processed` prompt tokens (the cached ones included)
+        done, so prompt_n counts those computed and prompt_ms runs to t (llama-server's first report, before any
+        prompt work: prompt_n 0, prompt_ms 0). Once the first token exists, the record as it is."""
+        snap = self.snapshot()
+        if self.t_first_token is None:
+            snap.prompt_n = max(0, processed - self.cache_n)
+            snap.t_first_token = t if snap.prompt_n > 0 else None  # (the end of prompt_ms; no token exists yet)
+        return snap
+
     # --- derived figures ---
     @property
     def queue_ms(self) -> float:

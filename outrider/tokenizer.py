@@ -6,6 +6,7 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from outrider.structured.template_caps import TemplateCaps, polyfill, tools_system_prompt, with_system
+
 # End-of-generation specials (llama.cpp treats these as EOG too): present in the vocab as special tokens
 # means "stop here", whatever the configs say, since chat fine-tunes often leave only the base EOS there.
 _EOG_TOKENS = (
@@ -22,6 +25,28 @@ _EOG_TOKENS = (
     "<|end_of_text|>", "<EOT>", "<|end▁of▁sentence|>",
 )
 _SPM_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+# Fill-in-the-middle tokens by role, as checkpoints spell them (Qwen2.5/Qwen3-Coder, StarCoder/SmolLM, CodeLlama,
+# Codestral, DeepSeek-Coder).
+_FIM_NAMES = {
+    "pre": ("<|fim_prefix|>", "<fim_prefix>", "<fim-prefix>", "<PRE>", "▁<PRE>", "[PREFIX]", "<｜fim▁begin｜>"),
+    "suf": ("<|fim_suffix|>", "<fim_suffix>", "<fim-suffix>", "<SUF>", "▁<SUF>", "[SUFFIX]", "<｜fim▁hole｜>"),
+    "mid": ("<|fim_middle|>", "<fim_middle>", "<fim-middle>", "<MID>", "▁<MID>", "[MIDDLE]", "<｜fim▁end｜>"),
+    "rep": ("<|repo_name|>", "<repo_name>", "<reponame>"),
+    "sep": ("<|file_sep|>", "<file_sep>", "<filename>"),
+}
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    """A tokenizer's fill-in-the-middle token ids; `rep`/`sep` (repository name, file separator) may be absent."""
+
+    pre: int
+    suf: int
+    mid: int
+    rep: int | None
+    sep: int | None
 
 
 class ChatTemplateError(ValueError):
@@ -149,6 +174,15 @@ class Tokenizer:
         tok.encode_special_tokens = True
         return tok
 
+    @functools.cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """The fill-in-the-middle tokens the vocabulary declares, None without a prefix, suffix and middle one."""
+        vocab = self.vocab()
+        found = {role: next((vocab[n] for n in names if n in vocab), None) for role, names in _FIM_NAMES.items()}
+        if None in (found["pre"], found["suf"], found["mid"]):
+            return None
+        return FimTokens(**found)
+
     def vocab(self) -> dict[str, int]:
         """Every token's vocabulary string (added tokens included) -> its id."""
         return self._tok.get_vocab(with_added_tokens=True)
@@ -217,23 +251,75 @@ class Tokenizer:
         """The token's text (U+FFFD where it holds only part of a multi-byte character)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
+    @property
+    def template_caps(self) -> TemplateCaps:
+        """What the chat template shows (probed once per template)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; pass one (e.g. --chat-template-file)")
+        return _template_caps(self.chat_template, tuple(sorted(self._template_tokens.items())))
+
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                             tools: list | None = None, **extra: Any) -> str:
         """Render `messages` with the chat template in a jinja2 sandbox, ready for encode(add_special=True);
-        `extra` are template variables (chat_template_kwargs, e.g. enable_thinking). Raises ChatTemplateError."""
+        `extra` are template variables (chat_template_kwargs, e.g. enable_thinking). Messages are normalised
+        first (null or missing content is "", text parts are joined, tool-call arguments are objects) and rewritten
+        to what the template can show (structured/template_caps.py); `tools` a template cannot show are offered in
+        the system message (structured/generic_tools.py). Raises ChatTemplateError, naming the first message
+        whose conversation prefix fails to render when the template fails on one."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; pass one (e.g. --chat-template-file)")
         variables = {**self._template_tokens, **extra}
-        variables.update(messages=[_normalize_message(m) for m in messages], tools=tools or None,
-                         add_generation_prompt=add_generation_prompt)
+
+        def render(msgs: list[dict], tools: list | None, generation_prompt: bool) -> str:
+            return _compile(self.chat_template).render(**variables, messages=msgs, tools=tools or None,
+                                                       add_generation_prompt=generation_prompt)
+
+        caps = self.template_caps
+
+        def prepared(msgs: Sequence[Mapping]) -> list[dict]:
+            normalized = []
+            for i, m in enumerate(msgs):
+                try:
+                    normalized.append(_normalize_message(m))
+                except ChatTemplateError as e:
+                    raise ChatTemplateError(f"messages[{i}]: {e}") from e
+            if tools and not caps.tools:
+                normalized = with_system(normalized, tools_system_prompt(tools))
+            return polyfill(normalized, caps)
+
+        shown_tools = tools if caps.tools else None
         try:
-            prompt = _compile(self.chat_template).render(**variables)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template error: {e.message or e}") from e
+            prompt = render(prepared(messages), shown_tools, add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 - whatever a template raises is the request's fault
+            raise ChatTemplateError(f"chat template error{_failing_message(render, prepared, messages, shown_tools)}"
+                                    f": {_describe(e)}") from e
         # As llama-server: encode(prompt, add_special=True) adds BOS itself, so a template's own is dropped.
         if self.add_bos and self.bos_token and prompt.startswith(self.bos_token):
             prompt = prompt[len(self.bos_token):]
         return prompt
+
+
+@functools.lru_cache(maxsize=16)
+def _template_caps(source: str, tokens: tuple[tuple[str, str], ...]) -> TemplateCaps:
+    return TemplateCaps.probe(lambda msgs, tools, gen: _compile(source).render(
+        **dict(tokens), messages=msgs, tools=tools, add_generation_prompt=gen))
+
+
+def _failing_message(render, prepared, messages: Sequence[Mapping], tools: list | None) -> str:
+    """" at messages[i]" for the first message whose conversation prefix fails to render ("" when every prefix
+    renders: the failure needs the whole conversation or the generation prompt)."""
+    for i in range(len(messages)):
+        try:
+            render(prepared(messages[: i + 1]), tools, False)
+        except Exception:  # noqa: BLE001
+            return f" at messages[{i}]"
+    return ""
+
+
+def _describe(e: Exception) -> str:
+    if isinstance(e, jinja2.TemplateError):
+        return str(e.message or e)
+    return f"{type(e).__name__}: {e}"
 
 
 def content_text(content: Any) -> Any:
@@ -245,8 +331,7 @@ def content_text(content: Any) -> Any:
 def _normalize_message(message: Mapping) -> dict:
     """An OpenAI message as HF templates expect: text parts joined, tool-call arguments as objects."""
     msg = dict(message)
-    if "content" in msg:
-        msg["content"] = content_text(msg["content"])
+    msg["content"] = content_text(msg.get("content")) or ""
     if msg.get("tool_calls"):
         msg["tool_calls"] = [_parse_arguments(c) for c in msg["tool_calls"]]
     return msg

@@ -86,6 +86,48 @@ CHAT = {"type": "object", "required": ["messages"], "properties": {
     "response_format": _f("object", required=["type"], properties={"type": {"enum": ["text"]}}),
     "tool_choice": {"enum": [None, "auto", "none"]},
     "stream_options": _f("object", properties={"include_usage": _f("boolean")})}}
+RESPONSE_ITEMS = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"enum": ["message"]}, "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["input_text"]},
+                                                                           "text": {"type": "string"}}}}]}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"enum": ["function_call"]}, "call_id": {"type": "string"}, "name": {"type": "string"},
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": {"type": "string"}}}]}
+FUNCTION = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"enum": ["function"]}, "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+    "parameters": {"type": "object"}}}
+RESPONSES_BODY = {"type": "object", "properties": {
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": RESPONSE_ITEMS}]},
+    "instructions": _f("string"), "max_output_tokens": _f("integer", minimum=1, maximum=INT_MAX),
+    "temperature": _f("number"), "top_p": _f("number", minimum=0, maximum=1), "stream": _f("boolean"),
+    "store": _f("boolean"), "previous_response_id": _f("string"), "tools": _f("array", items=FUNCTION),
+    "tool_choice": {"enum": [None, "auto", "none", "required"]}, "parallel_tool_calls": _f("boolean")}}
+ANTHROPIC_BLOCK = {"oneOf": [
+    {"type": "object", "required": ["type", "text"], "properties": {"type": {"enum": ["text"]},
+                                                                    "text": {"type": "string"}}},
+    {"type": "object", "required": ["type", "tool_use_id"], "properties": {
+        "type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"}, "content": {"type": "string"}}}]}
+ANTHROPIC_PROMPT = {
+    "messages": {"type": "array", "minItems": 1, "items": {"type": "object", "required": ["role", "content"],
+                                                           "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": ANTHROPIC_BLOCK}]}}}},
+    "system": _f("string"),
+    "tools": _f("array", items={"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+        "input_schema": {"type": "object"}}}),
+    "tool_choice": _f("object", required=["type"], properties={"type": {"enum": ["auto", "any", "none"]}})}
+ANTHROPIC_BODY = {"type": "object", "required": ["messages"], "properties": {
+    **ANTHROPIC_PROMPT, "max_tokens": _f("integer", minimum=1, maximum=INT_MAX), "temperature": _f("number"),
+    "top_p": _f("number", minimum=0, maximum=1), "top_k": _f("integer", minimum=0, maximum=INT_MAX),
+    "stop_sequences": _f("array", items={"type": "string"}), "stream": _f("boolean")}}
+EMBEDDING = {"type": "object", "properties": {
+    "input": {"oneOf": [{"type": "string", "minLength": 1}, PROMPT, {"type": "array", "items": PROMPT}]},
+    "content": _f("string"), "embd_normalize": _f("number", minimum=-1), "encoding_format": {"enum": ["float", "base64"]}}}
 BODIES = {
     "/completion": COMPLETION, "/completions": COMPLETION, "/v1/completions": OPENAI_COMPLETION,
     "/v1/chat/completions": CHAT, "/chat/completions": CHAT,
@@ -97,6 +139,16 @@ BODIES = {
     "/detokenize": {"type": "object", "properties": {"tokens": _f("array", items={"type": "integer", "minimum": 0,
                                                                                    "maximum": 200})}},
     "/props": {"type": "object"},
+    "/v1/responses": RESPONSES_BODY, "/responses": RESPONSES_BODY,
+    "/v1/responses/input_tokens": RESPONSES_BODY, "/responses/input_tokens": RESPONSES_BODY,
+    "/v1/messages": ANTHROPIC_BODY,
+    "/embedding": EMBEDDING, "/embeddings": EMBEDDING, "/v1/embeddings": EMBEDDING,
+    "/infill": {"type": "object", "required": ["input_prefix", "input_suffix"], "properties": {
+        "input_prefix": {"type": "string"}, "input_suffix": {"type": "string"}, "prompt": _f("string"),
+        "input_extra": _f("array", items={"type": "object", "properties": {"filename": {"type": "string"},
+                                                                            "text": {"type": "string"}}}),
+        **SAMPLING}},
+    "/v1/messages/count_tokens": {"type": "object", "required": ["messages"], "properties": ANTHROPIC_PROMPT},
 }
 QUERIES = {"/slots": [{"name": "fail_on_no_slot", "in": "query", "schema": {"type": "string"}}]}
 RESPONSES = {"200": {"description": "the answer"}, "default": {"description": "an error in llama-server's format"}}

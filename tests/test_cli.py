@@ -302,15 +302,19 @@ def test_flags_llama_server_has_are_applied(monkeypatch, tmp_path):
 
 
 def test_flags_for_features_we_lack_say_why(capsys):
-    for argv, why in ((["--context-shift"], "does not shift the context"), (["--embedding"], "embeddings"),
-                      (["--lora", "a.gguf"], "LoRA"), (["--reranking"], "reranking"),
-                      (["--pooling", "cls"], "embeddings"), (["--mmproj", "p.gguf"], "multimodal")):
+    for argv, why in ((["--lora", "a.gguf"], "LoRA"),
+                      (["--reranking"], "reranking"), (["--pooling", "rank"], "reranking is not supported"),
+                      (["--mmproj", "p.gguf"], "multimodal")):
         with pytest.raises(SystemExit) as e:
             serve_ns(*argv)
         assert e.value.code == 2 and why in capsys.readouterr().err
     serve_ns("--no-context-shift", "--keep", "16", "--backend-sampling")  # what we do anyway: accepted
     err = capsys.readouterr().err
-    assert "--keep only applies to context shift" in err and "always samples on the device" in err
+    assert "--keep is not read" in err and "always samples on the device" in err
+    assert serve_ns("--context-shift").context_shift and not serve_ns("--no-context-shift").context_shift
+    serve_ns("--backend_sampling", "--tools", "all")  # (the spellings llama-server's own tests start it with)
+    err = capsys.readouterr().err
+    assert "--backend_sampling outrider always samples on the device" in err and "--tools enables the web UI" in err
 
 
 def test_rope_overrides_change_the_loaded_model(tiny_checkpoint):
@@ -341,7 +345,7 @@ README_LINES = {
     "--jinja -fa -hf bartowski/Llama-3.3-70B-Instruct-GGUF:Q4_K_M": dict(jinja=True),
     "--jinja -fa -hf bartowski/phi-4-GGUF:Q4_0": dict(hf_repo="bartowski/phi-4-GGUF:Q4_0"),
     "-hf ggml-org/gemma-3-4b-it-GGUF": dict(hf_repo="ggml-org/gemma-3-4b-it-GGUF"),
-    "-m model.gguf --embedding --pooling cls -ub 8192": "embeddings",
+    "-m model.gguf --embedding --pooling cls -ub 8192": dict(embedding=True, pooling="cls"),
     "-m model.gguf --reranking": "reranking",
 }
 

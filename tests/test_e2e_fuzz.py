@@ -40,7 +40,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list
 def server(tmp_path_factory):
     ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("fuzz") / "target", "qwen3", seed=5)
     srv = ServerProcess(["-m", str(ckpt), "-np", str(N_SLOTS), "-c", "256", "-n", "16", "--props", "--metrics",
-                         "--max-queue", "64"])
+                         "--max-queue", "64", "--embedding"])
     yield srv
     assert srv.proc.poll() is None, "the server fell over:\n" + "".join(srv.stderr)
     assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
@@ -51,15 +51,24 @@ UNSUPPORTED_PATHS = {p for paths in UNSUPPORTED for p in paths}
 
 
 def error_format(ctx, response, case) -> bool | None:
-    """A schemathesis check: no 5xx but the 501 of a route we lack, and every error body in llama-server's format
-    {"error": {"code", "message", "type"}} with its status."""
+    """A schemathesis check: no 5xx but the 501 of a route we lack, and every error body in the route's format:
+    llama-server's {"error": {"code", "message", "type"}} with its status, Anthropic's on /v1/messages."""
     status = response.status_code
     assert status < 500 or status == 501 and case.path in UNSUPPORTED_PATHS, (status, response.content[:300])
     if status < 400:
         return None
-    err = json.loads(response.content)["error"]
-    assert err["code"] == status and isinstance(err["message"], str) and err["type"], err
+    check_error(case.path, status, json.loads(response.content))
     return True
+
+
+def check_error(path: str, status: int, body: dict) -> dict:
+    """The error object of an error body in the route's format."""
+    err = body["error"]
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and isinstance(err["message"], str) and err["type"], body
+    else:
+        assert err["code"] == status and isinstance(err["message"], str) and err["type"], err
+    return err
 
 
 def test_every_route_is_described():
@@ -78,8 +87,8 @@ def post_raw(server, path: str, content: bytes) -> httpx.Response:
 
 def assert_4xx(r: httpx.Response, field: str | None = None) -> None:
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
-    err = r.json()["error"]
-    assert err["code"] == r.status_code and err["type"] == "invalid_request_error", err
+    err = check_error(r.url.path, r.status_code, r.json())
+    assert err["type"] == "invalid_request_error", err
     if field is not None:
         assert f"'{field}'" in err["message"], err
 

@@ -77,6 +77,12 @@ def test_return_progress_reports_the_prefill_chunks(client):
     assert len(progress) >= 4 and done == sorted(done)
     times = [p["time_ms"] for p in progress]
     assert times == sorted(times) and times[-1] > 0
+    # each report's timings are the prompt work done by then: none at first, as llama-server
+    timings = [e["timings"] for e in events if "prompt_progress" in e]
+    assert timings[0]["prompt_n"] == 0 and timings[0]["prompt_ms"] == 0
+    assert [t["prompt_n"] for t in timings] == [p["processed"] - p["cache"] for p in progress]
+    assert [t["prompt_ms"] for t in timings] == sorted(t["prompt_ms"] for t in timings)
+    assert timings[-1]["prompt_ms"] <= events[-1]["timings"]["prompt_ms"] and events[-1]["timings"]["prompt_n"] == 200
     first_token = next(i for i, e in enumerate(events) if e.get("tokens"))
     assert all("prompt_progress" in e for e in events[:first_token])  # progress comes first
     assert all(e["content"] == "" and e["tokens"] == [] for e in events[:first_token])

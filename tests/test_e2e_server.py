@@ -435,7 +435,7 @@ def test_openai_completions(oai, client):
     assert chunks[-1].usage.completion_tokens == 6 and list(chunks[-1].model_extra["timings"]) == TIMING_KEYS
 
 
-def test_openai_completions_logprobs_n_and_stop(oai):
+def test_openai_completions_logprobs_n_and_stop(oai, client):
     r = oai.completions.create(model="x", prompt="logprobs", max_tokens=4, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4 and all(len(t) <= 2 for t in lp.top_logprobs)
@@ -446,8 +446,13 @@ def test_openai_completions_logprobs_n_and_stop(oai):
     text = oai.completions.create(model="x", prompt="stop here", max_tokens=20, temperature=0).choices[0].text
     stopped = oai.completions.create(model="x", prompt="stop here", max_tokens=20, temperature=0, stop=[text[4:6]])
     assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == text[: text.find(text[4:6])]
+    # echo gives the prompt as sent: without the BOS the server added
+    plain = oai.completions.create(model="x", prompt="echo me", max_tokens=2, temperature=0).choices[0].text
     echo = oai.completions.create(model="x", prompt="echo me", max_tokens=2, temperature=0, echo=True)
-    assert echo.choices[0].text.startswith("<|startoftext|>echo me")
+    assert echo.choices[0].text == "echo me" + plain
+    ids = client.post("/tokenize", json={"content": "echo me"}).json()["tokens"]
+    echo_ids = oai.completions.create(model="x", prompt=[ids, ids], max_tokens=2, temperature=0, echo=True)
+    assert all(c.text.startswith("echo me") for c in echo_ids.choices)  # (token ids: no BOS added)
 
 
 def test_openai_chat(oai, client):
@@ -533,7 +538,7 @@ def test_chat_input_tokens_and_timings_per_token(client):
 
 
 def test_routes_we_lack_are_501(client):
-    for path in ("/v1/embeddings", "/infill", "/v1/responses", "/v1/messages", "/rerank", "/slots/0"):
+    for path in ("/v1/embeddings", "/rerank", "/slots/0"):  # (embeddings: not started with --embedding)
         r = client.post(path, json={})
         assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error", path
 

@@ -18,7 +18,7 @@ from outrider.steps import ScheduledRequest
 from outrider.params import SamplingParams
 from outrider.structured.grammar import Constraint, GrammarCompiler, GrammarError, closed_objects, token_masks
 from outrider.structured.reasoning import split_reasoning
-from outrider.structured.tool_calls import Llama3Format, QwenFormat, ToolCallStream
+from outrider.structured.tool_calls import Llama3Format, QwenFormat, Reply, ToolCallStream
 from outrider.tokenizer import Tokenizer
 
 EOS = (0, 2)
@@ -124,11 +124,14 @@ def test_qwen_parser_reads_several_calls_after_text():
 
 
 @pytest.mark.parametrize("text", ['<tool_call>\n{"name": "f", "arguments": {"a": }\n</tool_call>',
-                                  '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f"',
-                                  "plain text"])
+                                  '<tool_call>{"arguments": {}}</tool_call>', "plain text"])
 def test_qwen_parser_leaves_malformed_calls_as_content(text):
     reply = QwenFormat().parse(text)
     assert reply.tool_calls == [] and reply.content == text
+
+
+def test_a_call_cut_short_is_not_returned_as_content():
+    assert QwenFormat().parse('Sure. <tool_call>{"name": "f", "argu') == Reply("Sure. ", [])
 
 
 def test_llama3_parser_reads_json_calls_and_leaves_the_rest():

@@ -65,7 +65,7 @@ class BlockPool:
     # --- prefix cache ---
     def match_prefix(self, req: Request) -> list[int]:
         """Ids of cached blocks that hold a prefix of req's known tokens (always leaving one token to compute)."""
-        if not (self.enable_prefix_caching and req.params.cache_prompt):
+        if not (self.enable_prefix_caching and req.params.cache_prompt) or req.params.reads_every_prompt_row:
             return []
         ids = req.all_ids
         bs = self.block_size

@@ -6,11 +6,16 @@ import enum
 import itertools
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from outrider.params import SamplingParams
 from outrider.steps import Status
 from outrider.structured.grammar import Constraint
 from outrider.timing import RequestTiming
+
+if TYPE_CHECKING:
+    from outrider.engine.pooling import Pooled
+    from outrider.engine.prompt_logprobs import PromptLogprob
 
 _ids = itertools.count()
 
@@ -93,6 +98,10 @@ class Request:
     id_slot: int = -1  # llama-server slot id that serves this request (set by the engine)
     slot_wanted: int = -1  # llama-server `id_slot`: the only slot this request may run in (-1: any)
     return_progress: bool = False  # report prefill progress (outputs with `progress`, and no tokens until the first)
+    # Per prompt position, once its prefill row ran (params.prompt_logprobs; engine/prompt_logprobs.py): None at
+    # position 0, which no row predicts
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    pooled: Pooled | None = None  # the prompt's pooled hidden states (params.pooling; engine/pooling.py)
     # Prefix-cache publishing progress (BlockPool.commit_full_blocks): leading blocks already walked, the chain
     # hash of the last of them, and blocks whose hash another block held (published once that one is gone).
     num_hashed_blocks: int = 0

@@ -18,6 +18,7 @@ import torch
 
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, build_metadata, metadata_over
+from outrider.engine import pooling, prompt_logprobs
 from outrider.engine.cuda_graphs import StepGraphs, capture_step_graphs
 from outrider.graphs import CudaGraphRunner
 from outrider.models.output import ForwardResult
@@ -248,7 +249,9 @@ class ModelRunner:
         fwd = self.forward(batch)
         hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
-        step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device)
+        step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device,
+                            prompt_logprobs=prompt_logprobs.capture(plan, hidden, self.model),
+                            pooled=pooling.capture(plan, hidden, self.model))
         if not batch.sampling:
             return step
         rows = batch.logits_rows
@@ -305,6 +308,8 @@ class ModelRunner:
         out, plan = step.out, step.plan
         if self.step_hook is not None:
             self.step_hook(plan)
+        prompt_logprobs.deliver(step.prompt_logprobs)
+        pooling.deliver(step.pooled)
         if not step.sampling:
             return out
         if step.verdict is not None:

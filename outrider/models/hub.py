@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from outrider.models import gguf
+from outrider.models import gguf, torch_weights
 
 DEFAULT_QUANT = "Q4_K_M"
 _SNAPSHOT_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]  # config, weights, tokenizer
@@ -32,7 +32,7 @@ def resolve_hub_model(spec: str, offline: bool = False, filename: str | None = N
     files = _repo_files(repo, offline)
     choice = filename or pick_gguf(repo, files.names, quant)
     if choice is None:
-        return _snapshot(repo, offline)
+        return _snapshot(repo, offline, snapshot_patterns(files.names))
     parts = gguf.split_names(choice)
     missing = [p for p in parts if p not in files.names]
     if missing:
@@ -77,10 +77,18 @@ def _repo_files(repo: str, offline: bool) -> RepoFiles:
     return RepoFiles(tuple(names), snapshot)
 
 
-def _snapshot(repo: str, offline: bool) -> Path:
+def snapshot_patterns(names: tuple[str, ...]) -> list[str]:
+    """The files of a snapshot to fetch: config, tokenizer and safetensors weights, or, in a repo without
+    safetensors, its torch.save weights (pytorch_model.bin, .pth, .pt: read safely, models/torch_weights.py)."""
+    if any(n.endswith(".safetensors") for n in names):
+        return _SNAPSHOT_FILES
+    return [*_SNAPSHOT_FILES, *torch_weights.PATTERNS]
+
+
+def _snapshot(repo: str, offline: bool, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo, allow_patterns=_SNAPSHOT_FILES, local_files_only=offline))
+        return Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=offline))
     except Exception as e:  # hub errors are many types; the caller wants one clear message
         raise ValueError(f"cannot find model {repo!r} locally or on the Hugging Face hub: {e}") from e

@@ -14,7 +14,7 @@ import torch
 
 from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
-from outrider.models import gguf, registry
+from outrider.models import gguf, registry, torch_weights
 
 # Tensors that the target model does not own but that may ship in its checkpoint.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
@@ -47,7 +47,7 @@ def safetensors_files(path: Path) -> list[Path]:
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"no .safetensors files in {path}")
+        raise ValueError(f"no .safetensors (or pytorch_model.bin / .pth / .pt) files in {path}")
     return files
 
 
@@ -64,10 +64,14 @@ class SafetensorsTensor:
         return self.file.get_tensor(self.name)
 
 
-def safetensors_tensors(path: Path) -> Iterator[SafetensorsTensor]:
-    """Every tensor of the checkpoint directory, each readable while the iteration is at it."""
+def safetensors_tensors(path: Path) -> Iterator[SafetensorsTensor | torch_weights.PickledTensor]:
+    """Every tensor of the checkpoint directory, each readable while the iteration is at it (from torch.save files,
+    read safely, when the directory has no safetensors: models/torch_weights.py)."""
     from safetensors import safe_open
 
+    if not any(path.glob("*.safetensors")) and torch_weights.weight_files(path):
+        yield from torch_weights.pickled_tensors(path)
+        return
     for file in safetensors_files(path):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():

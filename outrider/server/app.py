@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from outrider.engine.async_engine import AsyncEngine
-from outrider.server import native, openai, webui
+from outrider.server import embeddings, infill, messages, native, openai, responses, webui
 from outrider.server.errors import ApiError
 from outrider.server.middleware import CORS, BodyLimit, Gate
 from outrider.server.settings import ServerConfig
@@ -21,11 +21,7 @@ log = logging.getLogger("outrider.server")
 
 # llama-server routes we do not implement: a 501 naming the feature says more than a 404.
 UNSUPPORTED = {
-    ("/embedding", "/embeddings", "/v1/embeddings"): "embeddings",
     ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking"): "reranking",
-    ("/infill",): "infill",
-    ("/responses", "/v1/responses", "/responses/input_tokens", "/v1/responses/input_tokens"): "the Responses API",
-    ("/v1/messages", "/v1/messages/count_tokens"): "the Anthropic Messages API",
     ("/v1/chat/completions/control",): "reasoning control",
     ("/audio/transcriptions", "/v1/audio/transcriptions"): "audio",
     ("/lora-adapters",): "LoRA adapters",
@@ -39,6 +35,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     app.state.server = ServerState(engine, config)
     app.include_router(native.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(messages.router)
+    app.include_router(infill.router)
+    app.include_router(embeddings.router)
+    app.state.responses = responses.ResponseStore()
     if config.webui:
         webui.add_routes(app)
     for paths, feature in UNSUPPORTED.items():
@@ -46,25 +47,25 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             app.add_api_route(path, _unsupported(feature), methods=["GET", "POST"], include_in_schema=False)
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError):
-        return exc.response()
+    async def api_error(request: Request, exc: ApiError):
+        return exc.response(request.url.path)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException):
-        return ApiError(exc.status_code, str(exc.detail)).response()
+    async def http_error(request: Request, exc: HTTPException):
+        return ApiError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError):
-        return ApiError(400, str(exc.errors())).response()
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return ApiError(400, str(exc.errors())).response(request.url.path)
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, __: ClientGone):
         return Response(status_code=499)  # nobody reads it; the requests are already aborted
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception):
+    async def internal_error(request: Request, exc: Exception):
         log.exception("unhandled error")
-        return ApiError(500, f"{type(exc).__name__}: {exc}").response()
+        return ApiError(500, f"{type(exc).__name__}: {exc}").response(request.url.path)
 
     # add_middleware wraps: the last added runs first.
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

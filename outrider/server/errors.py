@@ -18,6 +18,19 @@ ERROR_TYPES = {
 }
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
 class ApiError(Exception):
     """An error a route answers with; `extra` adds fields (e.g. `n_prompt_tokens`, `n_ctx`)."""
 
@@ -31,8 +44,17 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
 
-    def response(self) -> JSON:
-        return JSON(self.body(), status_code=self.status)
+    def response(self, path: str = "") -> JSON:
+        """The error as the route at `path` writes errors (Anthropic's format on /v1/messages...)."""
+        return JSON(self.body_for(path), status_code=self.status)
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        return self.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else self.body()
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's format: `{"type": "error", "error": {"type", "message"}}`."""
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 def invalid(field: str, reason: str) -> ApiError:

@@ -101,9 +101,12 @@ MODEL = [
     Opt(("--rope-freq-base",), "rope_freq_base", "LLAMA_ARG_ROPE_FREQ_BASE", float, None,
         "RoPE base frequency (default: the model's)"),
     Opt(("--context-shift",), "context_shift", "LLAMA_ARG_CONTEXT_SHIFT", None, False,
-        "refused: outrider stops a request when its context is full", negative=("--no-context-shift",)),
+        "a request that fills its context discards half of it after the BOS and goes on (recomputed)",
+        negative=("--no-context-shift",)),
     Opt(("--embedding", "--embeddings"), "embedding", "LLAMA_ARG_EMBEDDINGS", None, False,
-        "refused: outrider serves no embeddings"),
+        "serve /embedding, /embeddings and /v1/embeddings (pooled from the same engine)"),
+    Opt(("--pooling",), "pooling", "LLAMA_ARG_POOLING", help="embeddings: mean | cls | last | none (default: the "
+        "model's sentence-transformers pooling config, else mean)"),
     Opt(("--tokenizer",), "tokenizer", None, help="tokenizer directory (default: the model's)"),
     Opt(("--block-size",), "block_size", None, int, None, "KV block size in tokens"),
     Opt(("--num-kv-blocks",), "num_kv_blocks", None, int, None, "KV blocks (default: sized from memory)"),
@@ -193,19 +196,20 @@ GGML_ONLY = {
     ("-Cr", "--cpu-range"): True, ("--prio",): True, ("--poll",): True, ("-ot", "--override-tensor"): True,
     ("--cache-reuse",): True, ("-cd", "--ctx-size-draft"): True,
     ("--mlock",): False, ("--no-mmap",): False, ("--mmap",): False, ("-cb", "--cont-batching"): False,
-    ("-nocb", "--no-cont-batching"): False, ("-bs", "--backend-sampling"): False,
+    ("-nocb", "--no-cont-batching"): False, ("-bs", "--backend-sampling", "--backend_sampling"): False,
     ("-nkvo", "--no-kv-offload"): False, ("--no-warmup",): False, ("--warmup",): False, ("--swa-full",): False,
-    ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False,
+    ("--check-tensors",): False, ("--no-op-offload",): False, ("--no-repack",): False, ("--tools",): True,
 }
 # Why a flag is ignored, where "only applies to GGML backends" is not the reason.
 ON_DEVICE = "outrider always samples on the device"
-IGNORED_BECAUSE = {"--keep": "only applies to context shift, which outrider never does",
-                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE}
+IGNORED_BECAUSE = {"--keep": "is not read: outrider's context shift keeps the BOS alone (n_keep 0)",
+                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE, "--backend_sampling": ON_DEVICE,
+                   "--tools": "enables the web UI's server-side tools (/tools), which outrider does not serve; "
+                              "request tools reach the model through the chat, Responses and Messages routes"}
 # Flags for features outrider lacks: an error that says so.
 REFUSED = {("--lora", "--lora-scaled"): "LoRA adapters are not supported",
            ("--mmproj", "-mm", "--mmproj-url", "-mmu"): "multimodal projectors are not supported",
            ("--rerank", "--reranking"): "reranking is not supported",
-           ("--pooling",): "pooling is for embeddings, which are not supported",
            ("--spec-ngram-map-k-size-n", "--spec-ngram-map-k-size-m", "--spec-ngram-map-k-min-hits",
             "--spec-ngram-map-k4v-size-n", "--spec-ngram-map-k4v-size-m", "--spec-ngram-map-k4v-min-hits",
             "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max", "--spec-ngram-mod-n-match"):

@@ -16,8 +16,8 @@ def _header(scope, name: bytes) -> bytes | None:
     return next((v for k, v in scope["headers"] if k == name), None)
 
 
-async def _send_error(send, error: ApiError, headers: list[tuple[bytes, bytes]] = ()) -> None:
-    body = dumps(error.body()).encode()
+async def _send_error(send, scope, error: ApiError, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    body = dumps(error.body_for(scope.get("path", ""))).encode()
     await send({"type": "http.response.start", "status": error.status,
                 "headers": [(b"content-type", b"application/json; charset=utf-8"),
                             (b"content-length", str(len(body)).encode()), *headers]})
@@ -88,11 +88,11 @@ class Gate:
         if not self.engine.ready:
             error = ApiError(500, f"model failed to load: {self.engine.load_error}") if self.engine.load_error \
                 else loading()
-            return await _send_error(send, error)
+            return await _send_error(send, scope, error)
         if self.engine.failure is not None:
-            return await _send_error(send, engine_failed(self.engine.failure))
+            return await _send_error(send, scope, engine_failed(self.engine.failure))
         if self.keys and scope["path"] not in PUBLIC_PATHS and not self._authorized(scope):
-            return await _send_error(send, unauthorized())
+            return await _send_error(send, scope, unauthorized())
         await self.app(scope, receive, send)
 
     def _authorized(self, scope) -> bool:
@@ -118,7 +118,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_error(send, body_too_large())
+            return await _send_error(send, scope, body_too_large())
         seen = 0
 
         async def counted_receive():

@@ -11,6 +11,8 @@ from fastapi.responses import PlainTextResponse
 
 from outrider.engine.request import FinishReason, RequestOutput
 from outrider.engine.request import Request as EngineRequest
+from outrider.models.gguf import is_gguf
+from outrider.server import context_shift
 from outrider.server import protocol as proto
 from outrider.server import provenance
 from outrider.server.errors import ApiError
@@ -58,8 +60,13 @@ class NativeOptions:
 async def completion(request: Request):
     state = state_of(request)
     body = await read_json(request)
+    return await complete(request, body, proto.tokenize_prompts(body.get("prompt"), state.tokenizer, state.n_ctx))
+
+
+async def complete(request: Request, body: dict, prompts: list[list[int]]):
+    """/completion's answer for these prompts (also /infill's, with its FIM prompt)."""
+    state = state_of(request)
     tok = state.tokenizer
-    prompts = proto.tokenize_prompts(body.get("prompt"), tok, state.n_ctx)
     params = proto.sampling_params(body, state.config.defaults, tok,
                                    grammar=request_grammar(body, state.core.grammars))
     n = proto.get_int(body, proto.first_present(body, ("n_cmpl", "n")), 1, lo=1, hi=state.n_slots)
@@ -106,7 +113,8 @@ def native_result(state: ServerState, req: EngineRequest, outs: list[RequestOutp
                                                          post_sampling_probs=post_sampling_probs),
         "prompt": state.tokenizer.decode(req.prompt_ids),
         "has_new_line": "\n" in text,
-        "truncated": last.finish_reason is FinishReason.CONTEXT,  # stopped because the context is full
+        # stopped because the context is full, or (--context-shift) went on after shifting it
+        "truncated": last.finish_reason is FinishReason.CONTEXT or context_shift.shifted(req),
         "stop_type": last.stop_type,
         "stopping_word": last.stopping_word,
         "tokens_cached": req.num_prompt + max(len(ids) - 1, 0),  # the last sampled token has no K/V yet
@@ -153,7 +161,8 @@ async def _stream(state: ServerState, gen: Generation, opts: NativeOptions) -> A
                 "tokens_predicted": predicted[index], "tokens_evaluated": req.num_prompt}
         timings = timings_fields(out.timing) if opts.timings_per_token else {}
         if out.progress is not None:
-            yield {**head, **progress_fields(out), **timings}
+            progress = out.timing.at_progress(out.progress.processed, out.progress.t)
+            yield {**head, **progress_fields(out), **(timings_fields(progress) if opts.timings_per_token else {})}
         for step in provenance.split_by_token(out):
             predicted[index] += 1
             frame = {**head, "content": step.text, "tokens": [step.token_id], "tokens_predicted": predicted[index],
@@ -333,7 +342,8 @@ async def models(request: Request):
         "models": [{"name": cfg.model_alias, "model": cfg.model_alias, "modified_at": "", "size": str(size),
                     "digest": "", "type": "model", "description": "", "tags": list(cfg.tags) or [""],
                     "capabilities": ["completion"], "parameters": "",
-                    "details": {"parent_model": "", "format": "safetensors", "family": mc.architecture,
+                    "details": {"parent_model": "", "format": "gguf" if is_gguf(core.model_path) else "safetensors",
+                                "family": mc.architecture,
                                 "families": [mc.architecture], "parameter_size": str(n_params),
                                 "quantization_level": ""}}],
     })

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from outrider.server import protocol as proto
 from outrider.server import provenance
 from outrider.server.errors import ApiError
 from outrider.server.native import native_result, progress_fields, state_of
+from outrider.server.prompt_probs import MAX_PROMPT_LOGPROBS, prompt_entry, vllm_prompt_logprobs
 from outrider.server.render import JSON, timings_fields, token_probs
 from outrider.server.settings import BUILD_INFO
 from outrider.server.state import Generation, ServerState, ended_error
-from outrider.server.structured import chat_shape, request_grammar, template_body, tool_choice_grammar
+from outrider.server.chat_core import chat_prompt_ids, plan_chat
+from outrider.server.structured import request_grammar
 from outrider.server.transport import read_json, sse_response, until_disconnected
 from outrider.structured.grammar import Grammar
 
@@ -57,10 +60,14 @@ class Call:
         return {"choices": choices, "created": self.created, "model": self.model, "system_fingerprint": BUILD_INFO,
                 "object": obj or self.object, "id": self.id, **extra}
 
-    def submit(self, body: dict, state: ServerState, prompts: list[list[int]], grammar: Grammar | None) -> Generation:
+    def submit(self, body: dict, state: ServerState, prompts: list[list[int]], grammar: Grammar | None,
+               prompt_logprobs: int | None = None) -> Generation:
+        """`prompt_logprobs`: top-n log-probs of the prompt tokens too (engine/prompt_logprobs.py)."""
         n_probs = 0 if self.n_top is None else max(self.n_top, 1)  # the chosen token's log-prob needs one
         params = proto.sampling_params(body, state.config.defaults, state.tokenizer, n_probs=n_probs,
                                        grammar=grammar)
+        if prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=prompt_logprobs)
         return state.admit(proto.make_requests(prompts, params, self.n, state.n_ctx, self.options))
 
     def usage(self, gen: Generation) -> dict[str, Any]:
@@ -118,6 +125,26 @@ async def _respond(request: Request, call: Call, gen: Generation, choice, chunks
                           **call.verbose(state_of(request), gen, 0, results[0])))
 
 
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """A prompt as the client sent it (OpenAI's `echo`): its text, and how many leading ids the server added."""
+
+    text: str
+    added: int
+
+
+def _as_sent(source: Any, ids: list[int], tok) -> Sent:
+    """A text as is, token ids decoded; without the BOS the server added before a leading text."""
+    if isinstance(source, list) and len(source) == 1 and isinstance(source[0], (str, dict)):
+        source = source[0]  # (a batch of one)
+    if isinstance(source, dict):
+        source = source.get("prompt_string")
+    starts_with_text = isinstance(source, str) or isinstance(source, list) and bool(source) and isinstance(
+        source[0], str)
+    added = 1 if tok.add_bos and starts_with_text and ids and ids[0] == tok.bos_token_id else 0
+    return Sent(source if isinstance(source, str) else tok.decode(ids[added:]), added)
+
+
 # --- /v1/completions ---
 @router.post("/v1/completions")
 async def completions(request: Request):
@@ -125,21 +152,38 @@ async def completions(request: Request):
     body = await read_json(request)
     tok = state.tokenizer
     prompts = proto.tokenize_prompts(body.get("prompt"), tok, state.n_ctx)
-    logprobs = proto.get_int(body, "logprobs", -1, lo=0)
+    logprobs = proto.get_int(body, "logprobs", -1, lo=0, hi=tok.vocab_size)
     echo = proto.get_bool(body, "echo", False)
-    if echo and logprobs >= 0:
-        raise ApiError(400, "'echo' together with 'logprobs' is not supported (no prompt log-probs)")
+    prompt_top = proto.get_int(body, "prompt_logprobs", -1, lo=0, hi=MAX_PROMPT_LOGPROBS)  # vLLM's field
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server")
     call = Call.parse(body, state, "cmpl-", "text_completion", logprobs if logprobs >= 0 else None)
-    gen = call.submit(body, state, prompts, request_grammar(body, state.core.grammars))
-    prefixes = [tok.decode(r.prompt_ids) if echo else "" for r in gen.requests]
+    echo_top = logprobs if echo and logprobs >= 0 else -1  # echo + logprobs: the prompt's log-probs lead
+    wanted = max(echo_top, prompt_top)
+    gen = call.submit(body, state, prompts, request_grammar(body, state.core.grammars),
+                      prompt_logprobs=wanted if wanted >= 0 else None)
+    sources = body["prompt"] if isinstance(body["prompt"], list) and len(prompts) > 1 else [body["prompt"]]
+    sent_as = [_as_sent(sources[i // call.n], r.prompt_ids, tok) for i, r in enumerate(gen.requests)]
+    prefixes = [s.text if echo else "" for s in sent_as]
 
-    def logprobs_of(outs: list[RequestOutput], offset: int) -> dict | None:
-        """`offset`: characters of completion before these tokens (never the prompt: echo excludes log-probs)."""
+    def prompt_part(i: int) -> list[dict]:
+        """The echoed prompt's log-prob entries (the first one's log-prob null: nothing predicts it)."""
+        if echo_top < 0:
+            return []
+        return [prompt_entry(tok, tok_id, lp, echo_top) for tok_id, lp in
+                zip(gen.requests[i].prompt_ids, gen.requests[i].prompt_logprobs)][sent_as[i].added:]
+
+    def extras(i: int) -> dict:
+        if prompt_top < 0:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(tok, gen.requests[i].prompt_ids,
+                                                        gen.requests[i].prompt_logprobs, prompt_top)}
+
+    def logprobs_of(outs: list[RequestOutput], offset: int, lead: list[dict] = ()) -> dict | None:
+        """`offset`: characters of the text before these tokens; `lead`: the echoed prompt's entries first."""
         if call.n_top is None:
             return None
-        content = token_probs(tok, [lp for o in outs for lp in o.logprobs or ()], call.n_top)
+        content = [*lead, *token_probs(tok, [lp for o in outs for lp in o.logprobs or ()], call.n_top)]
         offsets = []
         for c in content:
             offsets.append(offset)
@@ -147,16 +191,18 @@ async def completions(request: Request):
         # OpenAI's legacy shape and llama-server's `content` list, so clients of either read it
         return {"content": content, "tokens": [c["token"] for c in content],
                 "token_logprobs": [c["logprob"] for c in content],
-                "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content],
+                "top_logprobs": [{t["token"]: t["logprob"] for t in c["top_logprobs"]} if c["logprob"] is not None
+                                 or c["top_logprobs"] else None for c in content],
                 "text_offset": offsets}
 
     def choice(i: int, outs: list[RequestOutput]) -> dict:
         return call.with_provenance({"text": prefixes[i] + "".join(o.text for o in outs), "index": i,
-                                     "logprobs": logprobs_of(outs, 0), "finish_reason": _finish_reason(outs[-1])},
-                                    outs)
+                                     "logprobs": logprobs_of(outs, 0, prompt_part(i)),
+                                     "finish_reason": _finish_reason(outs[-1]), **extras(i)}, outs)
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
-        sent = [0] * len(gen.requests)  # completion characters sent per choice (log-prob text offsets)
+        sent = [0] * len(gen.requests)  # characters sent per choice (log-prob text offsets)
+        started: set[int] = set()  # choices whose first text chunk went (it carries the prompt's log-probs)
         history: list[list[RequestOutput]] = [[] for _ in gen.requests]
         remaining = len(gen.requests)
         async for i, out in gen.outputs():
@@ -165,12 +211,14 @@ async def completions(request: Request):
                 yield call.progress_chunk(out)
             if not out.new_token_ids and not out.finished:
                 continue
+            first = i not in started
+            started.add(i)
             text = prefixes[i] + out.text
             prefixes[i] = ""
-            chunk = _with_error(call.body([call.with_provenance({"text": text, "index": i,
-                                                                 "logprobs": logprobs_of([out], sent[i]),
-                                                                 "finish_reason": _finish_reason(out)}, [out])]), out)
-            sent[i] += len(out.text)
+            part = {"text": text, "index": i, "logprobs": logprobs_of([out], sent[i], prompt_part(i) if first else ()),
+                    "finish_reason": _finish_reason(out), **(extras(i) if first else {})}
+            chunk = _with_error(call.body([call.with_provenance(part, [out])]), out)
+            sent[i] += len(text)
             if out.finished:
                 remaining -= 1
             if out.finished:
@@ -189,21 +237,15 @@ async def completions(request: Request):
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     state = state_of(request)
-    body = template_body(await read_json(request), state.config)
-    tok = state.tokenizer
-    text = _chat_prompt(body, tok, state.config.prefill_assistant)
-    shape = chat_shape(body, state.config, tok, text)
-    grammar = request_grammar(body, state.core.grammars)
-    tool_grammar = tool_choice_grammar(body, shape, state.core.grammars)
-    if grammar is not None and tool_grammar is not None:
-        raise ApiError(400, "'tool_choice' that requires a call cannot be combined with 'response_format', "
-                            "'json_schema' or 'grammar'")
+    body = await read_json(request)
+    plan = plan_chat(body, state)
+    body, tok, shape = plan.body, state.tokenizer, plan.shape
     want_logprobs = proto.get_bool(body, "logprobs", False)
     top = proto.get_int(body, "top_logprobs", 0, lo=0, hi=20)
     if top and not want_logprobs:
         raise proto.invalid("top_logprobs", "needs 'logprobs': true")
     call = Call.parse(body, state, "chatcmpl-", "chat.completion", top if want_logprobs else None)
-    gen = call.submit(body, state, [proto.encode_chat(text, tok, state.n_ctx)], grammar or tool_grammar)
+    gen = call.submit(body, state, [plan.prompt_ids], plan.grammar)
 
     def logprobs_of(outs: list[RequestOutput]) -> dict | None:
         if call.n_top is None:
@@ -263,17 +305,4 @@ async def chat_completions(request: Request):
 async def chat_input_tokens(request: Request):
     """The prompt length a chat request would have, rendered and tokenized exactly as the chat route does."""
     state = state_of(request)
-    body = template_body(await read_json(request), state.config)
-    text = _chat_prompt(body, state.tokenizer, state.config.prefill_assistant)
-    return JSON({"input_tokens": len(proto.encode_chat(text, state.tokenizer, state.n_ctx))})
-
-
-def _chat_prompt(body: dict, tok, prefill_assistant: bool) -> str:
-    """The rendered chat prompt. With tool_choice "none" the model may not call tools, so the template does not
-    offer them (the body loses its `tools`)."""
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none", "required") and not isinstance(choice, dict):
-        raise proto.invalid("tool_choice", 'expected "auto", "none", "required" or {"type": "function", ...}')
-    if choice == "none":
-        body.pop("tools", None)
-    return proto.chat_prompt(body, tok, prefill_assistant)
+    return JSON({"input_tokens": len(chat_prompt_ids(await read_json(request), state))})

@@ -53,7 +53,7 @@ KNOWN_FIELDS = frozenset({
     # OpenAI routes
     "model", "messages", "logprobs", "top_logprobs", "echo", "suffix", "user", "response_format", "tools",
     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "reasoning_format",
-    "add_generation_prompt", "continue_final_message",
+    "add_generation_prompt", "continue_final_message", "prompt_logprobs",
 })
 
 

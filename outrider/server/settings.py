@@ -49,6 +49,10 @@ class ServerConfig:
     reasoning_format: str = "auto"
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     jinja: bool = True
+    # --embedding serves the embedding routes; --pooling (None: the model's pooling config, else mean)
+    embeddings: bool = False
+    context_shift: bool = False  # a request that fills its context goes on shifted (server/context_shift.py)
+    pooling: str | None = None
 
     @property
     def model_alias(self) -> str:

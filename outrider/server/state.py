@@ -6,12 +6,14 @@ then iterate the merged outputs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import AsyncIterator
 
 from outrider.engine.async_engine import AsyncEngine
 from outrider.engine.request import FinishReason, Request, RequestOutput
+from outrider.server import context_shift
 from outrider.server.errors import ApiError, busy, engine_failed, loading, shutting_down
 from outrider.server.metrics import Metrics
 from outrider.params import SamplingParams
@@ -103,17 +105,33 @@ class Generation:
             state.live[req.request_id] = req
             task = asyncio.create_task(self._pump(index, req))
             # A done callback also runs for a task cancelled before it started, so nothing stays "live".
-            task.add_done_callback(lambda _, rid=req.request_id: state.live.pop(rid, None))
+            task.add_done_callback(lambda _, i=index: state.live.pop(self.requests[i].request_id, None))
             self._tasks.append(task)
 
     async def _pump(self, index: int, req: Request) -> None:
         try:
-            async for out in self.state.engine.generate(req):
-                if out.finished and out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
-                    self.state.metrics.on_finished(out.timing)
-                self._queue.put_nowait((index, out))
+            while req is not None:
+                req = await self._run(index, req)
         except Exception as e:  # surfaces in the consumer as a 500 (or an error frame)
             self._queue.put_nowait(ApiError(500, f"generation failed: {e}"))
+
+    async def _run(self, index: int, req: Request) -> Request | None:
+        """Pump one request's outputs; with --context-shift, one that fills its context hands over to its
+        continuation (returned; its last output goes on as an unfinished one)."""
+        async for out in self.state.engine.generate(req):
+            if out.finished and out.finish_reason is FinishReason.CONTEXT and self.state.config.context_shift:
+                nxt = context_shift.continuation(req, n_keep=1 if self.state.tokenizer.add_bos else 0)
+                if nxt is not None:
+                    self.requests[index] = nxt
+                    self.state.live.pop(req.request_id, None)
+                    self.state.live[nxt.request_id] = nxt
+                    self._queue.put_nowait((index, dataclasses.replace(out, finished=False, finish_reason=None,
+                                                                       stop_type="none")))
+                    return nxt
+            if out.finished and out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
+                self.state.metrics.on_finished(out.timing)
+            self._queue.put_nowait((index, out))
+        return None
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Yield (index, output) until every request finished."""

@@ -11,6 +11,7 @@ from outrider.server.errors import ApiError, invalid
 from outrider.server.settings import ServerConfig
 from outrider.structured.grammar import Grammar, GrammarCompiler, GrammarError
 from outrider.structured.reasoning import FORMATS, ReasoningStream, opens_in_reasoning, split_reasoning
+from outrider.structured.generic_tools import GenericFormat, GenericStream
 from outrider.structured.tool_calls import ToolCall, ToolCallStream, ToolFormat, format_for_template, tool_grammar
 from outrider.tokenizer import Tokenizer
 
@@ -75,7 +76,7 @@ class ChatShape:
     """How a chat reply reads back: tool calls in the template family's syntax (None: no tools were offered),
     and the reasoning split."""
 
-    tools: ToolFormat | None
+    tools: ToolFormat | GenericFormat | None
     reasoning: str  # a reasoning format (structured/reasoning.py)
     in_reasoning: bool  # the prompt opened the thoughts
 
@@ -101,7 +102,9 @@ class ChatStream:
 
     def __init__(self, shape: ChatShape) -> None:
         self._reasoning = ReasoningStream(shape.reasoning, shape.in_reasoning) if shape.reasoning != "none" else None
-        self._tools = ToolCallStream(shape.tools) if shape.tools is not None else None
+        fmt = shape.tools
+        self._tools = None if fmt is None else GenericStream(fmt) if isinstance(fmt, GenericFormat) \
+            else ToolCallStream(fmt)
 
     @property
     def called(self) -> bool:
@@ -141,15 +144,29 @@ def chat_shape(body: dict, config: ServerConfig, tokenizer: Tokenizer, prompt: s
     fmt = body.get("reasoning_format", config.reasoning_format)
     if fmt not in FORMATS:
         raise invalid("reasoning_format", f"expected one of {', '.join(FORMATS)}")
-    tools = format_for_template(tokenizer.chat_template) if body.get("tools") else None
+    tools = None
+    if body.get("tools"):
+        tools = format_for_template(tokenizer.chat_template) if tokenizer.template_caps.tools else GenericFormat()
     return ChatShape(tools, fmt, opens_in_reasoning(prompt))
 
 
-def tool_choice_grammar(body: dict, shape: ChatShape, compiler: GrammarCompiler) -> Grammar | None:
+def response_schema(body: dict) -> dict | None:
+    """The JSON Schema `json_schema` or a JSON `response_format` gives (None: neither, or a GBNF `grammar`)."""
+    name = "json_schema" if body.get("json_schema") is not None else "response_format"
+    fmt = body.get("response_format")
+    if name == "response_format" and not (isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema")):
+        return None
+    return _schema(body, name)
+
+
+def tool_choice_grammar(body: dict, shape: ChatShape, compiler: GrammarCompiler,
+                        response: dict | None = None) -> Grammar | None:
     """`tool_choice` "required" or a named function: a grammar that admits only calls (of that function);
-    "auto" and "none" constrain nothing."""
+    "auto" constrains nothing but the generic format's JSON reply (whose `response` follows the `response` schema
+    when given); "none" constrains nothing."""
     choice = body.get("tool_choice")
-    if choice in (None, "auto", "none"):
+    generic = isinstance(shape.tools, GenericFormat)
+    if choice == "none" or choice in (None, "auto") and not generic:
         return None
     tools = body.get("tools") or []
     if not tools:
@@ -158,13 +175,17 @@ def tool_choice_grammar(body: dict, shape: ChatShape, compiler: GrammarCompiler)
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise invalid(f"tools[{i}]", 'expected {"type": "function", "function": {"name": ..., ...}}')
-    if choice != "required":
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) or choice not in (None, "auto", "required"):
+        fn = choice.get("function") if isinstance(choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         tools = [t for t in tools if t["function"]["name"] == name]
         if not tools:
             raise invalid("tool_choice", 'expected "auto", "none", "required" or a function named in \'tools\'')
     parallel = proto.get_bool(body, "parallel_tool_calls", True)
     try:
+        if generic:
+            return compiler.lark(shape.tools.grammar(tools, parallel, required=choice not in (None, "auto"),
+                                                     response=response), kind="tool_calls")
         return compiler.lark(tool_grammar(shape.tools, tools, parallel), kind="tool_calls")
     except GrammarError as e:
         raise invalid("tools", f"a tool's parameters do not compile to a grammar: {e}") from e

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -55,18 +55,21 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-def sse(obj: Any) -> bytes:
-    return f"data: {dumps(obj)}\n\n".encode()
+def sse(obj: Any, named: bool = False) -> bytes:
+    """One event; `named`: with an `event:` line holding the object's `type` (Responses, Anthropic Messages)."""
+    head = f"event: {obj['type']}\n" if named else ""
+    return f"{head}data: {dumps(obj)}\n\n".encode()
 
 
-async def _sse(events: AsyncIterator[dict], done: bool, ping_interval: float) -> AsyncIterator[bytes]:
+async def _sse(events: AsyncIterator[dict], done: bool, ping_interval: float, named: bool,
+               error_event: Callable[[ApiError], dict]) -> AsyncIterator[bytes]:
     try:
         async for event in _with_pings(events, ping_interval):
-            yield SSE_PING if event is None else sse(event)
+            yield SSE_PING if event is None else sse(event, named)
         if done:
             yield SSE_DONE
     except ApiError as e:  # after the headers went out, an error can only be a frame
-        yield sse(e.body())
+        yield sse(error_event(e), named)
 
 
 async def _with_pings(events: AsyncIterator[dict], interval: float) -> AsyncIterator[dict | None]:
@@ -91,8 +94,10 @@ async def _with_pings(events: AsyncIterator[dict], interval: float) -> AsyncIter
         yield event
 
 
-def sse_response(events: AsyncIterator[dict], done: bool, ping_interval: float) -> StreamingResponse:
+def sse_response(events: AsyncIterator[dict], done: bool, ping_interval: float, named: bool = False,
+                 error_event: Callable[[ApiError], dict] = ApiError.body) -> StreamingResponse:
     """An SSE stream of `events`, closed by `data: [DONE]` when `done` (OpenAI routes), with a `:` comment after
-    `ping_interval` seconds of silence. Starlette cancels it when the client disconnects, aborting the requests."""
-    return StreamingResponse(_sse(events, done, ping_interval), media_type="text/event-stream",
+    `ping_interval` seconds of silence; an error after the start is the frame `error_event` makes of it.
+    Starlette cancels it when the client disconnects, aborting the requests."""
+    return StreamingResponse(_sse(events, done, ping_interval, named, error_event), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

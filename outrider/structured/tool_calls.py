@@ -6,7 +6,8 @@ The family comes from the chat template, never from the model's name:
   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call;
 - Llama 3.1+, templates with `<|start_header_id|>`: a bare JSON object `{"name": ..., "parameters": {...}}` (the
   template's `<|python_tag|>` is a special token, absent from the text), several joined by `;`.
-Text that does not parse as a call (malformed JSON, an unclosed block) stays content: never an error.
+Text that does not parse as a call (malformed JSON) stays content: never an error. A block that never closes (the
+reply was cut by max_tokens) is dropped: half a call is not prose.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Reply:
     tool_calls: list[ToolCall]
 
 
-def _call(obj: Any, args_key: str) -> ToolCall | None:
+def tool_call(obj: Any, args_key: str) -> ToolCall | None:
     """A ToolCall from a parsed JSON value, None unless it is {"name": str, args_key: object}."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -65,7 +66,8 @@ class QwenFormat:
             pos = m.end()
             if call is not None:
                 calls.append(call)
-        content.append(text[pos:])
+        rest = text[pos:]
+        content.append(rest[: rest.find(self.OPEN)] if self.OPEN in rest else rest)
         joined = "".join(content)
         return Reply(joined.strip() if calls else joined, calls)
 
@@ -131,7 +133,7 @@ def _named(name: str, args_key: str, parameters: dict[str, Any]) -> dict[str, An
 
 def _loads_call(text: str, args_key: str) -> ToolCall | None:
     try:
-        return _call(json.loads(text), args_key)
+        return tool_call(json.loads(text), args_key)
     except json.JSONDecodeError:
         return None
 
@@ -159,7 +161,7 @@ def _split_top_level(text: str, sep: str) -> list[str]:
 class ToolCallStream:
     """Splits a streamed reply into content deltas and complete calls, as `parse` splits the whole reply.
     Qwen: text is passed on until it may start a `<tool_call>` block, which is held until it closes (a call) or
-    the reply ends (content). Llama 3: a reply that starts with `{` is held to the end, then parsed whole.
+    the reply ends (dropped). Llama 3: a reply that starts with `{` is held to the end, then parsed whole.
     Whitespace-only content is held until more content follows (a reply with calls drops it, as parse does)."""
 
     def __init__(self, fmt: ToolFormat) -> None:
@@ -200,7 +202,7 @@ class ToolCallStream:
                 break
             end = self._held.find(fmt.CLOSE, start)
             if end < 0:
-                content.append(self._held if final else self._held[:start])
+                content.append(self._held[:start])
                 self._held = "" if final else self._held[start:]
                 break
             call = _loads_call(self._held[start + len(fmt.OPEN) : end], "arguments")
