@@ -4,6 +4,7 @@ directory holding one), or a hub repo id."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
 from outrider.models import gguf
 from outrider.models.registry import model_class
+from outrider.quant import checkpoint as quant
+
+log = logging.getLogger("outrider.models")
 
 # Tensors that the target model does not own but that may ship in its checkpoint.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
@@ -116,10 +120,29 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
     return layout
 
 
+def quant_plan(model: torch.nn.Module, checkpoint: gguf.GGUFCheckpoint | None, cfg: ModelConfig, path: Path,
+               quantization: str | None) -> quant.QuantPlan:
+    """Which weights stay quantized (outrider.quant.checkpoint): the checkpoint's own quantization, FP8 made at
+    load time (`quantization` "fp8"), or none ("none": a GGUF dequantized whole at load time)."""
+    if quantization not in (None, *quant.QUANTIZATION_CHOICES):
+        raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(quant.QUANTIZATION_CHOICES)}")
+    if checkpoint:
+        if quantization == "fp8":
+            raise ValueError(f"--quantization fp8 quantizes a dense checkpoint; {checkpoint.name} is a GGUF file")
+        return quant.QuantPlan("") if quantization == "none" else quant.gguf_plan(model, gguf.hf_tensors(checkpoint,
+                                                                                                            cfg))
+    if quantization == "none" and quant.quantization_config(path):
+        raise ValueError(f"{path} is a quantized checkpoint: --quantization none applies to GGUF files only")
+    return quant.hf_plan(model, path, {t.name: t.shape for t in safetensors_tensors(path)}, quantization)
+
+
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               rope: RopeOverride | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               rope: RopeOverride | None = None,
+               quantization: str | None = None) -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture (safetensors or GGUF) and load its weights strictly, in
-    eval mode; `rope` overrides the checkpoint's RoPE settings."""
+    eval mode; `rope` overrides the checkpoint's RoPE settings. Quantized weights stay quantized where outrider
+    serves their format (quant_plan; `quantization` "fp8" quantizes a dense checkpoint, "none" serves a GGUF
+    dense)."""
     path = resolve_model_path(path_or_repo)
     checkpoint = gguf.open_gguf(path) if gguf.is_gguf(path) else None
     cfg = gguf.model_config(checkpoint) if checkpoint else ModelConfig.from_path(path)
@@ -129,11 +152,17 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         model = model_class(cfg)(cfg)
-    layout = checkpoint_layout(model)
+    plan = quant_plan(model, checkpoint, cfg, path, quantization)
+    reader = quant.QuantizedReader(plan, gptq_v2=(quant.quantization_config(path) or {}).get(
+        "checkpoint_format") == "gptq_v2")
+    layout = {n: slot for n, slot in checkpoint_layout(model).items() if n not in plan.formats}
     # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
-    params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
+    params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()
+              if name.rpartition(".")[0] not in plan.modules or not name.endswith(".weight")}
     loaded = set()
     for t in gguf.hf_tensors(checkpoint, cfg) if checkpoint else safetensors_tensors(path):
+        if reader.take(t):
+            continue
         if t.name not in layout:
             if t.name.startswith(MTP_PREFIXES) or t.name.endswith(_IGNORED_SUFFIXES) or (
                     t.name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -150,8 +179,13 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
     model.load_state_dict(params, strict=False, assign=True)  # not strict: the state dict lists a tied lm_head
+    quant.install(model, plan, reader.finish(), dtype)
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     if checkpoint:
-        gguf.log_dequantized(checkpoint, model)
+        gguf.log_weights(checkpoint, quant.summarize(model), plan.dequantized)
+    elif plan.method:
+        summary = quant.summarize(model)
+        log.info("%s: weights %s (%s): %.1f MiB in memory", path.name, summary.describe(), plan.method,
+                 summary.nbytes / 2**20)
     return model, cfg
