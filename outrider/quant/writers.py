@@ -1,0 +1,183 @@
+"""Quantizers and checkpoint writers for tests and benchmarks: every format from dense weights (numpy), random
+quantized weights of a model shape, GGUF files in llama.cpp's per-tensor type mixes, and FP8 / AWQ / GPTQ
+safetensors checkpoints as their tools write them.
+
+The GGUF legacy types use ggml's own quantizer (`gguf.quants.quantize`); the K-quants, which it lacks, use
+llama.cpp's block layouts with a plain min/max fit of each sub-block (llama.cpp searches scales iteratively for a
+smaller error; the layout, which is all a reader sees, is the same).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format
+from outrider.quant.weight import QuantizedTensor
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + _AWQ_ORDER[i]
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    """float values [B] or [B, 1] -> uint8 [B, 2]."""
+    return x.astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def _fit(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of x: (scale, min) with x ~ scale * q - min, q in 0..levels, min >= 0."""
+    lo = np.minimum(x.min(axis=-1), 0)
+    scale = (x.max(axis=-1) - lo) / levels
+    return scale, -lo
+
+
+def _k_scales_bytes(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins [B, 8] -> Q4_K/Q5_K's 12 bytes [B, 12]."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    b = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    b[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    b[:, 4:8] = mn[:, 0:4] | ((mn[:, 4:8] >> 4) << 6)
+    b[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    return b
+
+
+def _k_affine(blocks: np.ndarray, levels: int) -> tuple[np.ndarray, ...]:
+    """Q4_K/Q5_K: blocks [B, 256] -> (d, dmin as stored, 6-bit scales, 6-bit mins [B, 8], q [B, 256])."""
+    sub = blocks.reshape(-1, 8, 32)
+    scale, mins = _fit(sub, levels)
+    d = (scale.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mins.max(axis=1) / 63).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.clip(np.round(scale / d[:, None]), 0, 63))
+        mn = np.nan_to_num(np.clip(np.round(mins / dmin[:, None]), 0, 63))
+        q = np.nan_to_num(np.round((sub + (dmin[:, None] * mn)[..., None]) / (d[:, None] * sc)[..., None]))
+    return d, dmin, sc, mn, np.clip(q, 0, levels).astype(np.uint8).reshape(-1, 256)
+
+
+def _pack_k_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [B, 256] -> 128 bytes: byte 32c + j holds value 64c + j (low nibble) and 64c + 32 + j (high)."""
+    q = q.reshape(-1, 4, 2, 32) & 15
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _q4_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _k_affine(blocks, 15)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _k_scales_bytes(sc, mn), _pack_k_nibbles(q)], axis=1)
+
+
+def _q5_k(blocks: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _k_affine(blocks, 31)
+    high = (q.reshape(-1, 8, 32) >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]  # bit s of qh[j]
+    qh = np.bitwise_or.reduce(high, axis=1).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), _k_scales_bytes(sc, mn), qh, _pack_k_nibbles(q)],
+                          axis=1)
+
+
+def _q6_k(blocks: np.ndarray) -> np.ndarray:
+    sub = blocks.reshape(-1, 16, 16)
+    amax = np.abs(sub).max(axis=-1)
+    scale = amax / 31
+    d = (scale.max(axis=1) / 127).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.nan_to_num(np.clip(np.round(scale / d[:, None]), -128, 127))
+        q = np.nan_to_num(np.round(sub / (d[:, None] * sc)[..., None]))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [half, quarter, j]
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
+                        axis=-1)  # per half: bytes 0-31 then 32-63
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8),
+                           _f16_bytes(d)], axis=1)
+
+
+_K_QUANTIZERS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def quantize_gguf(w: np.ndarray, kind: str) -> np.ndarray:
+    """float32 [N, K] -> the blocks of GGUF type `kind`, uint8 [N, K / block * type_size]."""
+    import gguf
+
+    if kind not in _K_QUANTIZERS:
+        return gguf.quants.quantize(w.astype(np.float32), gguf.GGMLQuantizationType[kind])
+    fmt = GGUF_FORMATS[kind]
+    blocks = w.astype(np.float32).reshape(-1, fmt.block)
+    return _K_QUANTIZERS[kind](blocks).reshape(w.shape[0], -1)
+
+
+def random_gguf_blocks(kind: str, n: int, k: int, rng: np.random.Generator, std: float = 0.02) -> np.ndarray:
+    """Random blocks of GGUF type `kind` for a [n, k] weight of about `std` (quicker than quantizing: benchmark
+    weights of a large model): random bytes with each block's float16 scales set to fit."""
+    fmt = GGUF_FORMATS[kind]
+    blocks = rng.integers(0, 256, (n * k // fmt.block, fmt.type_size), dtype=np.uint8)
+    steps = {"Q8_0": 127, "Q4_0": 8, "Q4_1": 8, "Q5_0": 16, "Q5_1": 16, "Q4_K": 8 * 32, "Q5_K": 16 * 32,
+             "Q6_K": 32 * 64}  # the quant range times the sub-block scale's range: values of about std
+    d = np.full(len(blocks), 2 * std / steps[kind], dtype=np.float32)
+    at = 208 if kind == "Q6_K" else 0
+    blocks[:, at:at + 2] = _f16_bytes(d)
+    if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # the min: about half the range
+        blocks[:, 2:4] = _f16_bytes(-d * steps[kind] / 2 if kind.endswith("_1") else d * 16)
+    return blocks.reshape(n, -1)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of `group` along K: w [N, K] -> (q [N, K] uint8, zero [N, K / group] uint8,
+    scale [N, K / group] float16), w ~ (q - zero) * scale."""
+    g = w.float().unflatten(1, (-1, group))
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+    zero = (-lo / scale.float()).round().clamp(0, 15)
+    q = (g / scale.float()[..., None] + zero[..., None]).round().clamp(0, 15)
+    return q.flatten(1).to(torch.uint8), zero.to(torch.uint8), scale
+
+
+def pack_awq(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """(q [N, K], zero, scale [N, K / group]) -> AWQ gemm tensors: qweight [K, N / 8], qzeros [K / group, N / 8]
+    int32, scales [K / group, N] float16."""
+    return {"qweight": _pack_columns(q.t()), "qzeros": _pack_columns(zero.t()), "scales": scale.t().contiguous()}
+
+
+def pack_gptq(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """-> GPTQ (v1) tensors: qweight [K / 8, N] packed along K, qzeros [K / group, N / 8] holding zero - 1, scales
+    [K / group, N], g_idx [K]."""
+    qt = q.t().to(torch.int64).unflatten(0, (-1, 8))  # [K/8, 8, N]
+    words = sum(qt[:, j] << (4 * j) for j in range(8))
+    zeros = _pack_columns((zero.to(torch.int64) - 1).t() & 15, order=tuple(range(8)))
+    k = q.shape[1]
+    return {"qweight": _int32(words), "qzeros": zeros, "scales": scale.t().contiguous(),
+            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
+def _pack_columns(v: torch.Tensor, order: tuple[int, ...] = _AWQ_ORDER) -> torch.Tensor:
+    """uint8 [R, C] -> int32 [R, C / 8]: nibble i of word c holds column 8c + order[i]."""
+    cols = v.to(torch.int64).unflatten(1, (-1, 8))
+    return _int32(sum(cols[..., order[i]] << (4 * i) for i in range(8)))
+
+
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit values (int64) -> int32 with the same bits."""
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def random_quantized(fmt: Any, n: int, k: int, seed: int = 0, std: float = 0.05) -> tuple[QuantizedTensor,
+                                                                                          torch.Tensor]:
+    """A QuantizedTensor of format `fmt` quantizing a random normal [n, k] weight, and that weight."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * std
+    if isinstance(fmt, FP8Format):
+        from outrider.quant.checkpoint import FP8_MAX
+
+        rows, cols = fmt.scale_shape(n, k)
+        bk = fmt.block_k or k
+        tiles = torch.nn.functional.pad(w, (0, cols * bk - k, 0, rows * fmt.block_n - n)).view(
+            rows, fmt.block_n, cols, bk)
+        scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
+        full = scale.repeat_interleave(fmt.block_n, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        return QuantizedTensor(fmt, (n, k), (w / full).to(torch.float8_e4m3fn), scale.float()), w
+    if isinstance(fmt, Int4Format):
+        from outrider.quant.checkpoint import pack_int4
+
+        return pack_int4(fmt, *quantize_int4(w, fmt.group)), w
+    data = torch.from_numpy(quantize_gguf(w.numpy(), fmt.name))
+    return QuantizedTensor(fmt, (n, k), data), w
