@@ -110,8 +110,8 @@ class Engine:
         dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
         t0 = now()
         self.model_path = resolve_model_path(config.model)
-        self.model, self.model_config = preloaded or load_model(self.model_path, dtype=dtype, device=self.device,
-                                                                            rope=config.rope)
+        self.model, self.model_config = preloaded or load_model(
+            self.model_path, dtype=dtype, device=self.device, rope=config.rope, quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or self.model_path)
         if config.chat_template:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from outrider.layers.linear import MergedLinear
+from outrider.quant.dequant import fp8_scale_per_value
 from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format, QuantFormat
 from outrider.quant.layers import QuantizedEmbedding, QuantizedLinear
 from outrider.quant.weight import QuantizedTensor, QuantizedWeight
@@ -32,7 +33,7 @@ log = logging.getLogger("outrider.models")
 
 QUANTIZATION_CHOICES = ("fp8", "none")  # --quantization: quantize a dense checkpoint to FP8, or serve all dense
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's gemm packing: nibble i of a word holds column 8c + _AWQ_ORDER[i]
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's gemm packing: nibble i of a word holds column 8c + AWQ_ORDER[i]
 _DENSE_GGUF = ("F32", "F16", "BF16")
 
 
@@ -169,8 +170,8 @@ class QuantizedReader:
                 scale = scale.reshape(-1, 1).expand(w.shape[0], 1).contiguous()
             return QuantizedTensor(fmt, tuple(w.shape), w.view(torch.float8_e4m3fn), scale)
         if self.plan.method == "awq":
-            q = _unpack_columns(parts["qweight"], _AWQ_ORDER).t()  # [K, N] -> [N, K]
-            zero = _unpack_columns(parts["qzeros"], _AWQ_ORDER).t()
+            q = _unpack_columns(parts["qweight"], AWQ_ORDER).t()  # [K, N] -> [N, K]
+            zero = _unpack_columns(parts["qzeros"], AWQ_ORDER).t()
         else:
             q = _unpack_rows(parts["qweight"]).t()
             zero = _unpack_columns(parts["qzeros"], tuple(range(8))).t() + (0 if self.gptq_v2 else 1)
@@ -209,12 +210,17 @@ def pack_int4(fmt: Int4Format, q: torch.Tensor, zero: torch.Tensor, scale: torch
     return QuantizedTensor(fmt, (n, k), data.contiguous(), scale.contiguous(), zero.contiguous())
 
 
-def quantize_fp8(w: torch.Tensor) -> QuantizedTensor:
-    """A dense weight [N, K] -> FP8 with a float32 scale per output channel (row)."""
-    wf = w.float()
-    scale = (wf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    data = (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return QuantizedTensor(FP8Format(1, 0), tuple(w.shape), data, scale)
+def quantize_fp8(w: torch.Tensor, fmt: FP8Format = FP8Format(1, 0)) -> QuantizedTensor:
+    """A dense weight [N, K] -> FP8 with a float32 scale per fmt's tile (default: per output channel), each tile's
+    largest magnitude at FP8_MAX."""
+    n, k = w.shape
+    rows, cols = fmt.scale_shape(n, k)
+    bk = fmt.block_k or k
+    tiles = torch.nn.functional.pad(w.float(), (0, cols * bk - k, 0, rows * fmt.block_n - n)).view(
+        rows, fmt.block_n, cols, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    data = (w.float() / fp8_scale_per_value(fmt, scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedTensor(fmt, (n, k), data, scale)
 
 
 def install(model: nn.Module, plan: QuantPlan, tensors: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:

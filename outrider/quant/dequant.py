@@ -100,11 +100,14 @@ def dequantize_gguf(fmt: GGUFFormat, data: torch.Tensor) -> torch.Tensor:
     return _GGUF[fmt.name](blocks).flatten(-2)
 
 
+def fp8_scale_per_value(fmt: FP8Format, scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Scales [ceil(N/bn), ceil(K/bk)] -> each value's scale [N, K]."""
+    return scale.repeat_interleave(fmt.block_n, 0)[:n].repeat_interleave(fmt.block_k or k, 1)[:, :k]
+
+
 def dequantize_fp8(fmt: FP8Format, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float8 [N, K] and scales [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]."""
-    n, k = data.shape
-    full = scale.repeat_interleave(fmt.block_n, 0)[:n].repeat_interleave(fmt.block_k or k, 1)[:, :k]
-    return data.float() * full
+    return data.float() * fp8_scale_per_value(fmt, scale, *data.shape)
 
 
 def dequantize_int4(fmt: Int4Format, data: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

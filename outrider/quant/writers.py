@@ -10,16 +10,17 @@ smaller error; the layout, which is all a reader sees, is the same).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from outrider.quant.checkpoint import AWQ_ORDER, pack_int4, quantize_fp8
 from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format
 from outrider.quant.weight import QuantizedTensor
 
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + _AWQ_ORDER[i]
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -149,7 +150,7 @@ def pack_gptq(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: i
             "g_idx": (torch.arange(k) // group).to(torch.int32)}
 
 
-def _pack_columns(v: torch.Tensor, order: tuple[int, ...] = _AWQ_ORDER) -> torch.Tensor:
+def _pack_columns(v: torch.Tensor, order: tuple[int, ...] = AWQ_ORDER) -> torch.Tensor:
     """uint8 [R, C] -> int32 [R, C / 8]: nibble i of word c holds column 8c + order[i]."""
     cols = v.to(torch.int64).unflatten(1, (-1, 8))
     return _int32(sum(cols[..., order[i]] << (4 * i) for i in range(8)))
@@ -166,18 +167,123 @@ def random_quantized(fmt: Any, n: int, k: int, seed: int = 0, std: float = 0.05)
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * std
     if isinstance(fmt, FP8Format):
-        from outrider.quant.checkpoint import FP8_MAX
-
-        rows, cols = fmt.scale_shape(n, k)
-        bk = fmt.block_k or k
-        tiles = torch.nn.functional.pad(w, (0, cols * bk - k, 0, rows * fmt.block_n - n)).view(
-            rows, fmt.block_n, cols, bk)
-        scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(1e-12)
-        full = scale.repeat_interleave(fmt.block_n, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        return QuantizedTensor(fmt, (n, k), (w / full).to(torch.float8_e4m3fn), scale.float()), w
+        return quantize_fp8(w, fmt), w
     if isinstance(fmt, Int4Format):
-        from outrider.quant.checkpoint import pack_int4
-
         return pack_int4(fmt, *quantize_int4(w, fmt.group)), w
     data = torch.from_numpy(quantize_gguf(w.numpy(), fmt.name))
     return QuantizedTensor(fmt, (n, k), data), w
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------------------
+
+GGUF_MIXES = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
+              "q5_0": "Q5_0", "q5_1": "Q5_1"}  # llama.cpp's file types -> their base tensor type
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one between."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def gguf_tensor_type(mix: str, hf_name: str, layers: int) -> str:
+    """The type llama.cpp's quantizer gives a matrix in file type `mix`: the base type, the LM head in Q6_K (Q8_0
+    files keep Q8_0), and in the _M mixes v_proj and down_proj in Q6_K on the layers _more_bits picks."""
+    base = GGUF_MIXES[mix]
+    if hf_name == "lm_head.weight":
+        return "Q8_0" if base == "Q8_0" else "Q6_K"
+    if mix.endswith("_m") and hf_name.endswith(("v_proj.weight", "down_proj.weight")):
+        layer = int(hf_name.split(".")[2])
+        return "Q6_K" if _more_bits(layer, layers) else base
+    return base
+
+
+def checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for the model a config.json describes (built on the meta device)."""
+    from outrider.config import ModelConfig
+    from outrider.models.loader import checkpoint_layout
+    from outrider.models.registry import model_class
+
+    cfg = ModelConfig.from_dict(config)
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    return {name: tuple(slot.shape) for name, slot in checkpoint_layout(model).items()}
+
+
+def write_random_gguf(path: str | Path, config: dict[str, Any], mix: str, seed: int = 0) -> Path:
+    """A GGUF file of the model `config` describes (a Hugging Face config.json's fields), random weights in the
+    file type `mix` (GGUF_MIXES; norms in F32), no tokenizer."""
+    import gguf
+
+    from outrider.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(config)
+    arch = config["model_type"]
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    rng = np.random.default_rng(seed)
+    for hf_name, shape in checkpoint_shapes(config).items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+            continue
+        kind = gguf_tensor_type(mix, hf_name, cfg.num_hidden_layers)
+        writer.add_tensor(name, random_gguf_blocks(kind, *shape, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+def _projection(name: str) -> bool:
+    """A decoder layer's projection: what FP8, AWQ and GPTQ checkpoints quantize."""
+    return ".layers." in name and name.endswith("_proj.weight")
+
+
+def quantized_tensors(name: str, w: torch.Tensor, method: str, group: int = 128,
+                      block: tuple[int, int] = (128, 128)) -> dict[str, torch.Tensor]:
+    """One projection's tensors as a `method` checkpoint stores them ("fp8": block-wise scales, "awq", "gptq")."""
+    module = name.removesuffix(".weight")
+    if method == "fp8":
+        part = quantize_fp8(w, FP8Format(*block))
+        return {f"{module}.weight": part.data, f"{module}.weight_scale_inv": part.scale}
+    q, zero, scale = quantize_int4(w, group)
+    packed = pack_awq(q, zero, scale) if method == "awq" else pack_gptq(q, zero, scale, group)
+    return {f"{module}.{kind}": t for kind, t in packed.items()}
+
+
+def quantization_config(method: str, group: int = 128, block: tuple[int, int] = (128, 128)) -> dict[str, Any]:
+    """The quantization_config a `method` checkpoint's config.json carries."""
+    if method == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    config = {"quant_method": method, "bits": 4, "group_size": group}
+    return {**config, "version": "gemm", "zero_point": True} if method == "awq" else {**config, "desc_act": False,
+                                                                                    "sym": False}
+
+
+def write_quantized_checkpoint(config: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]], out: Path,
+                               method: str, group: int = 128) -> Path:
+    """A Hugging Face checkpoint of `method` ("fp8", "awq", "gptq") in `out`: config.json with its
+    quantization_config, the projections quantized and the other tensors as given."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    stored = {}
+    for name, w in tensors:
+        stored.update(quantized_tensors(name, w, method, group) if _projection(name) else {name: w})
+    stored = {n: t.contiguous() for n, t in stored.items()}
+    save_file(stored, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config(method,
+                                                                                                        group)}))
+    return out

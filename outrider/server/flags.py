@@ -86,6 +86,9 @@ MODEL = [
         negative=("--no-jinja",)),
     # outrider's own
     Opt(("--dtype",), "dtype", "OUTRIDER_DTYPE", str, "auto", "auto | float32 | float16 | bfloat16"),
+    Opt(("--quantization",), "quantization", "OUTRIDER_QUANTIZATION", str, None,
+        "fp8: quantize a dense checkpoint's projections to FP8 at load | none: dequantize a GGUF at load "
+        "(default: quantized weights stay quantized)"),
     Opt(("-dev", "--device"), "device", "OUTRIDER_DEVICE", str, "auto",
         "auto | cpu | cuda[:N], or llama-server's names: none (the CPU), CUDA0, CUDA1, ..."),
     Opt(("--rope-scaling",), "rope_scaling", "LLAMA_ARG_ROPE_SCALING_TYPE",
