@@ -7,12 +7,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The subset of an HF `config.json` that our decoder-only models need."""
+    """The subset of an HF `config.json` that our decoder-only models need: the fields all architectures share, then
+    those an architecture's config adapter sets (models/registry.py, Architecture.config)."""
 
     architecture: str
     vocab_size: int
@@ -27,8 +26,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    attention_bias: bool = False  # bias on the q/k/v projections
+    o_proj_bias: bool = False  # bias on the output projection
+    qk_norm: bool = False  # RMSNorm on q and k per head
+    # Per-layer kind, HF's `layer_types` ("full_attention", "sliding_attention", ...); () = all full attention.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a "sliding_attention" layer's query sees (its own included)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -39,19 +42,20 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        from outrider.models import registry  # (the registry's modules build models from this module's configs)
+
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        adapter = registry.by_hf_name(arch)
+        if adapter.text_config and "text_config" in cfg:  # a multimodal checkpoint: its decoder's keys
+            cfg = {**cfg, **cfg["text_config"], "architectures": archs}
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        is_qwen2 = arch == "Qwen2ForCausalLM"
         mtp_layers = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
-        return cls(
+        layer_types = _layer_types(cfg)
+        common = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -65,19 +69,43 @@ class ModelConfig:
             rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=_rope_scaling(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            o_proj_bias=bool(cfg.get("attention_bias", False)),
+            layer_types=layer_types,
+            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             mtp_num_hidden_layers=mtp_layers,
             raw=cfg,
         )
+        return replace(common, **adapter.config(cfg))
 
     @classmethod
     def from_path(cls, path: str | Path) -> "ModelConfig":
         with open(Path(path) / "config.json") as f:
             return cls.from_dict(json.load(f))
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers; the model has {self.num_hidden_layers}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window and self.sliding_window > 0):
+            raise ValueError("sliding_attention layers need sliding_window > 0")
+
+    def layer_type(self, layer_idx: int) -> str:
+        return self.layer_types[layer_idx] if self.layer_types else "full_attention"
+
+
+def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """HF's `layer_types`, or those of the older `use_sliding_window` / `max_window_layers` keys (Qwen2, Qwen3:
+    layers from max_window_layers on slide)."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    n = cfg["num_hidden_layers"]
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    return ()
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ import torch
 from outrider.config import EngineConfig
 from outrider.engine.engine import Engine
 from outrider.engine.request import Request
+from outrider.models.output import ForwardResult
 from outrider.params import SamplingParams
 from outrider.testing.checkpoints import write_tiny_checkpoint
 
@@ -41,7 +42,7 @@ def stub_engine(ckpt: Path, prefix_caching: bool, max_num_seqs: int, max_model_l
                                  num_kv_blocks=max_num_seqs * -(-max_model_len // 16) + 1))
     hidden = engine.model_config.hidden_size
     bank = torch.randn(bank_rows, engine.model_config.vocab_size, generator=torch.Generator().manual_seed(0))
-    engine.runner.forward_eager = lambda ids, pos, meta: torch.zeros(ids.shape[0], hidden)
+    engine.runner.forward_eager = lambda ids, pos, meta: ForwardResult(torch.zeros(ids.shape[0], hidden))
 
     def logits(h: torch.Tensor) -> torch.Tensor:  # rows of the bank in turn: cheap and deterministic
         start = engine.logits_offset % (bank.shape[0] - h.shape[0])

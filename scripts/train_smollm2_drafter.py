@@ -136,9 +136,9 @@ class TappedTarget(nn.Module):
         rows = [(list(range(b * per_row, (b + 1) * per_row)), 0, T) for b in range(B)]
         meta, positions = build_metadata(rows, self.BLOCK, self.device)
         with torch.autocast(self.device.type, enabled=False):  # the serving dtypes, whatever the caller's autocast
-            hidden = self.llama(ids.reshape(-1), positions, cache, meta, self.backend, self.taps)
-            normed = self.model.norm(hidden)
-        tapped = self.llama.aux_hidden.view(B, T, -1).split(cfg.hidden_size, dim=-1)
+            out = self.llama(ids.reshape(-1), positions, cache, meta, self.backend, self.taps)
+            normed = self.model.norm(out.hidden)
+        tapped = out.aux_hidden.view(B, T, -1).split(cfg.hidden_size, dim=-1)
         return normed.view(B, T, -1), list(tapped)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

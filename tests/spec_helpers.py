@@ -309,4 +309,4 @@ def check_hidden_rows_recompute_without_writing(model: Path, device: str) -> Non
     assert aux is None and all(torch.equal(a, b) for a, b in zip(before, cache))
     meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device(device))
     whole = engine.runner.forward_eager(torch.tensor(req.all_ids[:n], device=device), positions, meta)
-    torch.testing.assert_close(hidden, whole[len(prompt) :], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden, whole.hidden[len(prompt) :], atol=1e-4, rtol=1e-4)

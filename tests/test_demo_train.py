@@ -497,8 +497,9 @@ def test_smoke_eagle3_head_in_outrider_gives_the_script_models_logits_along_the_
     kv = KVCache.allocate(tcfg.num_hidden_layers, 16, block, tcfg.num_key_value_heads, tcfg.head_dim, torch.float32,
                           "cpu")
     meta, positions = metadata(0, T)
-    target_logits = target.compute_logits(target(ids, positions, kv, meta, backend, taps))
-    ctx = head.fc(target.aux_hidden)
+    out = target(ids, positions, kv, meta, backend, taps)
+    target_logits = target.compute_logits(out.hidden)
+    ctx = head.fc(out.aux_hidden)
 
     def logits(y):
         return head.lm_head(head.norm(y)).float()

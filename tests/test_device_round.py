@@ -160,7 +160,7 @@ def test_dflash_rounds_learn_the_context_the_host_path_learns(families):
     n = len(committed)
     assert n == int(dr.first.item())
     meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device("cpu"))
-    _, aux = engine.runner.forward_eager(torch.tensor(committed), positions, meta)
+    aux = engine.runner.forward_eager(torch.tensor(committed), positions, meta).aux_hidden
     kv = engine.drafter.kv
     slots = meta.slot_mapping
     learned = [layer.view(-1, *layer.shape[2:])[slots].clone() for layer in kv.k + kv.v]
@@ -197,7 +197,7 @@ def test_chain_heads_in_rounds_learn_and_draft_what_the_host_path_does(families,
     block = engine.pool.block_size
     meta, positions = build_metadata([(req.block_ids, 0, n)], block, torch.device("cpu"))
     target = engine.runner.forward_eager(torch.tensor(committed), positions, meta)
-    hidden, aux = target if isinstance(target, tuple) else (target, None)
+    hidden, aux = target.hidden, target.aux_hidden
     drafter, kv = engine.drafter, engine.drafter.kv
     learned = [layer.view(-1, *layer.shape[2:])[meta.slot_mapping].clone() for layer in kv.k + kv.v]
     rows, _ = build_metadata([(req.block_ids, p, 1) for p in range(n)], block, torch.device("cpu"))

@@ -32,6 +32,14 @@ CASES = {  # name -> write_tiny_checkpoint arguments
     "llama3-rope-tied": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0, "tie": True}),
     "qwen2": ("qwen2", {}),
     "qwen3-tied": ("qwen3", {"tie": True, "head_dim": 32}),
+    "phi3-longrope-window": ("phi3", {"extra_config": {
+        "sliding_window": 7, "original_max_position_embeddings": 8,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [1.0 + 2.0 * i for i in range(8)]}}}),
+}
+# Converted as another architecture's file: (write_tiny_checkpoint arguments, the architecture the file loads as).
+CONVERTED_AS = {
+    "mistral": (("mistral", {}), "LlamaForCausalLM"),
 }
 CORPUS = [
     "Hello, world! It's 2024 and we're testing 12345 tokens; 3.14159 isn't 22/7.",
@@ -74,6 +82,8 @@ def test_weights_equal_the_checkpoint_the_file_was_converted_from(converted, cas
     assert cfg.architecture == ref_cfg.architecture and cfg.tie_word_embeddings == ref_cfg.tie_word_embeddings
     assert (cfg.vocab_size, cfg.head_dim, cfg.num_key_value_heads) == (ref_cfg.vocab_size, ref_cfg.head_dim,
                                                                         ref_cfg.num_key_value_heads)
+    assert (cfg.layer_types, cfg.sliding_window) == (ref_cfg.layer_types, ref_cfg.sliding_window)
+    assert ours.model.layers[0].self_attn.scale == pytest.approx(ref.model.layers[0].self_attn.scale)
     got, want = ours.state_dict(), ref.state_dict()
     assert got.keys() == want.keys()
     for name in want:
@@ -117,9 +127,22 @@ def test_k_quants_load_as_gguf_dequantizes_them(tmp_path, quant):
         assert torch.equal(params[slot.param][slot.row:slot.row + slot.shape[0]], want), hf_name
 
 
-def test_greedy_generation_matches_the_checkpoint(converted):
+@pytest.mark.parametrize("case", ["mistral"])
+def test_a_file_converted_as_another_architecture_loads_as_it(tmp_path, case):
+    """Mistral files are `llama` files (llama.cpp's converter; no window): the weights as the checkpoint's."""
+    (arch, ck_args), loads_as = CONVERTED_AS[case]
+    ck = write_tiny_checkpoint(tmp_path / case, arch, **ck_args)
+    ours, cfg = load_model(write_gguf(ck, tmp_path / f"{case}.gguf"))
+    ref, _ = load_model(ck)
+    assert cfg.architecture == loads_as
+    got, want = ours.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("case", ["qwen3-tied", "phi3-longrope-window"])
+def test_greedy_generation_matches_the_checkpoint(converted, case):
     """Through the engine (tokens, KV cache, sampler): the file generates what its checkpoint generates."""
-    ck, path = converted("qwen3-tied", quant="F32")
+    ck, path = converted(case, quant="F32")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = [[1, 17, 99, 200, 7], list(range(30, 53))]
     want = [c.token_ids for c in LLM(str(ck)).generate(prompts, params)]

@@ -39,7 +39,7 @@ def _logits(model, cfg, ids):
                              seq_lens=torch.tensor([t], dtype=torch.int32),
                              block_tables=torch.arange(4, dtype=torch.int32)[None], max_query_len=t, max_seq_len=t)
     with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(t), kv, meta, TorchReferenceBackend()))
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(t), kv, meta, TorchReferenceBackend()).hidden)
 
 
 def test_loads_strict_eval_and_ties(tiny_checkpoint):

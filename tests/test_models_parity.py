@@ -10,21 +10,40 @@ import torch
 from outrider.attention import AttentionMetadata, KVCache
 from outrider.attention.torch_ref import TorchReferenceBackend
 from outrider.models import load_model
+from outrider.models.output import ForwardResult
 
 transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}
+
+
+def longrope(original: int) -> dict:
+    """Phi-3's LongRoPE over head_dim 16 (8 frequencies), distinct short and long divisors."""
+    return {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                             "long_factor": [1.0 + 2.0 * i for i in range(8)]},
+            "original_max_position_embeddings": original}
+
+
 CASES = {
     "llama": ("llama", {}),
     "llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
     "llama-tied-sharded": ("llama", {"tie": True, "shards": 2}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie": True}),
+    "qwen2-sliding-upper-layer": ("qwen2", {"extra_config": {"use_sliding_window": True, "sliding_window": 5,
+                                                             "max_window_layers": 1}}),
     "qwen3": ("qwen3", {"shards": 3}),
     "qwen3-tied": ("qwen3", {"tie": True, "head_dim": 32}),
+    "mistral": ("mistral", {}),
+    "mistral-sliding-window": ("mistral", {"extra_config": {"sliding_window": 6}}),
+    "phi3": ("phi3", {}),
+    "phi3-sliding-window-tied": ("phi3", {"tie": True, "extra_config": {"sliding_window": 7}}),
+    # The context is the original one: LongRoPE's short factors (transformers' choice for every sequence here).
+    "phi3-longrope-short": ("phi3", {"max_position_embeddings": 2048, "extra_config": longrope(2048)}),
 }
+
 PROMPTS = [[1, 17, 99, 200, 7], [1] + list(range(30, 53)), [42], [1, 300, 301, 302, 5, 6, 7, 8, 9, 10, 11]]
 
 
@@ -57,13 +76,13 @@ class Runner:
         return torch.tensor(ids), torch.tensor(pos), meta
 
     @torch.no_grad()
-    def hidden(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    def forward(self, chunks: list[list[int]], aux_layer_ids: tuple[int, ...] = ()) -> ForwardResult:
         ids, pos, meta = self.prepare(chunks)
         return self.model(ids, pos, self.kv, meta, self.backend, aux_layer_ids)
 
     def step(self, chunks: list[list[int]]) -> list[torch.Tensor]:
         """Run one ragged batch; return each chunk's logits [len, V]."""
-        logits = self.model.compute_logits(self.hidden(chunks))
+        logits = self.model.compute_logits(self.forward(chunks).hidden)
         bounds = [0, *itertools.accumulate(map(len, chunks))]
         return [logits[a:b] for a, b in zip(bounds, bounds[1:])]
 
@@ -120,10 +139,30 @@ def test_greedy_generation_matches_hf_generate(pair):
 def test_aux_hidden_is_the_cat_of_layer_outputs(pair):
     ours, cfg, hf = pair
     ids = PROMPTS[1]
-    hidden = Runner(ours, cfg, 1).hidden([ids], aux_layer_ids=(0, cfg.num_hidden_layers - 1))
-    aux = ours.aux_hidden
+    out = Runner(ours, cfg, 1).forward([ids], aux_layer_ids=(0, cfg.num_hidden_layers - 1))
+    hidden, aux = out.hidden, out.aux_hidden
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [i + 1] = output of layer i
     assert aux.shape == (len(ids), 2 * cfg.hidden_size)
     torch.testing.assert_close(aux[:, :cfg.hidden_size], ref[1][0], atol=1e-4, rtol=0)
     torch.testing.assert_close(aux[:, cfg.hidden_size:], hidden)
+
+
+def test_phi3_longrope_past_the_original_context_matches_hf(tiny_checkpoint):
+    """A context past the original one takes the long factors and the attention factor (sqrt(1 + ln 256 / ln 8));
+    transformers takes them for any sequence longer than the original context, as these prompts are."""
+    path = tiny_checkpoint("phi3", max_position_embeddings=2048, extra_config=longrope(8))
+    ours, cfg = load_model(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [p + [5] * max(0, 9 - len(p)) for p in PROMPTS]
+    for ids, logits in zip(prompts, Runner(ours, cfg, len(prompts)).step(prompts)):
+        torch.testing.assert_close(logits, hf_logits(hf, ids), atol=1e-4, rtol=0)
+    runner, outs, chunks = Runner(ours, cfg, 2), [[], []], prompts[:2]
+    for _ in range(12):
+        chunks = [[int(lg[-1].argmax())] for lg in runner.step(chunks)]
+        for out, chunk in zip(outs, chunks):
+            out += chunk
+    for ids, out in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert out == ref[0, len(ids):].tolist()

@@ -155,12 +155,12 @@ def test_a_packed_projection_with_a_dense_part_is_dequantized_whole(tiny):
     """A qkv whose v is not quantized cannot stay quantized: the module loads dense, its parts listed as
     dequantized (for the log)."""
     from outrider.config import ModelConfig
-    from outrider.models.registry import model_class
+    from outrider.models import registry
     from outrider.quant.checkpoint import make_plan
 
     cfg = ModelConfig.from_path(tiny["qwen3"])
     with torch.device("meta"):
-        meta = model_class(cfg)(cfg)
+        meta = registry.build_model(cfg)
     offered = {n: GGUF_FORMATS["Q8_0"] for n in checkpoint_shapes(json.loads(
         (tiny["qwen3"] / "config.json").read_text())) if n.endswith("_proj.weight") and "v_proj" not in n}
     plan = make_plan(meta, "gguf", offered)

@@ -87,27 +87,25 @@ class _FakeGraphs:
         return self.outputs
 
 
-def test_forward_replays_the_graph_that_fits_and_unpacks_its_outputs():
-    """Decode graphs return (hidden, [aux], logits), verify graphs (hidden, [aux]); steps no graph fits run eager."""
-    from types import SimpleNamespace
-
+def test_forward_replays_the_graph_that_fits():
+    """Decode graphs return hidden, [aux] and logits, verify graphs hidden and [aux]; steps no graph fits run
+    eager."""
     from outrider.engine.runner import ModelRunner, StepBatch
+    from outrider.models.output import ForwardResult
 
     hidden, aux, logits = torch.zeros(2, 4), torch.ones(2, 8), torch.full((2, 16), 2.0)
     for with_aux in (False, True):
-        model = SimpleNamespace(aux_hidden=aux)
         runner = ModelRunner.__new__(ModelRunner)
-        runner.model, runner.kv_cache, runner.backend = model, None, None
-        runner.aux_layer_ids = (1,) if with_aux else ()
-        model_out = (hidden + 5,) + ((aux,) if with_aux else ())
-        runner.forward_eager = lambda ids, pos, meta: model_out if with_aux else model_out[0]
-        decode = _FakeGraphs(1, (hidden, *((aux,) if with_aux else ()), logits))
-        verify = _FakeGraphs(3, (hidden, aux) if with_aux else hidden)
+        taps = aux if with_aux else None
+        runner.forward_eager = lambda ids, pos, meta: ForwardResult(hidden + 5, taps)
+        decode = _FakeGraphs(1, ForwardResult(hidden, taps, logits))
+        verify = _FakeGraphs(3, ForwardResult(hidden, taps))
         runner.graphs = [decode, verify]
         for q_lens, fits in (([1, 1], decode), ([3], verify), ([2, 1], None)):
             meta, pos = build_metadata([([1], 0, n) for n in q_lens], BS, torch.device("cpu"))
             ids = torch.zeros(sum(q_lens), dtype=torch.int64)
-            h, a, lg = runner.forward(StepBatch(ids, pos, meta, [], None))
+            out = runner.forward(StepBatch(ids, pos, meta, [], None))
+            h, a, lg = out.hidden, out.aux_hidden, out.logits
             assert torch.equal(h, hidden if fits else hidden + 5)
             assert (a is aux) if with_aux else a is None
             assert (lg is logits) if fits is decode else lg is None
@@ -124,9 +122,11 @@ def test_forward_decode_writes_logits_into_the_shared_buffer(tmp_path):
     meta, pos = build_metadata([([1], 3, 1), ([2], 5, 1)], 16, torch.device("cpu"))
     ids = torch.tensor([7, 9])
     with torch.inference_mode():
-        hidden, logits = runner.forward_decode(ids, pos, meta)
+        out = runner.forward_decode(ids, pos, meta)
+        hidden, logits = out.hidden, out.logits
         runner.decode_logits = torch.full((4, logits.shape[1]), float("nan"))
-        hidden2, shared = runner.forward_decode(ids, pos, meta)
+        out = runner.forward_decode(ids, pos, meta)
+        hidden2, shared = out.hidden, out.logits
     assert shared.data_ptr() == runner.decode_logits.data_ptr() and shared.shape == logits.shape
     assert torch.equal(shared, logits) and torch.equal(hidden2, hidden)
     assert runner.decode_logits[2:].isnan().all()

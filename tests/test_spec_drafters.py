@@ -69,8 +69,8 @@ class Loop:
         meta, positions = build_metadata([(r.block_ids, r.num_computed, len(f)) for r, f in zip(reqs, feeds)],
                                          BLOCK, "cpu")
         ids = torch.tensor([t for f in feeds for t in f])
-        hidden = self.model(ids, positions, self.kv, meta, self.backend, self.taps)
-        aux = self.model.aux_hidden
+        out = self.model(ids, positions, self.kv, meta, self.backend, self.taps)
+        hidden, aux = out.hidden, out.aux_hidden
         ends = list(itertools.accumulate(len(f) for f in feeds))
         ds = [drafts.get(r.request_id, []) for r in reqs]
         rows = [e - len(d) - 1 + j for e, d in zip(ends, ds) for j in range(len(d) + 1)]
@@ -186,8 +186,8 @@ def replay(loop, req):
     n = len(copy.all_ids) - 1  # every position but the last token has target rows
     with torch.inference_mode():
         meta, pos = build_metadata([(copy.block_ids, 0, n)], BLOCK, "cpu")
-        hidden = fresh.model(torch.tensor(copy.all_ids[:n]), pos, fresh.kv, meta, fresh.backend, fresh.taps)
-        fresh.drafter.on_commit([Commit(copy, 0, n)], hidden, fresh.model.aux_hidden)
+        out = fresh.model(torch.tensor(copy.all_ids[:n]), pos, fresh.kv, meta, fresh.backend, fresh.taps)
+        fresh.drafter.on_commit([Commit(copy, 0, n)], out.hidden, out.aux_hidden)
     copy.num_computed = n
     return fresh, copy
 

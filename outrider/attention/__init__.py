@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-The model's attention layers call `backend.forward(q, k, v, kv_cache, layer, meta, scale, rope)` and know nothing
-else. q and k arrive un-normed and un-roped, with `rope` saying how to prepare them, so that a backend can fuse
+The model's attention layers call `backend.forward(q, k, v, kv_cache, layer, meta, scale, rope, window)` and know
+nothing else. q and k arrive un-normed and un-roped, with `rope` saying how to prepare them, so that a backend can fuse
 that preparation with the KV store (the Triton backend does both in one kernel). `meta` is built once per step by
 the runner and passed explicitly (no module globals), so a GPU backend can keep it in static buffers for
 CUDA-graph capture.
@@ -87,12 +87,14 @@ class QKNormRope:
 
 class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, rope: QKNormRope, window: int = 0) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens, q and k not yet prepared -> out [T, Hq, D].
 
         Prepares q and k as rope.apply does, stores the prepared k and v into the cache at meta.slot_mapping
         (slot -1: skip), then attends each query over its sequence's cached context (causally unless
-        meta.causal is False). Rows may be strided views of a packed QKV output (last dim contiguous)."""
+        meta.causal is False). window > 0 (sliding-window attention): a query at position p sees only the keys at
+        positions p - window + 1 .. p; every key stays cached. Rows may be strided views of a packed QKV output
+        (last dim contiguous)."""
         ...
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,

@@ -36,7 +36,7 @@ class TorchReferenceBackend:
         store_kv(k, v, kv_cache, layer, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, rope: QKNormRope, window: int = 0) -> torch.Tensor:
         q, k = rope.apply(q, k)
         store_kv(k, v, kv_cache, layer, meta.slot_mapping)
         qsl = meta.query_start_loc_host or meta.query_start_loc.tolist()
@@ -53,9 +53,13 @@ class TorchReferenceBackend:
             ki = ck.to(q.dtype).repeat_interleave(n_rep, dim=1).transpose(0, 1)  # [Hq, ctx, D]
             vi = cv.to(q.dtype).repeat_interleave(n_rep, dim=1).transpose(0, 1)
             mask = None
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            k_pos = torch.arange(ctx_len, device=q.device)[None, :]
             if meta.causal:
-                q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-                mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
+                mask = k_pos <= q_pos
+            if window > 0:
+                in_window = k_pos > q_pos - window
+                mask = in_window if mask is None else mask & in_window
             o = F.scaled_dot_product_attention(qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
                                                attn_mask=mask, scale=scale)
             out[start:end] = o[0].transpose(0, 1)

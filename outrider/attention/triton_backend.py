@@ -20,12 +20,12 @@ class TritonAttentionBackend:
         compile_eager_variants(kv_cache.k[0], kv_cache.v[0], n_heads, max_seq_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                meta: AttentionMetadata, scale: float, rope: QKNormRope) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, rope: QKNormRope, window: int = 0) -> torch.Tensor:
         """Two kernels: one prepares q and k and writes k/v at meta.slot_mapping, then attention only reads."""
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         q = qk_norm_rope_store_kv(q, k, v, rope.positions, rope.inv_freq, rope.q_weight, rope.k_weight, rope.eps,
                                   k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale)
+        return paged_attention(q, k_cache, v_cache, meta, scale, window=window)
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
               meta: AttentionMetadata, rope: QKNormRope) -> None:

@@ -106,7 +106,7 @@ def fused(reporter: Reporter, device: torch.device, hidden=4096, inter=12288, n_
 
 
 def _gemm_shapes(name: str) -> dict[str, tuple[int, int]]:
-    """(N, K) of one decoder layer's projections, packed as in models/llama.py, and of the LM head."""
+    """(N, K) of one decoder layer's projections, packed as in models/decoder.py, and of the LM head."""
     c = RANDOM_MODELS[name]
     h, d = c["hidden_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d

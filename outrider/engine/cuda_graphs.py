@@ -8,6 +8,7 @@ bound the attention kernels size their split-KV grid from, so any shorter contex
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 from typing import Callable, Sequence
@@ -16,8 +17,10 @@ import torch
 
 from outrider.attention import AttentionMetadata
 from outrider.kernels import ops
+from outrider.models.output import ForwardResult
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor | tuple[torch.Tensor, ...]]
+Outputs = torch.Tensor | tuple[torch.Tensor, ...] | ForwardResult
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], Outputs]
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -29,8 +32,8 @@ def default_buckets(max_batch: int) -> list[int]:
 class CudaGraphRunner:
     """Captures `forward(input_ids, positions, meta)` per bucket; `run` replays the smallest bucket that fits.
 
-    forward returns a tensor (or tuple of tensors) whose first dim is the token count, e.g. a closure over
-    `model(ids, pos, kv_cache, meta, backend)`.
+    forward returns a tensor, a tuple of tensors or a ForwardResult (its fields None or tensors) whose first dim
+    is the token count, e.g. a closure over `model(ids, pos, kv_cache, meta, backend)`.
     """
 
     def __init__(self, forward: ForwardFn, *, max_batch: int, max_blocks_per_seq: int, max_seq_len: int,
@@ -51,8 +54,7 @@ class CudaGraphRunner:
         # Every bucket's query_start_loc is a prefix of the same arange: sequence i starts at i * q.
         self.query_start_loc = torch.arange(0, n_tok + 1, tokens_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, ...]] = {}
-        self._single: bool = True
+        self.outputs: dict[int, Outputs] = {}  # each bucket's static output buffers, as forward returned them
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -93,8 +95,7 @@ class CudaGraphRunner:
             graph.replay()
             if self.pool is None:
                 self.pool = graph.pool()
-            self._single = isinstance(out, torch.Tensor)
-            self.outputs[bs] = (out,) if self._single else tuple(out)
+            self.outputs[bs] = out
             self.graphs[bs] = graph
             if progress:
                 sys.stderr.write(f"\rcapturing CUDA graphs (q={self.q}): {i + 1}/{len(todo)} (batch {bs})   ")
@@ -116,7 +117,7 @@ class CudaGraphRunner:
                 and self.bucket_for(meta.num_seqs) is not None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, ...]:
+            meta: AttentionMetadata) -> Outputs:
         """Copy the step into the static buffers, pad, replay; returns views of the real rows, valid until the
         next replay of any graph in this memory pool (the engine's graphs share one)."""
         n_seq = meta.num_seqs
@@ -131,8 +132,17 @@ class CudaGraphRunner:
         width = meta.block_tables.shape[1]
         self.block_tables[:n_seq, :width].copy_(meta.block_tables, non_blocking=True)
         self.graphs[bs].replay()
-        outs = tuple(o[:n_tok] for o in self.outputs[bs])
-        return outs[0] if self._single else outs
+        return _rows(self.outputs[bs], n_tok)
+
+
+def _rows(out: Outputs, n: int) -> Outputs:
+    """Views of the first n rows of a graph's outputs, in the form forward returned them."""
+    if isinstance(out, torch.Tensor):
+        return out[:n]
+    if isinstance(out, ForwardResult):
+        return ForwardResult(*(None if t is None else t[:n] for t in
+                               (getattr(out, f.name) for f in dataclasses.fields(out))))
+    return tuple(o[:n] for o in out)
 
 
 # Batch sizes captured for verify steps: speculation pays at small batches, and each (batch, k) pair is a graph.

@@ -74,7 +74,7 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
         torch.cuda.reset_peak_memory_stats(device)
         meta, positions = build_metadata([(list(range(1, blocks + 1)), 0, tokens)], block_size, device)
         hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device), positions, cache, meta,
-                       get_backend(device), aux_layer_ids)
+                       get_backend(device), aux_layer_ids).hidden
         logits = model.compute_logits(hidden[-rows:])
         sampler = Sampler(mc.vocab_size, device)
         spec = RowSpec(SamplingParams(temperature=1.0, top_k=0, top_p=0.95, min_p=0.05, seed=0), seed=0, step=0)

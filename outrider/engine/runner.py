@@ -20,6 +20,7 @@ import torch
 from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, build_metadata, metadata_over, shifted_metadata
 from outrider.engine.cuda_graphs import CudaGraphRunner
+from outrider.models.output import ForwardResult
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
 from outrider.engine.request import Request, TokenLogprob
@@ -279,22 +280,17 @@ class ModelRunner:
                 and start + g.q <= g.max_seq_len]
         return min(fits) - n if fits else 0
 
-    def forward(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(hidden [T, H] pre-norm, aux_hidden [T, A] or None, logits [T, V] or None): a captured decode graph
-        also computes every row's logits; other steps leave them to the caller (it may need only some rows)."""
+    def forward(self, batch: StepBatch) -> ForwardResult:
+        """The step's forward; a captured decode graph also computes every row's logits, other steps leave them
+        None for the caller (it may need only some rows)."""
         graph = next((g for g in self.graphs if g.can_run(batch.meta)), None)
         if graph is not None:
-            out = graph.run(batch.input_ids, batch.positions, batch.meta)
-        else:
-            out = self.forward_eager(batch.input_ids, batch.positions, batch.meta)
-        out = (out,) if isinstance(out, torch.Tensor) else out
-        with_aux = bool(self.aux_layer_ids)
-        return out[0], (out[1] if with_aux else None), (out[1 + with_aux] if len(out) > 1 + with_aux else None)
+            return graph.run(batch.input_ids, batch.positions, batch.meta)
+        return self.forward_eager(batch.input_ids, batch.positions, batch.meta)
 
-    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata):
+    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> ForwardResult:
         """The model call: the hidden states, plus aux_hidden when a drafter reads them."""
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids)
-        return (hidden, self.model.aux_hidden) if self.aux_layer_ids else hidden
+        return self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids)
 
     @torch.inference_mode()
     def hidden_rows(self, spans: Sequence[Commit]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -306,16 +302,15 @@ class ModelRunner:
         meta = replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
         out = self.forward_eager(torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True), positions,
                                  meta)
-        return out if isinstance(out, tuple) else (out, None)
+        return out.hidden, out.aux_hidden
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
-        """What decode CUDA graphs capture: forward_eager's outputs and every row's logits (a decode step samples
+                       meta: AttentionMetadata) -> ForwardResult:
+        """What decode CUDA graphs capture: forward_eager's result with every row's logits (a decode step samples
         every row), so the final norm and LM head launch inside the graph too."""
         out = self.forward_eager(input_ids, positions, meta)
-        out = (out,) if isinstance(out, torch.Tensor) else out
         into = self.decode_logits[: input_ids.shape[0]] if self.decode_logits is not None else None
-        return (*out, self.model.compute_logits(out[0], out=into))
+        return replace(out, logits=self.model.compute_logits(out.hidden, out=into))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, feed: LaunchedStep | None = None, drafts_on_device: PendingDrafts | None = None,
@@ -338,7 +333,8 @@ class ModelRunner:
             step.reads_history = any(_reads_history(s.request) for s in plan.scheduled)
             return step
         batch = self.prepare(plan, feed, drafts_on_device)
-        hidden, aux, logits = self.forward(batch)
+        fwd = self.forward(batch)
+        hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
         step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device)
         if not batch.sampling:
@@ -365,7 +361,8 @@ class ModelRunner:
         owner = torch.tensor([i for i, c in enumerate(counts) for _ in range(c + 1)], dtype=torch.int64)
         meta, positions = shifted_metadata(meta, positions, round_.shift, owner.to(self.device, non_blocking=True),
                                            round_.max_shift, self.block_size)
-        hidden, aux, logits = self.forward(StepBatch(round_.input_ids, positions, meta, [], None))
+        fwd = self.forward(StepBatch(round_.input_ids, positions, meta, [], None))
+        hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
         if logits is None:
             logits = self.model.compute_logits(hidden)
         firsts = itertools.accumulate((c + 1 for c in counts), initial=0)

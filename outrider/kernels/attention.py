@@ -74,11 +74,12 @@ def _merge_rows(out_ptr, part_o_ptr, part_lse_ptr, first_row, n_rows, q_start, k
 
 
 # Per-step ints are not specialised on: a new batch width or token count must never trigger a recompile.
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_bt"])
+# window: sliding-window attention (0: none), a value rather than a variant, so windowed layers compile nothing more.
+@triton.jit(do_not_specialize=["num_splits", "num_tokens", "stride_bt", "window"])
 def _attn_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, arrivals_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_splits, num_tokens, stride_bt,
+    scale_log2, num_splits, num_tokens, stride_bt, window,
     GROUP: tl.constexpr, N_KV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr, PREFETCH_KEYS: tl.constexpr, MERGE_ROWS: tl.constexpr,
@@ -121,8 +122,12 @@ def _attn_kernel(
         kv_end = tl.minimum(ctx_start + last_tok + 1, seq_len)
     else:
         kv_end = seq_len
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, kv_end)
+    # A sliding window: keys before the tile's first query's window are skipped (their splits walk nothing), and
+    # the mask below drops those each row's window leaves out.
+    first_pos = ctx_start + (m_block * BLOCK_M) // GROUP
+    win = tl.where(window > 0, window, 1 << 30)
+    lo = tl.maximum(split * per_split, first_pos - win + 1)
+    hi = tl.minimum(split * per_split + per_split, kv_end)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
         # The keys before this step's are in the cache already (L2 is coherent, so prefetching the newest ones
@@ -158,7 +163,7 @@ def _attn_kernel(
         # V is loaded with K, before the softmax needs it: one memory round trip per tile, not two.
         v = tl.load(v_ptr + kv_off[:, None] + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
         qk = tl.dot(q, kt.to(q.dtype), input_precision=PRECISION) * scale_log2
-        mask = k_ok[None, :]
+        mask = k_ok[None, :] & (k_pos[None, :] + win > q_pos[:, None])
         if CAUSAL:
             mask = mask & (k_pos[None, :] <= q_pos[:, None])
         qk = tl.where(mask, qk, float("-inf"))
@@ -254,8 +259,9 @@ def plan_launch(num_seqs: int, n_kv_heads: int, group: int, max_query_len: int, 
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, Hq, D] over the paged cache [NB, page, Hkv, D] -> out [T, Hq, D] (q's dtype)."""
+                    scale: float, out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """q [T, Hq, D] over the paged cache [NB, page, Hkv, D] -> out [T, Hq, D] (q's dtype); window > 0: each query
+    sees the keys of its last `window` positions (AttentionBackend.forward)."""
     q = q.contiguous()  # no-op for the usual [T, Hq, D] projection output
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the paged KV cache must be contiguous [num_blocks, page, n_kv_heads, head_dim]")
@@ -283,7 +289,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_kernel[(meta.num_seqs, n_kv, plan.m_blocks * splits)](
         q, k_cache, v_cache, out, part_o, part_lse, arrivals,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, splits, t, meta.block_tables.stride(0),
+        scale * _LOG2E, splits, t, meta.block_tables.stride(0), window,
         GROUP=group, N_KV=n_kv, PAGE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, CAUSAL=bool(meta.causal), SPLIT=splits > 1,
         MIN_SPLIT=plan.min_split, PREFETCH_KEYS=MIN_SPLIT_KEYS, MERGE_ROWS=merge_rows, PRECISION=precision,

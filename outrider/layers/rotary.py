@@ -1,5 +1,5 @@
-"""Rotary position embedding (rotate-half layout) with the `default`, `linear` and `llama3` frequency rules, and
-explicit per-frequency divisors (`freq_factors`: GGUF files store Llama 3's rule as these)."""
+"""Rotary position embedding (rotate-half layout) with the `default`, `linear`, `llama3` and `longrope` (Phi-3)
+frequency rules, and explicit per-frequency divisors (`freq_factors`: GGUF files store Llama 3's rule as these)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         return inv_freq / scaling["factor"]
     if rope_type == "freq_factors":
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
+    if rope_type == "longrope":
+        return inv_freq / torch.tensor(_longrope_factors(scaling, max_position_embeddings), dtype=torch.float32,
+                                       device="cpu")
     if rope_type == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling.get("original_max_position_embeddings") or max_position_embeddings
@@ -30,7 +33,29 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, freq_factors")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3, longrope, "
+                     "freq_factors")
+
+
+def _longrope_factors(scaling: dict[str, Any], max_position_embeddings: int) -> list[float]:
+    """LongRoPE's per-frequency divisors: the long ones for a context past the original one, else the short ones.
+    Chosen once for the model's context (llama.cpp's rule): a paged KV cache cannot re-rotate its keys when a
+    sequence crosses the original length, as transformers does per forward."""
+    long = max_position_embeddings > scaling["original_max_position_embeddings"]
+    return scaling["long_factor" if long else "short_factor"]
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None, max_position_embeddings: int) -> float:
+    """The factor a RoPE rule scales cos and sin by (HF's attention_factor; 1.0 for plain RoPE). Both q and k carry
+    it, so attention scores scale by its square: the attention scale takes it, the rotation stays a rotation."""
+    scaling = scaling or {}
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    original = scaling["original_max_position_embeddings"]  # LongRoPE's default, as transformers computes it
+    factor = scaling.get("factor") or max_position_embeddings / original
+    return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
 
 
 class RotaryEmbedding(nn.Module):

@@ -14,7 +14,7 @@ import functools
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,16 +22,15 @@ from typing import Any
 import torch
 
 from outrider.config import ModelConfig
+from outrider.models import registry
 
 log = logging.getLogger("outrider.models")
 
-# general.architecture -> our architecture name
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,bias}
+_LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,bias}; architectures add theirs
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
@@ -39,6 +38,7 @@ _LAYER_NAMES = {  # blk.N.<key>.{weight,bias} -> model.layers.N.<value>.{weight,
 }
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency factors, read into the config
+CONFIG_TENSORS = "rope_"  # RoPE factors (rope_freqs, Phi-3's rope_factors_long/short): config, not weights
 # general.file_type -> the dtype the weights were stored in before quantization, for dtype "auto"
 _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
@@ -126,11 +126,12 @@ def _open(files: tuple[Path, ...], stamps: tuple[int, ...]) -> GGUFCheckpoint:
 
 
 def model_config(ck: GGUFCheckpoint) -> ModelConfig:
-    """The ModelConfig of a llama, qwen2 or qwen3 GGUF (others are refused by name)."""
+    """The ModelConfig of a GGUF file whose architecture is registered (others are refused by name)."""
     arch = ck.arch
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} ({ck.name}) is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)}")
+    try:
+        adapter = registry.by_gguf_name(arch)
+    except ValueError as e:
+        raise ValueError(f"{e} ({ck.name})") from None
 
     def hparam(key: str, default: Any = None) -> Any:
         value = ck.value(f"{arch}.{key}", default)
@@ -143,7 +144,7 @@ def model_config(ck: GGUFCheckpoint) -> ModelConfig:
     eos = [i for k in ("eos_token_id", "eot_token_id", "eom_token_id")
            if (i := ck.value(f"tokenizer.ggml.{k}")) is not None]
     config = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [adapter.hf_names[0]],
         "vocab_size": int(ck.tensors["token_embd.weight"].shape[1]),  # ggml lists dimensions innermost first
         "hidden_size": hidden,
         "intermediate_size": hparam("feed_forward_length"),
@@ -157,6 +158,7 @@ def model_config(ck: GGUFCheckpoint) -> ModelConfig:
         "rope_scaling": _rope_scaling(ck),
         "tie_word_embeddings": "output.weight" not in ck.tensors,
         "attention_bias": "blk.0.attn_q.bias" in ck.tensors,
+        **(adapter.gguf_config(hparam, functools.partial(_values, ck)) if adapter.gguf_config else {}),
         "torch_dtype": _FILE_DTYPES.get(ck.value("general.file_type"), "bfloat16"),
         "bos_token_id": ck.value("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
@@ -164,11 +166,15 @@ def model_config(ck: GGUFCheckpoint) -> ModelConfig:
     return ModelConfig.from_dict(config)
 
 
+def _values(ck: GGUFCheckpoint, name: str) -> list[float] | None:
+    return _dequantize(ck.tensors[name]).reshape(-1).tolist() if name in ck.tensors else None
+
+
 def _rope_scaling(ck: GGUFCheckpoint) -> dict[str, Any] | None:
     """Llama 3's frequency factors (a tensor in GGUF), or the scaling the metadata names; unknown kinds are left
     for the model to refuse by name."""
     if ROPE_FREQS in ck.tensors:
-        return {"rope_type": "freq_factors", "factors": _dequantize(ck.tensors[ROPE_FREQS]).tolist()}
+        return {"rope_type": "freq_factors", "factors": _values(ck, ROPE_FREQS)}
     kind = ck.value(f"{ck.arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -186,11 +192,13 @@ class HFTensor:
     source: str  # the GGUF tensor and file, for messages
     ggml: Any  # gguf.ReaderTensor
     unpermute_heads: int = 0  # Llama q/k: the converter interleaved each head's rotary halves (0: as stored)
+    convert: Callable[[torch.Tensor], torch.Tensor] | None = None  # the architecture's gguf_tensor, if any
 
     def read(self) -> torch.Tensor:
         w = _dequantize(self.ggml).reshape(self.shape)
         w = torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are views of the read-only map
-        return unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
+        w = unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
+        return self.convert(w) if self.convert else w
 
     def read_quantized(self) -> torch.Tensor:
         """The blocks as stored: uint8 [rows, bytes per row], rows in Hugging Face's order."""
@@ -205,19 +213,21 @@ def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
         found = ", ".join(f"{q} ({n} tensors)" for q, n in unsupported.items())
         raise ValueError(f"GGUF {ck.name} has quant types outrider cannot load: {found}; supported: "
                          f"{', '.join(QUANT_TYPES)}")
-    llama = cfg.architecture == ARCHITECTURES["llama"]
+    arch = registry.of(cfg)
+    layer_names = {**_LAYER_NAMES, **arch.gguf_layer_tensors}
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     for name, t in ck.tensors.items():
-        if name == ROPE_FREQS:
+        if name.startswith(CONFIG_TENSORS):
             continue
         layer = _LAYER_TENSOR.match(name)
-        if layer and layer[2] in _LAYER_NAMES:
-            hf_name = f"model.layers.{layer[1]}.{_LAYER_NAMES[layer[2]]}.{layer[3]}"
+        if layer and layer[2] in layer_names:
+            hf_name = f"model.layers.{layer[1]}.{layer_names[layer[2]]}.{layer[3]}"
         else:
             hf_name = _GLOBAL_NAMES.get(name, f"<GGUF tensor {name}>")  # the loader refuses names it does not know
         shape = tuple(int(d) for d in reversed(t.shape))
-        unpermute = heads.get(layer[2], 0) if llama and layer else 0
-        yield HFTensor(hf_name, shape, f"{name} in {ck.tensor_files[name]}", t, unpermute)
+        unpermute = heads.get(layer[2], 0) if arch.gguf_permutes_qk and layer else 0
+        convert = functools.partial(arch.gguf_tensor, hf_name, cfg=cfg) if arch.gguf_tensor else None
+        yield HFTensor(hf_name, shape, f"{name} in {ck.tensor_files[name]}", t, unpermute, convert)
 
 
 def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -15,8 +15,7 @@ import torch
 
 from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
-from outrider.models import gguf
-from outrider.models.registry import model_class
+from outrider.models import gguf, registry
 from outrider.quant import checkpoint as quant
 
 log = logging.getLogger("outrider.models")
@@ -103,14 +102,15 @@ class CheckpointSlot(NamedTuple):
     shape: torch.Size
 
 
-def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
+def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str, CheckpointSlot]:
     """Hugging Face tensor name -> its slot, for every parameter: a packed MergedLinear tensor (e.g.
-    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order."""
+    self_attn.qkv_proj.weight) is filled from its parts (self_attn.q_proj.weight, ...) stacked in order, or, where
+    the checkpoint stores it `packed` as we do (Phi-3), read whole."""
     layout = {}
     for name, p in model.named_parameters():  # a tied lm_head is not listed
         module_name, _, kind = name.rpartition(".")
         module = model.get_submodule(module_name)
-        if not isinstance(module, MergedLinear):
+        if packed or not isinstance(module, MergedLinear):
             layout[name] = CheckpointSlot(name, 0, p.shape)
             continue
         parent, row = module_name.rpartition(".")[0], 0
@@ -120,8 +120,8 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, CheckpointSlot]:
     return layout
 
 
-def quant_plan(model: torch.nn.Module, checkpoint: gguf.GGUFCheckpoint | None, cfg: ModelConfig, path: Path,
-               quantization: str | None) -> quant.QuantPlan:
+def quant_plan(model: torch.nn.Module, arch: registry.Architecture, checkpoint: gguf.GGUFCheckpoint | None,
+               cfg: ModelConfig, path: Path, quantization: str | None) -> quant.QuantPlan:
     """Which weights stay quantized (outrider.quant.checkpoint): the checkpoint's own quantization, FP8 made at
     load time (`quantization` "fp8"), or none ("none": a GGUF dequantized whole at load time)."""
     if quantization not in (None, *quant.QUANTIZATION_CHOICES):
@@ -129,11 +129,13 @@ def quant_plan(model: torch.nn.Module, checkpoint: gguf.GGUFCheckpoint | None, c
     if checkpoint:
         if quantization == "fp8":
             raise ValueError(f"--quantization fp8 quantizes a dense checkpoint; {checkpoint.name} is a GGUF file")
-        return quant.QuantPlan("") if quantization == "none" else quant.gguf_plan(model, gguf.hf_tensors(checkpoint,
-                                                                                                            cfg))
+        if quantization == "none":
+            return quant.QuantPlan("")
+        return quant.gguf_plan(model, gguf.hf_tensors(checkpoint, cfg), arch.packed_projections)
     if quantization == "none" and quant.quantization_config(path):
         raise ValueError(f"{path} is a quantized checkpoint: --quantization none applies to GGUF files only")
-    return quant.hf_plan(model, path, {t.name: t.shape for t in safetensors_tensors(path)}, quantization)
+    names = {arch.checkpoint_name(t.name): t.shape for t in safetensors_tensors(path)}
+    return quant.hf_plan(model, path, names, quantization, arch.packed_projections)
 
 
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
@@ -150,30 +152,36 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         cfg = rope.apply(cfg)
     device = torch.device(device)
     dtype = resolve_dtype(dtype, cfg, device)
+    arch = registry.of(cfg)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
-        model = model_class(cfg)(cfg)
-    plan = quant_plan(model, checkpoint, cfg, path, quantization)
+        model = arch.model(cfg)
+    plan = quant_plan(model, arch, checkpoint, cfg, path, quantization)
     reader = quant.QuantizedReader(plan, gptq_v2=(quant.quantization_config(path) or {}).get(
         "checkpoint_format") == "gptq_v2")
-    layout = {n: slot for n, slot in checkpoint_layout(model).items() if n not in plan.formats}
+    layout = {n: slot for n, slot in checkpoint_layout(model, arch.packed_projections).items()
+              if n not in plan.formats}
     # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
     params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()
               if name.rpartition(".")[0] not in plan.modules or not name.endswith(".weight")}
     loaded = set()
     for t in gguf.hf_tensors(checkpoint, cfg) if checkpoint else safetensors_tensors(path):
-        if reader.take(t):
+        name = arch.checkpoint_name(t.name)
+        if reader.take(t, name):
             continue
-        if t.name not in layout:
-            if t.name.startswith(MTP_PREFIXES) or t.name.endswith(_IGNORED_SUFFIXES) or (
-                    t.name == "lm_head.weight" and cfg.tie_word_embeddings):
+        if name not in layout:
+            if name.startswith(MTP_PREFIXES + arch.ignored_prefixes) or name.endswith(_IGNORED_SUFFIXES) or (
+                    name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in {t.source} for {cfg.architecture}")
-        slot = layout[t.name]
+        slot = layout[name]
         if t.shape != tuple(slot.shape):
             raise ValueError(f"shape mismatch for {t.name!r}: expected {tuple(slot.shape)}, got {t.shape} in "
                              f"{t.source}")
-        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(t.read())
-        loaded.add(t.name)
+        value = t.read()
+        if arch.from_checkpoint and not checkpoint:  # (GGUF tensors are converted by models/gguf.py)
+            value = arch.from_checkpoint(name, value)
+        params[slot.param][slot.row:slot.row + t.shape[0]].copy_(value)
+        loaded.add(name)
     missing = [n for n in layout if n not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -47,11 +47,12 @@ class QuantPlan:
     dequantized: dict[str, str] = field(default_factory=dict)  # quantized weight left dense -> its format's name
 
 
-def _targets(model: nn.Module) -> dict[str, tuple[list[str], list[int], int]]:
-    """Swappable modules: name -> (checkpoint weight names, their rows, K)."""
+def _targets(model: nn.Module, packed: bool) -> dict[str, tuple[list[str], list[int], int]]:
+    """Swappable modules: name -> (checkpoint weight names, their rows, K). `packed`: the checkpoint stores packed
+    projections whole (registry.Architecture.packed_projections)."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, MergedLinear):
+        if isinstance(m, MergedLinear) and not packed:
             parent = name.rpartition(".")[0]
             prefix = f"{parent}." if parent else ""
             out[name] = ([f"{prefix}{p}.weight" for p in m.parts], list(m.parts.values()), m.in_features)
@@ -63,11 +64,11 @@ def _targets(model: nn.Module) -> dict[str, tuple[list[str], list[int], int]]:
 
 
 def make_plan(model: nn.Module, method: str, offered: dict[str, QuantFormat],
-              dequantized: dict[str, str] | None = None) -> QuantPlan:
+              dequantized: dict[str, str] | None = None, packed: bool = False) -> QuantPlan:
     """The modules whose weights are all `offered` (and storable in their format) stay quantized; offered weights
     of other modules join `dequantized`."""
     formats, modules, left = {}, {}, dict(dequantized or {})
-    for name, (weights, rows, k) in _targets(model).items():
+    for name, (weights, rows, k) in _targets(model, packed).items():
         if weights and all(w in offered and offered[w].supports(r, k) for w, r in zip(weights, rows)):
             if isinstance(model.get_submodule(name), nn.Embedding) and offered[weights[0]].kind != "gguf":
                 continue
@@ -77,17 +78,17 @@ def make_plan(model: nn.Module, method: str, offered: dict[str, QuantFormat],
     return QuantPlan(method if formats else "", formats, modules, left)
 
 
-def gguf_plan(model: nn.Module, tensors: Iterable[Any]) -> QuantPlan:
-    """GGUF: the tensors (gguf.HFTensor) of the served types stay quantized; matrices of other quantized types
-    are dequantized."""
+def gguf_plan(model: nn.Module, tensors: Iterable[Any], packed: bool = False) -> QuantPlan:
+    """GGUF: the tensors (gguf.HFTensor) of the served types stay quantized, unless the architecture converts
+    their values on load (registry.Architecture.gguf_tensor); other quantized ones are dequantized."""
     offered, other = {}, {}
     for t in tensors:
         kind = t.ggml.tensor_type.name
-        if len(t.shape) == 2 and kind in GGUF_FORMATS:
+        if len(t.shape) == 2 and kind in GGUF_FORMATS and t.convert is None:
             offered[t.name] = GGUF_FORMATS[kind]
         elif kind not in _DENSE_GGUF:
             other[t.name] = kind
-    return make_plan(model, "gguf", offered, other)
+    return make_plan(model, "gguf", offered, other, packed)
 
 
 def quantization_config(path: Path) -> dict[str, Any] | None:
@@ -95,14 +96,17 @@ def quantization_config(path: Path) -> dict[str, Any] | None:
     return json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
 
 
-def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], quantization: str | None) -> QuantPlan:
-    """A Hugging Face checkpoint (its tensor names -> shapes): per its quantization_config, or quantized at load."""
+def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], quantization: str | None,
+            packed: bool = False) -> QuantPlan:
+    """A Hugging Face checkpoint (its tensor names, as our model names them -> shapes): per its
+    quantization_config, or quantized at load. Quantized weights skip the architecture's from_checkpoint (which
+    converts norms and other dense tensors)."""
     qc = quantization_config(path)
     if qc is None:
         if quantization != "fp8":
             return QuantPlan("")
         offered = {n: FP8Format(1, 0) for n, shape in names.items() if n.endswith(".weight") and len(shape) == 2}
-        plan = make_plan(model, "fp8-at-load", offered)
+        plan = make_plan(model, "fp8-at-load", offered, packed=packed)
         # Only projections: the embedding and LM head stay as they are, as vLLM's fp8 does.
         modules = {m: w for m, w in plan.modules.items() if m != "lm_head" and not m.endswith("embed_tokens")}
         return QuantPlan(plan.method, {w: plan.formats[w] for ws in modules.values() for w in ws}, modules)
@@ -114,7 +118,7 @@ def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], qua
             if n.endswith(".weight_scale_inv") or n.endswith(".weight_scale"):
                 weight = n.rsplit(".", 1)[0] + ".weight"
                 offered[weight] = FP8Format(*block) if block and n.endswith("_inv") else FP8Format(1, 0)
-        return make_plan(model, "fp8", offered)
+        return make_plan(model, "fp8", offered, packed=packed)
     if method in ("awq", "gptq"):
         if qc.get("bits", 4) != 4:
             raise ValueError(f"{path}: {method} with {qc.get('bits')} bits; outrider serves 4-bit {method}")
@@ -122,7 +126,7 @@ def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], qua
             raise ValueError(f"{path}: AWQ version {qc.get('version')!r}; outrider reads AWQ's gemm packing")
         fmt = Int4Format(int(qc.get("group_size", 128)), method.upper())
         offered = {n.removesuffix(".qweight") + ".weight": fmt for n in names if n.endswith(".qweight")}
-        return make_plan(model, method, offered)
+        return make_plan(model, method, offered, packed=packed)
     raise ValueError(f"{path}: quantization_config.quant_method {method!r} is not supported; outrider serves fp8, "
                      "awq and gptq checkpoints")
 
@@ -137,11 +141,12 @@ class QuantizedReader:
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.done: dict[str, QuantizedTensor] = {}
 
-    def take(self, t: Any) -> bool:
-        """Whether tensor `t` (gguf.HFTensor or loader.SafetensorsTensor) belongs to a planned weight (now read)."""
+    def take(self, t: Any, name: str) -> bool:
+        """Whether tensor `t` (gguf.HFTensor or loader.SafetensorsTensor; `name` in our model) belongs to a planned
+        weight (now read)."""
         if not self.plan.formats:
             return False
-        module, _, kind = t.name.rpartition(".")
+        module, _, kind = name.rpartition(".")
         weight = f"{module}.weight"
         fmt = self.plan.formats.get(weight)
         if fmt is None or kind == "bias":

@@ -200,13 +200,14 @@ def gguf_tensor_type(mix: str, hf_name: str, layers: int) -> str:
 def checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape, for the model a config.json describes (built on the meta device)."""
     from outrider.config import ModelConfig
+    from outrider.models import registry
     from outrider.models.loader import checkpoint_layout
-    from outrider.models.registry import model_class
 
     cfg = ModelConfig.from_dict(config)
+    arch = registry.of(cfg)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    return {name: tuple(slot.shape) for name, slot in checkpoint_layout(model).items()}
+        model = arch.model(cfg)
+    return {name: tuple(slot.shape) for name, slot in checkpoint_layout(model, arch.packed_projections).items()}
 
 
 def write_random_gguf(path: str | Path, config: dict[str, Any], mix: str, seed: int = 0) -> Path:

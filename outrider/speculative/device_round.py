@@ -148,7 +148,7 @@ class DeviceRound:
         k, runner = self.k, self.runner
         meta, positions = uniform_metadata_on_device(self.first, k + 1, self.table, runner.block_size)
         out = runner.forward_eager(self.ids, positions, meta)
-        hidden, aux = out if isinstance(out, tuple) else (out, None)
+        hidden, aux = out.hidden, out.aux_hidden
         greedy = runner.model.compute_logits(hidden).argmax(dim=-1)
         # m: the drafts that equal the target's greedy token before them, up to the first that does not.
         m = (self.ids[1:] == greedy[:-1]).to(torch.int64).cumprod(0).sum(0, keepdim=True)

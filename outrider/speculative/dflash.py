@@ -27,7 +27,7 @@ from outrider.attention.metadata import build_metadata, shifted_metadata, unifor
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
-from outrider.models.llama import DecoderLayer
+from outrider.models.registry import decoder_layer
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, Proposals, StagedDrafts, TargetView, VerifiedRows,
                                          block_capacity, greedy_drafts, row_seqs, stage_drafts)
@@ -55,7 +55,7 @@ class DFlashModel(nn.Module):
         super().__init__()
         self.fc = nn.Linear(context_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -73,7 +73,7 @@ class DraftModelDrafter:
         if self.graphs is not None and self.graphs.can_run(meta):  # one token per row: every row is last
             logits = self.graphs.run(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+            hidden = self.model(input_ids, positions, self.kv, meta, self.backend).hidden
             last = torch.tensor(meta.query_start_loc_host[1:]).to(self.device, non_blocking=True) - 1
             logits = self.model.compute_logits(hidden.index_select(0, last))
         tokens, conf = greedy_drafts(logits, self.vocab_size)
@@ -91,7 +91,7 @@ class DraftModelDrafter:
         p + m, p + m + 1 (its logits give d_1), then chain d_2 .. d_k."""
         tokens = torch.cat([verdict.inputs.index_select(0, verdict.accepted), verdict.bonus])
         meta, positions = uniform_metadata_on_device(verdict.first - 1, 2, table, self.block_size)
-        hidden = self.model(tokens, positions, self.kv, meta, self.backend)
+        hidden = self.model(tokens, positions, self.kv, meta, self.backend).hidden
         drafts, _ = greedy_drafts(self.model.compute_logits(hidden[1:]), self.vocab_size)
         if k == 1:
             return drafts
@@ -101,7 +101,7 @@ class DraftModelDrafter:
     def _chain_step(self, tokens: torch.Tensor, state: None, positions: torch.Tensor,
                     meta) -> tuple[None, torch.Tensor, torch.Tensor]:
         """A draft after the first: feed the previous one (DeviceChain's step)."""
-        hidden = self.model(tokens, positions, self.kv, meta, self.backend)
+        hidden = self.model(tokens, positions, self.kv, meta, self.backend).hidden
         return (None, *greedy_drafts(self.model.compute_logits(hidden), self.vocab_size))
 
     @torch.inference_mode()
@@ -144,7 +144,7 @@ class DraftModelDrafter:
         self.chain.capture(max_batch, max_model_len, self.max_draft - 1, pool)
 
     def _decode_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, self.kv, meta, self.backend)
+        hidden = self.model(input_ids, positions, self.kv, meta, self.backend).hidden
         into = self._logits[: input_ids.shape[0]] if self._logits is not None else None
         return self.model.compute_logits(hidden, out=into)
 

@@ -32,7 +32,7 @@ from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
-from outrider.models.llama import Attention
+from outrider.models.registry import decoder_layer
 from outrider.speculative.chain import ChainDrafter
 from outrider.speculative.drafter import TargetView, greedy_drafts
 
@@ -70,7 +70,7 @@ class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, norm_before_residual: bool) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.self_attn = Attention(cfg, 0)
+        self.self_attn = decoder_layer(cfg, 0).self_attn
         attn = self.self_attn
         attn.qkv_proj = MergedLinear(2 * h, attn.qkv_proj.parts, bias=cfg.attention_bias)
         self.mlp = GatedMLP(h, cfg.intermediate_size)

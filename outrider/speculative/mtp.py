@@ -18,7 +18,7 @@ from outrider.config import ModelConfig
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
-from outrider.models.llama import DecoderLayer
+from outrider.models.registry import decoder_layer
 from outrider.speculative.chain import ChainDrafter
 from outrider.speculative.drafter import TargetView, greedy_drafts
 
@@ -34,7 +34,7 @@ class QwenMTP(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
+        self.layers = nn.ModuleList([decoder_layer(cfg, 0)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def fuse(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -45,14 +45,20 @@ class QwenMTP(nn.Module):
         return self.norm(self.layers[0](self.fuse(emb, hidden), positions, rotary, kv, meta, backend))
 
 
-class MiMoMTP(DecoderLayer):
+class MiMoMTP(nn.Module):
     """A decoder layer wrapped as x = input_proj([hidden_layernorm(h), token_layernorm(emb)]) (hidden first);
     y = final_layernorm(layer(x))."""
 
     prefix = "model.mtp_layers.0."
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__(cfg, 0)
+        super().__init__()
+        layer = decoder_layer(cfg, 0)
+        # The layer's modules sit beside the head's own in the checkpoint (self_attn, mlp, ... unprefixed): they are
+        # registered here, and the layer, which shares them, runs them.
+        for name, child in layer.named_children():
+            self.add_module(name, child)
+        self.layer = layer.forward
         h = cfg.hidden_size
         self.token_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -64,7 +70,7 @@ class MiMoMTP(DecoderLayer):
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv: KVCache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        return self.final_layernorm(super().forward(self.fuse(emb, hidden), positions, rotary, kv, meta, backend))
+        return self.final_layernorm(self.layer(self.fuse(emb, hidden), positions, rotary, kv, meta, backend))
 
 
 LAYOUTS = {"qwen": QwenMTP, "mimo": MiMoMTP}

@@ -10,14 +10,9 @@ from typing import Any
 import torch
 
 from outrider.config import ModelConfig
+from outrider.models import registry
 from outrider.models.loader import checkpoint_layout
-from outrider.models.registry import model_class
 
-_ARCHS = {  # short name -> (architecture, model_type)
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-}
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 DEFAULT_VOCAB_SIZE = 512
 
@@ -31,9 +26,9 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
                           extra_config: dict[str, Any] | None = None,
                           extra_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json, generation_config.json, safetensors (sharded when shards > 1) and, with `tokenizer`,
-    the tiny tokenizer into `path`. `extra_config`/`extra_tensors` add e.g. MTP fields and weights."""
-    if arch not in _ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; one of {', '.join(_ARCHS)}")
+    the tiny tokenizer into `path`. `arch` is a registered architecture's short name (models/registry.py);
+    `extra_config`/`extra_tensors` add e.g. MTP fields and weights."""
+    adapter = registry.by_name(arch)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     bos, eos = None, None
@@ -46,11 +41,10 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
         vocab_size = vocab_size or n_tokens
         bos, eos = _special_token_ids(path)
     vocab_size = vocab_size or DEFAULT_VOCAB_SIZE
-    architecture, model_type = _ARCHS[arch]
     head_dim = head_dim or hidden_size // heads
     config = {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [adapter.hf_names[0]],
+        "model_type": adapter.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size or 2 * hidden_size,
@@ -72,12 +66,7 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
         "torch_dtype": _DTYPE_NAMES[dtype],
         "transformers_version": "4.51.0",  # the transformers-4 layout most hub checkpoints still have
     }
-    if arch == "llama":
-        config.update(mlp_bias=False, pretraining_tp=1)
-    else:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=layers)
-    if arch != "qwen2":  # Qwen2 hard-codes its q/k/v biases; Llama and Qwen3 read the flag
-        config["attention_bias"] = False
+    config.update(adapter.tiny_config)
     config.update(extra_config or {})
     _write_json(path / "config.json", config)
     _write_json(path / "generation_config.json",
@@ -91,10 +80,10 @@ def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Ten
     """Random float32 weights under HF names, scaled so tiny models give varied, well-separated greedy tokens."""
     cfg = ModelConfig.from_dict(config)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+        model = registry.build_model(cfg)
     gen = torch.Generator().manual_seed(seed)
     out = {}
-    for name, (_, _, shape) in checkpoint_layout(model).items():  # HF names; a tied lm_head is not listed
+    for name, (_, _, shape) in checkpoint_layout(model, registry.of(cfg).packed_projections).items():  # HF names; a tied lm_head is not listed
         if name.endswith("norm.weight"):  # random signs decorrelate a tied head from the input embedding
             t = torch.randn(shape, generator=gen)
         elif name.endswith("bias"):

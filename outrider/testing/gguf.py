@@ -12,6 +12,7 @@ import torch
 
 from outrider.config import ModelConfig
 from outrider.layers.rotary import rope_inv_freq
+from outrider.models import registry
 from outrider.models.loader import read_tensors
 
 # Quant types gguf cannot produce in Python: their blocks are random bytes below 0x7C, so every f16 scale is finite.
@@ -26,9 +27,12 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     import gguf
 
     checkpoint, path = Path(checkpoint), Path(path)
-    raw = json.loads((checkpoint / "config.json").read_text())
-    cfg = ModelConfig.from_dict(raw)
-    writer = gguf.GGUFWriter(path, arch or raw["model_type"], split_max_tensors=split_max_tensors)
+    cfg = ModelConfig.from_path(checkpoint)
+    adapter = registry.of(cfg)
+    ggml_arch = adapter.gguf_writes
+    if ggml_arch is None:
+        raise ValueError(f"llama.cpp has no GGUF architecture for {cfg.architecture}")
+    writer = gguf.GGUFWriter(path, arch or ggml_arch, split_max_tensors=split_max_tensors)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -45,16 +49,18 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
         _add_tokenizer(writer, checkpoint, pre, tokenizer_model)
 
     qtype = gguf.GGMLQuantizationType[quant]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[raw["model_type"].upper()], cfg.num_hidden_layers)
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[ggml_arch]
+    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     tensors = read_tensors(checkpoint)
-    if cfg.rope_scaling:  # llama.cpp stores Llama 3's rule as per-frequency divisors
+    if adapter.gguf_write:
+        adapter.gguf_write(writer, cfg)
+    elif cfg.rope_scaling:  # llama.cpp stores Llama 3's rule as per-frequency divisors
         base = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, cfg.max_position_embeddings)
         scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         writer.add_tensor("rope_freqs.weight", (base / scaled).numpy())
     for hf_name, t in tensors.items():
-        if cfg.architecture == "LlamaForCausalLM" and ".self_attn." in hf_name and hf_name.split(".")[-2] in (
-                "q_proj", "k_proj"):
+        if adapter.gguf_permutes_qk and ".self_attn." in hf_name and hf_name.split(".")[-2] in ("q_proj", "k_proj"):
             t = _permute(t, cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = t.float().numpy()

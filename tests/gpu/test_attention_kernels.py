@@ -25,7 +25,7 @@ def _to_cpu_meta(meta):
 
 
 def _run_both(q_lens, seq_lens, *, n_heads=8, n_kv=2, head_dim=64, block_size=16, dtype,
-              causal=True, max_seq_len=None, device, seed=0):
+              causal=True, max_seq_len=None, device, seed=0, window=0):
     """Returns (gpu_out, ref_out, gpu_cache, ref_cache, meta); the cache is pre-filled with random history."""
     from outrider.attention.triton_backend import TritonAttentionBackend
 
@@ -43,13 +43,13 @@ def _run_both(q_lens, seq_lens, *, n_heads=8, n_kv=2, head_dim=64, block_size=16
 
     gpu_cache = KVCache(k=[k_hist.clone().to(device)], v=[v_hist.clone().to(device)])
     out = TritonAttentionBackend().forward(q.to(device), k.to(device), v.to(device), gpu_cache, 0, meta, scale,
-                                           _identity_rope(t, head_dim, device))
+                                           _identity_rope(t, head_dim, device), window)
     if device.type == "cuda":
         torch.cuda.synchronize()
 
     ref_cache = KVCache(k=[k_hist.float()], v=[v_hist.float()])  # the oracle in float32
     ref = TorchReferenceBackend().forward(q.float(), k.float(), v.float(), ref_cache, 0, _to_cpu_meta(meta), scale,
-                                          _identity_rope(t, head_dim, "cpu"))
+                                          _identity_rope(t, head_dim, "cpu"), window)
     return out.float().cpu(), ref, gpu_cache, ref_cache, meta
 
 
@@ -91,6 +91,19 @@ def test_verify_shape_matches_reference(device, half):
 def test_non_causal_block_matches_reference(device, half):
     out, ref, *_ = _run_both([8, 16], [40, 16], causal=False, dtype=half, device=device)
     assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("max_seq_len", [None, CAPTURE_MAX_SEQ_LEN], ids=["exact", "capture"])
+def test_sliding_window_matches_reference(max_seq_len, device, half):
+    """Decode rows (one splitting its keys under a capture-sized grid, whole splits before its window), a verify
+    row, a prompt longer than the window and a chunked-prefill continuation, all over a 37-key window."""
+    out, ref, *_ = _run_both([1, 1, 5, 70, 33], [20, 700, 260, 70, 100], max_seq_len=max_seq_len, window=37,
+                             dtype=half, device=device)
+    full, *_ = _run_both([1, 1, 5, 70, 33], [20, 700, 260, 70, 100], max_seq_len=max_seq_len, dtype=half,
+                         device=device)
+    assert torch.isfinite(out).all()
+    assert _rel_err(out, ref) < 1e-2
+    assert _rel_err(out, full) > 0.1  # (the window changes the output: the test sees it)
 
 
 def test_float32_is_close_to_exact(device):

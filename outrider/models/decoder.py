@@ -1,4 +1,6 @@
-"""One decoder for the Llama family: Llama (incl. llama3 RoPE), Qwen2 (qkv bias) and Qwen3 (per-head q/k norm).
+"""The decoder the architectures share (outrider/models/architectures/*): pre-norm attention and gated MLP blocks
+over the paged KV cache, shaped by the ModelConfig (biases, q/k norm, RoPE). An architecture that differs
+subclasses a block here and registers its own `model`/`decoder_layer`; the model contract stays this module's.
 
 Parameter names follow Hugging Face, except that q/k/v_proj and gate/up_proj are packed into qkv_proj and
 gate_up_proj (one GEMM each, which matters at batch 1); load_model and load_state_dict still take the HF
@@ -19,7 +21,9 @@ from outrider.kernels import ops
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
-from outrider.layers.rotary import RotaryEmbedding
+from outrider.layers.rotary import RotaryEmbedding, rope_attention_factor
+from outrider.models import registry
+from outrider.models.output import ForwardResult
 
 
 class Attention(nn.Module):
@@ -27,18 +31,22 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scale = self.head_dim ** -0.5
+        rope_factor = rope_attention_factor(cfg.rope_scaling, cfg.max_position_embeddings)
+        self.scale = self.head_dim ** -0.5 * rope_factor ** 2
         self.eps = cfg.rms_norm_eps
-        qkv_bias = cfg.attention_bias
-        o_bias = cfg.attention_bias and cfg.architecture != "Qwen2ForCausalLM"  # Qwen2 biases q/k/v only
         q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
-                                     bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+                                     bias=cfg.attention_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        layer_type = cfg.layer_type(layer_idx)
+        if layer_type not in ("full_attention", "sliding_attention"):
+            raise ValueError(f"layer {layer_idx} is {layer_type!r}: this decoder's layers are full_attention or "
+                             "sliding_attention")
+        self.window = cfg.sliding_window if layer_type == "sliding_attention" else 0  # (0: the whole context)
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
     def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +78,8 @@ class Attention(nn.Module):
         qkv, residual = norm.forward_linear(x, residual, self.qkv_proj)
         # The backend prepares q/k itself, so it can fuse that with the KV store (one kernel on Triton).
         q, k, v = self.split_qkv(qkv)
-        o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary))
+        o = backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.rope(positions, rotary),
+                            self.window)
         return self.o_proj(o.flatten(1)), residual
 
 
@@ -104,21 +113,21 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        # The architecture's own layers (registry.Architecture.decoder_layer), declared there once.
+        self.layers = nn.ModuleList(registry.decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
 
-class LlamaForCausalLM(nn.Module):
-    """The model contract (docs/architecture.md, Contracts): forward -> pre-norm hidden, compute_logits, embed."""
+class CausalLM(nn.Module):
+    """The model contract (docs/architecture.md, Contracts): forward -> ForwardResult (pre-norm hidden, taps),
+    compute_logits, embed."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # The outputs of the layers the latest forward was asked to tap (a drafter's inputs), concatenated: [T, A].
-        self.aux_hidden: torch.Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -130,10 +139,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                backend: AttentionBackend, aux_layer_ids: tuple[int, ...] = ()) -> torch.Tensor:
+                backend: AttentionBackend, aux_layer_ids: tuple[int, ...] = ()) -> ForwardResult:
         """input_ids, positions [T] -> hidden [T, H] of the last layer, before the final norm; with aux_layer_ids,
-        those layers' outputs go to aux_hidden (None without). A call argument, not model state: engines sharing
-        the weights (a benchmark's plain and speculative ones) tap different layers."""
+        those layers' outputs concatenated as aux_hidden (None without). A call argument, not model state: engines
+        sharing the weights (a benchmark's plain and speculative ones) tap different layers."""
         h, residual = self.embed(input_ids), None
         aux = []
         for i, layer in enumerate(self.model.layers):
@@ -141,8 +150,7 @@ class LlamaForCausalLM(nn.Module):
                                                  backend)
             if i in aux_layer_ids:
                 aux.append(h + residual)  # the layer's output, as HF's hidden_states[i + 1]
-        self.aux_hidden = torch.cat(aux, dim=-1) if aux else None
-        return h + residual
+        return ForwardResult(h + residual, torch.cat(aux, dim=-1) if aux else None)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head -> float32 logits (the LM head's GEMM writes them directly at decode), into

@@ -1,0 +1,16 @@
+"""What a model's forward returns: named, so callers never count tuple positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    hidden: torch.Tensor  # [T, H] the last layer's output, before the final norm
+    aux_hidden: torch.Tensor | None = None  # [T, A] the tapped layers' outputs, concatenated (None: no taps)
+    # [T, V] float32 logits of every row, where the caller computed them with the forward (a captured decode
+    # graph runs the final norm and LM head inside it); a model's forward leaves them None.
+    logits: torch.Tensor | None = None
