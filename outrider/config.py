@@ -161,9 +161,8 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
-    # None: weights as the checkpoint stores them (quantized ones stay quantized) | fp8: a dense checkpoint's
-    # projections quantized at load | none: a GGUF dequantized at load (outrider/quant/checkpoint.py)
-    quantization: str | None = None
+    # auto | keep | none | fp8: whether quantized weights stay quantized (outrider/quant/checkpoint.py)
+    quantization: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 16  # concurrent sequences (llama-server: --parallel)

@@ -150,9 +150,9 @@ def test_greedy_generation_matches_the_checkpoint(converted, case):
 
 
 def test_the_log_says_the_weights_formats_and_their_memory_against_the_file(converted, caplog):
-    """Kept quantized, the weights take about the file's bytes; dequantized (--quantization none), float32's."""
+    """Kept quantized, the weights take about the file's bytes; dequantized (on the CPU by default), float32's."""
     _, path = converted("qwen2", quant="Q4_1")
-    for quantization, kinds in ((None, r"Q4_1 \(10\)"), ("none", r"float32 \(10\)")):
+    for quantization, kinds in (("keep", r"Q4_1 \(10\)"), ("auto", r"float32 \(10\)")):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="outrider.models"):
             model, _ = load_model(path, quantization=quantization)
@@ -160,7 +160,7 @@ def test_the_log_says_the_weights_formats_and_their_memory_against_the_file(conv
         m = re.search(kinds + r": ([\d.]+) MiB in memory \(([\d.]+) MiB in the file\)", line)
         assert m, line
         memory, tensors = float(m[1]), float(m[2])
-        assert (memory <= 1.05 * tensors) if quantization is None else (memory > 4 * tensors)
+        assert (memory <= 1.05 * tensors) if quantization == "keep" else (memory > 4 * tensors)
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def test_gguf_weights_stay_quantized_and_compute_what_the_dequantized_path_does(
     """Projections (packed ones too), the embedding and an untied LM head keep the file's blocks; logits equal the
     dequantized-at-load model's exactly (float32 on the CPU: the same weights, the same products)."""
     path = write_gguf(tiny[arch], tmp_path / f"{arch}.gguf", quant=quant)
-    ours, cfg = load_model(path)
+    ours, cfg = load_model(path, quantization="keep")
     ref, _ = load_model(path, quantization="none")
     attn = ours.model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, QuantizedLinear) and attn.qkv_proj.weight.format_names() == [quant]
@@ -121,7 +121,7 @@ def test_q4_k_m_mix_keeps_each_tensor_in_its_type_and_computes_the_dequantized_l
     config = {**json.loads((write_tiny_checkpoint(tmp_path / "ck", "qwen3", hidden_size=256, intermediate_size=512,
                                                   layers=8) / "config.json").read_text())}
     path = write_random_gguf(tmp_path / "m.gguf", config, "q4_k_m")
-    model, _ = load_model(path)
+    model, _ = load_model(path, quantization="keep")
     for i, layer in enumerate(model.model.layers):
         v_type = gguf_tensor_type("q4_k_m", f"model.layers.{i}.self_attn.v_proj.weight", 8)
         want = ["Q4_K"] if v_type == "Q4_K" else ["Q4_K", "Q6_K"]
@@ -139,13 +139,13 @@ def test_q4_k_m_mix_keeps_each_tensor_in_its_type_and_computes_the_dequantized_l
 @pytest.mark.parametrize("quant", ["Q4_0", "Q5_K"])
 def test_greedy_tokens_of_a_quantized_gguf_equal_the_dequantized_path(tiny, tmp_path, quant):
     path = write_gguf(tiny["llama"], tmp_path / "g.gguf", quant=quant)
-    assert _greedy(path) == _greedy(path, quantization="none")
+    assert _greedy(path, quantization="keep") == _greedy(path)  # (auto on the CPU: dequantized at load)
 
 
 def test_types_without_kernels_are_dequantized_and_the_log_names_them(tiny, tmp_path, caplog):
     path = write_gguf(tiny["qwen3"], tmp_path / "q3.gguf", quant="Q3_K")
     with caplog.at_level(logging.INFO, logger="outrider.models"):
-        model, _ = load_model(path)
+        model, _ = load_model(path, quantization="keep")
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, MergedLinear)
     line = next(r.getMessage() for r in caplog.records if "dequantized at load time" in r.getMessage())
     assert "Q3_K (" in line and "model.layers.0.self_attn.q_proj.weight" in line
@@ -181,7 +181,7 @@ def test_quantized_safetensors_load_quantized_and_compute_their_dequantized_weig
     out = write_quantized_checkpoint(config, dense.items(), tmp_path / method, method, group=128)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (out / f).write_bytes((src / f).read_bytes())
-    model, _ = load_model(out)
+    model, _ = load_model(out, quantization="keep")
     qkv = model.model.layers[1].self_attn.qkv_proj
     assert isinstance(qkv, QuantizedLinear) and qkv.bias is not None
     assert isinstance(model.model.embed_tokens, torch.nn.Embedding) and not isinstance(model.lm_head,
@@ -198,7 +198,10 @@ def test_quantized_safetensors_load_quantized_and_compute_their_dequantized_weig
         assert torch.equal(got, want)
     stored = sum(t.numel() * t.element_size() for n, t in read_tensors(out).items() if "_proj." in n)
     assert sum(p.nbytes for m in model.modules() if isinstance(m, QuantizedWeight) for p in m.parts) <= 1.05 * stored
-    assert _greedy(out) == _greedy(out)  # deterministic, finite: generation runs on the quantized modules
+    dense, _ = load_model(out)  # auto on the CPU: dequantized at load
+    assert isinstance(dense.model.layers[1].self_attn.qkv_proj, MergedLinear)
+    assert torch.equal(dense.model.layers[1].self_attn.qkv_proj.weight, qkv.weight.dequantize())
+    assert _greedy(out, quantization="keep") == _greedy(out)
 
 
 def test_quantization_fp8_quantizes_a_dense_checkpoint_per_channel_at_load(tiny):
@@ -215,5 +218,28 @@ def test_quantization_is_refused_where_it_does_not_apply(tiny, tmp_path):
     gguf_path = write_gguf(tiny["qwen3"], tmp_path / "f.gguf", quant="Q8_0")
     with pytest.raises(ValueError, match="quantizes a dense checkpoint"):
         load_model(gguf_path, quantization="fp8")
-    with pytest.raises(ValueError, match="unsupported quantization 'int3'"):
+    with pytest.raises(ValueError, match="unsupported quantization 'int3'; use auto, keep, none, fp8"):
         load_model(tiny["qwen3"], quantization="int3")
+
+
+@pytest.mark.slow  # the CPU dequantizes every layer per step when weights stay quantized
+def test_smollm2_q4_1_served_quantized_generates_the_dequantized_paths_tokens():
+    """The real Q4_1 file kept quantized (the CPU dequantizing a layer per product) against today's path, the file
+    dequantized at load time: the same greedy tokens for the chat prompts of tests/test_smollm2.py."""
+    from outrider.demo.smollm2 import smollm2_path
+
+    path = smollm2_path()
+    chats = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
+             [{"role": "system", "content": "You answer in one sentence."},
+              {"role": "user", "content": "What is the capital of France?"}]]
+    outputs = {}
+    for quantization in ("keep", "none"):
+        llm = LLM(str(path), dtype="float32", max_model_len=256, num_kv_blocks=32, max_num_seqs=2,
+                  quantization=quantization)
+        assert isinstance(llm.engine.model.model.layers[0].mlp.gate_up_proj,
+                          QuantizedLinear if quantization == "keep" else MergedLinear)
+        tok = llm.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(m)) for m in chats]
+        outputs[quantization] = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=8,
+                                                                                            temperature=0.0))]
+    assert outputs["keep"] == outputs["none"]

@@ -121,30 +121,28 @@ def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str,
 
 
 def quant_plan(model: torch.nn.Module, arch: registry.Architecture, checkpoint: gguf.GGUFCheckpoint | None,
-               cfg: ModelConfig, path: Path, quantization: str | None) -> quant.QuantPlan:
-    """Which weights stay quantized (outrider.quant.checkpoint): the checkpoint's own quantization, FP8 made at
-    load time (`quantization` "fp8"), or none ("none": a GGUF dequantized whole at load time)."""
-    if quantization not in (None, *quant.QUANTIZATION_CHOICES):
+               cfg: ModelConfig, path: Path, quantization: str, device: torch.device) -> quant.QuantPlan:
+    """Which weights are read quantized (outrider.quant.checkpoint.QUANTIZATION_CHOICES): the checkpoint's own
+    quantization, or FP8 made at load time ("fp8"). A GGUF served dense takes the dequantizing path of
+    models/gguf.py (an empty plan); other quantized checkpoints are read quantized and dequantized after."""
+    if quantization not in quant.QUANTIZATION_CHOICES:
         raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(quant.QUANTIZATION_CHOICES)}")
     if checkpoint:
         if quantization == "fp8":
             raise ValueError(f"--quantization fp8 quantizes a dense checkpoint; {checkpoint.name} is a GGUF file")
-        if quantization == "none":
+        if quant.serves_dense(quantization, device):
             return quant.QuantPlan("")
         return quant.gguf_plan(model, gguf.hf_tensors(checkpoint, cfg), arch.packed_projections)
-    if quantization == "none" and quant.quantization_config(path):
-        raise ValueError(f"{path} is a quantized checkpoint: --quantization none applies to GGUF files only")
     names = {arch.checkpoint_name(t.name): t.shape for t in safetensors_tensors(path)}
     return quant.hf_plan(model, path, names, quantization, arch.packed_projections)
 
 
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                rope: RopeOverride | None = None,
-               quantization: str | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               quantization: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture (safetensors or GGUF) and load its weights strictly, in
     eval mode; `rope` overrides the checkpoint's RoPE settings. Quantized weights stay quantized where outrider
-    serves their format (quant_plan; `quantization` "fp8" quantizes a dense checkpoint, "none" serves a GGUF
-    dense)."""
+    serves their format on the device (`quantization`: outrider.quant.checkpoint.QUANTIZATION_CHOICES)."""
     path = resolve_model_path(path_or_repo)
     checkpoint = gguf.open_gguf(path) if gguf.is_gguf(path) else None
     cfg = gguf.model_config(checkpoint) if checkpoint else ModelConfig.from_path(path)
@@ -155,7 +153,7 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     arch = registry.of(cfg)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         model = arch.model(cfg)
-    plan = quant_plan(model, arch, checkpoint, cfg, path, quantization)
+    plan = quant_plan(model, arch, checkpoint, cfg, path, quantization, device)
     reader = quant.QuantizedReader(plan, gptq_v2=(quant.quantization_config(path) or {}).get(
         "checkpoint_format") == "gptq_v2")
     layout = {n: slot for n, slot in checkpoint_layout(model, arch.packed_projections).items()
@@ -188,6 +186,8 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         raise ValueError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
     model.load_state_dict(params, strict=False, assign=True)  # not strict: the state dict lists a tied lm_head
     quant.install(model, plan, reader.finish(), dtype)
+    if plan.method != "fp8-at-load" and quant.serves_dense(quantization, device):
+        quant.dequantize_modules(model)
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     if checkpoint:

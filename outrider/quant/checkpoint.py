@@ -31,7 +31,15 @@ from outrider.quant.weight import QuantizedTensor, QuantizedWeight
 
 log = logging.getLogger("outrider.models")
 
-QUANTIZATION_CHOICES = ("fp8", "none")  # --quantization: quantize a dense checkpoint to FP8, or serve all dense
+# --quantization: "auto" (quantized weights stay quantized on CUDA; on the CPU, which has no quantized kernels, they
+# are dequantized at load time), "keep" (quantized on every device; the CPU dequantizes a layer per product),
+# "none" (dequantized at load time) and "fp8" (a dense checkpoint's projections quantized at load time).
+QUANTIZATION_CHOICES = ("auto", "keep", "none", "fp8")
+
+
+def serves_dense(quantization: str, device: torch.device) -> bool:
+    """Whether quantized checkpoint weights are dequantized at load time."""
+    return quantization == "none" or (quantization == "auto" and device.type != "cuda")
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's gemm packing: nibble i of a word holds column 8c + AWQ_ORDER[i]
 _DENSE_GGUF = ("F32", "F16", "BF16")
@@ -226,6 +234,27 @@ def quantize_fp8(w: torch.Tensor, fmt: FP8Format = FP8Format(1, 0)) -> Quantized
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     data = (w.float() / fp8_scale_per_value(fmt, scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedTensor(fmt, (n, k), data, scale)
+
+
+def dequantize_modules(model: nn.Module) -> None:
+    """Every quantized module back to its dense twin (Linear, MergedLinear, nn.Embedding) with the dequantized
+    weight; call model.tie_weights() after."""
+    from outrider.layers.linear import Linear
+
+    for name, m in list(model.named_modules()):
+        if isinstance(m, QuantizedLinear):
+            n, k = m.weight.shape
+            with torch.device("meta"):  # parameters assigned below
+                dense = MergedLinear(k, m.parts, m.bias is not None) if m.parts else Linear(k, n, m.bias is not None)
+            dense.weight = nn.Parameter(m.weight.dequantize(), requires_grad=False)
+            if m.bias is not None:
+                dense.bias = m.bias
+        elif isinstance(m, QuantizedEmbedding):
+            dense = nn.Embedding(*m.weight.shape, _weight=m.weight.dequantize(), _freeze=True)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, dense)
 
 
 def install(model: nn.Module, plan: QuantPlan, tensors: dict[str, QuantizedTensor], dtype: torch.dtype) -> None:
