@@ -243,3 +243,25 @@ def test_smollm2_q4_1_served_quantized_generates_the_dequantized_paths_tokens():
         outputs[quantization] = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=8,
                                                                                             temperature=0.0))]
     assert outputs["keep"] == outputs["none"]
+
+
+def test_server_serves_a_gguf_quantized_and_props_reports_the_weights_format_and_size(tiny, tmp_path):
+    """The real server (--quantization keep on the CPU): /props lists the weights' formats and bytes, about the
+    file's tensor bytes, and a chat completes."""
+    import httpx
+
+    from e2e_harness import ServerProcess
+
+    path = write_gguf(tiny["qwen3"], tmp_path / "served.gguf", quant="Q8_0")
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
+    srv = ServerProcess(["-m", str(path), "-c", "256", "-np", "2", "--quantization", "keep"])
+    try:
+        with httpx.Client(base_url=srv.url, timeout=120) as client:
+            weights = client.get("/props").json()["model_weights"]
+            assert weights["formats"] == {"Q8_0": 9}  # 2 layers' qkv, o, gate_up, down; the tied embedding
+            assert 0.95 * tensor_bytes <= weights["bytes"] <= 1.05 * tensor_bytes
+            r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                          "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        srv.stop()

@@ -37,6 +37,7 @@ from outrider.engine.runner import LaunchedStep, ModelRunner, Prelaunched, StepO
 from outrider.engine.scheduler import ScheduledRequest, Scheduler, StepPlan
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
+from outrider.quant.checkpoint import summarize as summarize_weights
 from outrider.speculative import DraftPolicy, Drafter, detect_kind, load_drafter
 from outrider.speculative.device_round import DeviceRound, RoundCopy, committed
 from outrider.speculative.drafter import DEFAULT_N_MAX, PENDING
@@ -118,6 +119,8 @@ class Engine:
             self.tokenizer.chat_template = config.chat_template
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         mc = self.model_config
+        self.weights = summarize_weights(self.model)  # formats and bytes, for the log and /props
+        log.info("weights: %s, %.2f GiB on %s", self.weights.describe(), self.weights.nbytes / 2**30, self.device)
         # The drafter loads now, beside the target, never lazily inside a request (no request pays for it), and
         # before the KV pools are sized: its weights and the target rows it reads then count in the budget.
         spec_kind = self._spec_kind()
