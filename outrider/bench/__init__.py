@@ -7,6 +7,7 @@ import argparse
 
 from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
+from outrider.quant.writers import BENCH_FORMATS as QUANT_FORMATS
 from outrider.config import EngineConfig
 from outrider.speculative import KINDS
 
@@ -63,6 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--peak-bw", type=float)
     srv.add_argument("--json")
+    qnt = sub.add_parser("quant", parents=[common], help="quantized weights (GGUF, FP8, AWQ, GPTQ) vs bf16 with "
+                         "--random-weights: decode tok/s, batch throughput, TTFT and GPU memory after load")
+    qnt.add_argument("--weights-format", nargs="+", choices=QUANT_FORMATS, default=["q4_k_m", "q8_0", "fp8", "awq",
+                                                                                     "bf16"])
+    qnt.add_argument("--checkpoint-dir", default="bench-checkpoints",
+                     help="where the random checkpoints are written (and reused)")
+    qnt.add_argument("--prompt-len", type=int, default=128)
+    qnt.add_argument("--gen", type=int, default=128)
+    qnt.add_argument("--batch", type=int, default=32, help="the throughput batch (batch 1 is always measured)")
+    qnt.add_argument("--ttft-prompt-len", type=int, default=1024)
     ker = sub.add_parser("kernels", help="Triton kernels alone vs torch (attention decode, fused ops)")
     ker.add_argument("--device", default="cuda")
     ker.add_argument("--peak-bw", type=float)
@@ -123,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         from outrider.bench import throughput as mod
     elif args.cmd == "serve":
         from outrider.bench import serve as mod
+    elif args.cmd == "quant":
+        from outrider.bench import quant as mod
     else:
         from outrider.bench import kernels as mod
     mod.run(args, reporter)

@@ -176,6 +176,7 @@ def random_quantized(fmt: Any, n: int, k: int, seed: int = 0, std: float = 0.05)
 
 # --- checkpoints ---------------------------------------------------------------------------------------------------
 
+BENCH_FORMATS = ("q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "fp8", "awq", "gptq", "bf16")
 GGUF_MIXES = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q6_k": "Q6_K", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1",
               "q5_0": "Q5_0", "q5_1": "Q5_1"}  # llama.cpp's file types -> their base tensor type
 
@@ -277,14 +278,57 @@ def write_quantized_checkpoint(config: dict[str, Any], tensors: Iterable[tuple[s
                                method: str, group: int = 128) -> Path:
     """A Hugging Face checkpoint of `method` ("fp8", "awq", "gptq") in `out`: config.json with its
     quantization_config, the projections quantized and the other tensors as given."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
     stored = {}
     for name, w in tensors:
         stored.update(quantized_tensors(name, w, method, group) if _projection(name) else {name: w})
-    stored = {n: t.contiguous() for n, t in stored.items()}
-    save_file(stored, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config(method,
-                                                                                                        group)}))
+    return _write(config, stored, out, quantization_config(method, group))
+
+
+def _write(config: dict[str, Any], tensors: dict[str, torch.Tensor], out: Path,
+           qconfig: dict[str, Any] | None) -> Path:
+    """config.json (with `qconfig` as its quantization_config) and model.safetensors in `out`."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(out / "model.safetensors"))
+    extra = {"quantization_config": qconfig} if qconfig else {}
+    (out / "config.json").write_text(json.dumps({**config, **extra}))
     return out
+
+
+def random_checkpoint_tensors(config: dict[str, Any], method: str, seed: int = 0,
+                              std: float = 0.02) -> Iterable[tuple[str, torch.Tensor]]:
+    """The tensors of a `method` ("fp8", "awq", "gptq", "bf16") checkpoint of the model `config` describes, random
+    and drawn directly in the stored form (quicker than quantizing a large model): projections quantized, the rest
+    bfloat16 (norms one)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in checkpoint_shapes(config).items():
+        if len(shape) == 1:
+            yield name, torch.ones(shape, dtype=torch.bfloat16)
+        elif not _projection(name) or method == "bf16":
+            yield name, (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+        else:
+            yield from _random_quantized(name.removesuffix(".weight"), shape, method, gen, std).items()
+
+
+def _random_quantized(module: str, shape: tuple[int, ...], method: str, gen: torch.Generator,
+                      std: float) -> dict[str, torch.Tensor]:
+    n, k = shape
+    bits = lambda *s: torch.randint(-2**31, 2**31, s, generator=gen, dtype=torch.int64).to(torch.int32)  # noqa: E731
+    if method == "fp8":  # sign, exponent <= 7 (|v| < 2), any mantissa: no NaN; the block scale brings it to std
+        raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32).to(torch.uint8) & 0xBF
+        scale = torch.full((-(-n // 128), -(-k // 128)), std, dtype=torch.float32)
+        return {f"{module}.weight": raw.view(torch.float8_e4m3fn), f"{module}.weight_scale_inv": scale}
+    scales = torch.full((k // 128, n), std / 4, dtype=torch.float16)
+    if method == "awq":
+        return {f"{module}.qweight": bits(k, n // 8), f"{module}.qzeros": bits(k // 128, n // 8),
+                f"{module}.scales": scales}
+    return {f"{module}.qweight": bits(k // 8, n), f"{module}.qzeros": bits(k // 128, n // 8), f"{module}.scales": scales,
+            f"{module}.g_idx": (torch.arange(k) // 128).to(torch.int32)}
+
+
+def write_random_checkpoint(config: dict[str, Any], out: Path, method: str, seed: int = 0) -> Path:
+    """A random `method` checkpoint (random_checkpoint_tensors) in `out`: config.json (with the quantization_config)
+    and one safetensors file."""
+    return _write(config, dict(random_checkpoint_tensors(config, method, seed)), out,
+                  None if method == "bf16" else quantization_config(method))
