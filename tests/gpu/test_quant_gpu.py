@@ -92,3 +92,64 @@ def test_quantized_linear_replays_in_a_cuda_graph(rows):
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(y, quantized_linear(x, weight), rtol=0, atol=0)
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_smollm2_q4_1_served_quantized_on_the_gpu_answers_as_the_dequantized_path(dtype):
+    """The real Q4_1 file through the engine (CUDA graphs, the fused kernels at decode, dequantized chunks at
+    prefill) gives the chat prompts of tests/test_smollm2.py the answers the file dequantized at load gives."""
+    from outrider import LLM, SamplingParams
+    from outrider.demo.smollm2 import smollm2_path
+    from outrider.quant.layers import QuantizedLinear
+
+    chats = [[{"role": "user", "content": "Write a Python function that reverses a string."}],
+             [{"role": "system", "content": "You answer in one sentence."},
+              {"role": "user", "content": "What is the capital of France?"}]]
+    answers = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(smollm2_path()), dtype=dtype, max_model_len=512, max_num_seqs=4, quantization=quantization)
+        assert isinstance(llm.engine.model.model.layers[0].mlp.gate_up_proj, QuantizedLinear) == (
+            quantization == "auto")
+        tok = llm.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(m)) for m in chats]
+        answers[quantization] = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=24,
+                                                                                           temperature=0.0))]
+        del llm
+        torch.cuda.empty_cache()
+    assert answers["auto"] == answers["none"]
+
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("mix", ["q4_k_m", "q8_0"])
+def test_a_quantized_model_decodes_in_cuda_graphs_as_it_does_eagerly(tmp_path, mix):
+    """A GGUF in llama.cpp's mix (packed parts of two formats) on the engine: greedy tokens with CUDA graphs (the
+    fused kernels captured, decode and verify-sized batches) equal eager ones, and its weights take no more GPU
+    memory than the file's tensors."""
+    import json
+
+    from outrider import LLM, SamplingParams
+    from outrider.models import load_model
+    from outrider.models.gguf import open_gguf
+    from outrider.quant.writers import write_random_gguf
+    from outrider.testing.checkpoints import write_tiny_checkpoint
+
+    ck = write_tiny_checkpoint(tmp_path / "ck", "qwen3", hidden_size=512, intermediate_size=1024, layers=8,
+                               heads=8, kv_heads=4)
+    path = write_random_gguf(tmp_path / "m.gguf", json.loads((ck / "config.json").read_text()), mix)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    model, _ = load_model(path, dtype="bfloat16", device="cuda")
+    assert torch.cuda.memory_allocated() - before <= 1.05 * sum(
+        int(t.n_bytes) for t in open_gguf(path).tensors.values())
+    del model
+    prompts = [[1, 17, 99, 200, 7], list(range(30, 53)), [5] * 70, list(range(100, 103))]
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(str(path), tokenizer=str(ck), dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                  enforce_eager=eager)
+        tokens[eager] = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                                   ignore_eos=True))]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[False] == tokens[True]
