@@ -117,8 +117,10 @@ def random_gguf_blocks(kind: str, n: int, k: int, rng: np.random.Generator, std:
     d = np.full(len(blocks), 2 * std / steps[kind], dtype=np.float32)
     at = 208 if kind == "Q6_K" else 0
     blocks[:, at:at + 2] = _f16_bytes(d)
-    if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):  # the min: about half the range
-        blocks[:, 2:4] = _f16_bytes(-d * steps[kind] / 2 if kind.endswith("_1") else d * 16)
+    # Zero-mean values: the min (Q4_1, Q5_1) or dmin (Q4_K, Q5_K) cancels the mean of the unsigned quants.
+    mean_q = {"Q4_1": 7.5, "Q5_1": 15.5, "Q4_K": 7.5, "Q5_K": 15.5}
+    if kind in mean_q:
+        blocks[:, 2:4] = _f16_bytes(d * (-mean_q[kind] if kind.endswith("_1") else mean_q[kind]))
     return blocks.reshape(n, -1)
 
 
