@@ -206,7 +206,7 @@ def _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, 
 @triton.jit(do_not_specialize=["M"])
 def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                   stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, NB: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -228,8 +228,12 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
         x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
         x_lo = tl.load(x_rows + p_lo[:, None], mask=x_mask, other=0.0)
         x_hi = tl.load(x_rows + p_hi[:, None], mask=x_mask, other=0.0)
-        acc = tl.dot(lo.to(dt), x_lo, acc, input_precision=PRECISION)
-        acc = tl.dot(hi.to(dt), x_hi, acc, input_precision=PRECISION)
+        if IEEE:  # float32 x: full-precision products, not TF32
+            acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
+            acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lo.to(dt), x_lo, acc)
+            acc = tl.dot(hi.to(dt), x_hi, acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     mask = (offs_n[:, None] < N) & m_mask
@@ -268,10 +272,6 @@ def _tensors(part: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return data, w16, scale, zero, data.stride(0), scale.stride(0) if scale.dim() == 2 else 0
 
 
-def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
                  config: QuantGemmConfig | None = None) -> None:
     """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel."""
@@ -284,7 +284,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     _qgemm_kernel[grid](x, w, w16, scale, zero, bias if bias is not None else scale, y, m, n, k, x.stride(0),
                         stride_wn, stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
                         BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
-                        PRECISION=_precision(x.dtype), FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
+                        IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
