@@ -219,22 +219,17 @@ def write_random_gguf(path: str | Path, config: dict[str, Any], mix: str, seed: 
     import gguf
 
     from outrider.config import ModelConfig
+    from outrider.models import registry
+    from outrider.testing.gguf import add_hparams
 
     cfg = ModelConfig.from_dict(config)
-    arch = config["model_type"]
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    adapter = registry.of(cfg)
+    writer = gguf.GGUFWriter(path, adapter.gguf_writes)
+    add_hparams(writer, cfg)
+    if adapter.gguf_write:
+        adapter.gguf_write(writer, cfg)
+    model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[adapter.gguf_writes]
+    names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
     for hf_name, shape in checkpoint_shapes(config).items():
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
