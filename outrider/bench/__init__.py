@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     qnt.add_argument("--gen", type=int, default=128)
     qnt.add_argument("--batch", type=int, default=32, help="the throughput batch (batch 1 is always measured)")
     qnt.add_argument("--ttft-prompt-len", type=int, default=1024)
+    qnt.add_argument("--kernels", action="store_true", help="instead: each format's product alone vs bf16 cuBLAS "
+                     "at Qwen3-8B's projection shapes, with the fastest kernel config")
+    qnt.add_argument("--kernel-formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "FP8", "INT4"],
+                     choices=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "FP8", "INT4"])
     ker = sub.add_parser("kernels", help="Triton kernels alone vs torch (attention decode, fused ops)")
     ker.add_argument("--device", default="cuda")
     ker.add_argument("--peak-bw", type=float)

@@ -40,6 +40,9 @@ def write_checkpoint(name: str, fmt: str, root: Path) -> tuple[Path, int]:
 
 
 def run(args, reporter: Reporter) -> None:
+    if args.kernels:
+        run_kernels(args, reporter)
+        return
     if not args.random_weights:
         raise SystemExit("bench quant writes its checkpoints: give --random-weights NAME")
     root = Path(args.checkpoint_dir)
@@ -82,3 +85,78 @@ def run(args, reporter: Reporter) -> None:
             reporter.note(f"quant {fmt} vs bf16", f"batch 1 {row['bs1_tok_s'] / base['bs1_tok_s']:.2f}x, batch "
                           f"{args.batch} {row[f'bs{args.batch}_tok_s'] / base[f'bs{args.batch}_tok_s']:.2f}x, TTFT "
                           f"{row['ttft_s'] / base['ttft_s']:.2f}x", format=fmt)
+
+
+# Qwen3-8B's projections as [N, K]: qkv_proj, o_proj, gate_up_proj, down_proj.
+KERNEL_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+KERNEL_ROWS = (1, 5, 16, 64, 512)
+
+
+def _kernel_format(name: str):
+    from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format
+
+    return {"FP8": FP8Format(128, 128), "INT4": Int4Format(128, "AWQ")}.get(name) or GGUF_FORMATS[name]
+
+
+def _random_part(fmt, n: int, k: int):
+    """A random quantized [n, k] weight: GGUF blocks drawn directly (quantizing a large weight in numpy is slow)."""
+    import numpy as np
+
+    from outrider.quant.formats import GGUFFormat
+    from outrider.quant.weight import QuantizedTensor
+    from outrider.quant.writers import random_gguf_blocks, random_quantized
+
+    if isinstance(fmt, GGUFFormat):
+        blocks = random_gguf_blocks(fmt.name, n, k, np.random.default_rng(0))
+        return QuantizedTensor(fmt, (n, k), torch.from_numpy(blocks))
+    return random_quantized(fmt, n, k)[0]
+
+
+def _candidates(m: int, block: int):
+    from outrider.kernels.quant_gemm import QuantGemmConfig, default_config
+
+    base = default_config(m, block)
+    out = [base]
+    for block_n in (16, 32, 64):
+        for steps in (128, 256, 512):
+            for warps in (4, 8):
+                cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, base.num_stages)
+                if cfg not in out and block_n * steps <= 64 * 512:
+                    out.append(cfg)
+    return out
+
+
+def run_kernels(args, reporter: Reporter) -> None:
+    """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
+    overhead is left out): the default config and, up to 64 rows, the fastest of _candidates."""
+    import triton
+
+    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, fused_linear, quantized_linear
+    from outrider.quant.weight import QuantizedWeight
+
+    device = torch.device(args.device)
+    for shape_name, (n, k) in KERNEL_SHAPES.items():
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for m in KERNEL_ROWS:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            base_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: torch.mm(x, dense.t()))
+            reporter.note(f"quant-kernel bf16 {shape_name} m={m}", f"{base_us:.1f} us (cuBLAS)", shape=shape_name,
+                          m=m, format="bf16", us=base_us)
+            for fmt_name in args.kernel_formats:
+                fmt = _kernel_format(fmt_name)
+                part = _random_part(fmt, n, k)
+                weight = QuantizedWeight([part.to(device)], torch.bfloat16)
+                y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, weight, out=y))
+                best = ""
+                if m <= FUSED_MAX_ROWS:
+                    block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
+                    timed = [(1e3 * triton.testing.do_bench_cudagraph(
+                        lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
+                        for c in _candidates(m, block)]
+                    t, cfg = min(timed, key=lambda tc: tc[0])
+                    best = f"; best {t:.1f} us with {cfg}"
+                gbs = weight.nbytes / (us * 1e-6) / 1e9
+                reporter.note(f"quant-kernel {fmt_name} {shape_name} m={m}",
+                              f"{us:.1f} us ({base_us / us:.2f}x bf16, {gbs:.0f} GB/s of quantized weight){best}",
+                              shape=shape_name, m=m, format=fmt_name, us=us, speedup=base_us / us)

@@ -66,7 +66,8 @@ class FP8Format:
         return 8.0
 
     def supports(self, n: int, k: int) -> bool:
-        return True
+        """The kernels walk K in 128-column tiles, each inside one scale block."""
+        return k % 128 == 0 and self.block_k % 128 == 0
 
 
 @dataclass(frozen=True)
