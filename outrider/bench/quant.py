@@ -113,7 +113,7 @@ def _random_part(fmt, n: int, k: int):
 
 
 def _candidates(m: int, block: int):
-    from outrider.kernels.quant_gemm import QuantGemmConfig, default_config
+    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
 
     base = default_config(m, block)
     out = [base]
@@ -121,7 +121,8 @@ def _candidates(m: int, block: int):
         for steps in (128, 256, 512):
             for warps in (4, 8):
                 cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, base.num_stages)
-                if cfg not in out and block_n * steps <= 64 * 512:
+                fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M else 1) <= 64 * 32 * warps
+                if cfg not in out and fits:
                     out.append(cfg)
     return out
 

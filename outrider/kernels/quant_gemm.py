@@ -36,6 +36,7 @@ Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, INT4, FP8 = range(10)
 _GGUF_CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
                "Q6_K": Q6_K}
 FP8_TILE = 128  # FP8 is walked in blocks of 128 columns (a scale block's width divides by it)
+FMA_MAX_M = 2  # rows up to which the products run on the CUDA cores
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,11 @@ class QuantGemmConfig:
 
 def default_config(m: int, block: int) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
-    128-256 values of K per loop step."""
+    128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
+    a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
     blocks = max(1, 256 // block)
+    if m <= FMA_MAX_M:
+        return QuantGemmConfig(block_n=16, block_m=triton.next_power_of_2(m), blocks=blocks)
     if m <= 16:
         return QuantGemmConfig(block_n=16, block_m=16, blocks=blocks)
     return QuantGemmConfig(block_n=64, block_m=triton.next_power_of_2(min(m, 64)), blocks=blocks)
@@ -219,6 +223,8 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
     H: tl.constexpr = BLOCK // 2
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
+    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA else (1, 1, 1), dtype=tl.float32)
     for k0 in tl.range(0, K, NB * BLOCK):
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
@@ -228,12 +234,16 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
         x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
         x_lo = tl.load(x_rows + p_lo[:, None], mask=x_mask, other=0.0)
         x_hi = tl.load(x_rows + p_hi[:, None], mask=x_mask, other=0.0)
-        if IEEE:  # float32 x: full-precision products, not TF32
+        if FMA:  # products on the CUDA cores, summed over K once after the loop
+            acc3 += lo[:, :, None] * x_lo.to(tl.float32)[None, :, :] + hi[:, :, None] * x_hi.to(tl.float32)[None, :, :]
+        elif IEEE:  # float32 x: full-precision products, not TF32
             acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
             acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
         else:
             acc = tl.dot(lo.to(dt), x_lo, acc)
             acc = tl.dot(hi.to(dt), x_hi, acc)
+    if FMA:
+        acc = tl.sum(acc3, axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     mask = (offs_n[:, None] < N) & m_mask

@@ -17,7 +17,7 @@ from outrider.quant.writers import random_quantized
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), Int4Format(128, "AWQ")]
-ROWS = [1, 5, 16, 512]
+ROWS = [1, 2, 5, 16, 512]  # 1-2: CUDA-core products; 5, 16: tensor cores; 512: dequantized chunks + cuBLAS
 
 
 def _k(fmt) -> int:
