@@ -320,7 +320,8 @@ def _random_quantized(module: str, shape: tuple[int, ...], method: str, gen: tor
     if method == "awq":
         return {f"{module}.qweight": bits(k, n // 8), f"{module}.qzeros": bits(k // 128, n // 8),
                 f"{module}.scales": scales}
-    return {f"{module}.qweight": bits(k // 8, n), f"{module}.qzeros": bits(k // 128, n // 8), f"{module}.scales": scales,
+    return {f"{module}.qweight": bits(k // 8, n), f"{module}.qzeros": bits(k // 128, n // 8),
+            f"{module}.scales": scales,
             f"{module}.g_idx": (torch.arange(k) // 128).to(torch.int32)}
 
 
