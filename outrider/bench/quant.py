@@ -121,7 +121,7 @@ def _candidates(m: int, block: int):
         for steps in (128, 256, 512):
             for warps in (4, 8):
                 cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, base.num_stages)
-                fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M else 1) <= 64 * 32 * warps
+                fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M.value else 1) <= 64 * 32 * warps
                 if cfg not in out and fits:
                     out.append(cfg)
     return out

@@ -31,12 +31,13 @@ from outrider.quant.weight import FUSED_MAX_ROWS, QuantizedTensor, QuantizedWeig
 SCRATCH_MB = float(os.environ.get("OUTRIDER_QUANT_SCRATCH_MB", "256"))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Format codes of the kernels (constexpr), and each one's block along K as the kernels walk it.
-Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, INT4, FP8 = range(10)
+# Format codes of the kernels (constexpr globals: a kernel may read no other kind), and each one's block along K as
+# the kernels walk it.
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, INT4, FP8 = (tl.constexpr(code) for code in range(10))
 _GGUF_CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
                "Q6_K": Q6_K}
 FP8_TILE = 128  # FP8 is walked in blocks of 128 columns (a scale block's width divides by it)
-FMA_MAX_M = 2  # rows up to which the products run on the CUDA cores
+FMA_MAX_M = tl.constexpr(2)  # rows up to which the products run on the CUDA cores
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,14 @@ def default_config(m: int, block: int) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
     128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
     a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
-    blocks = max(1, 256 // block)
-    if m <= FMA_MAX_M:
-        return QuantGemmConfig(block_n=16, block_m=triton.next_power_of_2(m), blocks=blocks)
+    if m <= FMA_MAX_M.value:
+        return QuantGemmConfig(block_n=16, block_m=triton.next_power_of_2(m), blocks=max(1, 256 // block))
+    # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
+    # tiles in registers (no spills), but Q6_K's at 32 rows (64 bytes); 64-row tiles spilled 0.5-1.5 KB.
+    blocks = max(1, 128 // block)
     if m <= 16:
         return QuantGemmConfig(block_n=16, block_m=16, blocks=blocks)
-    return QuantGemmConfig(block_n=64, block_m=triton.next_power_of_2(min(m, 64)), blocks=blocks)
+    return QuantGemmConfig(block_n=64, block_m=32, blocks=blocks, num_warps=8)
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,11 @@ class _Layout:
 def _layout(part: QuantizedTensor) -> _Layout:
     fmt = part.format
     if isinstance(fmt, GGUFFormat):
-        return _Layout(_GGUF_CODES[fmt.name], fmt.block, fmt.type_size, 1, 1)
+        return _Layout(_GGUF_CODES[fmt.name].value, fmt.block, fmt.type_size, 1, 1)
     if isinstance(fmt, Int4Format):
-        return _Layout(INT4, fmt.group, 0, 1, 1)
+        return _Layout(INT4.value, fmt.group, 0, 1, 1)
     assert isinstance(fmt, FP8Format)
-    return _Layout(FP8, FP8_TILE, 0, fmt.block_n, fmt.block_k or part.shape[1])
+    return _Layout(FP8.value, FP8_TILE, 0, fmt.block_n, fmt.block_k or part.shape[1])
 
 
 @triton.jit
