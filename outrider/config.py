@@ -29,6 +29,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on the q/k/v projections
     o_proj_bias: bool = False  # bias on the output projection
     qk_norm: bool = False  # RMSNorm on q and k per head
+    hidden_act: str = "silu"  # the gated MLP's activation (layers/mlp.py)
     # Per-layer kind, HF's `layer_types` ("full_attention", "sliding_attention", ...); () = all full attention.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None  # keys a "sliding_attention" layer's query sees (its own included)
@@ -47,8 +48,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else ""
         adapter = registry.by_hf_name(arch)
-        if adapter.text_config and "text_config" in cfg:  # a multimodal checkpoint: its decoder's keys
-            cfg = {**cfg, **cfg["text_config"], "architectures": archs}
+        text = cfg.get("text_config") or {} if adapter.text_config else {}  # a multimodal checkpoint's decoder
+        cfg = {**adapter.config_defaults, **cfg, **text, "architectures": archs}
         n_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
         eos = cfg.get("eos_token_id")
@@ -71,6 +72,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             o_proj_bias=bool(cfg.get("attention_bias", False)),
+            hidden_act=cfg.get("hidden_act") or "silu",
             layer_types=layer_types,
             sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
@@ -180,8 +182,7 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # GPU: a prefill chunk that runs alone (no other sequence in its step) and has at most this many tokens
     # replays a CUDA graph captured for the next power of two, padded, instead of an eager forward: a short
-    # prompt's eager forward is launch-bound (Qwen3-8B, 128-token prompt, H200: TTFT 27.0 ms eager, 6.1 ms from
-    # the graph; docs/benchmarks.md, "Session 14"). 0: eager.
+    # prompt's eager forward is launch-bound (docs/benchmarks.md). 0: eager.
     prefill_graph_tokens: int = 256
     # Speculative decoding
     draft_model: str | None = None

@@ -36,6 +36,11 @@ CASES = {  # name -> write_tiny_checkpoint arguments
         "sliding_window": 7, "original_max_position_embeddings": 8,
         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
                          "long_factor": [1.0 + 2.0 * i for i in range(8)]}}}),
+    # What llama.cpp's gemma3 files imply: every sixth layer global, local RoPE base 10000, q scaled by the head
+    # size. Linear RoPE scaling on the global layers, a logit softcap.
+    "gemma3-softcap-linear-rope": ("gemma3", {"layers": 6, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                                              "extra_config": {"sliding_window_pattern": 6, "rope_local_base_freq":
+                                                               10000.0, "final_logit_softcapping": 20.0}}),
 }
 # Converted as another architecture's file: (write_tiny_checkpoint arguments, the architecture the file loads as).
 CONVERTED_AS = {
@@ -76,7 +81,8 @@ def test_weights_equal_the_checkpoint_the_file_was_converted_from(converted, cas
     """F32, split in parts: every parameter exactly as the HF checkpoint has it (Llama's q/k rows un-permuted),
     the same config, and RoPE frequencies as the checkpoint's (Llama 3's rule arrives as frequency factors)."""
     ck, path = converted(case, split_max_tensors=5)
-    assert re.search(r"-00001-of-0000[2-9]\.gguf$", path.name)
+    parts = re.search(r"-00001-of-(\d{5})\.gguf$", path.name)
+    assert parts and int(parts[1]) > 1
     ours, cfg = load_model(path)
     ref, ref_cfg = load_model(ck)
     assert cfg.architecture == ref_cfg.architecture and cfg.tie_word_embeddings == ref_cfg.tie_word_embeddings
@@ -84,6 +90,8 @@ def test_weights_equal_the_checkpoint_the_file_was_converted_from(converted, cas
                                                                         ref_cfg.num_key_value_heads)
     assert (cfg.layer_types, cfg.sliding_window) == (ref_cfg.layer_types, ref_cfg.sliding_window)
     assert ours.model.layers[0].self_attn.scale == pytest.approx(ref.model.layers[0].self_attn.scale)
+    assert ours.compute_logits(torch.ones(1, cfg.hidden_size)).equal(ref.compute_logits(torch.ones(1,
+                                                                                                 cfg.hidden_size)))
     got, want = ours.state_dict(), ref.state_dict()
     assert got.keys() == want.keys()
     for name in want:
@@ -139,7 +147,7 @@ def test_a_file_converted_as_another_architecture_loads_as_it(tmp_path, case):
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
 
 
-@pytest.mark.parametrize("case", ["qwen3-tied", "phi3-longrope-window"])
+@pytest.mark.parametrize("case", ["qwen3-tied", "phi3-longrope-window", "gemma3-softcap-linear-rope"])
 def test_greedy_generation_matches_the_checkpoint(converted, case):
     """Through the engine (tokens, KV cache, sampler): the file generates what its checkpoint generates."""
     ck, path = converted(case, quant="F32")

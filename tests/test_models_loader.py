@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from outrider.attention import AttentionMetadata, KVCache
 from outrider.attention.torch_ref import TorchReferenceBackend
 from outrider.layers.rotary import rope_inv_freq
-from outrider.models import load_model, read_tensors, resolve_model_path
+from outrider.models import load_model, read_tensors, registry, resolve_model_path
+from outrider.models.decoder import CausalLM, DecoderLayer
 from outrider.testing import write_tiny_checkpoint
 
 
@@ -123,6 +124,51 @@ def test_unsupported_architecture(tiny_checkpoint, tmp_path):
     path = _copy(tiny_checkpoint("llama", tokenizer=False), tmp_path)
     _edit_config(path, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(path)
+
+
+def test_the_refusal_lists_every_registered_architecture(tiny_checkpoint, tmp_path):
+    path = _copy(tiny_checkpoint("llama", tokenizer=False), tmp_path)
+    _edit_config(path, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ValueError) as refused:
+        load_model(path)
+    names = [n for a in registry.architectures() for n in a.hf_names]
+    assert {"MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"} <= set(names)
+    assert str(refused.value).endswith("supported: " + ", ".join(sorted(names)))
+
+
+def test_an_architecture_name_belongs_to_one_module():
+    registry.architectures()  # (the modules register on first use)
+    with pytest.raises(ValueError, match=r"architecture 'copy' claims \['LlamaForCausalLM'\], already 'llama'"):
+        registry.register(registry.Architecture(name="copy", hf_names=("LlamaForCausalLM",), model_type="llama",
+                                                model=CausalLM, decoder_layer=DecoderLayer))
+    assert "copy" not in [a.name for a in registry.architectures()]
+
+
+@pytest.mark.parametrize("changes, refusal", [
+    ({"hidden_act": "relu2"}, "MLP activation 'relu2' is not supported"),
+    ({"layer_types": ["full_attention", "linear_attention"]}, "layer 1 is 'linear_attention'"),
+    ({"layer_types": ["full_attention"]}, "layer_types lists 1 layers; the model has 2"),
+], ids=["activation", "layer-type", "layer-count"])
+def test_what_the_decoder_cannot_run_is_refused_by_name(tiny_checkpoint, tmp_path, changes, refusal):
+    path = _copy(tiny_checkpoint("llama", tokenizer=False), tmp_path)
+    _edit_config(path, **changes)
+    with pytest.raises(ValueError, match=refusal):
+        load_model(path)
+
+
+def test_phi3_with_partial_rotary_is_refused(tiny_checkpoint, tmp_path):
+    path = _copy(tiny_checkpoint("phi3", tokenizer=False), tmp_path)
+    _edit_config(path, partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        load_model(path)
+
+
+def test_missing_packed_tensor_is_named(tiny_checkpoint, tmp_path):
+    """Phi-3 stores qkv_proj whole: that is the name a checkpoint without it is missing."""
+    path = _copy(tiny_checkpoint("phi3", tokenizer=False), tmp_path)
+    _edit_weights(path, lambda t: t.pop("model.layers.0.self_attn.qkv_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.0\.self_attn\.qkv_proj\.weight'"):
         load_model(path)
 
 

@@ -42,6 +42,14 @@ CASES = {
     "phi3-sliding-window-tied": ("phi3", {"tie": True, "extra_config": {"sliding_window": 7}}),
     # The context is the original one: LongRoPE's short factors (transformers' choice for every sequence here).
     "phi3-longrope-short": ("phi3", {"max_position_embeddings": 2048, "extra_config": longrope(2048)}),
+    # Local and global layers alternate (window 4, RoPE bases 100 and 10000), query_pre_attn_scalar != head_dim.
+    "gemma3": ("gemma3", {"rope_theta": 10000.0, "extra_config": {"query_pre_attn_scalar": 24}}),
+    # (Tied, a random tiny Gemma repeats its input token: the scaled embedding outweighs the post-normed blocks.)
+    "gemma3-softcap-linear-rope": ("gemma3", {"rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                                              "extra_config": {"final_logit_softcapping": 3.0}}),
+    "gemma3-rope-per-layer-type": ("gemma3", {"extra_config": {"rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}}}),
 }
 
 PROMPTS = [[1, 17, 99, 200, 7], [1] + list(range(30, 53)), [42], [1, 300, 301, 302, 5, 6, 7, 8, 9, 10, 11]]
@@ -166,3 +174,27 @@ def test_phi3_longrope_past_the_original_context_matches_hf(tiny_checkpoint):
         ref = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                           max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None)
         assert out == ref[0, len(ids):].tolist()
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration checkpoint as transformers saves it (text_config; the language model under
+    language_model., a vision tower beside it): our text model computes what transformers computes for text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                            sliding_window=4, sliding_window_pattern=2, max_position_embeddings=256)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                                     image_token_index=500, boi_token_index=498,
+                                                     eoi_token_index=499)).eval()
+    with torch.no_grad():  # transformers initialises tiny weights and zero norms: logits would say little
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.5 if p.dim() == 1 else p.shape[-1] ** -0.5))
+    hf.save_pretrained(tmp_path)
+    ours, cfg = load_model(tmp_path)
+    assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.layer_types[1] == "full_attention"
+    for ids, logits in zip(PROMPTS, Runner(ours, cfg, len(PROMPTS)).step(PROMPTS)):
+        torch.testing.assert_close(logits, hf_logits(hf, ids), atol=1e-4, rtol=0)

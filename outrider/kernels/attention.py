@@ -102,12 +102,16 @@ def _attn_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     n_rows = q_len * GROUP
+    ctx_start = seq_len - q_len  # absolute position of this sequence's first query token
+    # Keys any query of the sequence sees start at seq_lo: 0, or with a sliding window (window > 0) its first
+    # query's window, so the splits share the window's keys rather than the whole context's.
+    win = tl.where(window > 0, window, 1 << 30)
+    seq_lo = tl.maximum(ctx_start - win + 1, 0)
     # This sequence's split length (whole tiles, >= MIN_SPLIT keys) and how many splits hold keys (>= 1, so
     # a padding row with seq_len 0 still gets its zeros written, by split 0).
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    n_live = tl.maximum(tl.cdiv(seq_len, per_split), 1)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - seq_lo, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    n_live = tl.maximum(tl.cdiv(seq_len - seq_lo, per_split), 1)
     idle = (m_block * BLOCK_M >= n_rows) | (split >= n_live)
-    ctx_start = seq_len - q_len  # absolute position of this sequence's first query token
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = rows // GROUP
@@ -122,12 +126,11 @@ def _attn_kernel(
         kv_end = tl.minimum(ctx_start + last_tok + 1, seq_len)
     else:
         kv_end = seq_len
-    # A sliding window: keys before the tile's first query's window are skipped (their splits walk nothing), and
-    # the mask below drops those each row's window leaves out.
+    # A sliding window: keys before the tile's first query's window are skipped, and the mask below drops those
+    # each row's window leaves out.
     first_pos = ctx_start + (m_block * BLOCK_M) // GROUP
-    win = tl.where(window > 0, window, 1 << 30)
-    lo = tl.maximum(split * per_split, first_pos - win + 1)
-    hi = tl.minimum(split * per_split + per_split, kv_end)
+    lo = tl.maximum(seq_lo + split * per_split, first_pos - win + 1)
+    hi = tl.minimum(seq_lo + split * per_split + per_split, kv_end)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if USE_PDL:
         # The keys before this step's are in the cache already (L2 is coherent, so prefetching the newest ones

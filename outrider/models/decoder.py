@@ -84,10 +84,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[Attention] = Attention  # (an architecture's own attention subclasses Attention)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = self.attention_class(cfg, layer_idx)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -36,13 +36,15 @@ class Architecture:
     decoder_layer: builds decoder layer i for a config of this architecture: what drafters (MTP heads, DFlash)
         stack, so they never import a model module's classes.
     config: this architecture's ModelConfig fields from its config.json (after the fields all share).
+    config_defaults: values transformers gives keys a config.json leaves out (released multimodal configs list
+        only what differs from them), applied before any field is read.
     text_config: the decoder's keys sit under `text_config` (a multimodal checkpoint served as text only).
     tensor_renames: (checkpoint prefix, our prefix) pairs, e.g. a multimodal checkpoint's language model.
     ignored_prefixes: checkpoint tensors that are not the decoder's (a vision tower), skipped on load.
     packed_projections: the checkpoint stores q/k/v and gate/up packed as our model does (qkv_proj, gate_up_proj:
         Phi-3), rather than as their parts.
-    from_checkpoint: HF-named checkpoint tensor -> the value of our parameter (e.g. Gemma's norms store w for
-        (1 + w)); GGUF tensors arrive as llama.cpp's converter wrote them and go through gguf_tensor instead.
+    from_checkpoint: HF-named safetensors tensor -> the value of our parameter (e.g. Gemma's norms store w for
+        (1 + w)); GGUF tensors go through gguf_tensor instead.
     gguf_names: llama.cpp `general.architecture` values it reads.
     gguf_export: the `general.architecture` llama.cpp's converter writes for it (default gguf_names[0]; Mistral:
         "llama").
@@ -50,9 +52,11 @@ class Architecture:
         `hparam(key, default)` over `<gguf arch>.<key>` and `values(name)`, a config tensor's values (a list, or
         None where the file lacks it: llama.cpp stores e.g. RoPE factors as `rope_*` tensors).
     gguf_layer_tensors: `blk.N.<ggml name>` -> `model.layers.N.<HF name>` beyond the shared map.
-    gguf_tensor: (HF name, tensor read from GGUF, config) -> our parameter's value (default: as read).
-    gguf_write: what llama.cpp's converter writes for it beyond the shared metadata, called with (gguf.GGUFWriter,
-        ModelConfig) by testing/gguf.py, which writes the test files.
+    gguf_tensor: (HF name, tensor read from GGUF, config) -> our parameter's value (default: as read; llama.cpp's
+        converter has often done from_checkpoint's work already, e.g. Gemma's 1 + w).
+    gguf_write: what llama.cpp's converter does for it beyond renaming, for testing/gguf.py (which writes the test
+        files): called with (gguf.GGUFWriter, ModelConfig, HF-named tensors), it adds its metadata and returns the
+        tensors as the converter stores them (e.g. Gemma's norms as 1 + w).
     gguf_permutes_qk: the converter interleaves each q/k head's rotary halves (Llama), undone on load.
     tiny_config: config.json keys tiny test checkpoints of this architecture carry (transformers reads them).
     """
@@ -63,6 +67,7 @@ class Architecture:
     model: Callable[[ModelConfig], nn.Module]
     decoder_layer: Callable[[ModelConfig, int], nn.Module]
     config: Callable[[dict[str, Any]], dict[str, Any]] = _no_fields
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
     text_config: bool = False
     tensor_renames: tuple[tuple[str, str], ...] = ()
     ignored_prefixes: tuple[str, ...] = ()
@@ -73,7 +78,7 @@ class Architecture:
     gguf_config: Callable[[Callable[..., Any], Callable[[str], list[float] | None]], dict[str, Any]] | None = None
     gguf_layer_tensors: Mapping[str, str] = field(default_factory=dict)
     gguf_tensor: Callable[[str, torch.Tensor, ModelConfig], torch.Tensor] | None = None
-    gguf_write: Callable[[Any, ModelConfig], None] | None = None
+    gguf_write: Callable[[Any, ModelConfig, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     gguf_permutes_qk: bool = False
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
 

@@ -44,7 +44,7 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     rng = np.random.default_rng(seed)
     tensors = read_tensors(checkpoint)
     if adapter.gguf_write:
-        adapter.gguf_write(writer, cfg)
+        tensors = adapter.gguf_write(writer, cfg, tensors)
     elif cfg.rope_scaling:  # llama.cpp stores Llama 3's rule as per-frequency divisors
         base = rope_inv_freq(cfg.head_dim, cfg.rope_theta, None, cfg.max_position_embeddings)
         scaled = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)

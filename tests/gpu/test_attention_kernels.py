@@ -93,17 +93,19 @@ def test_non_causal_block_matches_reference(device, half):
     assert _rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("window", [37, 300])
 @pytest.mark.parametrize("max_seq_len", [None, CAPTURE_MAX_SEQ_LEN], ids=["exact", "capture"])
-def test_sliding_window_matches_reference(max_seq_len, device, half):
-    """Decode rows (one splitting its keys under a capture-sized grid, whole splits before its window), a verify
-    row, a prompt longer than the window and a chunked-prefill continuation, all over a 37-key window."""
-    out, ref, *_ = _run_both([1, 1, 5, 70, 33], [20, 700, 260, 70, 100], max_seq_len=max_seq_len, window=37,
-                             dtype=half, device=device)
-    full, *_ = _run_both([1, 1, 5, 70, 33], [20, 700, 260, 70, 100], max_seq_len=max_seq_len, dtype=half,
-                         device=device)
-    assert torch.isfinite(out).all()
-    assert _rel_err(out, ref) < 1e-2
-    assert _rel_err(out, full) > 0.1  # (the window changes the output: the test sees it)
+def test_sliding_window_matches_reference(max_seq_len, window, device, half):
+    """A decode batch (its 700-key row's window spread over several splits under a capture-sized grid), then a mixed
+    batch: decode rows, a verify row, a prompt longer than the window and a chunked-prefill continuation."""
+    for q_lens, seq_lens, long_row in (([1, 1], [700, 40], 0), ([1, 1, 5, 70, 33], [20, 700, 260, 70, 100], 1)):
+        out, ref, *_ = _run_both(q_lens, seq_lens, max_seq_len=max_seq_len, window=window, dtype=half, device=device)
+        full, *_ = _run_both(q_lens, seq_lens, max_seq_len=max_seq_len, dtype=half, device=device)
+        assert torch.isfinite(out).all()
+        assert _rel_err(out, ref) < 1e-2
+        assert _rel_err(out[long_row], full[long_row]) > 0.1  # (the window changes the long row: the test sees it)
+    if max_seq_len == CAPTURE_MAX_SEQ_LEN:
+        assert _capture_plan(2).splits > 1
 
 
 def test_float32_is_close_to_exact(device):

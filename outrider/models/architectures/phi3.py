@@ -40,8 +40,9 @@ def gguf_config(hparam: Callable[..., Any], values: Callable[[str], list[float] 
     return out
 
 
-def gguf_write(writer: Any, cfg: ModelConfig) -> None:
-    """As llama.cpp's converter: the window (0: none), and LongRoPE's factors as tensors with its attention factor."""
+def gguf_write(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """As llama.cpp's converter: the window (0: none), and LongRoPE's factors as tensors with its attention factor;
+    the weights as they are."""
     import numpy as np
 
     writer.add_sliding_window(cfg.sliding_window or 0)
@@ -52,6 +53,7 @@ def gguf_write(writer: Any, cfg: ModelConfig) -> None:
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight", np.asarray(cfg.rope_scaling[f"{kind}_factor"],
                                                                         dtype=np.float32))
+    return tensors
 
 
 PHI3 = register(Architecture(
