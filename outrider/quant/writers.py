@@ -226,8 +226,8 @@ def write_random_gguf(path: str | Path, config: dict[str, Any], mix: str, seed: 
     adapter = registry.of(cfg)
     writer = gguf.GGUFWriter(path, adapter.gguf_writes)
     add_hparams(writer, cfg)
-    if adapter.gguf_write:
-        adapter.gguf_write(writer, cfg)
+    if adapter.gguf_write:  # its metadata (its value conversions are moot for random blocks)
+        adapter.gguf_write(writer, cfg, {})
     model_arch = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[adapter.gguf_writes]
     names = gguf.get_tensor_name_map(model_arch, cfg.num_hidden_layers)
     rng = np.random.default_rng(seed)
