@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
                      "at Qwen3-8B's projection shapes, with the fastest kernel config")
     qnt.add_argument("--kernel-formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "FP8", "INT4"],
                      choices=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "FP8", "INT4"])
+    qnt.add_argument("--kernel-rows", nargs="+", type=int, default=[1, 5, 16, 32, 512], help="--kernels: rows of x")
+    qnt.add_argument("--tune", action="store_true", help="--kernels: also time candidate configs (slow: compiles)")
     ker = sub.add_parser("kernels", help="Triton kernels alone vs torch (attention decode, fused ops)")
     ker.add_argument("--device", default="cuda")
     ker.add_argument("--peak-bw", type=float)

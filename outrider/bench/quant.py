@@ -89,7 +89,6 @@ def run(args, reporter: Reporter) -> None:
 
 # Qwen3-8B's projections as [N, K]: qkv_proj, o_proj, gate_up_proj, down_proj.
 KERNEL_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-KERNEL_ROWS = (1, 5, 16, 64, 512)
 
 
 def _kernel_format(name: str):
@@ -113,23 +112,25 @@ def _random_part(fmt, n: int, k: int):
 
 
 def _candidates(m: int, block: int):
+    """Configs `--tune` tries: tile rows, K per step, warps and pipeline depth around the default."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
 
     base = default_config(m, block)
     out = [base]
     for block_n in (16, 32, 64):
-        for steps in (128, 256, 512):
+        for steps in (128, 256):
             for warps in (4, 8):
-                cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, base.num_stages)
-                fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M.value else 1) <= 64 * 32 * warps
-                if cfg not in out and fits:
-                    out.append(cfg)
+                for stages in (2, 4):
+                    cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, stages)
+                    fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M.value else 1) <= 64 * 32 * warps
+                    if cfg not in out and fits:
+                        out.append(cfg)
     return out
 
 
 def run_kernels(args, reporter: Reporter) -> None:
     """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
-    overhead is left out): the default config and, up to 64 rows, the fastest of _candidates."""
+    overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows."""
     import triton
 
     from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, fused_linear, quantized_linear
@@ -138,7 +139,7 @@ def run_kernels(args, reporter: Reporter) -> None:
     device = torch.device(args.device)
     for shape_name, (n, k) in KERNEL_SHAPES.items():
         dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        for m in KERNEL_ROWS:
+        for m in args.kernel_rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             base_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: torch.mm(x, dense.t()))
             reporter.note(f"quant-kernel bf16 {shape_name} m={m}", f"{base_us:.1f} us (cuBLAS)", shape=shape_name,
@@ -150,7 +151,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                 y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
                 us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, weight, out=y))
                 best = ""
-                if m <= FUSED_MAX_ROWS:
+                if args.tune and m <= FUSED_MAX_ROWS:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
