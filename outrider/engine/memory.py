@@ -81,7 +81,7 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
         sampler.sample(logits, sampler.prepare([spec] * rows))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base - scratch
-        del cache, meta, positions, hidden, logits
+        del cache, meta, positions, hidden, logits, sampler
         # What the step left allocated for good (a quantized model's dequantization buffer, kernels/quant_gemm.py)
         # is already out of the free memory the budget starts from.
         kept = torch.cuda.memory_allocated(device) - base
