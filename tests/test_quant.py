@@ -265,3 +265,21 @@ def test_server_serves_a_gguf_quantized_and_props_reports_the_weights_format_and
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         srv.stop()
+
+
+def test_a_quantized_safetensors_weight_that_cannot_be_served_is_refused_by_name(tiny, tmp_path):
+    """An AWQ q_proj beside a dense v_proj: the packed qkv cannot be served quantized, and an AWQ tensor has no
+    dense form to fall back to."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny["qwen3"]
+    dense = read_tensors(src)
+    out = write_quantized_checkpoint(json.loads((src / "config.json").read_text()), dense.items(), tmp_path / "awq",
+                                     "awq")
+    stored = load_file(out / "model.safetensors")
+    v = "model.layers.0.self_attn.v_proj"
+    stored = {n: t for n, t in stored.items() if not n.startswith(v)} | {f"{v}.weight": dense[f"{v}.weight"]}
+    save_file(stored, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight is stored in AWQ 4-bit \(group "
+                                         r"128\) but cannot be served"):
+        load_model(out, quantization="keep")

@@ -126,7 +126,7 @@ def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], qua
             if n.endswith(".weight_scale_inv") or n.endswith(".weight_scale"):
                 weight = n.rsplit(".", 1)[0] + ".weight"
                 offered[weight] = FP8Format(*block) if block and n.endswith("_inv") else FP8Format(1, 0)
-        return make_plan(model, "fp8", offered, packed=packed)
+        return _all_served(make_plan(model, "fp8", offered, packed=packed), path)
     if method in ("awq", "gptq"):
         if qc.get("bits", 4) != 4:
             raise ValueError(f"{path}: {method} with {qc.get('bits')} bits; outrider serves 4-bit {method}")
@@ -134,9 +134,18 @@ def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], qua
             raise ValueError(f"{path}: AWQ version {qc.get('version')!r}; outrider reads AWQ's gemm packing")
         fmt = Int4Format(int(qc.get("group_size", 128)), method.upper())
         offered = {n.removesuffix(".qweight") + ".weight": fmt for n in names if n.endswith(".qweight")}
-        return make_plan(model, method, offered, packed=packed)
+        return _all_served(make_plan(model, method, offered, packed=packed), path)
     raise ValueError(f"{path}: quantization_config.quant_method {method!r} is not supported; outrider serves fp8, "
                      "awq and gptq checkpoints")
+
+
+def _all_served(plan: QuantPlan, path: Path) -> QuantPlan:
+    """A safetensors checkpoint's quantized weights have no dense form to fall back to: each must be served."""
+    if plan.dequantized:
+        name, fmt = next(iter(plan.dequantized.items()))
+        raise ValueError(f"{path}: {name} is stored in {fmt} but cannot be served so (the shape does not fit the "
+                         "format, or its packed projection has parts that are not quantized)")
+    return plan
 
 
 class QuantizedReader:
