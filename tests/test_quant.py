@@ -280,6 +280,6 @@ def test_a_quantized_safetensors_weight_that_cannot_be_served_is_refused_by_name
     v = "model.layers.0.self_attn.v_proj"
     stored = {n: t for n, t in stored.items() if not n.startswith(v)} | {f"{v}.weight": dense[f"{v}.weight"]}
     save_file(stored, str(out / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight is stored in AWQ 4-bit \(group "
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.[qk]_proj.weight is stored in AWQ 4-bit \(group "
                                          r"128\) but cannot be served"):
         load_model(out, quantization="keep")
