@@ -257,12 +257,16 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, row0, N, K, stride_wn, stride_sn, stride_on, FP8_BN,
-                    FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, FP8_BITS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, NB: tl.constexpr):
-    """Rows row0 .. row0 + N of W -> out [N, K] in out's dtype."""
+def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn, stride_on,
+                    FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                    FP8_BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Rows row0 .. row0 + N of W (GATHER: rows ids[0 .. N], an embedding lookup) -> out [N, K] in out's
+    dtype."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
+    if GATHER:
+        rows = tl.load(ids_ptr + tl.minimum(offs_n, N - 1))[:, None, None]
+    else:
+        rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
     n_blocks = K // BLOCK
     kb = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
     lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
@@ -301,16 +305,19 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def dequantize_rows(part: QuantizedTensor, row0: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows row0 .. row0 + out.shape[0] of the part, dequantized into out [rows, K] (row-major)."""
+def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rows of the part dequantized into out [R, K] (row-major): rows rows .. rows + R (an int), or the rows a
+    tensor of R ids names (an embedding lookup)."""
     n, k = out.shape
     lay = _layout(part)
     cfg = default_config(1, lay.block)
     w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
+    gather = isinstance(rows, torch.Tensor)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))
-    _dequant_kernel[grid](w, w16, scale, zero, out, row0, n, k, stride_wn, stride_sn, out.stride(0),
-                          lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size,
-                          FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps)
+    _dequant_kernel[grid](w, w16, scale, zero, out, rows if gather else w, 0 if gather else rows, n, k, stride_wn,
+                          stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
+                          TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather, BLOCK_N=cfg.block_n,
+                          NB=cfg.blocks, num_warps=cfg.num_warps)
     return out
 
 

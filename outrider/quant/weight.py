@@ -102,6 +102,11 @@ class QuantizedWeight(nn.Module):
         """Rows `ids` [T] -> [T, K] in `dtype` (the weight is an embedding table)."""
         if len(self.parts) != 1:
             raise ValueError("a quantized embedding is stored in one format")
+        if ids.is_cuda:  # one kernel, no temporaries per block field (a decode step's lookup runs in its graph)
+            from outrider.kernels import quant_gemm
+
+            out = torch.empty(ids.shape[0], self.shape[1], dtype=self.dtype, device=ids.device)
+            return quant_gemm.dequantize_rows(self.parts[0], ids, out)
         return self.parts[0].rows(ids).to(self.dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,

@@ -63,6 +63,19 @@ def test_dequantize_kernel_equals_the_torch_dequantizer(fmt, device):
     torch.testing.assert_close(dequantize_rows(part, 8, out), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.replace(" ", "_"))
+def test_embedding_rows_gathered_by_the_kernel_equal_the_torch_dequantizer(fmt, device):
+    from outrider.kernels.quant_gemm import dequantize_rows
+
+    k = _k(fmt)
+    part, _ = random_quantized(fmt, 40, k, seed=4)
+    part = part.to(device)
+    ids = torch.tensor([3, 39, 0, 3, 17], device=device)
+    out = torch.empty(5, k, dtype=torch.float32, device=device)
+    want = part.dequantize()[ids]
+    torch.testing.assert_close(dequantize_rows(part, ids, out), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("rows", [1, 16, 512])
 def test_packed_parts_of_different_formats_with_bias_and_float32_logits(rows, half, device):
     """A Q4_K_M-style qkv: Q4_K q and k, Q6_K v, each part into its columns of one output, with a bias."""
