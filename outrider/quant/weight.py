@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from outrider.quant.dequant import dequantize_fp8, dequantize_gguf, dequantize_int4
-from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format, QuantFormat
+from outrider.quant.formats import FP8Format, GGUFFormat, QuantFormat
 
 # Rows up to which CUDA runs the kernels that read the quantized blocks (decode and verify steps, small batches);
 # beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
