@@ -8,19 +8,11 @@ A QuantizedWeight stands where a projection's weight tensor stood: outrider.kern
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from outrider.quant.dequant import dequantize_fp8, dequantize_gguf, dequantize_int4
 from outrider.quant.formats import FP8Format, GGUFFormat, QuantFormat
-
-# Rows up to which CUDA runs the kernels that read the quantized blocks (decode and verify steps, small batches);
-# beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
-# tensor-core GEMM outruns the fused kernels once the product is compute-bound. OUTRIDER_QUANT_FUSED_ROWS.
-FUSED_MAX_ROWS = int(os.environ.get("OUTRIDER_QUANT_FUSED_ROWS", "64"))
-
 
 class QuantizedTensor(nn.Module):
     """Rows [N, K] of a weight in one format: `data` (the blocks, or FP8 / packed INT4 values), and for FP8 and
