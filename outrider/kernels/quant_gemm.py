@@ -4,10 +4,11 @@ dequantized to memory at decode.
 Up to FUSED_MAX_ROWS rows (decode, verify, small batches) one Triton kernel reads the quantized blocks and
 dequantizes them in registers: each program owns BLOCK_N rows of W and walks K a few blocks at a time. A block's
 values split into two planes of half a block each (low and high nibbles for the 4/5-bit formats, the two halves
-for Q8_0 and FP8), and each plane goes to the tensor cores against the columns of x it multiplies (gathered from x,
-which is small and cached), so the quantized bytes are read once, contiguously, and no value is moved to its place
-in the row: y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T. Scales are loaded once per
-block (or sub-block), not per value.
+for Q8_0 and FP8), and each plane is multiplied by the columns of x it meets (gathered from x, which is small and
+cached), so the quantized bytes are read once, contiguously, and no value is moved to its place in the row:
+y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
+rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
+(or sub-block), not per value. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
 code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
@@ -36,8 +37,7 @@ FUSED_MAX_ROWS = int(os.environ.get("OUTRIDER_QUANT_FUSED_ROWS", "64"))
 SCRATCH_MB = float(os.environ.get("OUTRIDER_QUANT_SCRATCH_MB", "256"))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# Format codes of the kernels (constexpr globals: a kernel may read no other kind), and each one's block along K as
-# the kernels walk it.
+# Format codes of the kernels (constexpr globals: a kernel may read no other kind).
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, INT4, FP8 = (tl.constexpr(code) for code in range(10))
 _GGUF_CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
                "Q6_K": Q6_K}
@@ -48,7 +48,7 @@ FMA_MAX_M = tl.constexpr(2)  # rows up to which the products run on the CUDA cor
 @dataclass(frozen=True)
 class QuantGemmConfig:
     block_n: int  # rows of W per program (>= 16: a tl.dot side)
-    block_m: int  # rows of x per program (>= 16)
+    block_m: int  # rows of x per program (>= 16 on the tensor cores; 1 or 2 on the CUDA cores)
     blocks: int  # quant blocks per loop step
     num_warps: int = 4
     num_stages: int = 2
