@@ -61,11 +61,12 @@ def default_config(m: int, block: int) -> QuantGemmConfig:
     if m <= FMA_MAX_M.value:
         return QuantGemmConfig(block_n=16, block_m=triton.next_power_of_2(m), blocks=max(1, 256 // block))
     # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
-    # tiles in registers (no spills), but Q6_K's at 32 rows (64 bytes); 64-row tiles spilled 0.5-1.5 KB.
+    # tiles in registers (no spills), but Q6_K's at 32 rows (80 bytes); 64-row tiles spilled 0.5-1.5 KB. Past 16
+    # rows, 32 rows of W a program: twice the programs of 64 (a 4096-row weight fills only 64 SMs at 64).
     blocks = max(1, 128 // block)
     if m <= 16:
         return QuantGemmConfig(block_n=16, block_m=16, blocks=blocks)
-    return QuantGemmConfig(block_n=64, block_m=32, blocks=blocks, num_warps=8)
+    return QuantGemmConfig(block_n=32, block_m=32, blocks=blocks, num_warps=8)
 
 
 @dataclass(frozen=True)
