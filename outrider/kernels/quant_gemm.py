@@ -243,8 +243,12 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
         x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
         x_lo = tl.load(x_rows + p_lo[:, None], mask=x_mask, other=0.0)
         x_hi = tl.load(x_rows + p_hi[:, None], mask=x_mask, other=0.0)
-        if FMA:  # products on the CUDA cores, summed over K once after the loop
-            acc3 += lo[:, :, None] * x_lo.to(tl.float32)[None, :, :] + hi[:, :, None] * x_hi.to(tl.float32)[None, :, :]
+        if FMA:  # products on the CUDA cores, summed over K once after the loop; the weights rounded to x's dtype
+            # first, as on the tensor cores and in the dequantized model, so decode rows compute what verify rows do
+            w_lo = lo.to(dt).to(tl.float32)
+            w_hi = hi.to(dt).to(tl.float32)
+            acc3 += w_lo[:, :, None] * x_lo.to(tl.float32)[None, :, :]
+            acc3 += w_hi[:, :, None] * x_hi.to(tl.float32)[None, :, :]
         elif IEEE:  # float32 x: full-precision products, not TF32
             acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
             acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
