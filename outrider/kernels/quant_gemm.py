@@ -58,8 +58,8 @@ def default_config(m: int, block: int) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
     128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
     a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
-    if m <= FMA_MAX_M.value:
-        return QuantGemmConfig(block_n=16, block_m=triton.next_power_of_2(m), blocks=max(1, 256 // block))
+    if m <= FMA_MAX_M.value:  # 256 values a step for one row, 128 for two (the accumulator doubles)
+        return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block))
     # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
     # tiles in registers (no spills), but Q6_K's at 32 rows (80 bytes); 64-row tiles spilled 0.5-1.5 KB. Past 16
     # rows, 32 rows of W a program: twice the programs of 64 (a 4096-row weight fills only 64 SMs at 64).
