@@ -283,3 +283,19 @@ def test_a_quantized_safetensors_weight_that_cannot_be_served_is_refused_by_name
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.[qk]_proj.weight is stored in AWQ 4-bit \(group "
                                          r"128\) but cannot be served"):
         load_model(out, quantization="keep")
+
+
+def test_speculative_decoding_on_a_quantized_target_with_its_quantized_drafter_keeps_plain_greedy_tokens(tiny,
+                                                                                                        tmp_path):
+    """-md draft-Q8_0.gguf on a Q5_1 target, both kept quantized: verify rows run the quantized products, and the
+    greedy output is plain decoding's."""
+    target = write_gguf(tiny["qwen3"], tmp_path / "t.gguf", quant="Q5_1")
+    draft = write_gguf(tiny["qwen3"], tmp_path / "draft-Q8_0.gguf", quant="Q8_0")
+    prompts = [list(range(3, 30)), [1, 17, 99, 200, 7]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = [c.token_ids for c in LLM(str(target), quantization="keep").generate(prompts, params)]
+    spec = LLM(str(target), draft_model=str(draft), spec_draft_n_max=3, quantization="keep")
+    assert isinstance(spec.engine.model.model.layers[0].mlp.gate_up_proj, QuantizedLinear)
+    outs = spec.generate(prompts, params)
+    assert [c.token_ids for c in outs] == plain
+    assert spec.engine.drafter_kind == "draft" and outs[0].timing.draft_n_accepted > 0
