@@ -287,8 +287,8 @@ def test_a_quantized_safetensors_weight_that_cannot_be_served_is_refused_by_name
 
 def test_speculative_decoding_on_a_quantized_target_with_its_quantized_drafter_keeps_plain_greedy_tokens(tiny,
                                                                                                         tmp_path):
-    """-md draft-Q8_0.gguf on a Q5_1 target, both kept quantized: verify rows run the quantized products, and the
-    greedy output is plain decoding's."""
+    """-md draft-Q8_0.gguf on a Q5_1 target kept quantized: verify rows run the quantized products, and the greedy
+    output is plain decoding's (the drafter loads by the auto rule: dequantized on the CPU, quantized on CUDA)."""
     target = write_gguf(tiny["qwen3"], tmp_path / "t.gguf", quant="Q5_1")
     draft = write_gguf(tiny["qwen3"], tmp_path / "draft-Q8_0.gguf", quant="Q8_0")
     prompts = [list(range(3, 30)), [1, 17, 99, 200, 7]]
