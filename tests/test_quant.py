@@ -218,6 +218,10 @@ def test_quantization_is_refused_where_it_does_not_apply(tiny, tmp_path):
     gguf_path = write_gguf(tiny["qwen3"], tmp_path / "f.gguf", quant="Q8_0")
     with pytest.raises(ValueError, match="quantizes a dense checkpoint"):
         load_model(gguf_path, quantization="fp8")
+    awq = write_quantized_checkpoint(json.loads((tiny["qwen3"] / "config.json").read_text()),
+                                     read_tensors(tiny["qwen3"]).items(), tmp_path / "awq", "awq")
+    with pytest.raises(ValueError, match=r"quantizes a dense checkpoint; .* is already quantized \(awq\)"):
+        load_model(awq, quantization="fp8")
     with pytest.raises(ValueError, match="unsupported quantization 'int3'; use auto, keep, none, fp8"):
         load_model(tiny["qwen3"], quantization="int3")
 

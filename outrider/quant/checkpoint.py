@@ -40,6 +40,8 @@ QUANTIZATION_CHOICES = ("auto", "keep", "none", "fp8")
 def serves_dense(quantization: str, device: torch.device) -> bool:
     """Whether quantized checkpoint weights are dequantized at load time."""
     return quantization == "none" or (quantization == "auto" and device.type != "cuda")
+
+
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's gemm packing: nibble i of a word holds column 8c + AWQ_ORDER[i]
 _DENSE_GGUF = ("F32", "F16", "BF16")
@@ -104,7 +106,7 @@ def quantization_config(path: Path) -> dict[str, Any] | None:
     return json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
 
 
-def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], quantization: str | None,
+def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], quantization: str,
             packed: bool = False) -> QuantPlan:
     """A Hugging Face checkpoint (its tensor names, as our model names them -> shapes): per its
     quantization_config, or quantized at load. Quantized weights skip the architecture's from_checkpoint (which
@@ -119,6 +121,8 @@ def hf_plan(model: nn.Module, path: Path, names: dict[str, tuple[int, ...]], qua
         modules = {m: w for m, w in plan.modules.items() if m != "lm_head" and not m.endswith("embed_tokens")}
         return QuantPlan(plan.method, {w: plan.formats[w] for ws in modules.values() for w in ws}, modules)
     method = qc.get("quant_method")
+    if quantization == "fp8":
+        raise ValueError(f"--quantization fp8 quantizes a dense checkpoint; {path} is already quantized ({method})")
     if method == "fp8":
         block = qc.get("weight_block_size")
         offered = {}
