@@ -303,3 +303,21 @@ def test_speculative_decoding_on_a_quantized_target_with_its_quantized_drafter_k
     outs = spec.generate(prompts, params)
     assert [c.token_ids for c in outs] == plain
     assert spec.engine.drafter_kind == "draft" and outs[0].timing.draft_n_accepted > 0
+
+
+@pytest.mark.parametrize("fmt", ["q4_k_m", "fp8", "awq"])
+def test_a_random_models_projections_become_random_quantized_ones(tiny, fmt):
+    """bench spec --weights-format: the decoder projections swap for random quantized ones (Q4_K_M's mix per
+    tensor), the embedding and LM head stay as they were, and the model still computes finite logits."""
+    from outrider.quant.writers import quantize_projections_randomly
+
+    model, cfg = load_model(tiny["qwen2"])
+    head = model.lm_head.weight.clone()
+    quantize_projections_randomly(model, json.loads((tiny["qwen2"] / "config.json").read_text()), fmt)
+    for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear) and layer.self_attn.qkv_proj.bias is not None
+        if fmt == "q4_k_m":
+            want = gguf_tensor_type("q4_k_m", f"model.layers.{i}.mlp.down_proj.weight", cfg.num_hidden_layers)
+            assert layer.mlp.down_proj.weight.format_names() == [want]
+    assert torch.equal(model.lm_head.weight, head) and isinstance(model.model.embed_tokens, torch.nn.Embedding)
+    assert torch.isfinite(model.compute_logits(torch.randn(2, cfg.hidden_size))).all()

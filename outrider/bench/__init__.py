@@ -8,6 +8,7 @@ import argparse
 from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
 from outrider.quant.writers import BENCH_FORMATS as QUANT_FORMATS
+from outrider.quant.writers import GGUF_MIXES
 from outrider.config import EngineConfig
 from outrider.speculative import KINDS
 
@@ -104,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")
     spc.add_argument("--prompt-len", type=int, help="--random-weights: prompt length (default 128)")
+    spc.add_argument("--weights-format", default="bf16", choices=[*GGUF_MIXES, "fp8", "awq", "bf16"],
+                     help="--random-weights: the target's decoder projections random in this quantized format "
+                          "(embedding and LM head stay bf16)")
     spc.add_argument("--prompts", help="--model: a JSON list of prompts (default: the demo's eval_prompts.json; "
                      "bench.workloads writes the n-gram workloads: edit, novel)")
     spc.add_argument("--spec-ngram-simple-size-n", type=int, default=12, help="ngram: tokens looked up")

@@ -330,3 +330,35 @@ def write_random_checkpoint(config: dict[str, Any], out: Path, method: str, seed
     and one safetensors file."""
     return _write(config, dict(random_checkpoint_tensors(config, method, seed)), out,
                   None if method == "bf16" else quantization_config(method))
+
+
+def quantize_projections_randomly(model: torch.nn.Module, config: dict[str, Any], fmt: str, seed: int = 0,
+                                  std: float = 0.02) -> None:
+    """Swap a random-weights model's decoder projections, in place, for random quantized ones in `fmt` (a
+    GGUF_MIXES file type, "fp8" or "awq"), on the model's device; the embedding and LM head stay as they are (a
+    benchmark may have fixed their values: bench.shapes.fix_successors)."""
+    from outrider.quant.checkpoint import install, make_plan
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    layers = config["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, (n, k) in ((n, s) for n, s in checkpoint_shapes(config).items() if _projection(n)):
+        if fmt in GGUF_MIXES:
+            kind = gguf_tensor_type(fmt, name, layers)
+            part = QuantizedTensor(GGUF_FORMATS[kind], (n, k), torch.from_numpy(random_gguf_blocks(kind, n, k, rng)))
+        elif fmt == "fp8":
+            raw = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32).to(torch.uint8) & 0xBF
+            scale = torch.full((-(-n // 128), -(-k // 128)), std, dtype=torch.float32)
+            part = QuantizedTensor(FP8Format(128, 128), (n, k), raw.view(torch.float8_e4m3fn), scale)
+        else:
+            groups = k // 128
+            data = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+            zero = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.int32).to(torch.uint8)
+            part = QuantizedTensor(Int4Format(128, fmt.upper()), (n, k), data,
+                                   torch.full((n, groups), std / 4, dtype=torch.float16), zero)
+        tensors[name] = part.to(device)
+    plan = make_plan(model, fmt, {name: t.format for name, t in tensors.items()})
+    install(model, plan, tensors, dtype)
