@@ -178,7 +178,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
     model = model_path(ns)
     slots, context = slots_and_context(ns, model)
     kwargs = dict(
-        model=model, dtype=ns.dtype, device=_device(ns.device), max_model_len=context, seed=ns.seed,
+        model=model, dtype=ns.dtype, quantization=ns.quantization, device=_device(ns.device), max_model_len=context,
+        seed=ns.seed,
         enable_prefix_caching=ns.cache_prompt, enforce_eager=ns.enforce_eager, draft_model=draft,
         spec_type=spec_type, spec_required=ns.spec_required, chat_template=_chat_template(ns), tokenizer=ns.tokenizer,
         max_num_seqs=slots, max_num_batched_tokens=ns.batch_size, rope=_rope(ns),

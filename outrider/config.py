@@ -163,6 +163,8 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    # auto | keep | none | fp8: whether quantized weights stay quantized (outrider/quant/checkpoint.py)
+    quantization: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int = 0  # 0 = the model's max_position_embeddings
     max_num_seqs: int = 16  # concurrent sequences (llama-server: --parallel)

@@ -101,10 +101,10 @@ def test_weights_equal_the_checkpoint_the_file_was_converted_from(converted, cas
 
 @pytest.mark.parametrize("quant", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantized_weights_load_as_gguf_dequantizes_them(converted, quant):
-    """Each weight is dequantize(quantize(w)) of the checkpoint's (quantized per row, so Llama's row permutation
-    does not change it), in the serving dtype asked for."""
+    """Dequantized at load time (--quantization none), each weight is dequantize(quantize(w)) of the checkpoint's
+    (quantized per row, so Llama's row permutation does not change it), in the serving dtype asked for."""
     ck, path = converted("llama", quant=quant)
-    ours, _ = load_model(path, dtype="bfloat16")
+    ours, _ = load_model(path, dtype="bfloat16", quantization="none")
     ref, _ = load_model(ck)
     qtype = gguf.GGMLQuantizationType[quant]
     for (name, p), (_, w) in zip(ours.named_parameters(), ref.named_parameters()):
@@ -121,10 +121,10 @@ def test_quantized_weights_load_as_gguf_dequantizes_them(converted, quant):
 @pytest.mark.parametrize("quant", RANDOM_BLOCK_TYPES)
 def test_k_quants_load_as_gguf_dequantizes_them(tmp_path, quant):
     """K-quants (256-value blocks; gguf cannot quantize them in Python, so the blocks are random): each weight is
-    what gguf dequantizes from the file's bytes."""
+    what gguf dequantizes from the file's bytes (dequantized at load time)."""
     ck = write_tiny_checkpoint(tmp_path / "ck", "qwen3", hidden_size=256, layers=1, heads=2, kv_heads=1)
     path = write_gguf(ck, tmp_path / f"{quant}.gguf", quant=quant)
-    ours, _ = load_model(path)
+    ours, _ = load_model(path, quantization="none")
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 1)
     params = dict(ours.named_parameters())
@@ -157,14 +157,18 @@ def test_greedy_generation_matches_the_checkpoint(converted, case):
     assert [c.token_ids for c in LLM(str(path)).generate(prompts, params)] == want
 
 
-def test_the_log_says_the_weights_were_dequantized_and_their_memory(converted, caplog):
+def test_the_log_says_the_weights_formats_and_their_memory_against_the_file(converted, caplog):
+    """Kept quantized, the weights take about the file's bytes; dequantized (on the CPU by default), float32's."""
     _, path = converted("qwen2", quant="Q4_1")
-    with caplog.at_level(logging.INFO, logger="outrider.models"):
-        model, _ = load_model(path)
-    nbytes = sum(p.numel() * 4 for p in model.parameters())
-    line = next(r.getMessage() for r in caplog.records if "dequantized" in r.getMessage())
-    assert re.search(r"dequantized at load time from Q4_1 \(16\), F32 \(11\) to float32: ", line)
-    assert f" {nbytes / 2**20:.1f} MiB in memory" in line
+    for quantization, kinds in (("keep", r"Q4_1 \(10\)"), ("auto", r"float32 \(10\)")):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="outrider.models"):
+            model, _ = load_model(path, quantization=quantization)
+        line = next(r.getMessage() for r in caplog.records if "MiB in memory" in r.getMessage())
+        m = re.search(kinds + r": ([\d.]+) MiB in memory \(([\d.]+) MiB in the file\)", line)
+        assert m, line
+        memory, tensors = float(m[1]), float(m[2])
+        assert (memory <= 1.05 * tensors) if quantization == "keep" else (memory > 4 * tensors)
 
 
 # --- refusals ----------------------------------------------------------------------------------------------------

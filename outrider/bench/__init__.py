@@ -7,6 +7,8 @@ import argparse
 
 from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
+from outrider.quant.writers import BENCH_FORMATS as QUANT_FORMATS
+from outrider.quant.writers import GGUF_MIXES
 from outrider.config import EngineConfig
 from outrider.speculative.kinds import NAMES as KINDS
 
@@ -63,6 +65,22 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--peak-bw", type=float)
     srv.add_argument("--json")
+    qnt = sub.add_parser("quant", parents=[common], help="quantized weights (GGUF, FP8, AWQ, GPTQ) vs bf16 with "
+                         "--random-weights: decode tok/s, batch throughput, TTFT and GPU memory after load")
+    qnt.add_argument("--weights-format", nargs="+", choices=QUANT_FORMATS, default=["q4_k_m", "q8_0", "fp8", "awq",
+                                                                                     "bf16"])
+    qnt.add_argument("--checkpoint-dir", default="bench-checkpoints",
+                     help="where the random checkpoints are written (and reused)")
+    qnt.add_argument("--prompt-len", type=int, default=128)
+    qnt.add_argument("--gen", type=int, default=128)
+    qnt.add_argument("--batch", type=int, default=32, help="the throughput batch (batch 1 is always measured)")
+    qnt.add_argument("--ttft-prompt-len", type=int, default=1024)
+    qnt.add_argument("--kernels", action="store_true", help="instead: each format's product alone vs bf16 cuBLAS "
+                     "at Qwen3-8B's projection shapes, with the fastest kernel config")
+    qnt.add_argument("--kernel-formats", nargs="+", default=["Q4_K", "Q6_K", "Q8_0", "FP8", "INT4"],
+                     choices=["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K", "FP8", "INT4"])
+    qnt.add_argument("--kernel-rows", nargs="+", type=int, default=[1, 5, 16, 32, 512], help="--kernels: rows of x")
+    qnt.add_argument("--tune", action="store_true", help="--kernels: also time candidate configs (slow: compiles)")
     ker = sub.add_parser("kernels", help="Triton kernels alone vs torch (attention decode, fused ops)")
     ker.add_argument("--device", default="cuda")
     ker.add_argument("--peak-bw", type=float)
@@ -83,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--gen", type=int, default=128, help="tokens generated per request")
     spc.add_argument("--num-requests", type=int, default=16, help="per batch size, rounded up to whole batches")
     spc.add_argument("--prompt-len", type=int, help="--random-weights: prompt length (default 128)")
+    spc.add_argument("--weights-format", default="bf16", choices=[*GGUF_MIXES, "fp8", "awq", "bf16"],
+                     help="--random-weights: the target's decoder projections random in this quantized format "
+                          "(embedding and LM head stay bf16)")
     spc.add_argument("--prompts", help="--model: a JSON list of prompts (default: the demo's eval_prompts.json; "
                      "bench.workloads writes the n-gram workloads: edit, novel)")
     spc.add_argument("--spec-ngram-simple-size-n", type=int, default=12, help="ngram: tokens looked up")
@@ -119,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         from outrider.bench import throughput as mod
     elif args.cmd == "serve":
         from outrider.bench import serve as mod
+    elif args.cmd == "quant":
+        from outrider.bench import quant as mod
     else:
         from outrider.bench import kernels as mod
     mod.run(args, reporter)

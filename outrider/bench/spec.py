@@ -270,6 +270,12 @@ def _setup(args, root: Path) -> Setup:
         paths = write_preset(name, shape, root, dtype, args.seed)
         model, cfg = random_model(name, device, dtype, args.seed)
         fix_successors(model, args.seed)  # plain and speculative runs then commit the same tokens
+        if args.weights_format != "bf16":
+            from outrider.quant.writers import quantize_projections_randomly
+
+            quantize_projections_randomly(model, RANDOM_MODELS[name], args.weights_format, args.seed)
+            name = f"{name} {args.weights_format}"
+            torch.cuda.empty_cache()  # the bf16 projections let go
         rng = random.Random(args.seed)
         count = max(_workload_size(b, args.num_requests) for b in args.batch)
         prompts = [[rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len or 128)] for _ in range(count)]

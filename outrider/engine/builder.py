@@ -27,6 +27,7 @@ from outrider.engine.runner import ModelRunner
 from outrider.engine.scheduler import Scheduler
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
+from outrider.quant.checkpoint import summarize as summarize_weights
 from outrider.speculative.device_round import device_rounds
 from outrider.speculative.drafter import DEFAULT_N_MAX, MAX_VERIFY_TOKENS, DraftPolicy, Drafter
 from outrider.speculative.kinds import detect_kind, load_drafter
@@ -65,7 +66,10 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     t0 = now()
     path = resolve_model_path(config.model)
     dtype = config.dtype if config.dtype == "auto" else getattr(torch, config.dtype)
-    model, mc = preloaded or load_model(path, dtype=dtype, device=device, rope=config.rope)
+    model, mc = preloaded or load_model(path, dtype=dtype, device=device, rope=config.rope,
+                                        quantization=config.quantization)
+    weights = summarize_weights(model)  # formats and bytes, for the log and /props
+    log.info("weights: %s, %.2f GiB on %s", weights.describe(), weights.nbytes / 2**30, device)
     target = _Target(model, mc, str(path), next(model.parameters()).dtype, device,
                      config.max_model_len or mc.max_position_embeddings)
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or path)
@@ -100,7 +104,7 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
              num_blocks, config.block_size, (now() - t0) * 1e3)
     engine = Engine(config, EngineParts(
         device, model, mc, target.path, tokenizer, target.max_model_len, kv_cache, pool, scheduler, runner, eos_ids,
-        GrammarCompiler(tokenizer.to_json(), mc.vocab_size, eos_ids), speculation, drafter_error), clock)
+        GrammarCompiler(tokenizer.to_json(), mc.vocab_size, eos_ids), weights, speculation, drafter_error), clock)
     if device.type == "cuda":
         warm_up(engine)
     return engine

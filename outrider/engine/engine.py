@@ -33,6 +33,7 @@ from outrider.engine.kv_cache import BlockPool
 from outrider.engine.request import FinishReason, PromptProgress, Request, RequestOutput
 from outrider.engine.runner import ModelRunner
 from outrider.engine.scheduler import Scheduler
+from outrider.quant.checkpoint import WeightsSummary
 from outrider.speculative.speculation import Speculation
 from outrider.steps import LaunchedStep, PlannedStep, Status, StepOutput, StepPlan
 from outrider.structured.grammar import GrammarCompiler
@@ -60,6 +61,7 @@ class EngineParts:
     runner: ModelRunner
     eos_ids: frozenset[int]
     grammars: GrammarCompiler  # (the routes')
+    weights: WeightsSummary  # their formats and bytes (/props)
     speculation: Speculation | None = None  # None: no drafter
     drafter_error: str | None = None  # why the configured drafter was refused (serving without it)
 
@@ -100,7 +102,7 @@ class Engine:
         self.model_path, self.tokenizer, self.max_model_len = parts.model_path, parts.tokenizer, parts.max_model_len
         self.kv_cache, self.pool, self.scheduler = parts.kv_cache, parts.pool, parts.scheduler
         self.runner = parts.runner
-        self.eos_ids, self.grammars = parts.eos_ids, parts.grammars
+        self.eos_ids, self.grammars, self.weights = parts.eos_ids, parts.grammars, parts.weights
         self.speculation, self.drafter_error = parts.speculation, parts.drafter_error
         self.live: dict[int, _Live] = {}
         # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.

@@ -82,8 +82,11 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
         sampler.sample(logits, sampler.prepare([spec] * rows))
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base - scratch
-        del cache, meta, positions, hidden, logits
-        return max(0, peak)
+        del cache, meta, positions, hidden, logits, sampler
+        # What the step left allocated for good (a quantized model's dequantization buffer, kernels/quant_gemm.py)
+        # is already out of the free memory the budget starts from.
+        kept = torch.cuda.memory_allocated(device) - base
+        return max(0, peak - kept)
     except Exception as exc:  # a failed measurement must not stop the server: assume what was assumed before
         log.warning("could not measure a step's memory (%s); reserving %.1f GiB", exc, FALLBACK_RESERVE / 2**30)
         return FALLBACK_RESERVE

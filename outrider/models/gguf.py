@@ -2,8 +2,10 @@
 
 A GGUF file carries the model's shape, its tokenizer and its tensors under llama.cpp's names. We map the shape to
 a ModelConfig and the tensors to Hugging Face names, so the rest of outrider sees an ordinary checkpoint.
-Quantized tensors are dequantized at load time to the serving dtype (there are no quantized kernels yet), and
-the Q/K rows that llama.cpp's converter interleaves for Llama are put back in Hugging Face's order.
+Tensors of the quant types outrider serves (outrider.quant.formats.GGUF_FORMATS) stay quantized, their blocks as the
+file stores them; other quant types are dequantized at load time to the serving dtype. The Q/K rows that
+llama.cpp's converter interleaves for Llama are put back in Hugging Face's order (whole rows of blocks, for a
+quantized tensor).
 """
 
 from __future__ import annotations
@@ -202,6 +204,11 @@ class HFTensor:
         w = unpermute_rows(w, self.unpermute_heads) if self.unpermute_heads else w
         return self.convert(w) if self.convert else w
 
+    def read_quantized(self) -> torch.Tensor:
+        """The blocks as stored: uint8 [rows, bytes per row], rows in Hugging Face's order."""
+        raw = torch.from_numpy(self.ggml.data.copy()).view(torch.uint8).reshape(self.shape[0], -1)
+        return unpermute_rows(raw, self.unpermute_heads) if self.unpermute_heads else raw
+
 
 def hf_tensors(ck: GGUFCheckpoint, cfg: ModelConfig) -> Iterator[HFTensor]:
     """Every weight of the model, Hugging Face named; refuses quant types we cannot dequantize before any is read."""
@@ -263,12 +270,13 @@ def _dequantize(t: Any) -> Any:
     return quants.dequantize(t.data, t.tensor_type)
 
 
-def log_dequantized(ck: GGUFCheckpoint, model: torch.nn.Module) -> None:
-    """Say that the weights were dequantized, from what, and the memory they take now."""
-    kinds = Counter(t.tensor_type.name for t in ck.tensors.values())
+def log_weights(ck: GGUFCheckpoint, summary: Any, dequantized: Mapping[str, str]) -> None:
+    """Say what the weights are in memory (formats, size) against the file, and which quantized tensors were
+    dequantized at load time (types without kernels)."""
     stored = sum(int(t.n_bytes) for t in ck.tensors.values())
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    log.info("GGUF %s: weights dequantized at load time from %s to %s: %.1f MiB in memory (%.1f MiB in the file; "
-             "no quantized kernels yet)", ck.name, ", ".join(f"{q} ({n})" for q, n in kinds.items()), dtype,
-             nbytes / 2**20, stored / 2**20)
+    log.info("GGUF %s: weights %s: %.1f MiB in memory (%.1f MiB in the file)", ck.name, summary.describe(),
+             summary.nbytes / 2**20, stored / 2**20)
+    if dequantized:
+        kinds = Counter(dequantized.values())
+        log.info("GGUF %s: %d tensors dequantized at load time (%s): %s", ck.name, len(dequantized),
+                 ", ".join(f"{q} ({n})" for q, n in kinds.items()), ", ".join(dequantized))

@@ -4,6 +4,7 @@ directory holding one), or a hub repo id."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,9 @@ import torch
 from outrider.config import ModelConfig, RopeOverride
 from outrider.layers.linear import MergedLinear
 from outrider.models import gguf, registry, torch_weights
+from outrider.quant import checkpoint as quant
+
+log = logging.getLogger("outrider.models")
 
 # Tensors that the target model does not own but that may ship in its checkpoint.
 MTP_PREFIXES = ("mtp.", "model.mtp_layers.")
@@ -127,14 +131,33 @@ def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str,
     return layout
 
 
+def quant_plan(model: torch.nn.Module, arch: registry.Architecture, checkpoint: gguf.GGUFCheckpoint | None,
+               cfg: ModelConfig, path: Path, quantization: str, device: torch.device) -> quant.QuantPlan:
+    """Which weights are read quantized (outrider.quant.checkpoint.QUANTIZATION_CHOICES): the checkpoint's own
+    quantization, or FP8 made at load time ("fp8"). A GGUF served dense takes the dequantizing path of
+    models/gguf.py (an empty plan); other quantized checkpoints are read quantized and dequantized after."""
+    if quantization not in quant.QUANTIZATION_CHOICES:
+        raise ValueError(f"unsupported quantization {quantization!r}; use {', '.join(quant.QUANTIZATION_CHOICES)}")
+    if checkpoint:
+        if quantization == "fp8":
+            raise ValueError(f"--quantization fp8 quantizes a dense checkpoint; {checkpoint.name} is a GGUF file")
+        if quant.serves_dense(quantization, device):
+            return quant.QuantPlan("")
+        return quant.gguf_plan(model, gguf.hf_tensors(checkpoint, cfg), arch.packed_projections)
+    names = {arch.checkpoint_name(t.name): t.shape for t in safetensors_tensors(path)}
+    return quant.hf_plan(model, path, names, quantization, arch.packed_projections)
+
+
 def _squeezed(shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
 def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               rope: RopeOverride | None = None) -> tuple[torch.nn.Module, ModelConfig]:
+               rope: RopeOverride | None = None,
+               quantization: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture (safetensors or GGUF) and load its weights strictly, in
-    eval mode; `rope` overrides the checkpoint's RoPE settings."""
+    eval mode; `rope` overrides the checkpoint's RoPE settings. Quantized weights stay quantized where outrider
+    serves their format on the device (`quantization`: outrider.quant.checkpoint.QUANTIZATION_CHOICES)."""
     path = resolve_model_path(path_or_repo)
     checkpoint = gguf.open_gguf(path) if gguf.is_gguf(path) else None
     cfg = gguf.model_config(checkpoint) if checkpoint else ModelConfig.from_path(path)
@@ -145,12 +168,19 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     arch = registry.of(cfg)
     with torch.device("meta"):  # no random init: every parameter is assigned from the checkpoint
         model = arch.model(cfg)
-    layout = checkpoint_layout(model, arch.packed_projections)
+    plan = quant_plan(model, arch, checkpoint, cfg, path, quantization, device)
+    reader = quant.QuantizedReader(plan, gptq_v2=(quant.quantization_config(path) or {}).get(
+        "checkpoint_format") == "gptq_v2")
+    layout = {n: slot for n, slot in checkpoint_layout(model, arch.packed_projections).items()
+              if n not in plan.formats}
     # Each tensor is copied straight into its rows of the final parameter: packing needs no extra copy.
-    params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()}
+    params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()
+              if name.rpartition(".")[0] not in plan.modules or not name.endswith(".weight")}
     loaded = set()
     for t in gguf.hf_tensors(checkpoint, cfg) if checkpoint else safetensors_tensors(path):
         name = arch.checkpoint_name(t.name)
+        if reader.take(t, name):
+            continue
         if name not in layout:
             if name.startswith(MTP_PREFIXES + arch.ignored_prefixes) or name.endswith(_IGNORED_SUFFIXES) or (
                     name == "lm_head.weight" and cfg.tie_word_embeddings):
@@ -172,8 +202,15 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"missing tensor {missing[0]!r}{more} in checkpoint {path}")
     model.load_state_dict(params, strict=False, assign=True)  # not strict: the state dict lists a tied lm_head
+    quant.install(model, plan, reader.finish(), dtype)
+    if plan.method != "fp8-at-load" and quant.serves_dense(quantization, device):
+        quant.dequantize_modules(model)
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     if checkpoint:
-        gguf.log_dequantized(checkpoint, model)
+        gguf.log_weights(checkpoint, quant.summarize(model), plan.dequantized)
+    elif plan.method:
+        summary = quant.summarize(model)
+        log.info("%s: weights %s (%s): %.1f MiB in memory", path.name, summary.describe(), plan.method,
+                 summary.nbytes / 2**20)
     return model, cfg

@@ -90,6 +90,10 @@ MODEL = [
         negative=("--no-jinja",)),
     # outrider's own
     Opt(("--dtype",), "dtype", "OUTRIDER_DTYPE", str, "auto", "auto | float32 | float16 | bfloat16"),
+    Opt(("--quantization",), "quantization", "OUTRIDER_QUANTIZATION", str, None,
+        "auto: quantized weights stay quantized on the GPU, dequantized at load on the CPU | keep: quantized on "
+        "every device | none: dequantized at load | fp8: a dense checkpoint's projections quantized to FP8 at load "
+        "(default: auto)"),
     Opt(("-dev", "--device"), "device", "OUTRIDER_DEVICE", str, "auto",
         "auto | cpu | cuda[:N], or llama-server's names: none (the CPU), CUDA0, CUDA1, ..."),
     Opt(("--rope-scaling",), "rope_scaling", "LLAMA_ARG_ROPE_SCALING_TYPE",

@@ -247,6 +247,8 @@ async def get_props(request: Request):
         "is_sleeping": False,
         # outrider's: why a drafter that was detected is not in use (speculative.types then says "none")
         "drafter_error": core.drafter_error,
+        # outrider's: the weights in memory, by format (number of tensors in each) and their bytes
+        "model_weights": {"formats": core.weights.formats, "bytes": core.weights.nbytes},
     })
 
 

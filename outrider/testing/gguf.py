@@ -36,17 +36,7 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     if ggml_arch is None:
         raise ValueError(f"llama.cpp has no GGUF architecture for {cfg.architecture}")
     writer = gguf.GGUFWriter(path, arch or ggml_arch, split_max_tensors=split_max_tensors)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
+    add_hparams(writer, cfg)
     writer.add_file_type(_file_type(quant))
     if (checkpoint / "tokenizer.json").is_file():
         _add_tokenizer(writer, checkpoint, pre, tokenizer_model)
@@ -92,6 +82,21 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(path)[0]
+
+
+def add_hparams(writer, cfg: ModelConfig) -> None:
+    """The model shape every llama.cpp decoder file carries (gguf.GGUFWriter)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
 
 
 def _as_llama_cpp_hybrid(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor],

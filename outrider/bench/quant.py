@@ -1,0 +1,164 @@
+"""`bench quant`: quantized weights against bf16 on one model shape with random weights, each format written to
+a checkpoint as its tools write it (GGUF in llama.cpp's type mixes, FP8 with 128 x 128 block scales, AWQ and
+GPTQ 4-bit) and loaded through the ordinary loader: batch-1 decode tok/s, batch-B throughput, TTFT at a long
+prompt, and the GPU memory the weights take after load against the checkpoint's tensor bytes."""
+
+from __future__ import annotations
+
+import gc
+import random
+from pathlib import Path
+
+import torch
+
+from outrider.bench.engine_setup import build_engine
+from outrider.bench.latency import run_batch
+from outrider.bench.report import Reporter
+from outrider.bench.shapes import RANDOM_MODELS
+from outrider.models import load_model
+from outrider.quant.writers import GGUF_MIXES, write_random_checkpoint, write_random_gguf
+
+def write_checkpoint(name: str, fmt: str, root: Path) -> tuple[Path, int]:
+    """The random checkpoint of shape `name` in format `fmt` under `root` (kept: written once), and its tensor
+    bytes."""
+    config = RANDOM_MODELS[name]
+    root.mkdir(parents=True, exist_ok=True)
+    if fmt in GGUF_MIXES:
+        path = root / f"{name}-{fmt}.gguf"
+        if not path.is_file():
+            write_random_gguf(path, config, fmt)
+        from outrider.models.gguf import open_gguf
+
+        return path, sum(int(t.n_bytes) for t in open_gguf(path).tensors.values())
+    path = root / f"{name}-{fmt}"
+    if not (path / "model.safetensors").is_file():
+        write_random_checkpoint(config, path, fmt)
+    file = path / "model.safetensors"
+    with file.open("rb") as f:  # the data after safetensors' header (8 bytes of length, then JSON)
+        header = int.from_bytes(f.read(8), "little")
+    return path, file.stat().st_size - 8 - header
+
+
+def run(args, reporter: Reporter) -> None:
+    if args.kernels:
+        run_kernels(args, reporter)
+        return
+    if not args.random_weights:
+        raise SystemExit("bench quant writes its checkpoints: give --random-weights NAME")
+    root = Path(args.checkpoint_dir)
+    device = torch.device(args.device)
+    results = {}
+    for fmt in args.weights_format:
+        path, tensor_bytes = write_checkpoint(args.random_weights, fmt, root)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        model, cfg = load_model(path, dtype="bfloat16", device=device)
+        torch.cuda.synchronize(device)
+        weights = torch.cuda.memory_allocated(device) - before
+        reporter.note(f"quant {fmt} weights", f"{weights / 2**30:.2f} GiB on the GPU after load, checkpoint tensors "
+                      f"{tensor_bytes / 2**30:.2f} GiB ({weights / tensor_bytes:.3f}x)", format=fmt,
+                      gpu_bytes=weights, tensor_bytes=tensor_bytes)
+        max_len = max(args.prompt_len + args.gen, args.ttft_prompt_len + 2) + 16
+        engine = build_engine(args, max_num_seqs=args.batch, max_model_len=max_len,
+                              max_num_batched_tokens=max(2048, args.batch * args.prompt_len, args.ttft_prompt_len),
+                              preloaded=(model, cfg))
+        rng = random.Random(args.seed)
+        prompt = lambda n: [rng.randrange(cfg.vocab_size) for _ in range(n)]  # noqa: E731
+        row = {}
+        for batch in (1, args.batch):
+            run_batch(engine, [prompt(args.prompt_len) for _ in range(batch)], 8)  # warm-up (compiles)
+            run = run_batch(engine, [prompt(args.prompt_len) for _ in range(batch)], args.gen)
+            row[f"bs{batch}_tok_s"] = run.tok_s * batch
+            reporter.note(f"quant {fmt} bs={batch} in={args.prompt_len} out={args.gen}",
+                          f"{run.tok_s * batch:.1f} tok/s total ({1e3 / run.tok_s:.2f} ms/step)", format=fmt,
+                          batch=batch, tok_s=run.tok_s * batch)
+        row["ttft_s"] = min(run_batch(engine, [prompt(args.ttft_prompt_len)], 2).ttft_s for _ in range(3))
+        reporter.note(f"quant {fmt} ttft in={args.ttft_prompt_len}", f"{row['ttft_s'] * 1e3:.1f} ms (best of 3)",
+                      format=fmt, ttft_s=row["ttft_s"])
+        results[fmt] = row
+        del engine, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "bf16" in results:
+        base = results["bf16"]
+        for fmt, row in results.items():
+            reporter.note(f"quant {fmt} vs bf16", f"batch 1 {row['bs1_tok_s'] / base['bs1_tok_s']:.2f}x, batch "
+                          f"{args.batch} {row[f'bs{args.batch}_tok_s'] / base[f'bs{args.batch}_tok_s']:.2f}x, TTFT "
+                          f"{row['ttft_s'] / base['ttft_s']:.2f}x", format=fmt)
+
+
+# Qwen3-8B's projections as [N, K]: qkv_proj, o_proj, gate_up_proj, down_proj.
+KERNEL_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def _kernel_format(name: str):
+    from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format
+
+    return {"FP8": FP8Format(128, 128), "INT4": Int4Format(128, "AWQ")}.get(name) or GGUF_FORMATS[name]
+
+
+def _random_part(fmt, n: int, k: int):
+    """A random quantized [n, k] weight: GGUF blocks drawn directly (quantizing a large weight in numpy is slow)."""
+    import numpy as np
+
+    from outrider.quant.formats import GGUFFormat
+    from outrider.quant.weight import QuantizedTensor
+    from outrider.quant.writers import random_gguf_blocks, random_quantized
+
+    if isinstance(fmt, GGUFFormat):
+        blocks = random_gguf_blocks(fmt.name, n, k, np.random.default_rng(0))
+        return QuantizedTensor(fmt, (n, k), torch.from_numpy(blocks))
+    return random_quantized(fmt, n, k)[0]
+
+
+def _candidates(m: int, block: int):
+    """Configs `--tune` tries: tile rows, K per step, warps and pipeline depth around the default."""
+    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
+
+    base = default_config(m, block)
+    out = [base]
+    for block_n in (16, 32, 64):
+        for steps in (128, 256):
+            for warps in (4, 8):
+                for stages in (2, 4):
+                    cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, stages)
+                    fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M.value else 1) <= 64 * 32 * warps
+                    if cfg not in out and fits:
+                        out.append(cfg)
+    return out
+
+
+def run_kernels(args, reporter: Reporter) -> None:
+    """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
+    overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows."""
+    import triton
+
+    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, fused_linear, quantized_linear
+    from outrider.quant.weight import QuantizedWeight
+
+    device = torch.device(args.device)
+    for shape_name, (n, k) in KERNEL_SHAPES.items():
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for m in args.kernel_rows:
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            base_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: torch.mm(x, dense.t()))
+            reporter.note(f"quant-kernel bf16 {shape_name} m={m}", f"{base_us:.1f} us (cuBLAS)", shape=shape_name,
+                          m=m, format="bf16", us=base_us)
+            for fmt_name in args.kernel_formats:
+                fmt = _kernel_format(fmt_name)
+                part = _random_part(fmt, n, k)
+                weight = QuantizedWeight([part.to(device)], torch.bfloat16)
+                y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, weight, out=y))
+                best = ""
+                if args.tune and m <= FUSED_MAX_ROWS:
+                    block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
+                    timed = [(1e3 * triton.testing.do_bench_cudagraph(
+                        lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
+                        for c in _candidates(m, block)]
+                    t, cfg = min(timed, key=lambda tc: tc[0])
+                    best = f"; best {t:.1f} us with {cfg}"
+                gbs = weight.nbytes / (us * 1e-6) / 1e9
+                reporter.note(f"quant-kernel {fmt_name} {shape_name} m={m}",
+                              f"{us:.1f} us ({base_us / us:.2f}x bf16, {gbs:.0f} GB/s of quantized weight){best}",
+                              shape=shape_name, m=m, format=fmt_name, us=us, speedup=base_us / us)

@@ -1,0 +1,369 @@
+"""Products with quantized weights on CUDA: y = x @ W.T for a QuantizedWeight W (outrider/quant), W never
+dequantized to memory at decode.
+
+Up to FUSED_MAX_ROWS rows (decode, verify, small batches) one Triton kernel reads the quantized blocks and
+dequantizes them in registers: each program owns BLOCK_N rows of W and walks K a few blocks at a time. A block's
+values split into two planes of half a block each (low and high nibbles for the 4/5-bit formats, the two halves
+for Q8_0 and FP8), and each plane is multiplied by the columns of x it meets (gathered from x, which is small and
+cached), so the quantized bytes are read once, contiguously, and no value is moved to its place in the row:
+y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
+rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
+(or sub-block), not per value. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
+
+Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
+code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
+
+No host syncs and no allocation that varies per call (the scratch buffer is made once): safe in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format
+from outrider.quant.weight import QuantizedTensor, QuantizedWeight
+
+# Rows up to which the kernels that read the quantized blocks run (decode and verify steps, small batches);
+# beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
+# tensor-core GEMM outruns the fused kernels once the product is compute-bound. OUTRIDER_QUANT_FUSED_ROWS.
+FUSED_MAX_ROWS = int(os.environ.get("OUTRIDER_QUANT_FUSED_ROWS", "64"))
+
+# Bytes of the per-device dequantization buffer of the prefill path: OUTRIDER_QUANT_SCRATCH_MB.
+SCRATCH_MB = float(os.environ.get("OUTRIDER_QUANT_SCRATCH_MB", "256"))
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Format codes of the kernels (constexpr globals: a kernel may read no other kind).
+Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, INT4, FP8 = (tl.constexpr(code) for code in range(10))
+_GGUF_CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
+               "Q6_K": Q6_K}
+FP8_TILE = 128  # FP8 is walked in blocks of 128 columns (a scale block's width divides by it)
+FMA_MAX_M = tl.constexpr(2)  # rows up to which the products run on the CUDA cores
+
+
+@dataclass(frozen=True)
+class QuantGemmConfig:
+    block_n: int  # rows of W per program (>= 16: a tl.dot side)
+    block_m: int  # rows of x per program (>= 16 on the tensor cores; 1 or 2 on the CUDA cores)
+    blocks: int  # quant blocks per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_config(m: int, block: int) -> QuantGemmConfig:
+    """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
+    128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
+    a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
+    if m <= FMA_MAX_M.value:  # 256 values a step for one row, 128 for two (the accumulator doubles)
+        return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block))
+    # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
+    # tiles in registers (no spills), but Q6_K's at 32 rows (80 bytes); 64-row tiles spilled 0.5-1.5 KB. Past 16
+    # rows, 32 rows of W a program: twice the programs of 64 (a 4096-row weight fills only 64 SMs at 64).
+    blocks = max(1, 128 // block)
+    if m <= 16:
+        return QuantGemmConfig(block_n=16, block_m=16, blocks=blocks)
+    return QuantGemmConfig(block_n=32, block_m=32, blocks=blocks, num_warps=8)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A part's kernel view: format code, block (values along K per block) and the tensors/strides to pass."""
+
+    code: int
+    block: int
+    type_size: int  # GGUF bytes per block (0 otherwise)
+    fp8_block_n: int
+    fp8_block_k: int
+
+
+def _layout(part: QuantizedTensor) -> _Layout:
+    fmt = part.format
+    if isinstance(fmt, GGUFFormat):
+        return _Layout(_GGUF_CODES[fmt.name].value, fmt.block, fmt.type_size, 1, 1)
+    if isinstance(fmt, Int4Format):
+        return _Layout(INT4.value, fmt.group, 0, 1, 1)
+    assert isinstance(fmt, FP8Format)
+    return _Layout(FP8.value, FP8_TILE, 0, fmt.block_n, fmt.block_k or part.shape[1])
+
+
+@triton.jit
+def _f16(w16_ptr, byte_off):
+    return tl.load(w16_ptr + byte_off // 2).to(tl.float32)
+
+
+@triton.jit
+def _fp8_bits_to_f32(u):
+    """float8_e4m3fn bits (uint8) -> float32, for Triton's interpreter (numpy has no fp8)."""
+    u = u.to(tl.int32)
+    e = (u >> 3) & 15
+    m = (u & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((u & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _k_scale_min(w_ptr, base, s):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-block s (any shape broadcasting with base) -> float32."""
+    low = s < 4
+    b_s = tl.load(w_ptr + base + 4 + s).to(tl.int32)
+    b_s4 = tl.load(w_ptr + base + 8 + s).to(tl.int32)
+    b_sm4 = tl.load(w_ptr + base + 4 + tl.where(low, s, s - 4)).to(tl.int32)
+    sc = tl.where(low, b_s & 63, (b_s4 & 15) | ((b_sm4 >> 6) << 4))
+    mn = tl.where(low, b_s4 & 63, (b_s4 >> 4) | ((b_s >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, FP8_BK,
+          FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, NB: tl.constexpr,
+          BLOCK_N: tl.constexpr, FP8_BITS: tl.constexpr):
+    """W's rows `rows` [BLOCK_N, 1, 1], blocks kb [1, NB, 1] -> two planes [BLOCK_N, NB * BLOCK / 2] float32 and
+    the K positions of their columns [NB * BLOCK / 2] (column i of a plane comes from block kb[i // (BLOCK / 2)])."""
+    H: tl.constexpr = BLOCK // 2
+    row_off = rows.to(tl.int64) * stride_wn
+    if FMT <= Q5_1:  # 32-value blocks: planes are values 0-15 and 16-31
+        l = tl.arange(0, 16)[None, None, :]
+        base = row_off + kb * TYPE_SIZE
+        d = _f16(w16_ptr, base)
+        if FMT == Q8_0:
+            lo = tl.load(w_ptr + base + 2 + l).to(tl.int8, bitcast=True).to(tl.float32) * d
+            hi = tl.load(w_ptr + base + 18 + l).to(tl.int8, bitcast=True).to(tl.float32) * d
+        else:
+            QS: tl.constexpr = 2 if FMT == Q4_0 else 4 if FMT == Q4_1 else 6 if FMT == Q5_0 else 8
+            qs = tl.load(w_ptr + base + QS + l).to(tl.int32)
+            q_lo = qs & 15
+            q_hi = qs >> 4
+            if FMT == Q5_0 or FMT == Q5_1:
+                QH: tl.constexpr = 2 if FMT == Q5_0 else 4
+                bit = l % 8
+                q_lo |= ((tl.load(w_ptr + base + QH + l // 8).to(tl.int32) >> bit) & 1) << 4
+                q_hi |= ((tl.load(w_ptr + base + QH + 2 + l // 8).to(tl.int32) >> bit) & 1) << 4
+            if FMT == Q4_0 or FMT == Q5_0:
+                OFF: tl.constexpr = 8 if FMT == Q4_0 else 16
+                lo = d * (q_lo - OFF).to(tl.float32)
+                hi = d * (q_hi - OFF).to(tl.float32)
+            else:
+                m = _f16(w16_ptr, base + 2)
+                lo = d * q_lo.to(tl.float32) + m
+                hi = d * q_hi.to(tl.float32) + m
+        p_lo = kb * 32 + l
+        p_hi = p_lo + 16
+    elif FMT <= Q6_K:  # 256-value blocks as [4 chunks, 32]: 128 bytes of low/high nibbles
+        base = (row_off + kb * TYPE_SIZE)[:, :, :, None]  # [BN, NB, 1, 1]
+        c = tl.arange(0, 4)[None, None, :, None]
+        j = tl.arange(0, 32)[None, None, None, :]
+        kb4 = kb[:, :, :, None]
+        if FMT == Q6_K:  # chunk c = half h (c // 2), quarter a (c % 2)
+            d = _f16(w16_ptr, base + 208)
+            ql = tl.load(w_ptr + base + 32 * c + j).to(tl.int32)
+            qh = tl.load(w_ptr + base + 128 + 32 * (c // 2) + j).to(tl.int32)
+            a = c % 2
+            pos_lo = 128 * (c // 2) + 32 * a + j
+            sc_lo = tl.load(w_ptr + base + 192 + pos_lo // 16).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_hi = tl.load(w_ptr + base + 196 + pos_lo // 16).to(tl.int8, bitcast=True).to(tl.float32)
+            q_lo = ((ql & 15) | (((qh >> (2 * a)) & 3) << 4)) - 32
+            q_hi = ((ql >> 4) | (((qh >> (4 + 2 * a)) & 3) << 4)) - 32
+            lo = (d * sc_lo) * q_lo.to(tl.float32)
+            hi = (d * sc_hi) * q_hi.to(tl.float32)
+            p_lo = kb4 * 256 + pos_lo
+            p_hi = p_lo + 64
+        else:  # Q4_K, Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
+            QS: tl.constexpr = 16 if FMT == Q4_K else 48
+            d = _f16(w16_ptr, base)
+            dmin = _f16(w16_ptr, base + 2)
+            qs = tl.load(w_ptr + base + QS + 32 * c + j).to(tl.int32)
+            q_lo = qs & 15
+            q_hi = qs >> 4
+            if FMT == Q5_K:
+                qh = tl.load(w_ptr + base + 16 + j).to(tl.int32)
+                q_lo |= ((qh >> (2 * c)) & 1) << 4
+                q_hi |= ((qh >> (2 * c + 1)) & 1) << 4
+            sc_lo, m_lo = _k_scale_min(w_ptr, base, 2 * c)
+            sc_hi, m_hi = _k_scale_min(w_ptr, base, 2 * c + 1)
+            lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
+            hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * m_hi
+            p_lo = kb4 * 256 + 64 * c + j
+            p_hi = p_lo + 32
+    elif FMT == INT4:  # byte l of a group: values l (low nibble) and l + BLOCK / 2 (high)
+        l = tl.arange(0, H)[None, None, :]
+        q = tl.load(w_ptr + row_off + kb * H + l).to(tl.int32)
+        s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + kb).to(tl.float32)
+        z = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + kb).to(tl.float32)
+        lo = ((q & 15).to(tl.float32) - z) * s
+        hi = ((q >> 4).to(tl.float32) - z) * s
+        p_lo = kb * BLOCK + l
+        p_hi = p_lo + H
+    else:  # FP8: 128-column blocks, halves as planes, a scale per FP8_BN x FP8_BK tile
+        l = tl.arange(0, H)[None, None, :]
+        ptrs = w_ptr + row_off + kb * BLOCK + l
+        if FP8_BITS:
+            lo = _fp8_bits_to_f32(tl.load(ptrs))
+            hi = _fp8_bits_to_f32(tl.load(ptrs + H))
+        else:
+            lo = tl.load(ptrs).to(tl.float32)
+            hi = tl.load(ptrs + H).to(tl.float32)
+        s = tl.load(s_ptr + (rows // FP8_BN).to(tl.int64) * stride_sn + (kb * BLOCK) // FP8_BK)
+        lo = lo * s
+        hi = hi * s
+        p_lo = kb * BLOCK + l
+        p_hi = p_lo + H
+    lo = tl.reshape(lo, (BLOCK_N, NB * H))
+    hi = tl.reshape(hi, (BLOCK_N, NB * H))
+    return lo, hi, tl.reshape(p_lo, (NB * H,)), tl.reshape(p_hi, (NB * H,))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                  stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)[:, None, None]  # clamped: loads stay inside W, stores are masked
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    x_rows = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm
+    m_mask = offs_m[None, :] < M
+    n_blocks = K // BLOCK
+    H: tl.constexpr = BLOCK // 2
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
+    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA else (1, 1, 1), dtype=tl.float32)
+    for k0 in tl.range(0, K, NB * BLOCK):
+        kb0 = k0 // BLOCK
+        kb = kb0 + tl.arange(0, NB)[None, :, None]
+        lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
+                                   stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
+        # Blocks past the row's end (a last partial step) were read as the last block: x is zero against them.
+        x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
+        x_lo = tl.load(x_rows + p_lo[:, None], mask=x_mask, other=0.0)
+        x_hi = tl.load(x_rows + p_hi[:, None], mask=x_mask, other=0.0)
+        if FMA:  # products on the CUDA cores, summed over K once after the loop; the weights rounded to x's dtype
+            # first, as on the tensor cores and in the dequantized model, so decode rows compute what verify rows do
+            w_lo = lo.to(dt).to(tl.float32)
+            w_hi = hi.to(dt).to(tl.float32)
+            acc3 += w_lo[:, :, None] * x_lo.to(tl.float32)[None, :, :]
+            acc3 += w_hi[:, :, None] * x_hi.to(tl.float32)[None, :, :]
+        elif IEEE:  # float32 x: full-precision products, not TF32
+            acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
+            acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(lo.to(dt), x_lo, acc)
+            acc = tl.dot(hi.to(dt), x_hi, acc)
+    if FMA:
+        acc = tl.sum(acc3, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    mask = (offs_n[:, None] < N) & m_mask
+    if y_ptr.dtype.element_ty != tl.float32:  # rounded once to x's dtype, as cuBLAS's epilogue (gemm._store)
+        acc = acc.to(dt)
+    tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn, stride_on,
+                    FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+                    FP8_BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """Rows row0 .. row0 + N of W (GATHER: rows ids[0 .. N], an embedding lookup) -> out [N, K] in out's
+    dtype."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATHER:
+        rows = tl.load(ids_ptr + tl.minimum(offs_n, N - 1))[:, None, None]
+    else:
+        rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
+    n_blocks = K // BLOCK
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
+    lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
+                               stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
+    H: tl.constexpr = BLOCK // 2
+    out_rows = out_ptr + offs_n[:, None].to(tl.int64) * stride_on
+    mask = (offs_n[:, None] < N) & ((tl.program_id(1) * NB + tl.arange(0, NB * H) // H) < n_blocks)[None, :]
+    tl.store(out_rows + p_lo[None, :], lo.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_rows + p_hi[None, :], hi.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tensors(part: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """(w, w as float16 for GGUF's scales, scale, zero, W's row stride in w's elements, scale row stride)."""
+    data = part.data
+    if isinstance(part.format, FP8Format) and INTERPRET:
+        data = data.view(torch.uint8)
+    w16 = data.view(torch.float16) if isinstance(part.format, GGUFFormat) else data
+    scale = part.scale if part.scale is not None else data
+    zero = part.zero if part.zero is not None else data
+    return data, w16, scale, zero, data.stride(0), scale.stride(0) if scale.dim() == 2 else 0
+
+
+def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
+                 config: QuantGemmConfig | None = None) -> None:
+    """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel."""
+    m, k = x.shape
+    n = part.shape[0]
+    lay = _layout(part)
+    cfg = config or default_config(m, lay.block)
+    w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    _qgemm_kernel[grid](x, w, w16, scale, zero, bias if bias is not None else scale, y, m, n, k, x.stride(0),
+                        stride_wn, stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
+                        BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
+                        IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Rows of the part dequantized into out [R, K] (row-major): rows rows .. rows + R (an int), or the rows a
+    tensor of R ids names (an embedding lookup)."""
+    n, k = out.shape
+    lay = _layout(part)
+    cfg = default_config(1, lay.block)
+    w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
+    gather = isinstance(rows, torch.Tensor)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))
+    _dequant_kernel[grid](w, w16, scale, zero, out, rows if gather else w, 0 if gather else rows, n, k, stride_wn,
+                          stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
+                          TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather, BLOCK_N=cfg.block_n,
+                          NB=cfg.blocks, num_warps=cfg.num_warps)
+    return out
+
+
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The prefill path's dequantization buffer of this device and dtype (SCRATCH_MB), made on first use."""
+    key = (device, dtype)
+    if key not in _scratch:
+        elems = int(SCRATCH_MB * 2**20) // torch.empty((), dtype=dtype).element_size()
+        _scratch[key] = torch.empty(elems, dtype=dtype, device=device)
+    return _scratch[key]
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """ops.linear for a QuantizedWeight on CUDA: fused kernels up to FUSED_MAX_ROWS rows, else dequantized chunks
+    of W (scratch) through cuBLAS."""
+    from outrider.kernels import ops
+
+    x = x.contiguous()
+    m, k = x.shape
+    y = out if out is not None else torch.empty((m, weight.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
+    row = 0
+    for part, size in zip(weight.parts, weight.sizes):
+        part_bias = None if bias is None else bias[row:row + size]
+        if m <= FUSED_MAX_ROWS:
+            fused_linear(x, part, part_bias, y[:, row:row + size])
+        else:
+            buf = scratch(x.device, x.dtype)
+            chunk = max(1, min(size, buf.numel() // k))
+            for r in range(0, size, chunk):
+                rows = min(chunk, size - r)
+                w = dequantize_rows(part, r, buf[:rows * k].view(rows, k))
+                ops.linear(x, w, None if part_bias is None else part_bias[r:r + rows], out_dtype=y.dtype,
+                           out=y[:, row + r:row + r + rows])
+        row += size
+    return y
