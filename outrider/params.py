@@ -50,8 +50,9 @@ class _SamplingParamsBase:
 
     @property
     def reads_every_prompt_row(self) -> bool:
-        """Prompt log-probs and pooling need every prompt row computed: no cached prefix is reused."""
-        return self.prompt_logprobs is not None or self.pooling is not None
+        """Pooling needs every prompt row computed: no cached prefix is reused (prompt log-probs recompute the
+        cached rows' hidden states instead: engine/prompt_logprobs.py)."""
+        return self.pooling is not None
 
     @property
     def penalized(self) -> bool:

@@ -53,6 +53,11 @@ def test_echo_with_logprobs_gives_the_prompts_log_probs(server, offline):
     assert all(len(t) <= 2 and max(t.values()) >= lp.token_logprobs[j + 1] - 1e-6
                for j, t in enumerate(lp.top_logprobs[1 : len(ids)]))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # the same prompt again: a prefix-cache hit, whose skipped rows' log-probs are recomputed
+    hit = c.completions.create(model="m", prompt=ids, echo=True, logprobs=2, max_tokens=2, temperature=0)
+    assert hit.usage.prompt_tokens_details.cached_tokens > len(ids) // 2
+    assert all(math.isclose(a, b, abs_tol=1e-4)
+               for a, b in zip(hit.choices[0].logprobs.token_logprobs[1 : len(ids)], want))
     # a text prompt: echoed as sent, without the BOS the server added, whose log-prob entry is left out too
     text = c.completions.create(model="m", prompt="the quick brown fox", echo=True, logprobs=1, max_tokens=1,
                                 temperature=0).choices[0]

@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from outrider import LLM, SamplingParams
+from outrider.engine.prompt_logprobs import CHUNK_ROWS
 from outrider.engine.request import Request
 from outrider.testing import write_tiny_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
 PROMPTS = [[(7 * i + 3) % 400 + 5 for i in range(150)], [(11 * i) % 300 + 9 for i in range(37)]]
+BLOCK = 16  # KV block size: a prefix hit covers whole blocks, one prompt token always left to compute
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +62,16 @@ def check(req: Request, want) -> None:
 @pytest.mark.parametrize("budget", [2048, 48], ids=["one-step", "chunked"])
 def test_prompt_logprobs_equal_a_teacher_forced_forward(checkpoints, teacher_forced, budget):
     llm = LLM(str(checkpoints[0]), dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_seqs=4,
-              max_num_batched_tokens=budget)
-    for req, want in zip(run(llm, PROMPTS, 2), teacher_forced):
+              max_num_batched_tokens=budget, block_size=BLOCK)
+    first = run(llm, PROMPTS, 2)
+    for req, want in zip(first, teacher_forced):
         check(req, want)
-    # the same prompts again: the prefix cache holds them, and the log-probs are all there still
+    assert all(r.timing.cache_n == 0 for r in first)
+    # the same prompts again: the prefix cache holds them; the hit is reused (cache_n) and the cached rows' log-probs
+    # are recomputed (in more than one recompute chunk for the longer prompt: CHUNK_ROWS)
     again = run(llm, PROMPTS, 2)
+    assert [r.timing.cache_n for r in again] == [len(p) - 1 - (len(p) - 1) % BLOCK for p in PROMPTS]
+    assert again[0].timing.cache_n > CHUNK_ROWS
     for req, want in zip(again, teacher_forced):
         check(req, want)
     plain = Request(list(PROMPTS[0]), SamplingParams(max_tokens=1, temperature=0))
