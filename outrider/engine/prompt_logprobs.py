@@ -14,18 +14,18 @@ it recomputes the hidden rows of the cached positions with forwards that read th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from outrider.engine.request import Request
-from outrider.speculative.drafter import Commit
 from outrider.steps import StepPlan
 
 CHUNK_ROWS = 128  # LM-head rows per pass ([CHUNK_ROWS, vocab] float32 at most), and cached rows per recompute forward
 
-HiddenRows = Callable[[Sequence[Commit]], tuple[torch.Tensor, "torch.Tensor | None"]]
+# (request, start, count) -> the [count, H] hidden rows of its committed positions start.., recomputed
+HiddenRows = Callable[[Request, int, int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,7 @@ def capture(plan: StepPlan, hidden: torch.Tensor, model: torch.nn.Module,
         if top is not None and start > 0 and any(r is req for r in plan.admitted):  # a prefix-cache hit
             for a in range(0, start, CHUNK_ROWS):
                 count = min(CHUNK_ROWS, start - a)
-                cached, _ = hidden_rows([Commit(req, a, count)])
-                pending.append(_pending(model, req, cached, a, a + count))
+                pending.append(_pending(model, req, hidden_rows(req, a, count), a, a + count))
         if top is not None and end > start:
             pending.append(_pending(model, req, hidden[row : row + end - start], start, end))
         row += s.num_query_tokens

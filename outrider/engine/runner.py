@@ -250,7 +250,9 @@ class ModelRunner:
         hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
         step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device,
-                            prompt_logprobs=prompt_logprobs.capture(plan, hidden, self.model, self.hidden_rows),
+                            prompt_logprobs=prompt_logprobs.capture(
+                                plan, hidden, self.model,
+                                lambda req, start, count: self.hidden_rows([Commit(req, start, count)])[0]),
                             pooled=pooling.capture(plan, hidden, self.model))
         if not batch.sampling:
             return step
