@@ -203,7 +203,7 @@ def sampling_defaults(ns: argparse.Namespace) -> SamplingParams:
         if f.flag and isinstance(fields[f.name], list):
             fields[f.name] = () if fields[f.name] == ["none"] else tuple(fields[f.name])
     try:
-        params = default_params(max_tokens=ns.n_predict, cache_prompt=ns.cache_prompt, **fields)
+        params = default_params(max_tokens=ns.n_predict, cache_prompt=ns.cache_prompt, n_keep=ns.n_keep, **fields)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
     try:

@@ -21,7 +21,11 @@ _OWN_FIELDS: list[tuple[str, Any, Any]] = [
     ("seed", "int | None", None),  # None = engine picks one; the same seed gives the same tokens
     ("n_probs", int, 0),  # top-n log-probabilities per generated token
     ("prompt_logprobs", "int | None", None),  # top-n log-probabilities per prompt token (None: not computed)
-    ("pooling", "str | None", None),  # mean | cls | last | none: pool the prompt's hidden states (engine/pooling.py)
+    ("pooling", "str | None", None),
+    # --context-shift (server/context_shift.py): prompt tokens kept after the BOS (-1: the whole prompt), and tokens
+    # discarded per shift (0: half of what follows the kept ones), as llama-server's fields
+    ("n_keep", int, 0),
+    ("n_discard", int, 0),  # mean | cls | last | none: pool the prompt's hidden states (engine/pooling.py)
     ("stop", tuple, ()),
     ("stop_token_ids", tuple, ()),
     # Speculative decoding, per request (None = server default)

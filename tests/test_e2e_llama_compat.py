@@ -145,7 +145,7 @@ def test_post_props_changes_nothing_and_says_so(client):
     assert client.get("/props").json() == before
 
 
-@pytest.mark.parametrize("field, value", [("n_keep", 16), ("n_cache_reuse", 256), ("image_data", [{"id": 1}]),
+@pytest.mark.parametrize("field, value", [("n_cache_reuse", 256), ("image_data", [{"id": 1}]),
                                           ("best_of", 2), ("functions", [{"name": "f"}]),
                                           ("prediction", {"content": "x"})])
 def test_fields_we_cannot_honour_are_refused_by_name(client, field, value):

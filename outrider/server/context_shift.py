@@ -1,7 +1,9 @@
 """`--context-shift` by recomputation: a request that fills its slot's context goes on as a continuation request
-whose prompt is its tokens less a discarded span, as llama-server shifts its KV cache: the first `n_keep` tokens
-stay (the BOS, when the tokenizer adds one), then half of the rest (`n_discard`) goes, and the continuation
-recomputes the remainder and generates on. It shares the request's timing record, so the recomputation counts as a
+whose prompt is its tokens less a discarded span, by llama-server's rule: when the cache holds n_ctx - 1 tokens
+(the last sampled token not yet in it), the first `n_keep` tokens stay (the request's field, -1 for the whole
+prompt; plus one for the BOS when the tokenizer adds one; at most n_ctx - 4), then `n_discard` go (the request's
+field, 0 for half of the cached tokens after the kept ones; at most all of them), and the continuation recomputes
+the remainder and generates on. It shares the request's timing record, so the recomputation counts as a
 stall inside `predicted_ms` (as a preemption after the first token does) and `predicted_n` keeps counting; replies
 say `truncated: true`. A grammar-bound request is not shifted (its grammar state would restart): it ends at the
 context, as without the flag."""
@@ -13,21 +15,26 @@ import weakref
 
 from outrider.engine.request import Request
 
-_SHIFTED: weakref.WeakSet[Request] = weakref.WeakSet()  # continuations made here
+# continuations made here -> the prompt length of the request they continue (what n_keep -1 keeps)
+_SHIFTED: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
 
 
-def continuation(req: Request, n_keep: int) -> Request | None:
-    """The request that goes on from `req` with its context shifted, None when it cannot be."""
-    ids = req.all_ids
-    n_discard = (len(ids) - n_keep) // 2
-    if req.params.grammar is not None or n_discard <= 0:
+def continuation(req: Request, add_bos: bool) -> Request | None:
+    """The request that goes on from `req`, which filled its context (all its tokens: n_ctx), with the context
+    shifted; None when it cannot be."""
+    ids, p = req.all_ids, req.params
+    n_ctx = len(ids)
+    n_prompt = _SHIFTED.get(req, req.num_prompt)
+    n_keep = max(0, min(n_ctx - 4, (n_prompt if p.n_keep < 0 else p.n_keep) + add_bos))  # (-1: the prompt, BOS too)
+    n_left = n_ctx - 1 - n_keep  # cached tokens after the kept ones
+    n_discard = min(p.n_discard or n_left // 2, n_left)
+    if p.grammar is not None or n_discard <= 0:
         return None
-    p = req.params
     params = dataclasses.replace(p, max_tokens=p.max_tokens - len(req.output_ids) if p.max_tokens >= 0 else -1,
                                  min_tokens=max(0, p.min_tokens - len(req.output_ids)))
     nxt = Request(prompt_ids=ids[:n_keep] + ids[n_keep + n_discard:], params=params, slot_wanted=req.slot_wanted,
                   timing=req.timing)
-    _SHIFTED.add(nxt)
+    _SHIFTED[nxt] = n_prompt
     return nxt
 
 

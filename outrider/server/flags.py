@@ -136,6 +136,8 @@ def _field_opt(field: Field) -> Opt:
 SAMPLING = [
     Opt(("-n", "--predict", "--n-predict"), "n_predict", "LLAMA_ARG_N_PREDICT", int, -1,
         "tokens to predict (-1 = until a stop); caps every request"),
+    Opt(("--keep",), "n_keep", None, int, 0,
+        "default n_keep: prompt tokens kept after the BOS on a context shift (-1 = the whole prompt)"),
     *(_field_opt(f) for f in SUPPORTED if f.flag),
     Opt(("--samplers",), "samplers", None, str, None,
         f"samplers in order, ';'-separated: a subset of {';'.join(CHAIN)} in this order"),
@@ -196,7 +198,7 @@ GGML_ONLY = {
     ("-ts", "--tensor-split"): True, ("-mg", "--main-gpu"): True,
     ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"): True, ("-devd", "--device-draft"): True,
     ("-ctkd", "--cache-type-k-draft"): True, ("-ctvd", "--cache-type-v-draft"): True, ("--numa",): True,
-    ("--keep",): True, ("-cram", "--cache-ram"): True, ("--threads-http",): True, ("-C", "--cpu-mask"): True,
+    ("-cram", "--cache-ram"): True, ("--threads-http",): True, ("-C", "--cpu-mask"): True,
     ("-Cr", "--cpu-range"): True, ("--prio",): True, ("--poll",): True, ("-ot", "--override-tensor"): True,
     ("--cache-reuse",): True, ("-cd", "--ctx-size-draft"): True,
     ("--mlock",): False, ("--no-mmap",): False, ("--mmap",): False, ("-cb", "--cont-batching"): False,
@@ -206,8 +208,7 @@ GGML_ONLY = {
 }
 # Why a flag is ignored, where "only applies to GGML backends" is not the reason.
 ON_DEVICE = "outrider always samples on the device"
-IGNORED_BECAUSE = {"--keep": "is not read: outrider's context shift keeps the BOS alone (n_keep 0)",
-                   "-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE, "--backend_sampling": ON_DEVICE,
+IGNORED_BECAUSE = {"-bs": ON_DEVICE, "--backend-sampling": ON_DEVICE, "--backend_sampling": ON_DEVICE,
                    "--tools": "enables the web UI's server-side tools (/tools), which outrider does not serve; "
                               "request tools reach the model through the chat, Responses and Messages routes"}
 # Flags for features outrider lacks: an error that says so.

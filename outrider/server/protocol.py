@@ -33,7 +33,6 @@ _INERT = {
     "t_max_predict_ms": lambda v: v == 0,
     "lora": lambda v: not v,
     "multimodal_data": lambda v: not v,
-    "n_keep": lambda v: v in (0, -1),  # what to keep on a context shift, which never happens here
     "n_cache_reuse": lambda v: v == 0,
     "image_data": lambda v: not v,
     "best_of": lambda v: v == 1,
@@ -47,9 +46,9 @@ KNOWN_FIELDS = frozenset({
     "max_completion_tokens", "logit_bias", "seed", "n_probs", "stop", "speculative", "speculative.n_max",
     "speculative.n_min", "speculative.p_min", "samplers", "stream", "stream_options", "timings_per_token",
     "return_tokens", "return_progress", "post_sampling_probs", "response_fields", "sse_ping_interval", "n_cmpl",
-    "n", "id_slot", "verbose", "grammar", "json_schema", "return_draft_provenance",
+    "n", "id_slot", "verbose", "grammar", "json_schema", "return_draft_provenance", "n_keep", "n_discard",
     # settings of things that are off or that we always do (the web UI sends them)
-    "n_discard", "backend_sampling", "preserved_tokens", "chat_format",
+    "backend_sampling", "preserved_tokens", "chat_format",
     # OpenAI routes
     "model", "messages", "logprobs", "top_logprobs", "echo", "suffix", "user", "response_format", "tools",
     "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "reasoning_format",
@@ -190,6 +189,8 @@ def sampling_params(body: dict, defaults: SamplingParams, tokenizer: Tokenizer,
         spec_n_max=get_int(spec, "speculative.n_max", defaults.spec_n_max, lo=0),
         spec_n_min=get_int(spec, "speculative.n_min", defaults.spec_n_min, lo=0),
         spec_p_min=get_float(spec, "speculative.p_min", defaults.spec_p_min, 0.0, 1.0),
+        n_keep=get_int(body, "n_keep", defaults.n_keep, lo=-1),
+        n_discard=get_int(body, "n_discard", defaults.n_discard, lo=0),
         grammar=grammar,
     )
     try:

@@ -120,7 +120,7 @@ class Generation:
         continuation (returned; its last output goes on as an unfinished one)."""
         async for out in self.state.engine.generate(req):
             if out.finished and out.finish_reason is FinishReason.CONTEXT and self.state.config.context_shift:
-                nxt = context_shift.continuation(req, n_keep=1 if self.state.tokenizer.add_bos else 0)
+                nxt = context_shift.continuation(req, add_bos=self.state.tokenizer.add_bos)
                 if nxt is not None:
                     self.requests[index] = nxt
                     self.state.live.pop(req.request_id, None)
