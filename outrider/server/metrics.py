@@ -61,9 +61,12 @@ class Metrics:
         self.kv_free = Gauge("outrider_kv_blocks_free", "KV blocks no request holds (prefix-cached ones included).",
                              registry=self.registry)
 
-    def on_finished(self, timing: RequestTiming) -> None:
-        """Account one request that finished normally (called once, from the event loop)."""
+    def on_finished(self, timing: RequestTiming, pooled: bool = False) -> None:
+        """Account one request that finished normally (called once, from the event loop). An embedding request
+        (`pooled`) counts its prompt work only: the token its prefill samples is never output."""
         t = timing.to_timings()
+        if pooled:
+            t = {**t, "predicted_n": 0, "predicted_ms": 0.0}
         add = self.totals
         add["prompt_tokens_total"] += t["prompt_n"]
         add["prompt_tokens_cached_total"] += t["cache_n"]

@@ -129,7 +129,7 @@ class Generation:
                                                                        stop_type="none")))
                     return nxt
             if out.finished and out.finish_reason not in (FinishReason.ABORT, FinishReason.ERROR):
-                self.state.metrics.on_finished(out.timing)
+                self.state.metrics.on_finished(out.timing, pooled=req.params.pooling is not None)
             self._queue.put_nowait((index, out))
         return None
 
