@@ -139,16 +139,51 @@ GENERIC_REPLIES = ['{"response": "It is \\"sunny\\"\\n\\u00e9 today"}',
                    '{"response": {"answer": "Paris", "n": [1, 2]}}']
 
 
+def streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    """A generic reply pushed in pieces: its content, and its calls as a client accumulates the `tool_calls`
+    deltas (OpenAI's rule: an entry with an id starts a call, the others extend its arguments)."""
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    stream = GenericStream(GenericFormat())
+    content, calls = "", {}
+    for a, b in zip(bounds, bounds[1:]):
+        content += stream.push(text[a:b]).content
+        for d in stream.take_call_deltas():
+            calls.setdefault(d["index"], ["", ""])
+            calls[d["index"]][0] = d["function"].get("name") or calls[d["index"]][0]
+            calls[d["index"]][1] += d["function"]["arguments"]
+    content += stream.finish().content
+    for d in stream.take_call_deltas():
+        calls.setdefault(d["index"], [d["function"].get("name", ""), ""])[1] += d["function"]["arguments"]
+    assert stream.num_calls == len(GenericFormat().parse(text).tool_calls)
+    return content, [tuple(calls[i]) for i in sorted(calls)]
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.sampled_from(GENERIC_REPLIES), st.lists(st.integers(0, 80), max_size=10))
 def test_streamed_generic_replies_equal_the_whole_parse(text, cuts):
-    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    stream = GenericStream(GenericFormat())
-    parts = [stream.push(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [stream.finish()]
     whole = GenericFormat().parse(text)
-    assert "".join(p.content for p in parts) == whole.content
-    assert [(c.name, c.arguments) for p in parts for c in p.tool_calls] == [
-        (c.name, c.arguments) for c in whole.tool_calls]
+    content, calls = streamed(text, cuts)
+    assert content == whole.content
+    assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+
+
+ARGUMENT_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.dictionaries(st.text(max_size=4), ARGUMENT_VALUES, max_size=4), min_size=1, max_size=3),
+       st.booleans(), st.booleans(), st.lists(st.integers(0, 400), max_size=12))
+def test_streamed_call_arguments_add_up_to_the_parsed_call(arguments, ascii_escapes, parallel, cuts):
+    """Arguments as the grammar may spell them (escaped or literal characters, any number spelling json emits)
+    stream in pieces that add up to the whole parse's `arguments`, for every way the text is cut."""
+    calls = [{"name": f"f{i}", "arguments": a} for i, a in enumerate(arguments)]
+    reply = {"tool_calls": calls} if parallel else {"tool_call": calls[0]}
+    text = json.dumps(reply, ensure_ascii=ascii_escapes)
+    _, got = streamed(text, cuts)
+    assert got == [(c.name, c.arguments) for c in GenericFormat().parse(text).tool_calls]
 
 
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4),

@@ -137,7 +137,8 @@ class MessageBuilder:
 
     def __init__(self, message: dict) -> None:
         self.message = message
-        self.open: dict | None = None  # the text or thinking block being written
+        self.open: dict | None = None  # the text, thinking or tool_use block being written
+        self._arguments = ""  # the open tool_use block's input JSON so far
         self.called = False
 
     def start(self) -> list[dict]:
@@ -173,21 +174,27 @@ class MessageBuilder:
         block, self.open = self.open, None
         if block is None:
             return []
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(self._arguments)
         index = self.message["content"].index(block)
         return [{"type": "content_block_stop", "index": index}]
 
     def _tool_use(self, call: dict) -> list[dict]:
-        events = self._close()
-        self.called = True
+        """A `tool_calls` delta entry: one with an id starts a tool_use block (its input may follow in more)."""
+        events = []
         fn = call["function"]
-        block = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
-        self.message["content"].append(block)
-        index = self._index()
-        events.append({"type": "content_block_start", "index": index, "content_block": dict(block)})
-        block["input"] = json.loads(fn["arguments"])
-        return events + [{"type": "content_block_delta", "index": index,
-                          "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}},
-                         {"type": "content_block_stop", "index": index}]
+        if "id" in call:
+            events += self._close()
+            self.called = True
+            self.open = {"type": "tool_use", "id": call["id"], "name": fn["name"], "input": {}}
+            self._arguments = ""
+            self.message["content"].append(self.open)
+            events.append({"type": "content_block_start", "index": self._index(), "content_block": dict(self.open)})
+        if fn["arguments"]:
+            self._arguments += fn["arguments"]
+            events.append({"type": "content_block_delta", "index": self._index(),
+                           "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}})
+        return events
 
     def finish(self, out: RequestOutput) -> list[dict]:
         events = self._close()

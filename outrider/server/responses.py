@@ -196,7 +196,7 @@ class ResponseBuilder:
     def __init__(self, response: dict) -> None:
         self.response = response
         self.seq = 0
-        self.open: dict | None = None  # the item being written (reasoning or message)
+        self.open: dict | None = None  # the item being written (reasoning, message or function_call)
         self.reasoning_tokens = 0
 
     def event(self, kind: str, **fields: Any) -> dict:
@@ -259,7 +259,12 @@ class ResponseBuilder:
         if item is None:
             return []
         item["status"] = "completed"
-        part, index = item["content"][0], self.response["output"].index(item)
+        index = self.response["output"].index(item)
+        if item["type"] == "function_call":
+            return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               name=item["name"], arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=index, item=dict(item))]
+        part = item["content"][0]
         kind = "reasoning_text" if item["type"] == "reasoning" else "output_text"
         extra = {} if item["type"] == "reasoning" else {"logprobs": []}
         return [self.event(f"response.{kind}.done", item_id=item["id"], output_index=index, content_index=0,
@@ -269,20 +274,20 @@ class ResponseBuilder:
                 self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _call(self, call: dict) -> list[dict]:
-        events = self._close()
+        """A `tool_calls` delta entry: one with an id starts a call (its arguments may follow in more entries)."""
+        events = []
         fn = call["function"]
-        item = {"id": _id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
-                "name": fn["name"], "arguments": ""}
-        self.response["output"].append(item)
-        index = self._index()
-        events.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
-        item["arguments"], item["status"] = fn["arguments"], "completed"
-        return events + [
-            self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                       delta=fn["arguments"]),
-            self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                       name=fn["name"], arguments=fn["arguments"]),
-            self.event("response.output_item.done", output_index=index, item=dict(item))]
+        if "id" in call:
+            events += self._close()
+            self.open = {"id": _id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call["id"],
+                         "name": fn["name"], "arguments": ""}
+            self.response["output"].append(self.open)
+            events.append(self.event("response.output_item.added", output_index=self._index(), item=dict(self.open)))
+        if fn["arguments"]:
+            self.open["arguments"] += fn["arguments"]
+            events.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                     output_index=self._index(), delta=fn["arguments"]))
+        return events
 
     def finish(self, out: RequestOutput, prompt_tokens: int) -> list[dict]:
         events = self._close()

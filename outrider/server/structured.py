@@ -134,8 +134,11 @@ class ChatStream:
             content, calls = reply.content, reply.tool_calls
         if content:
             deltas.append({"content": content})
-        if calls:
-            deltas.append({"tool_calls": [c.to_openai(first + j) for j, c in enumerate(calls)]})
+        entries = [c.to_openai(first + j) for j, c in enumerate(calls)]
+        if isinstance(self._tools, GenericStream):  # (its calls stream in pieces)
+            entries += self._tools.take_call_deltas()
+        if entries:
+            deltas.append({"tool_calls": entries})
         return deltas
 
 
