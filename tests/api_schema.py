@@ -59,6 +59,8 @@ SAMPLING = {
     "dry_sequence_breakers": _f("array", items={"type": "string"}),
     "xtc_probability": _f("number", minimum=0, maximum=1),
     "xtc_threshold": _f("number", minimum=0, maximum=1),
+    "n_keep": _f("integer", minimum=-1, maximum=INT_MAX),  # (read on a context shift)
+    "n_discard": _f("integer", minimum=0, maximum=INT_MAX),
     # llama-server's samplers we lack: accepted where they are off
     "mirostat": _f("integer", minimum=0, maximum=0),
     "min_keep": _f("integer", minimum=0, maximum=0),
