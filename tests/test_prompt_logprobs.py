@@ -88,3 +88,7 @@ def test_prompt_logprobs_under_speculation(checkpoints, teacher_forced):
     assert sum(r.timing.draft_n for r in requests) > 0
     for req, want in zip(requests, teacher_forced):
         check(req, want)
+    again = run(llm, PROMPTS, 2)  # prefix hits, recomputed, under speculation too
+    assert all(r.timing.cache_n > 0 for r in again)
+    for req, want in zip(again, teacher_forced):
+        check(req, want)
