@@ -139,11 +139,11 @@ GENERIC_REPLIES = ['{"response": "It is \\"sunny\\"\\n\\u00e9 today"}',
                    '{"response": {"answer": "Paris", "n": [1, 2]}}']
 
 
-def streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+def streamed(text: str, cuts: list[int], pieces: bool) -> tuple[str, list[tuple[str, str]]]:
     """A generic reply pushed in pieces: its content, and its calls as a client accumulates the `tool_calls`
     deltas (OpenAI's rule: an entry with an id starts a call, the others extend its arguments)."""
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    stream = GenericStream(GenericFormat())
+    stream = GenericStream(GenericFormat(), arguments_in_pieces=pieces)
     content, calls = "", {}
     for a, b in zip(bounds, bounds[1:]):
         content += stream.push(text[a:b]).content
@@ -159,10 +159,12 @@ def streamed(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.sampled_from(GENERIC_REPLIES), st.lists(st.integers(0, 80), max_size=10))
-def test_streamed_generic_replies_equal_the_whole_parse(text, cuts):
+@given(st.sampled_from(GENERIC_REPLIES), st.lists(st.integers(0, 80), max_size=10), st.booleans())
+def test_streamed_generic_replies_equal_the_whole_parse(text, cuts, pieces):
+    """Either way a reply streams (calls' arguments in pieces or each call whole), the content and calls a client
+    accumulates equal the whole reply's parse; a call cut short never goes out whole."""
     whole = GenericFormat().parse(text)
-    content, calls = streamed(text, cuts)
+    content, calls = streamed(text, cuts, pieces)
     assert content == whole.content
     assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
 
@@ -182,7 +184,7 @@ def test_streamed_call_arguments_add_up_to_the_parsed_call(arguments, ascii_esca
     calls = [{"name": f"f{i}", "arguments": a} for i, a in enumerate(arguments)]
     reply = {"tool_calls": calls} if parallel else {"tool_call": calls[0]}
     text = json.dumps(reply, ensure_ascii=ascii_escapes)
-    _, got = streamed(text, cuts)
+    _, got = streamed(text, cuts, pieces=True)
     assert got == [(c.name, c.arguments) for c in GenericFormat().parse(text).tool_calls]
 
 

@@ -254,6 +254,26 @@ def test_a_call_cut_by_max_tokens_is_not_prose(oai):
     chunks = list(oai.chat.completions.create(model="m", messages=[{"role": "user", "content": "Paris?"}],
                                               tools=tools, tool_choice="required", max_tokens=6, stream=True))
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # the Responses and Messages routes, greedy, cut inside the call's arguments: unstreamed, no call; streamed, the
+    # pieces already sent and a clean end
+    ask = dict(model="m", input="Paris?", tools=[WEATHER], tool_choice="required", temperature=0)
+    n = oai.responses.create(**ask, max_output_tokens=100).usage.output_tokens - 4
+    cut = oai.responses.create(**ask, max_output_tokens=n)
+    assert cut.status == "incomplete" and not cut.output
+    events = list(oai.responses.create(**ask, max_output_tokens=n, stream=True))
+    item = events[-1].response.output[0]
+    assert events[-1].type == "response.incomplete" and item.status == "incomplete", item
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(item.arguments)
+    claude = anthropic.Anthropic(base_url=str(oai.base_url).removesuffix("/v1/"), api_key=KEY)
+    ask = dict(model="m", messages=[{"role": "user", "content": "Paris?"}], tools=[TOOL], tool_choice={"type": "any"},
+               extra_body=GREEDY)
+    n = claude.messages.create(**ask, max_tokens=100).usage.output_tokens - 4
+    whole = claude.messages.create(**ask, max_tokens=n)
+    assert whole.stop_reason == "max_tokens" and not whole.content
+    with claude.messages.stream(**ask, max_tokens=n) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.content[0].type == "tool_use"
 
 
 # --- /infill: SmolLM2's vocabulary has repository tokens but no FIM ones ---

@@ -79,10 +79,13 @@ def function_tools(tools: Any, accepted: Callable[[dict], bool], schema_key: str
     return out
 
 
-async def reply_deltas(gen: Generation, shape: ChatShape) -> AsyncIterator[tuple[list[dict[str, Any]], RequestOutput]]:
+async def reply_deltas(gen: Generation, shape: ChatShape,
+                       streamed: bool) -> AsyncIterator[tuple[list[dict[str, Any]], RequestOutput]]:
     """One request's reply as it arrives: each output (prefill reports skipped) with the chat deltas it makes
-    (`reasoning_content`, `content`, `tool_calls` in OpenAI's form), the last ones with the final output."""
-    stream = shape.stream()
+    (`reasoning_content`, `content`, `tool_calls` in OpenAI's form), the last ones with the final output.
+    `streamed`: the client reads them as they come (calls' arguments in pieces; else each call whole, and a call
+    cut short is dropped)."""
+    stream = shape.stream(arguments_in_pieces=streamed)
     async for _, out in gen.outputs():
         if not out.new_token_ids and not out.finished:
             continue

@@ -175,7 +175,7 @@ class MessageBuilder:
         if block is None:
             return []
         if block["type"] == "tool_use":
-            block["input"] = json.loads(self._arguments)
+            block["input"] = _json_object(self._arguments)
         index = self.message["content"].index(block)
         return [{"type": "content_block_stop", "index": index}]
 
@@ -223,17 +223,19 @@ async def create_message(request: Request):
         "usage": {"input_tokens": len(plan.prompt_ids), "output_tokens": 0, "cache_creation_input_tokens": 0,
                   "cache_read_input_tokens": 0}})
 
+    streamed = proto.get_bool(body, "stream", False)
+
     async def events() -> AsyncIterator[dict]:
         for event in builder.start():
             yield event
-        async for deltas, out in reply_deltas(gen, plan.shape):
+        async for deltas, out in reply_deltas(gen, plan.shape, streamed):
             for event in builder.push(deltas):
                 yield event
             if out.finished:
                 for event in builder.finish(out):
                     yield event
 
-    if proto.get_bool(body, "stream", False):
+    if streamed:
         return sse_response(events(), done=False, ping_interval=state.ping_interval(body), named=True,
                             error_event=ApiError.anthropic_body)
 
@@ -249,3 +251,11 @@ async def create_message(request: Request):
 async def count_tokens(request: Request):
     body = await read_json(request)
     return JSON({"input_tokens": len(chat_prompt_ids(chat_body(body), state_of(request)))})
+
+
+def _json_object(text: str) -> dict:
+    """A streamed call's input: its arguments, or {} for a call cut short (max_tokens) whose JSON never closed."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {}

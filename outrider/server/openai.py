@@ -259,7 +259,7 @@ async def chat_completions(request: Request):
 
     async def chunks(gen: Generation) -> AsyncIterator[dict]:
         obj = "chat.completion.chunk"
-        streams = [shape.stream() for _ in gen.requests]  # each choice's reasoning and tool-call split
+        streams = [shape.stream(arguments_in_pieces=True) for _ in gen.requests]  # each choice's reasoning and tool-call split
         started: set[int] = set()
         history: list[list[RequestOutput]] = [[] for _ in gen.requests]
         remaining = len(gen.requests)

@@ -9,6 +9,7 @@ as output items (`reasoning`, `message`, `function_call`), whole or as OpenAI's 
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections import OrderedDict
@@ -261,6 +262,8 @@ class ResponseBuilder:
         item["status"] = "completed"
         index = self.response["output"].index(item)
         if item["type"] == "function_call":
+            if not _whole_json(item["arguments"]):
+                item["status"] = "incomplete"  # cut short (max_output_tokens): its arguments never closed
             return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                name=item["name"], arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=index, item=dict(item))]
@@ -361,7 +364,7 @@ async def create_response(request: Request):
     async def events() -> AsyncIterator[dict]:
         for event in builder.start():
             yield event
-        async for deltas, out in reply_deltas(gen, plan.shape):
+        async for deltas, out in reply_deltas(gen, plan.shape, stream):
             for event in builder.push(deltas, out):
                 yield event
             if out.finished:
@@ -401,3 +404,11 @@ async def response_input_tokens(request: Request):
     body = await read_json(request)
     chat, _ = _chat(body, request)
     return JSON({"object": "response.input_tokens", "input_tokens": len(chat_prompt_ids(chat, state_of(request)))})
+
+
+def _whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

@@ -93,18 +93,20 @@ class ChatShape:
             msg["tool_calls"] = [c.to_openai() for c in reply.tool_calls]
         return msg, bool(reply is not None and reply.tool_calls)
 
-    def stream(self) -> ChatStream:
-        return ChatStream(self)
+    def stream(self, arguments_in_pieces: bool) -> ChatStream:
+        return ChatStream(self, arguments_in_pieces)
 
 
 class ChatStream:
     """One choice's streamed reply as delta objects: reasoning_content, content and tool_calls."""
 
-    def __init__(self, shape: ChatShape) -> None:
+    def __init__(self, shape: ChatShape, arguments_in_pieces: bool) -> None:
+        """arguments_in_pieces: generic calls stream their arguments as they are written (else each goes whole
+        once the reply is, and a call cut short is dropped)."""
         self._reasoning = ReasoningStream(shape.reasoning, shape.in_reasoning) if shape.reasoning != "none" else None
         fmt = shape.tools
-        self._tools = None if fmt is None else GenericStream(fmt) if isinstance(fmt, GenericFormat) \
-            else ToolCallStream(fmt)
+        self._tools = None if fmt is None else GenericStream(fmt, arguments_in_pieces) \
+            if isinstance(fmt, GenericFormat) else ToolCallStream(fmt)
 
     @property
     def called(self) -> bool:

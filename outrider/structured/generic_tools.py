@@ -191,8 +191,10 @@ class GenericStream:
     written (OpenAI `tool_calls` deltas, taken with `take_call_deltas`), the rest of the calls once the reply is
     whole."""
 
-    def __init__(self, fmt: GenericFormat) -> None:
+    def __init__(self, fmt: GenericFormat, arguments_in_pieces: bool) -> None:
+        """arguments_in_pieces: False sends each call whole once the reply is (a call cut short never goes out)."""
         self.fmt = fmt
+        self.arguments_in_pieces = arguments_in_pieces
         self._text = ""
         self._sent = 0  # characters of the response text sent
         self._mode: str | None = None  # response | whole (calls, a response_format value) | text, once it tells
@@ -216,7 +218,7 @@ class GenericStream:
             return Reply(self._new(partial_json_string(stripped[len(RESPONSE_PREFIX):])), [])
         if self._mode == "text":
             return Reply(self._new(self._text), [])
-        if self._mode == "whole" and any(stripped.startswith(p) for p in _CALL_PREFIXES):
+        if self.arguments_in_pieces and self._mode == "whole" and any(stripped.startswith(p) for p in _CALL_PREFIXES):
             self._stream_calls(stripped)
         return Reply("", [])
 
