@@ -30,7 +30,7 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     import gguf
 
     checkpoint, path = Path(checkpoint), Path(path)
-    cfg = ModelConfig.from_path(checkpoint)
+    cfg = registry.load_config(checkpoint)
     adapter = registry.of(cfg)
     ggml_arch = adapter.gguf_writes
     if ggml_arch is None:
