@@ -2,7 +2,15 @@
 
 Deferred learning must leave every drafter exactly as learning each step would (same proposals, token for
 token, in float32), learn a finishing request's rows before its blocks are released (they may serve prefix
-hits), drop a preempted request's queue, and keep undrafted decode steps free of the drafter's forward."""
+hits), drop a preempted request's queue, and keep undrafted decode steps free of the drafter's forward.
+
+What the drafter is asked and told is recorded through a public seam: a RecordingDrafter (outrider/testing/
+recording.py) the engine drafts through (Speculation.drafting_with), and a forward hook on a drafter's model. The
+members still replaced here have no seam: the DraftPolicy (its decisions, costs, probe interval), the Speculator
+(its decisions, its hidden-row recomputation, its limits LEARN_BACKLOG_STEPS, PIECEWISE_LEARN_GRAPHS, LEARN_ROWS)
+and the block pool (when it frees a request's blocks) are built by engine/builder.py, which takes none of them,
+and StepOutput.keep_hidden is called on the engine's own step outputs. Each replacement wraps the member and
+calls it, except where a test scripts the decision itself (force_lengths, pattern_policy)."""
 
 from __future__ import annotations
 
