@@ -13,7 +13,7 @@ from pathlib import Path
 
 from outrider import __version__
 from outrider.chat_templates import BUILTIN_TEMPLATES
-from outrider.config import EngineConfig, ModelConfig, NgramConfig, RopeOverride
+from outrider.config import EngineConfig, NgramConfig, RopeOverride
 from outrider.params import SamplingParams
 from outrider.request_fields import SUPPORTED
 from outrider.sampler_chain import SamplerChainError, parse_chars, parse_names, restrict
@@ -131,7 +131,9 @@ def slots_and_context(ns: argparse.Namespace, model: str) -> tuple[int, int]:
     unified = auto if ns.kv_unified is None else ns.kv_unified
     if unified or slots == 1:
         return slots, ns.ctx_size
-    n_ctx = ns.ctx_size or ModelConfig.from_path(_local_path(model)).max_position_embeddings
+    from outrider.models import registry  # (torch loads only when needed)
+
+    n_ctx = ns.ctx_size or registry.load_config(_local_path(model)).max_position_embeddings
     if n_ctx < slots:
         raise SystemExit(f"error: -c {n_ctx} is smaller than -np {slots}: each slot needs a context")
     return slots, n_ctx // slots

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The subset of an HF `config.json` that our decoder-only models need: the fields all architectures share, then
-    those an architecture's config adapter sets (models/registry.py, Architecture.config)."""
+    those an architecture's config adapter sets. Parsed by the architecture registry (`registry.model_config`,
+    `registry.load_config`): this module knows no architecture."""
 
     architecture: str
     vocab_size: int
@@ -41,53 +40,6 @@ class ModelConfig:
     mtp_layout: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        from outrider.models import registry  # (the registry's modules build models from this module's configs)
-
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else ""
-        adapter = registry.by_hf_name(arch)
-        text = cfg.get("text_config") or {} if adapter.text_config else {}  # a multimodal checkpoint's decoder
-        cfg = {**adapter.config_defaults, **cfg, **text, "architectures": archs}
-        n_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        mtp_layers = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
-        layer_types = _layer_types(cfg)
-        common = cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size", 0),  # (0: no dense MLP, e.g. Qwen3.5-MoE)
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
-            head_dim=head_dim,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(cfg),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            o_proj_bias=bool(cfg.get("attention_bias", False)),
-            hidden_act=cfg.get("hidden_act") or "silu",
-            layer_types=layer_types,
-            sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos_ids,
-            mtp_num_hidden_layers=mtp_layers,
-            raw=cfg,
-        )
-        return replace(common, **adapter.config(cfg))
-
-    @classmethod
-    def from_path(cls, path: str | Path) -> "ModelConfig":
-        with open(Path(path) / "config.json") as f:
-            return cls.from_dict(json.load(f))
-
     def __post_init__(self) -> None:
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"layer_types lists {len(self.layer_types)} layers; the model has {self.num_hidden_layers}")
@@ -96,25 +48,6 @@ class ModelConfig:
 
     def layer_type(self, layer_idx: int) -> str:
         return self.layer_types[layer_idx] if self.layer_types else "full_attention"
-
-
-def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
-    """HF's `layer_types`, or those of the older `use_sliding_window` / `max_window_layers` keys (Qwen2, Qwen3:
-    layers from max_window_layers on slide)."""
-    if cfg.get("layer_types"):
-        return tuple(cfg["layer_types"])
-    n = cfg["num_hidden_layers"]
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        first = cfg.get("max_window_layers", n)
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
-    return ()
-
-
-def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """`rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) with `rope_type` set; None = plain RoPE."""
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if rope_type == "default" else {**scaling, "rope_type": rope_type}
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What one engine step is, as the scheduler, the runner, the engine and speculation pass it between them: the plan
 (which requests feed which tokens and drafts), the step once launched on the device, and what it outputs; and a
-request's status with the scheduler.
+request's pending prompt log-probs and pooling. (A request's status, Status, is engine/request.py's.)
 
 A module of data below both the engine and the speculative package, so that each reads the other's steps without
 importing the other."""
@@ -8,26 +8,16 @@ importing the other."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from outrider.engine.request import Request, Status, TokenLogprob  # noqa: F401  (Status: re-exported)
+
 if TYPE_CHECKING:
-    from outrider.engine.pooling import PendingPool
-    from outrider.engine.prompt_logprobs import PendingRows
-    from outrider.engine.request import Request, TokenLogprob
     from outrider.speculative.drafter import PendingDrafts
     from outrider.speculative.verify import PendingVerdict
-
-
-class Status(enum.Enum):
-    """Where a request stands with the scheduler."""
-
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 @dataclass(slots=True)
@@ -93,6 +83,28 @@ class StepOutput:
         if self.aux_hidden is not None:
             self.aux_hidden = self.aux_hidden.clone()
         self.kept = True
+
+
+@dataclass
+class PendingRows:
+    """One request's prompt rows of a step, on the device until delivered (engine/prompt_logprobs.py)."""
+
+    request: Request
+    first: int  # the position of the first predicted prompt token
+    logprobs: torch.Tensor  # [n] each row's target log-probability
+    ranks: torch.Tensor  # [n]
+    top_values: torch.Tensor  # [n, k]
+    top_ids: torch.Tensor  # [n, k]
+
+
+@dataclass
+class PendingPool:
+    """One request's pooled part of a step, on the device until delivered (engine/pooling.py)."""
+
+    request: Request
+    restart: bool  # the chunk starts at position 0
+    rows: torch.Tensor  # on the device
+    count: int
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 
 from outrider.bench import workloads
 from outrider.speculative.eagle3 import load_eagle3
-from outrider.config import ModelConfig
+from outrider.models import registry
 from outrider.testing.checkpoints import write_tiny_checkpoint
 
 SOURCE = '''def alpha(x):
@@ -41,6 +41,6 @@ def test_the_eagle3_preset_writes_a_head_the_drafter_loads(tmp_path):
     target = write_tiny_checkpoint(tmp_path / "target", "qwen3", hidden_size=64, layers=6, tokenizer=False)
     shape = workloads.Eagle3Shape(draft_vocab=100, aux_layer_ids=(2, 3, 4))
     path = workloads.write_eagle3_preset(target, shape, tmp_path / "eagle3", torch.bfloat16, seed=1)
-    model, _, taps = load_eagle3(str(path), ModelConfig.from_path(target))
+    model, _, taps = load_eagle3(str(path), registry.load_config(target))
     assert taps == (1, 2, 3) and model.lm_head.weight.shape[0] == 100 and model.fc.weight.dtype == torch.bfloat16
     assert workloads.EAGLE3_PRESETS["qwen3-8b"].aux_layer_ids == (2, 18, 33)  # (2, L // 2, L - 3) for L = 36

@@ -66,12 +66,12 @@ def test_dflash_drafter_loads_against_the_target_with_the_tokenizers_mask_token(
 def test_eagle3_head_format_matches_the_target():
     """The EAGLE-3 head: outrider's loader reads it against the target, its taps are target blocks before the last,
     and its draft vocabulary is target ids (d2t and t2d agree)."""
-    from outrider.config import ModelConfig
+    from outrider.models import registry
     from outrider.speculative.eagle3 import load_eagle3
 
     cfg, e = config("target"), config("eagle3")
     assert e["architectures"] == ["LlamaForCausalLMEagle3"]
-    head, _, taps = load_eagle3(str(demo.demo_path("eagle3")), ModelConfig.from_path(demo.demo_path("target")))
+    head, _, taps = load_eagle3(str(demo.demo_path("eagle3")), registry.load_config(demo.demo_path("target")))
     assert len(taps) == 3 and all(0 <= i < cfg["num_hidden_layers"] - 1 for i in taps)
     t = tensors("eagle3")
     assert t["fc.weight"].shape == (cfg["hidden_size"], 3 * cfg["hidden_size"]) and "embed_tokens.weight" not in t

@@ -434,14 +434,14 @@ def test_smoke_eagle3_head_served_gives_the_logits_it_trains_on_along_the_chain(
     and the chain's own). The teacher of step k at index i is the target at index i + k."""
     from outrider.attention import KVCache, get_backend
     from outrider.attention.metadata import build_metadata
-    from outrider.config import ModelConfig
+    from outrider.models import registry
     from outrider.layers.rotary import RotaryEmbedding
     from outrider.models import load_model
     from outrider.speculative.eagle3 import load_eagle3
 
     out, _ = smoke
     target, tcfg = load_model(str(out / "target"), dtype="float32", device="cpu")
-    head, cfg, taps = load_eagle3(str(out / "eagle3"), ModelConfig.from_path(out / "target"))
+    head, cfg, taps = load_eagle3(str(out / "eagle3"), registry.load_config(out / "target"))
     head = head.float()
     ours_target = models.load_lm(out / "target")
     ours = models.load_eagle3_head(out / "eagle3", ours_target.config)

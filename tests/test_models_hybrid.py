@@ -128,11 +128,11 @@ def test_qwen3_5_conditional_generation_checkpoint_serves_its_text_model(tmp_pat
 def test_mtp_layer_reads_the_released_mtp_layer_tensors(tmp_path, arch):
     """mtp.layers.0 as released: a gated full-attention layer (Qwen3.5 dense: its 11 tensors), with the model's
     MoE block (router, experts, gated shared expert) where the model has one."""
-    from outrider.config import ModelConfig
+    from outrider.models import registry
     from outrider.models.hybrid import mtp_layer
     from outrider.models.loader import checkpoint_layout
 
-    cfg = ModelConfig.from_path(write_tiny_checkpoint(tmp_path, arch, layers=4))
+    cfg = registry.load_config(write_tiny_checkpoint(tmp_path, arch, layers=4))
     with torch.device("meta"):
         layer = mtp_layer(cfg, fused_experts=arch == "qwen3_5_moe")
     names = set(checkpoint_layout(layer))

@@ -154,11 +154,10 @@ def test_types_without_kernels_are_dequantized_and_the_log_names_them(tiny, tmp_
 def test_a_packed_projection_with_a_dense_part_is_dequantized_whole(tiny):
     """A qkv whose v is not quantized cannot stay quantized: the module loads dense, its parts listed as
     dequantized (for the log)."""
-    from outrider.config import ModelConfig
     from outrider.models import registry
     from outrider.quant.checkpoint import make_plan
 
-    cfg = ModelConfig.from_path(tiny["qwen3"])
+    cfg = registry.load_config(tiny["qwen3"])
     with torch.device("meta"):
         meta = registry.build_model(cfg)
     offered = {n: GGUF_FORMATS["Q8_0"] for n in checkpoint_shapes(json.loads(

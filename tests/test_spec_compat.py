@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from e2e_harness import REPO
-from outrider.config import EngineConfig, ModelConfig
+from outrider.config import EngineConfig
+from outrider.models import registry
 from outrider.engine.async_engine import AsyncEngine
 from outrider.server.app import create_app
 from outrider.server.settings import ServerConfig
@@ -50,7 +51,7 @@ def family(tmp_path_factory):
 
 def check(family, kind: str, draft: str) -> None:
     target = family["target"]
-    BY_NAME[kind].check_vocabulary(ModelConfig.from_path(target), target, family[draft])
+    BY_NAME[kind].check_vocabulary(registry.load_config(target), target, family[draft])
 
 
 def test_matching_drafters_pass(family):

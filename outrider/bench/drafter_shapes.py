@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from outrider.bench.shapes import RANDOM_MODELS, write_random_checkpoint, write_stub_checkpoint
-from outrider.config import ModelConfig
+from outrider.models import registry
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def _write_mtp_stub(target: str, path: Path, dtype: torch.dtype, seed: int) -> P
 
     write_stub_checkpoint(target, path, mtp_num_hidden_layers=1)
     with torch.device("meta"):
-        head = QwenMTP(ModelConfig.from_dict(RANDOM_MODELS[target]))
+        head = QwenMTP(registry.model_config(RANDOM_MODELS[target]))
     tensors = {n: t.to(dtype).contiguous() for n, t in random_params(head, QwenMTP.prefix, seed + 1).items()}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path

@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    from outrider.config import ModelConfig
+    from outrider.models import registry
 
     if args.random_weights:
-        dtype = resolve_dtype("auto", ModelConfig.from_dict(RANDOM_MODELS[args.random_weights]), device)
+        dtype = resolve_dtype("auto", registry.model_config(RANDOM_MODELS[args.random_weights]), device)
         model = hf_random_model(args.random_weights, device, dtype)
     else:
         from transformers import AutoModelForCausalLM
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         from outrider.models import resolve_model_path
 
         path = resolve_model_path(args.model)
-        dtype = resolve_dtype("auto", ModelConfig.from_path(path), device)
+        dtype = resolve_dtype("auto", registry.load_config(path), device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     try:
         result = measure(model, args.config, args.batch, args.prompt_len, args.gen, args.seed)

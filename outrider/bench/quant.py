@@ -102,7 +102,7 @@ def _random_part(fmt, n: int, k: int):
     import numpy as np
 
     from outrider.quant.formats import GGUFFormat
-    from outrider.quant.weight import QuantizedTensor
+    from outrider.quant.tensor import QuantizedTensor
     from outrider.quant.writers import random_gguf_blocks, random_quantized
 
     if isinstance(fmt, GGUFFormat):
@@ -149,7 +149,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                 part = _random_part(fmt, n, k)
                 weight = QuantizedWeight([part.to(device)], torch.bfloat16)
                 y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, weight, out=y))
+                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, list(weight.parts), out=y))
                 best = ""
                 if args.tune and m <= FUSED_MAX_ROWS:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)

@@ -119,7 +119,7 @@ def run(args, reporter: Reporter) -> None:
     step_bytes = None
     if args.random_weights:
         from outrider.bench.shapes import RANDOM_MODELS, config_weight_bytes
-        from outrider.config import ModelConfig
+        from outrider.models import registry
 
-        step_bytes = config_weight_bytes(ModelConfig.from_dict(RANDOM_MODELS[args.random_weights]), 2)
+        step_bytes = config_weight_bytes(registry.model_config(RANDOM_MODELS[args.random_weights]), 2)
     asyncio.run(_run(args, reporter, step_bytes))

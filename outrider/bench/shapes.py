@@ -60,15 +60,15 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def random_model(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0) -> tuple[torch.nn.Module, ModelConfig]:
     """Our model with the named shape and random weights, built directly on the device."""
-    from outrider.models.registry import build_model
+    from outrider.models import registry
 
-    cfg = ModelConfig.from_dict(RANDOM_MODELS[name])
+    cfg = registry.model_config(RANDOM_MODELS[name])
     torch.manual_seed(seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(cfg)
+            model = registry.build_model(cfg)
     finally:
         torch.set_default_dtype(old)
     return model.to(device).eval().requires_grad_(False), cfg

@@ -262,10 +262,10 @@ def _setup(args, root: Path) -> Setup:
     if args.random_weights:
         from outrider.bench.drafter_shapes import preset, write_preset
         from outrider.bench.shapes import RANDOM_MODELS, fix_successors, random_model
-        from outrider.config import ModelConfig
+        from outrider.models import registry
 
         name = args.random_weights
-        dtype = resolve_dtype(args.dtype, ModelConfig.from_dict(RANDOM_MODELS[name]), device)
+        dtype = resolve_dtype(args.dtype, registry.model_config(RANDOM_MODELS[name]), device)
         shape = preset(name, args.spec_type)
         paths = write_preset(name, shape, root, dtype, args.seed)
         model, cfg = random_model(name, device, dtype, args.seed)

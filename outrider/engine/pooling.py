@@ -12,38 +12,12 @@ recomputed after a preemption restarts the pooling too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from outrider.engine.request import Request
-from outrider.steps import StepPlan
+from outrider.engine.request import Pooled
+from outrider.steps import PendingPool, StepPlan
 
 MODES = ("mean", "cls", "last", "none")
-
-
-@dataclass
-class Pooled:
-    """A request's pooling so far, on the host."""
-
-    mode: str
-    rows: list[torch.Tensor] = field(default_factory=list)  # float32 [n, H] parts: sums (mean) or rows
-    count: int = 0  # prompt rows seen
-
-    def result(self) -> torch.Tensor:
-        """[H] for mean, cls and last; [prompt, H] for none."""
-        stacked = torch.cat(self.rows)
-        if self.mode == "mean":
-            return stacked.sum(0) / self.count
-        return stacked if self.mode == "none" else stacked[0]
-
-
-@dataclass
-class PendingPool:
-    request: Request
-    restart: bool  # the chunk starts at position 0
-    rows: torch.Tensor  # on the device
-    count: int
 
 
 def capture(plan: StepPlan, hidden: torch.Tensor, model: torch.nn.Module) -> list[PendingPool]:

@@ -15,40 +15,16 @@ it recomputes the hidden rows of the cached positions with forwards that read th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from outrider.engine.request import Request
-from outrider.steps import StepPlan
+from outrider.engine.request import PromptLogprob, Request
+from outrider.steps import PendingRows, StepPlan
 
 CHUNK_ROWS = 128  # LM-head rows per pass ([CHUNK_ROWS, vocab] float32 at most), and cached rows per recompute forward
 
 # (request, start, count) -> the [count, H] hidden rows of its committed positions start.., recomputed
 HiddenRows = Callable[[Request, int, int], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class PromptLogprob:
-    """A prompt token's log-probability given the tokens before it, its rank among the vocabulary (1 = the most
-    probable), and the top-n (token id, log-prob), best first."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class PendingRows:
-    """One request's prompt rows of a step, on the device until delivered."""
-
-    request: Request
-    first: int  # the position of the first predicted prompt token
-    logprobs: torch.Tensor  # [n] each row's target log-probability
-    ranks: torch.Tensor  # [n]
-    top_values: torch.Tensor  # [n, k]
-    top_ids: torch.Tensor  # [n, k]
 
 
 def capture(plan: StepPlan, hidden: torch.Tensor, model: torch.nn.Module,

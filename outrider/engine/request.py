@@ -6,18 +6,22 @@ import enum
 import itertools
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
 
 from outrider.params import SamplingParams
-from outrider.steps import Status
 from outrider.structured.grammar import Constraint
 from outrider.timing import RequestTiming
 
-if TYPE_CHECKING:
-    from outrider.engine.pooling import Pooled
-    from outrider.engine.prompt_logprobs import PromptLogprob
-
 _ids = itertools.count()
+
+
+class Status(enum.Enum):
+    """Where a request stands with the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 class FinishReason(str, enum.Enum):
@@ -33,6 +37,33 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """(engine/prompt_logprobs.py) A prompt token's log-probability given the tokens before it, its rank among the vocabulary (1 = the most
+    probable), and the top-n (token id, log-prob), best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Pooled:
+    """A request's pooling so far, on the host (engine/pooling.py)."""
+
+    mode: str
+    rows: list[torch.Tensor] = field(default_factory=list)  # float32 [n, H] parts: sums (mean) or rows
+    count: int = 0  # prompt rows seen
+
+    def result(self) -> torch.Tensor:
+        """[H] for mean, cls and last; [prompt, H] for none."""
+        stacked = torch.cat(self.rows)
+        if self.mode == "mean":
+            return stacked.sum(0) / self.count
+        return stacked if self.mode == "none" else stacked[0]
 
 
 @dataclass(frozen=True)

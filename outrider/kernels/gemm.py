@@ -90,7 +90,8 @@ CANDIDATES: tuple[GemmConfig, ...] = (
 
 
 # The tensor-core kernel's config (block_n: W rows per program, at least 64 for a warpgroup MMA): fastest or within
-# 0.5 us of it for every Qwen3-8B projection at M = 5 and 16 of those tried, split-K ones too (H200, session 18).
+# 0.5 us of it for every Qwen3-8B projection at M = 5 and 16 of those tried, split-K ones too (H200, `bench
+# kernels`, gemm section).
 DOT_CONFIG = GemmConfig(block_n=64, block_k=128, num_stages=6)
 DOT_CANDIDATES: tuple[GemmConfig, ...] = (
     DOT_CONFIG,

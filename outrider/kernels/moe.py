@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.layers.moe import Routing
-
 
 class BlockLayout(NamedTuple):
     """The pairs (index t * k + j into the flattened routing) in expert order, BLOCK_M per block.
@@ -112,16 +110,18 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m:
     return out
 
 
-def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, routing: Routing) -> torch.Tensor:
-    """layers.moe.torch_experts on the grouped GEMMs: x [T, H], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
-    t, top_k = routing.ids.shape
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """layers.moe.torch_experts on the grouped GEMMs: x [T, H], gate_up [E, 2I, H], down [E, H, I], each token's
+    experts `ids` [T, k] and their `weights` [T, k] -> [T, H]."""
+    t, top_k = ids.shape
     num_pairs = t * top_k
     if num_pairs == 0:  # (an empty grid is no launch)
         return torch.zeros_like(x)
     block_m = _block_m(num_pairs)
-    layout = block_layout(routing.ids, gate_up.shape[0], block_m)
+    layout = block_layout(ids, gate_up.shape[0], block_m)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     act = grouped_gemm(x, gate_up, layout, block_m, num_pairs, a_row_div=top_k, gated=True)
-    weights = routing.weights.flatten().to(torch.float32).contiguous()
+    weights = weights.flatten().to(torch.float32).contiguous()
     y = grouped_gemm(act, down, layout, block_m, num_pairs, a_row_div=1, gated=False, scale=weights)
     return y.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from outrider.kernels.launch import FOLD_MAX_ROWS, SKINNY_MAX_ROWS, in_graph_capture, use_pdl
 from outrider.kernels.launch import graph_capture  # noqa: F401  (callers capture through ops.graph_capture)
-from outrider.quant.weight import QuantizedWeight
 
 # Route decode and verify projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
 # (kernels/gemm.py) instead of cuBLAS. Only there: an eager Triton launch costs 40-140 us of host time, several
@@ -123,8 +122,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     A float32 result of 16-bit inputs keeps cuBLAS's float32 accumulator (mm's out_dtype, CUDA), as the skinny GEMM
     does at decode: rounded to bfloat16 first, logits of 8-32 lie 0.06-0.125 apart, so a verify row's argmax broke
     near-ties that a decode row's resolves, and greedy rounds left plain decoding's tokens for no reason.
-    A QuantizedWeight computes the product itself (its kernels read the quantized blocks)."""
-    if isinstance(weight, QuantizedWeight):
+    A weight that is no tensor (quant/weight.py's QuantizedWeight) computes the product itself (its kernels read the
+    quantized blocks)."""
+    if not isinstance(weight, torch.Tensor):
         return weight.linear(x, bias, out_dtype=out_dtype, out=out)
     if _use_skinny_gemm(x, weight):
         from outrider.kernels import gemm
@@ -150,7 +150,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     gemm.RowNorm). LM heads do not use it: every program of a GEMM that wide re-reading x and the norm weight
     cost Qwen3-8B's 10 us, several times a separate norm kernel (H200). A QuantizedWeight
     gets the normed x (no fold)."""
-    if (not isinstance(weight, QuantizedWeight) and _use_skinny_gemm(x, weight, fold=True)
+    if (isinstance(weight, torch.Tensor) and _use_skinny_gemm(x, weight, fold=True)
             and (residual is None or residual.is_contiguous())):
         from outrider.kernels import gemm
 
@@ -168,7 +168,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     On the skinny GEMM the kernel forms silu(gate) * up as it loads x, so the activation costs no launch of its
     own (a kernel boundary is ~1 us of dead time in a batch-1 decode graph). A QuantizedWeight gets silu(gate) * up
     (no fold)."""
-    if not isinstance(weight, QuantizedWeight) and _use_skinny_gemm(gate_up, weight, fold=True):
+    if isinstance(weight, torch.Tensor) and _use_skinny_gemm(gate_up, weight, fold=True):
         from outrider.kernels import gemm
 
         return gemm.skinny_gemm(gate_up, weight, bias, silu_mul=True, pdl=use_pdl(gate_up))

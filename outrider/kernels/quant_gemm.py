@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format
-from outrider.quant.weight import QuantizedTensor, QuantizedWeight
+from outrider.quant.tensor import QuantizedTensor
 
 # Rows up to which the kernels that read the quantized blocks run (decode and verify steps, small batches);
 # beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
@@ -343,17 +343,19 @@ def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _scratch[key]
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.Tensor | None = None,
                      out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """ops.linear for a QuantizedWeight on CUDA: fused kernels up to FUSED_MAX_ROWS rows, else dequantized chunks
-    of W (scratch) through cuBLAS."""
+    """ops.linear for a QuantizedWeight (its `parts`, W's rows in order) on CUDA: fused kernels up to
+    FUSED_MAX_ROWS rows, else dequantized chunks of W (scratch) through cuBLAS."""
     from outrider.kernels import ops
 
     x = x.contiguous()
     m, k = x.shape
-    y = out if out is not None else torch.empty((m, weight.shape[0]), dtype=out_dtype or x.dtype, device=x.device)
+    n = sum(part.shape[0] for part in parts)
+    y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     row = 0
-    for part, size in zip(weight.parts, weight.sizes):
+    for part in parts:
+        size = part.shape[0]
         part_bias = None if bias is None else bias[row:row + size]
         if m <= FUSED_MAX_ROWS:
             fused_linear(x, part, part_bias, y[:, row:row + size])

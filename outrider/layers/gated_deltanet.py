@@ -20,12 +20,13 @@ kernels of flash-linear-attention (`fla`, Triton; the `gpu` extra) do the same, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from outrider.layers.gated_deltanet_types import LayerState, Mixed, StateBatch
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 
 CHUNK = 64  # the chunked form's block length (fla's too)
@@ -78,30 +79,6 @@ class GatedDeltaNetConfig:
     @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
-
-
-class LayerState(NamedTuple):
-    """One linear-attention layer's state tensors, indexed by slot: conv [S, C, K], recurrent [S, Hv, Dk, Dv];
-    and the verify rows a verify forward fills, [R, P, ...] (P = the most query tokens a verify has)."""
-
-    conv: torch.Tensor
-    recurrent: torch.Tensor
-    verify_conv: torch.Tensor | None = None
-    verify_recurrent: torch.Tensor | None = None
-
-
-class StateBatch(NamedTuple):
-    """What a linear-attention layer needs of a ragged batch beyond its tokens: sequence i owns the query tokens
-    query_start_loc[i]:query_start_loc[i + 1] and state slot slots[i]. verify: write the state after each query
-    position to verify row i (slots untouched) instead of advancing the slot; for the whole batch, so a verify
-    batch holds no prompt chunks (at most the verify rows' positions per sequence), and every row of it is then
-    committed (StatePool.commit_verify; a row without drafts at position 0)."""
-
-    query_start_loc_host: list[int]
-    slots: torch.Tensor  # [B] int64, on the state's device
-    slots_host: list[int]
-    verify: bool = False
-    query_start_loc: torch.Tensor | None = None  # [B + 1] on the device (the attention metadata's; None: made)
 
 
 # --- the torch reference, one sequence at a time -------------------------------------------------------------
@@ -180,15 +157,6 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(z.float())).to(x.dtype)
 
 
-class Mixed(NamedTuple):
-    """The input projection's parts: conv inputs q|k|v [T, C], gate z [T, Hv, Dv], b and a [T, Hv]."""
-
-    qkv: torch.Tensor
-    z: torch.Tensor
-    b: torch.Tensor
-    a: torch.Tensor
-
-
 class GatedDeltaNet(nn.Module):
     """The token mixer of a linear-attention layer: hidden [T, H] -> [T, H] (no norm or residual: the decoder
     layer's). Checkpoint names: conv1d, dt_bias, A_log, norm, out_proj and the input projections (packed into
@@ -240,9 +208,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: LayerState, batch: StateBatch) -> torch.Tensor:
         mixed = self.split(x)
         if x.is_cuda:
-            from outrider.kernels import gated_deltanet as kernels
+            from outrider.layers import gated_deltanet_cuda
 
-            core = kernels.mix(self, mixed, state, batch)
+            core = gated_deltanet_cuda.mix(self.conv1d.weight[:, 0], self.heads, mixed, state, batch)
         else:
             core = self.torch_mix(mixed, state, batch)
         out = self.norm(core.to(x.dtype), mixed.z)

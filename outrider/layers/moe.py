@@ -114,7 +114,7 @@ class Experts(nn.Module):
         if x.is_cuda:
             from outrider.kernels import moe
 
-            return moe.fused_experts(x, gate_up, down, routing)
+            return moe.fused_experts(x, gate_up, down, routing.ids, routing.weights)
         return torch_experts(x, gate_up, down, routing)
 
 

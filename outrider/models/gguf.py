@@ -163,7 +163,7 @@ def model_config(ck: GGUFCheckpoint) -> ModelConfig:
         "bos_token_id": ck.value("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
     }
-    return ModelConfig.from_dict(config)
+    return registry.model_config(config)
 
 
 def _values(ck: GGUFCheckpoint, name: str) -> list[float] | None:

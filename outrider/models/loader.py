@@ -160,7 +160,7 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     serves their format on the device (`quantization`: outrider.quant.checkpoint.QUANTIZATION_CHOICES)."""
     path = resolve_model_path(path_or_repo)
     checkpoint = gguf.open_gguf(path) if gguf.is_gguf(path) else None
-    cfg = gguf.model_config(checkpoint) if checkpoint else ModelConfig.from_path(path)
+    cfg = gguf.model_config(checkpoint) if checkpoint else registry.load_config(path)
     if rope is not None:
         cfg = rope.apply(cfg)
     device = torch.device(device)

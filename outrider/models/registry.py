@@ -1,7 +1,7 @@
 """The architectures outrider serves, each declared once by its own module under outrider/models/architectures/.
 
 A module there builds one `Architecture` and passes it to `register`; nothing else lists architectures. The
-config parser (config.py), the loaders (models/loader.py, models/gguf.py), the test checkpoint writers
+config parser (`model_config`, below), the loaders (models/loader.py, models/gguf.py), the test checkpoint writers
 (testing/checkpoints.py, testing/gguf.py) and the drafters (`decoder_layer`) all read this registry. Modules are
 discovered on first use, so adding an architecture is adding its module.
 """
@@ -9,16 +9,18 @@ discovered on first use, so adding an architecture is adding its module.
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from outrider.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from outrider.config import ModelConfig
 
 
 def _no_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -153,3 +155,70 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 def decoder_layer(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     """Decoder layer `layer_idx` of cfg's architecture: the target interface drafters build their layers from."""
     return of(cfg).decoder_layer(cfg, layer_idx)
+
+
+def model_config(raw: dict[str, Any]) -> ModelConfig:
+    """The ModelConfig of an HF `config.json`'s dict: the fields all architectures share, then those its
+    architecture's `config` adapter sets."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else ""
+    adapter = by_hf_name(arch)
+    text = raw.get("text_config") or {} if adapter.text_config else {}  # a multimodal checkpoint's decoder
+    cfg = {**adapter.config_defaults, **raw, **text, "architectures": archs}
+    n_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    mtp_layers = int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
+    layer_types = _layer_types(cfg)
+    common = ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg.get("intermediate_size", 0),  # (0: no dense MLP, e.g. Qwen3.5-MoE)
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        o_proj_bias=bool(cfg.get("attention_bias", False)),
+        hidden_act=cfg.get("hidden_act") or "silu",
+        layer_types=layer_types,
+        sliding_window=cfg.get("sliding_window") if "sliding_attention" in layer_types else None,
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos_ids,
+        mtp_num_hidden_layers=mtp_layers,
+        raw=cfg,
+    )
+    return replace(common, **adapter.config(cfg))
+
+
+def load_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of the checkpoint directory `path` (its config.json)."""
+    with open(Path(path) / "config.json") as f:
+        return model_config(json.load(f))
+
+
+def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """HF's `layer_types`, or those of the older `use_sliding_window` / `max_window_layers` keys (Qwen2, Qwen3:
+    layers from max_window_layers on slide)."""
+    if cfg.get("layer_types"):
+        return tuple(cfg["layer_types"])
+    n = cfg["num_hidden_layers"]
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        first = cfg.get("max_window_layers", n)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    return ()
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """`rope_scaling` (transformers 4) or `rope_parameters` (transformers 5) with `rope_type` set; None = plain RoPE."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return None if rope_type == "default" else {**scaling, "rope_type": rope_type}

@@ -27,7 +27,8 @@ from outrider.layers.linear import MergedLinear
 from outrider.quant.dequant import fp8_scale_per_value
 from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format, QuantFormat
 from outrider.quant.layers import QuantizedEmbedding, QuantizedLinear
-from outrider.quant.weight import QuantizedTensor, QuantizedWeight
+from outrider.quant.tensor import QuantizedTensor
+from outrider.quant.weight import QuantizedWeight
 
 log = logging.getLogger("outrider.models")
 

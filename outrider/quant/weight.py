@@ -1,5 +1,5 @@
-"""Quantized weights kept quantized in memory: QuantizedTensor (one format's tensors for some rows of a weight) and
-QuantizedWeight (a whole weight [N, K], the rows of one or several parts: a packed projection whose parts the file
+"""Quantized weights kept quantized in memory: QuantizedWeight (a whole weight [N, K], the rows of one or several
+QuantizedTensor parts (quant/tensor.py): a packed projection whose parts the file
 quantized differently, e.g. Q4_K_M's Q4_K q/k and Q6_K v, keeps a part per format).
 
 A QuantizedWeight stands where a projection's weight tensor stood: outrider.kernels.ops dispatches on it to
@@ -11,53 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from outrider.quant.dequant import dequantize_fp8, dequantize_gguf, dequantize_int4
-from outrider.quant.formats import FP8Format, GGUFFormat, QuantFormat
-
-class QuantizedTensor(nn.Module):
-    """Rows [N, K] of a weight in one format: `data` (the blocks, or FP8 / packed INT4 values), and for FP8 and
-    INT4 `scale` (and INT4 `zero`) as formats.py describes."""
-
-    def __init__(self, fmt: QuantFormat, shape: tuple[int, int], data: torch.Tensor,
-                 scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> None:
-        super().__init__()
-        n, k = shape
-        if not fmt.supports(n, k):
-            raise ValueError(f"{fmt.name} cannot store a [{n}, {k}] weight")
-        self.format, self.shape = fmt, (n, k)
-        self.register_buffer("data", data)
-        self.register_buffer("scale", scale)
-        self.register_buffer("zero", zero)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None)
-
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]."""
-        if isinstance(self.format, GGUFFormat):
-            return dequantize_gguf(self.format, self.data)
-        if isinstance(self.format, FP8Format):
-            return dequantize_fp8(self.format, self.data, self.scale)
-        return dequantize_int4(self.format, self.data, self.scale, self.zero)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """float32 [T, K]: the rows `ids` (an embedding lookup), dequantizing only those (GGUF formats)."""
-        if not isinstance(self.format, GGUFFormat):
-            return self.dequantize().index_select(0, ids)
-        return dequantize_gguf(self.format, self.data.index_select(0, ids))
-
-    def can_stack(self, other: QuantizedTensor) -> bool:
-        """Whether `other`'s rows may follow this one's in a single tensor (same format, scale tiles unbroken)."""
-        if other.format != self.format or other.shape[1] != self.shape[1]:
-            return False
-        return not isinstance(self.format, FP8Format) or self.shape[0] % self.format.block_n == 0
-
-    def stack(self, other: QuantizedTensor) -> QuantizedTensor:
-        cat = [None if a is None else torch.cat([a, b]) for a, b in
-               ((self.data, other.data), (self.scale, other.scale), (self.zero, other.zero))]
-        return QuantizedTensor(self.format, (self.shape[0] + other.shape[0], self.shape[1]), *cat)
-
+from outrider.quant.tensor import QuantizedTensor
 
 class QuantizedWeight(nn.Module):
     """A weight [N, K] as quantized parts stacked by rows (one part unless formats differ), served in `dtype`."""
@@ -109,6 +63,6 @@ class QuantizedWeight(nn.Module):
         if x.is_cuda and x.dim() == 2:
             from outrider.kernels import quant_gemm
 
-            return quant_gemm.quantized_linear(x, self, bias, out_dtype, out)
+            return quant_gemm.quantized_linear(x, list(self.parts), bias, out_dtype, out)
         # Elsewhere the dense weight on the fly, one product as for a dense layer: the same numbers.
         return ops.linear(x, self.dequantize(), bias, out_dtype=out_dtype, out=out)

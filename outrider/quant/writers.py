@@ -19,7 +19,7 @@ import torch
 
 from outrider.quant.checkpoint import AWQ_ORDER, pack_int4, quantize_fp8
 from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format
-from outrider.quant.weight import QuantizedTensor
+from outrider.quant.tensor import QuantizedTensor
 
 
 
@@ -202,11 +202,10 @@ def gguf_tensor_type(mix: str, hf_name: str, layers: int) -> str:
 
 def checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape, for the model a config.json describes (built on the meta device)."""
-    from outrider.config import ModelConfig
     from outrider.models import registry
     from outrider.models.loader import checkpoint_layout
 
-    cfg = ModelConfig.from_dict(config)
+    cfg = registry.model_config(config)
     arch = registry.of(cfg)
     with torch.device("meta"):
         model = arch.model(cfg)
@@ -217,12 +216,10 @@ def write_random_gguf(path: str | Path, config: dict[str, Any], mix: str, seed: 
     """A GGUF file of the model `config` describes (a Hugging Face config.json's fields), random weights in the
     file type `mix` (GGUF_MIXES; norms in F32), no tokenizer."""
     import gguf
-
-    from outrider.config import ModelConfig
     from outrider.models import registry
     from outrider.testing.gguf import add_hparams
 
-    cfg = ModelConfig.from_dict(config)
+    cfg = registry.model_config(config)
     adapter = registry.of(cfg)
     writer = gguf.GGUFWriter(path, adapter.gguf_writes)
     add_hparams(writer, cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from outrider.engine.prompt_logprobs import PromptLogprob
+from outrider.engine.request import PromptLogprob
 from outrider.server.render import token_probs
 from outrider.tokenizer import Tokenizer
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import tokenizers
 
 from outrider.config import ModelConfig
-from outrider.models import gguf
+from outrider.models import gguf, registry
 from outrider.tokenizer import Tokenizer
 
 log = logging.getLogger("outrider.speculative")
@@ -38,7 +38,7 @@ def _vocab(path: Path) -> dict[str, int] | None:
 
 
 def _config(path: Path) -> ModelConfig:
-    return gguf.model_config(gguf.open_gguf(path)) if gguf.is_gguf(path) else ModelConfig.from_path(path)
+    return gguf.model_config(gguf.open_gguf(path)) if gguf.is_gguf(path) else registry.load_config(path)
 
 
 def check_draft_model(target_cfg: ModelConfig, target: Path, draft: Path) -> None:

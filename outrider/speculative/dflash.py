@@ -27,6 +27,7 @@ from outrider.attention.metadata import build_metadata, shifted_metadata, unifor
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
+from outrider.models import registry
 from outrider.models.registry import decoder_layer
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, KVPool, Proposals, StagedDrafts, TargetView,
@@ -74,7 +75,7 @@ class DFlashDrafter:
                  dtype: torch.dtype, device: torch.device | str, kv_pool: KVPool) -> None:
         raw = json.loads((Path(path) / "config.json").read_text())
         # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
-        cfg = ModelConfig.from_dict({**raw, "architectures": ["Qwen3ForCausalLM"]})
+        cfg = registry.model_config({**raw, "architectures": ["Qwen3ForCausalLM"]})
         dflash = raw.get("dflash_config") or {}
         self.mask_token_id = int(dflash["mask_token_id"])
         taps = dflash.get("target_layer_ids") or default_target_layers(

@@ -32,6 +32,7 @@ from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
 from outrider.models import read_tensors
+from outrider.models import registry
 from outrider.models.registry import decoder_layer
 from outrider.speculative.chain import ChainDrafter
 from outrider.speculative.drafter import KVPool, TargetView, greedy_drafts
@@ -48,7 +49,7 @@ def is_eagle3_config(raw: dict) -> bool:
 def layer_config(raw: dict) -> ModelConfig:
     """The draft layer's shape: a Llama decoder layer (no q/k norm, no biases unless the config says so)."""
     cfg = {**raw, **(raw.get("transformer_layer_config") or {})}
-    return ModelConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"]})
+    return registry.model_config({**cfg, "architectures": ["LlamaForCausalLM"]})
 
 
 def aux_layer_ids(raw: dict, num_target_layers: int) -> tuple[int, ...]:

@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from outrider.config import ModelConfig
 from outrider.models import registry
 from outrider.models.loader import checkpoint_layout
 
@@ -78,7 +76,7 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
 
 def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float32 weights under HF names, scaled so tiny models give varied, well-separated greedy tokens."""
-    cfg = ModelConfig.from_dict(config)
+    cfg = registry.model_config(config)
     with torch.device("meta"):
         model = registry.build_model(cfg)
     gen = torch.Generator().manual_seed(seed)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from outrider.config import ModelConfig
+from outrider.models import registry
 from outrider.models.loader import checkpoint_layout
 from outrider.testing.checkpoints import write_tiny_checkpoint
 
@@ -50,7 +50,7 @@ def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 
     path = write_tiny_checkpoint(path, seed=seed, **kwargs)  # first pass: the config the head is shaped by
     cls = LAYOUTS[layout]
     with torch.device("meta"):
-        head = cls(ModelConfig.from_path(path))
+        head = cls(registry.load_config(path))
     extra = random_params(head, cls.prefix, seed + 1)
     return write_tiny_checkpoint(path, seed=seed, **kwargs, extra_tensors=extra)
 
@@ -86,7 +86,7 @@ def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    cfg = ModelConfig.from_dict({**config, "architectures": ["Qwen3ForCausalLM"]})
+    cfg = registry.model_config({**config, "architectures": ["Qwen3ForCausalLM"]})
     with torch.device("meta"):
         model = DFlashModel(cfg, len(taps) * tcfg["hidden_size"])
     tensors = {n: t.to(dtype).contiguous() for n, t in random_params(model, seed=seed).items()}
@@ -133,7 +133,7 @@ def write_eagle3_checkpoint(path: str | Path, target: str | Path, *, draft_ids: 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    cfg = ModelConfig.from_dict(layer)
+    cfg = registry.model_config(layer)
     with torch.device("meta"):
         model = Eagle3Model(cfg, tcfg["hidden_size"], 3, len(draft_ids))
     tensors = {n.replace("layers.0.", prefix, 1): t.to(dtype) for n, t in random_params(model, seed=seed).items()}

@@ -4,12 +4,9 @@ tokens, merges and token types as metadata."""
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -30,7 +27,7 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     import gguf
 
     checkpoint, path = Path(checkpoint), Path(path)
-    cfg = ModelConfig.from_path(checkpoint)
+    cfg = registry.load_config(checkpoint)
     adapter = registry.of(cfg)
     ggml_arch = adapter.gguf_writes
     if ggml_arch is None:
@@ -48,8 +45,6 @@ def write_gguf(checkpoint: str | Path, path: str | Path, *, quant: str = "F32", 
     tensors = _stack_experts(read_tensors(checkpoint))
     if adapter.gguf_write:
         tensors = adapter.gguf_write(writer, cfg, tensors)
-    elif adapter.name in _CONVERTERS:
-        tensors = _CONVERTERS[adapter.name](writer, cfg, tensors)
     if "num_experts" in cfg.raw:
         writer.add_expert_count(cfg.raw["num_experts"])
         writer.add_expert_used_count(cfg.raw["num_experts_per_tok"])
@@ -97,69 +92,6 @@ def add_hparams(writer, cfg: ModelConfig) -> None:
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-
-
-def _as_llama_cpp_hybrid(writer: Any, cfg: ModelConfig, tensors: dict[str, torch.Tensor],
-                         qwen3_5: bool) -> dict[str, torch.Tensor]:
-    """What llama.cpp's converter does to a Qwen3.5 (or Qwen3-Next) checkpoint, as its own terms say: hybrid
-    metadata under ssm.* keys; the MTP head dropped; A stored as -exp(A_log), dt_bias as dt_proj.bias, the conv
-    kernel squeezed, (1 + w) norms as 1 + w. Qwen3.5: value heads of the linear layers reordered from grouped by
-    key head to tiled. Qwen3-Next: in_proj_qkvz split into all-heads q|k|v and z (in_proj_ba kept)."""
-    raw = cfg.raw
-    hk, hv, dk, dv = (raw["linear_num_key_heads"], raw["linear_num_value_heads"], raw["linear_key_head_dim"],
-                      raw["linear_value_head_dim"])
-    writer.add_ssm_conv_kernel(raw["linear_conv_kernel_dim"])
-    writer.add_ssm_state_size(dk)
-    writer.add_ssm_group_count(hk)
-    writer.add_ssm_time_step_rank(hv)
-    writer.add_ssm_inner_size(hv * dv)
-    writer.add_full_attention_interval(raw["full_attention_interval"])
-    factor = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    writer.add_rope_dimension_count(int(cfg.head_dim * factor))
-    if qwen3_5:
-        writer.add_rope_dimension_sections([11, 11, 10, 0])
-    if raw.get("shared_expert_intermediate_size"):
-        writer.add_expert_shared_feed_forward_length(raw["shared_expert_intermediate_size"])
-
-    def tiled(t: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:  # [Hk, r, d] -> [r, Hk, d] along dim
-        shape = t.shape
-        return t.reshape(*shape[:dim], hk, hv // hk, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
-
-    out = {}
-    for name, t in tensors.items():
-        if name.startswith("mtp."):
-            continue
-        if name.endswith(".in_proj_qkvz.weight"):  # [Hk, (q, k, v, z)] rows -> q|k|v of all heads, z of all heads
-            q, k, v, z = t.reshape(hk, -1, t.shape[-1]).split([dk, dk, dv * hv // hk, dv * hv // hk], dim=1)
-            stem = name.removesuffix("qkvz.weight")
-            out[stem + "qkv.weight"] = torch.cat([p.reshape(-1, t.shape[-1]) for p in (q, k, v)])
-            out[stem + "z.weight"] = z.reshape(-1, t.shape[-1])
-            continue
-        if ".linear_attn." in name:
-            if qwen3_5 and name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
-                t = t.reshape(t.shape[0], -1)
-                t = torch.cat([t[:2 * hk * dk], tiled(t[2 * hk * dk:], 0, dv)])
-            elif qwen3_5 and name.endswith(".in_proj_z.weight"):
-                t = tiled(t, 0, dv)
-            elif qwen3_5 and name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
-                t = tiled(t, 0, 1)
-            elif qwen3_5 and name.endswith(".out_proj.weight"):
-                t = tiled(t, 1, dv)
-            if name.endswith(".conv1d.weight"):
-                t = t.reshape(t.shape[0], -1)
-            if name.endswith(".A_log"):
-                t = -torch.exp(t)
-            name = name.replace(".dt_bias", ".dt_proj.bias")
-        elif name.endswith("norm.weight"):
-            t = t + 1
-        out[name] = t
-    return out
-
-
-# architectures the converter reshapes beyond renaming
-_CONVERTERS = {"qwen3_5": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
-               "qwen3_5_moe": functools.partial(_as_llama_cpp_hybrid, qwen3_5=True),
-               "qwen3_next": functools.partial(_as_llama_cpp_hybrid, qwen3_5=False)}
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from torch import nn
 from outrider.config import ModelConfig
 from outrider.layers.rotary import rope_inv_freq
 from outrider.models import load_model, read_tensors
+from outrider.models import registry
 from outrider.models.registry import build_model
 from outrider.models.loader import checkpoint_layout
 from outrider.speculative.dflash import DFlashModel
@@ -113,7 +114,7 @@ def eagle3_config(s: Shape, vocab: int, *, draft_vocab: int, target_hidden: int,
 def layer_config(config: dict) -> ModelConfig:
     """The outrider ModelConfig of a drafter config's layers (Qwen3 for DFlash, Llama for EAGLE-3)."""
     arch = "LlamaForCausalLM" if config["model_type"] == "llama" else "Qwen3ForCausalLM"
-    return ModelConfig.from_dict({**config, "architectures": [arch]})
+    return registry.model_config({**config, "architectures": [arch]})
 
 
 def layer_inv_freq(config: dict, device) -> torch.Tensor:
@@ -137,7 +138,7 @@ def n_params(module: nn.Module) -> int:
 
 def new_lm(s: Shape, vocab: int) -> dense.DenseLM:
     """A Qwen3 LM (a target or draft model), freshly initialised."""
-    model = build_model(ModelConfig.from_dict(qwen3_config(s, vocab)))
+    model = build_model(registry.model_config(qwen3_config(s, vocab)))
     init_weights(model)
     return dense.DenseLM(model)
 

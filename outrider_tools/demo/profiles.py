@@ -68,10 +68,10 @@ class Profile:
 
 # One H200, about 6.5 minutes for the whole family without EAGLE-3 (outrider/demo/README.md gives the split by
 # stage), about 7.5 with it; at most about 9 if every stage cap binds. The 7-layer target trains 1,800 steps x 96 x
-# 512 = 88 M tokens, about 3 passes over the stdlib plus up to 80 MB of installed packages' source: the run before
-# it, 4,000 steps over the stdlib alone (55 passes), overfit from step 600 on. With 3 passes there is nothing for
+# 512 = 88 M tokens, about 3 passes over the stdlib plus up to 80 MB of installed packages' source: 4,000 steps
+# over the stdlib alone (55 passes) overfit from step 600 on. With 3 passes there is nothing for
 # dropout to do but slow learning (none is used). The drafters' stages are trimmed (MTP 1,500 -> 1,200 steps,
-# DFlash 3,000 -> 2,000) to fit the device call.
+# DFlash 3,000 -> 2,000) to fit one device call (10 minutes).
 # The EAGLE-3 head has what the 20 MB budget leaves, about 0.85 MB: fc [256, 768] alone is 393 KB, so one attention
 # head of 32, a 32-wide MLP and 384 draft tokens (765 KB with its config). In a CPU trial the 384 most frequent
 # tokens covered 88 % of the target's generations and 70 % of the corpus (256: 80 % and 63 %), the cap on what the

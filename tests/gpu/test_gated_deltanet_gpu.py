@@ -1,4 +1,4 @@
-"""Gated DeltaNet's GPU path (kernels/gated_deltanet.py: fla's kernels for prompts, ours for decode and verify)
+"""Gated DeltaNet's GPU path (layers/gated_deltanet_cuda.py: fla's kernels for prompts, ours for decode and verify)
 against the torch reference: a ragged prefill, decode steps and a ragged verify, state slots included."""
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ def _state(cfg: GatedDeltaNetConfig, device: torch.device) -> LayerState:
 
 
 def _step(layer, x, state, lens, slots, verify=False, reference=False):
-    """One ragged step through the GPU path (kernels.gated_deltanet.mix; on CUDA the layer's forward picks it)
+    """One ragged step through the GPU path (gated_deltanet_cuda.mix; on CUDA the layer's forward picks it)
     or the torch reference -> the delta rule's output [T, Hv, Dv]."""
-    from outrider.kernels import gated_deltanet
+    from outrider.layers import gated_deltanet_cuda
 
     qsl = [0]
     for n in lens:
@@ -44,7 +44,7 @@ def _step(layer, x, state, lens, slots, verify=False, reference=False):
     batch = StateBatch(qsl, torch.tensor(slots, device=x.device), slots, verify)
     with torch.no_grad():
         mixed = layer.split(x)
-        return (layer.torch_mix if reference else partial(gated_deltanet.mix, layer))(mixed, state, batch)
+        return (layer.torch_mix if reference else partial(gated_deltanet_cuda.mix, layer.conv1d.weight[:, 0], layer.heads))(mixed, state, batch)
 
 
 STEPS = {"prefill": ([70, 5, 130], [4, 0, 2], False),  # ragged, past one chunk

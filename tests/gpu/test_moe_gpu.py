@@ -27,7 +27,7 @@ def test_fused_experts_match_the_torch_reference(tokens, experts, top_k, model_d
     from outrider.kernels.moe import fused_experts
 
     x, gate_up, down, routing = _problem(tokens, experts, top_k, 48, 40, model_dtype, device)
-    got = fused_experts(x, gate_up, down, routing)
+    got = fused_experts(x, gate_up, down, routing.ids, routing.weights)
     ref = torch_experts(x.float(), gate_up.float(), down.float(), routing._replace(
         weights=routing.weights.float()))
     tol = 1e-4 if model_dtype == torch.float32 else 3e-2
@@ -57,10 +57,10 @@ def test_fused_experts_replay_in_a_cuda_graph(device):
     from outrider.kernels.moe import fused_experts
 
     x, gate_up, down, routing = _problem(2, 16, 4, 64, 64, torch.bfloat16, device)
-    out = fused_experts(x, gate_up, down, routing)  # warm-up compiles the kernels
+    out = fused_experts(x, gate_up, down, routing.ids, routing.weights)  # warm-up compiles the kernels
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts(x, gate_up, down, routing)
+        out = fused_experts(x, gate_up, down, routing.ids, routing.weights)
     x2, *_ = _problem(2, 16, 4, 64, 64, torch.bfloat16, device, seed=1)
     x.copy_(x2)
     graph.replay()

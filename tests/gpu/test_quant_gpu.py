@@ -46,7 +46,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     part, _ = random_quantized(fmt, 96, k, seed=rows)
     weight = QuantizedWeight([part], model_dtype).to(device)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device, model_dtype)
-    y = quantized_linear(x, weight)
+    y = quantized_linear(x, list(weight.parts))
     assert y.dtype == model_dtype and y.shape == (rows, 96)
     _assert_close(y, _reference(x, weight.parts[0].dequantize()), model_dtype)
 
@@ -89,7 +89,7 @@ def test_packed_parts_of_different_formats_with_bias_and_float32_logits(rows, ha
     bias = torch.randn(128, generator=torch.Generator().manual_seed(2)).to(device, half)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(device, half)
     ref = _reference(x, weight.dequantize().float()) + bias.float()
-    y = quantized_linear(x, weight, bias, out_dtype=torch.float32)
+    y = quantized_linear(x, list(weight.parts), bias, out_dtype=torch.float32)
     assert y.dtype == torch.float32
     _assert_close(y, ref, half)
 
@@ -102,13 +102,13 @@ def test_quantized_linear_replays_in_a_cuda_graph(rows):
     part, _ = random_quantized(GGUF_FORMATS["Q4_K"], 256, 1024)
     weight = QuantizedWeight([part], torch.bfloat16).cuda()
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
-    quantized_linear(x, weight)  # compile outside the capture
+    quantized_linear(x, list(weight.parts))  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = quantized_linear(x, weight)
+        y = quantized_linear(x, list(weight.parts))
     x.copy_(torch.randn_like(x))
     graph.replay()
-    torch.testing.assert_close(y, quantized_linear(x, weight), rtol=0, atol=0)
+    torch.testing.assert_close(y, quantized_linear(x, list(weight.parts)), rtol=0, atol=0)
 
 
 @pytest.mark.cuda_only

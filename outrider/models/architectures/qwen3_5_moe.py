@@ -10,7 +10,7 @@ import functools
 
 from outrider.layers.gated_deltanet import QWEN3_5_PROJECTIONS
 from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
-from outrider.models.hybrid_gguf import LINEAR_GGUF_TENSORS, linear_from_gguf, linear_gguf_config
+from outrider.models.hybrid_gguf import LINEAR_GGUF_TENSORS, hybrid_to_gguf, linear_from_gguf, linear_gguf_config
 from outrider.models.moe_gguf import FUSED_MOE_GGUF_TENSORS, SHARED_EXPERT_GGUF_TENSORS, moe_gguf_config
 from outrider.models.registry import Architecture, register
 
@@ -23,6 +23,7 @@ QWEN3_5_MOE = register(Architecture(
     gguf_config=lambda hparam, tensors: {**linear_gguf_config(hparam, tensors), **moe_gguf_config(hparam, tensors)},
     gguf_layer_tensors={**LINEAR_GGUF_TENSORS, **FUSED_MOE_GGUF_TENSORS, **SHARED_EXPERT_GGUF_TENSORS},
     gguf_tensor=functools.partial(linear_from_gguf, tiled_value_heads=True),
+    gguf_write=functools.partial(hybrid_to_gguf, tiled_value_heads=True),
     tiny_config={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                  "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},

@@ -11,7 +11,7 @@ from typing import Any
 
 from outrider.layers.gated_deltanet import QWEN3_NEXT_GGUF_PROJECTIONS, QWEN3_NEXT_PROJECTIONS
 from outrider.models.hybrid import HybridCausalLM, hybrid_config_fields, hybrid_layer, one_centered_norms
-from outrider.models.hybrid_gguf import LINEAR_GGUF_TENSORS, linear_from_gguf, linear_gguf_config
+from outrider.models.hybrid_gguf import LINEAR_GGUF_TENSORS, hybrid_to_gguf, linear_from_gguf, linear_gguf_config
 from outrider.models.moe_gguf import MOE_GGUF_TENSORS, SHARED_EXPERT_GGUF_TENSORS, moe_gguf_config
 from outrider.models.registry import Architecture, register
 
@@ -27,6 +27,7 @@ QWEN3_NEXT = register(Architecture(
     from_checkpoint=one_centered_norms, gguf_names=("qwen3next",), gguf_config=qwen3_next_gguf_config,
     gguf_layer_tensors={**LINEAR_GGUF_TENSORS, **MOE_GGUF_TENSORS, **SHARED_EXPERT_GGUF_TENSORS},
     gguf_tensor=functools.partial(linear_from_gguf, tiled_value_heads=False),
+    gguf_write=functools.partial(hybrid_to_gguf, tiled_value_heads=False),
     tiny_config={"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                  "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
                  "partial_rotary_factor": 0.25, "num_experts": 8, "num_experts_per_tok": 2,

@@ -9,9 +9,11 @@ Semantics: layers/gated_deltanet.GatedDeltaNet.torch_mix (tests/gpu/test_gated_d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from outrider.layers.gated_deltanet import GatedDeltaNet, LayerState, Mixed, StateBatch
+from outrider.layers.gated_deltanet_types import LayerState, Mixed, StateBatch
 
 
 def _fla():
@@ -28,38 +30,45 @@ def _fla():
 SHORT_QUERY = 16
 
 
-def mix(layer: GatedDeltaNet, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
-    """GatedDeltaNet.torch_mix on the GPU -> the delta rule's output [T, Hv, Dv] float32."""
+# GatedDeltaNet.heads: conv output, b, a -> q, k, v, g, beta.
+Heads = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def mix(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
+    """GatedDeltaNet.torch_mix on the GPU, given the layer's depthwise conv weight [C, K] and its `heads` -> the
+    delta rule's output [T, Hv, Dv] float32."""
     qsl = batch.query_start_loc_host
     longest = max(b - a for a, b in zip(qsl, qsl[1:]))
     if batch.verify or longest <= SHORT_QUERY:
-        return _short(layer, mixed, state, batch, longest)
-    return _chunked(layer, mixed, state, batch)
+        return _short(conv_weight, heads, mixed, state, batch, longest)
+    return _chunked(conv_weight, heads, mixed, state, batch)
 
 
-def _short(layer: GatedDeltaNet, mixed: Mixed, state: LayerState, batch: StateBatch, longest: int) -> torch.Tensor:
+def _short(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState, batch: StateBatch,
+           longest: int) -> torch.Tensor:
     """Decode and verify: kernels/delta_rule.py, on the slots in place (verify: into the verify rows)."""
     from outrider.kernels.delta_rule import causal_conv_step, recurrent_step
 
     qsl = _device_qsl(batch, mixed.qkv.device)
-    conv_out = causal_conv_step(mixed.qkv, layer.conv1d.weight[:, 0], state.conv, qsl, batch.slots, longest,
+    conv_out = causal_conv_step(mixed.qkv, conv_weight, state.conv, qsl, batch.slots, longest,
                                 state.verify_conv if batch.verify else None)
-    q, k, v, g, beta = layer.heads(conv_out, mixed.b, mixed.a)
+    q, k, v, g, beta = heads(conv_out, mixed.b, mixed.a)
     return recurrent_step(q, k, v, g, beta, state.recurrent, qsl, batch.slots, longest,
                           state.verify_recurrent if batch.verify else None)
 
 
-def _chunked(layer: GatedDeltaNet, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
+def _chunked(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState,
+             batch: StateBatch) -> torch.Tensor:
     """Prompts: fla's causal conv and chunked delta rule over the ragged batch, states gathered from the slots
     and scattered back."""
     causal_conv1d, chunk_rule = _fla()
     dtype = mixed.qkv.dtype
     cu = _device_qsl(batch, mixed.qkv.device).to(torch.int64)
     conv_init = state.conv.index_select(0, batch.slots).to(dtype)
-    conv_out, conv_final = causal_conv1d(mixed.qkv[None], layer.conv1d.weight[:, 0], initial_state=conv_init,
+    conv_out, conv_final = causal_conv1d(mixed.qkv[None], conv_weight, initial_state=conv_init,
                                          output_final_state=True, activation="silu", cu_seqlens=cu)
     state.conv.index_copy_(0, batch.slots, conv_final.to(state.conv.dtype))
-    q, k, v, g, beta = layer.heads(conv_out[0], mixed.b, mixed.a)
+    q, k, v, g, beta = heads(conv_out[0], mixed.b, mixed.a)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     o, final = chunk_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                           initial_state=state.recurrent.index_select(0, batch.slots), output_final_state=True,

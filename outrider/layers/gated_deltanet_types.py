@@ -1,0 +1,41 @@
+"""What a Gated DeltaNet step passes between the layer (layers/gated_deltanet.py) and its CUDA path
+(layers/gated_deltanet_cuda.py): the per-slot state tensors, the batch's layout, the input projection's parts."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LayerState(NamedTuple):
+    """One linear-attention layer's state tensors, indexed by slot: conv [S, C, K], recurrent [S, Hv, Dk, Dv];
+    and the verify rows a verify forward fills, [R, P, ...] (P = the most query tokens a verify has)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+    verify_conv: torch.Tensor | None = None
+    verify_recurrent: torch.Tensor | None = None
+
+
+class StateBatch(NamedTuple):
+    """What a linear-attention layer needs of a ragged batch beyond its tokens: sequence i owns the query tokens
+    query_start_loc[i]:query_start_loc[i + 1] and state slot slots[i]. verify: write the state after each query
+    position to verify row i (slots untouched) instead of advancing the slot; for the whole batch, so a verify
+    batch holds no prompt chunks (at most the verify rows' positions per sequence), and every row of it is then
+    committed (StatePool.commit_verify; a row without drafts at position 0)."""
+
+    query_start_loc_host: list[int]
+    slots: torch.Tensor  # [B] int64, on the state's device
+    slots_host: list[int]
+    verify: bool = False
+    query_start_loc: torch.Tensor | None = None  # [B + 1] on the device (the attention metadata's; None: made)
+
+
+class Mixed(NamedTuple):
+    """The input projection's parts: conv inputs q|k|v [T, C], gate z [T, Hv, Dv], b and a [T, Hv]."""
+
+    qkv: torch.Tensor
+    z: torch.Tensor
+    b: torch.Tensor
+    a: torch.Tensor

@@ -1,0 +1,55 @@
+"""QuantizedTensor: one format's tensors for some rows of a weight (the part a QuantizedWeight, quant/weight.py,
+stacks; what the CUDA kernels, kernels/quant_gemm.py, read)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from outrider.quant.dequant import dequantize_fp8, dequantize_gguf, dequantize_int4
+from outrider.quant.formats import FP8Format, GGUFFormat, QuantFormat
+
+
+class QuantizedTensor(nn.Module):
+    """Rows [N, K] of a weight in one format: `data` (the blocks, or FP8 / packed INT4 values), and for FP8 and
+    INT4 `scale` (and INT4 `zero`) as formats.py describes."""
+
+    def __init__(self, fmt: QuantFormat, shape: tuple[int, int], data: torch.Tensor,
+                 scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n, k = shape
+        if not fmt.supports(n, k):
+            raise ValueError(f"{fmt.name} cannot store a [{n}, {k}] weight")
+        self.format, self.shape = fmt, (n, k)
+        self.register_buffer("data", data)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.zero) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        if isinstance(self.format, GGUFFormat):
+            return dequantize_gguf(self.format, self.data)
+        if isinstance(self.format, FP8Format):
+            return dequantize_fp8(self.format, self.data, self.scale)
+        return dequantize_int4(self.format, self.data, self.scale, self.zero)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32 [T, K]: the rows `ids` (an embedding lookup), dequantizing only those (GGUF formats)."""
+        if not isinstance(self.format, GGUFFormat):
+            return self.dequantize().index_select(0, ids)
+        return dequantize_gguf(self.format, self.data.index_select(0, ids))
+
+    def can_stack(self, other: QuantizedTensor) -> bool:
+        """Whether `other`'s rows may follow this one's in a single tensor (same format, scale tiles unbroken)."""
+        if other.format != self.format or other.shape[1] != self.shape[1]:
+            return False
+        return not isinstance(self.format, FP8Format) or self.shape[0] % self.format.block_n == 0
+
+    def stack(self, other: QuantizedTensor) -> QuantizedTensor:
+        cat = [None if a is None else torch.cat([a, b]) for a, b in
+               ((self.data, other.data), (self.scale, other.scale), (self.zero, other.zero))]
+        return QuantizedTensor(self.format, (self.shape[0] + other.shape[0], self.shape[1]), *cat)
