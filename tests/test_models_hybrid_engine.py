@@ -147,36 +147,40 @@ def test_device_rounds_on_a_hybrid_target_are_lossless(family, kind):
 
 
 N_SAMPLES = 400
+N_SAMPLED = 7  # tokens a request: rounds that follow committed rounds
 
 
-def sampled(llm: LLM) -> tuple[Counter, list]:
-    params = [SamplingParams(max_tokens=4, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=s, ignore_eos=True)
-              for s in range(N_SAMPLES)]
-    outs = llm.generate([[5, 9, 13, 200, 17]] * N_SAMPLES, params)
-    return Counter(tuple(o.token_ids) for o in outs), outs
+def sampled(llm: LLM) -> list:
+    params = [SamplingParams(max_tokens=N_SAMPLED, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=s,
+                             ignore_eos=True) for s in range(N_SAMPLES)]
+    return llm.generate([[5, 9, 13, 200, 17]] * N_SAMPLES, params)
+
+
+def chi_square_p(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square p-value, outcomes seen fewer than 10 times pooled."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    common = [k for k in keys if a[k] + b[k] >= 10]
+    rest = [k for k in keys if k not in common]
+    table = [[c[k] for k in common] + ([sum(c[k] for k in rest)] if rest else []) for c in (a, b)]
+    if len(table[0]) < 2:
+        return 1.0  # (one outcome only: nothing to compare)
+    return stats.chi2_contingency(table)[1]
 
 
 def test_sampled_speculation_on_a_hybrid_target_keeps_the_distribution(family):
-    """Chi-square over the joint distribution of 4 tokens, many requests a step, rows accepting nothing beside rows
-    accepting every draft."""
-    kw = dict(max_num_seqs=128, max_num_batched_tokens=2048, max_model_len=64)
-    plain, _ = sampled(LLM(str(family["target"]), spec_type="none", **kw))
+    """Chi-square over each position's token, many requests a step, rows accepting nothing beside rows accepting
+    every draft."""
+    kw = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=64)  # (verify rows: one per sequence)
+    plain = sampled(LLM(str(family["target"]), spec_type="none", **kw))
     llm = LLM(str(family["target"]), spec_draft_n_max=2, draft_model=str(family["draft"]), overlap_schedule=True, **kw)
     llm.engine.speculation.policy.max_batch = 1 << 20  # (every request of the big batch drafts)
     llm.engine.speculation.policy.max_verify_tokens = 1 << 20
-    spec, outs = sampled(llm)
-    rounds = [(o.timing.draft_n, o.timing.draft_n_accepted) for o in outs]
+    spec = sampled(llm)
+    rounds = [(o.timing.draft_n, o.timing.draft_n_accepted) for o in spec]
     assert any(n > 0 and a == 0 for n, a in rounds) and any(n > 0 and a == n for n, a in rounds)
-    keys = sorted(set(plain) | set(spec))
-    table = [[plain[k] for k in keys], [spec[k] for k in keys]]
-    # pool the rare outcomes so every expected count is large enough for the test
-    common = [i for i, k in enumerate(keys) if plain[k] + spec[k] >= 10]
-    rare = [i for i in range(len(keys)) if i not in common]
-    rows = [[row[i] for i in common] + [sum(row[i] for i in rare)] for row in table]
-    rows = [r for r in zip(*rows) if sum(r) > 0]
-    assert len(rows) > 3
-    _, p, _, _ = stats.chi2_contingency(list(zip(*rows)))
-    assert p > 1e-3, p
+    positions = [chi_square_p(Counter(tuple(o.token_ids[: i + 1]) for o in plain),
+                              Counter(tuple(o.token_ids[: i + 1]) for o in spec)) for i in range(N_SAMPLED)]
+    assert min(positions) > 1e-3 / N_SAMPLED, positions
 
 
 # --- the state pool through random traffic ------------------------------------------------------------------------
