@@ -215,3 +215,38 @@ def test_no_state_slot_leaks_through_admissions_preemptions_and_aborts(soak_llm,
     pool = states.pool
     assert pool.num_owned == 0 and pool.num_free == pool.num_slots
     assert len(set(pool._free) | set(pool._snapshots.values())) == pool.num_slots
+
+
+def test_metrics_and_slots_report_the_state_pool(tmp_path):
+    import threading
+    import time
+
+    import httpx
+
+    from outrider.config import EngineConfig
+    from test_spec_http import LoopbackServer, scrape
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5", layers=4)
+    server = LoopbackServer(EngineConfig(model=str(ckpt), max_num_seqs=3, max_model_len=256, block_size=4))
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            while client.get("/health").status_code != 200:
+                time.sleep(0.1)
+            server.engine.engine.runner.step_hook = lambda plan: time.sleep(0.02)  # (a request stays in flight)
+            body = {"prompt": list(range(10, 31)), "n_predict": 60, "temperature": 0, "ignore_eos": True}
+            done = threading.Thread(target=lambda: client.post("/completion", json=body))
+            done.start()
+            busy = []
+            while not busy and done.is_alive():
+                busy = [s for s in client.get("/slots").json() if s["is_processing"] and "state_slot" in s]
+                if busy:
+                    metrics = scrape(client)
+            done.join()
+            assert busy and busy[0]["state_slot"] >= 1 and busy[0]["kv_blocks"] > 0
+            assert metrics["outrider_state_slots_owned"] == 1
+            after = scrape(client)
+            assert after["outrider_state_slots_total"] == 6 and after["outrider_state_slots_owned"] == 0
+            assert after["outrider_state_slots_snapshot"] == 1  # the prompt's last full block before its last token
+            assert after["outrider_state_slots_free"] == 5
+    finally:
+        server.stop()
