@@ -225,8 +225,9 @@ class ModelRunner:
             if states is not None:
                 self.states.load_graph(states)
             return graph.run(batch.input_ids, batch.positions, batch.meta)
-        return self.forward_eager(batch.input_ids, batch.positions, batch.meta,
-                                  None if states is None else self.states.states(states))
+        if states is None:
+            return self.forward_eager(batch.input_ids, batch.positions, batch.meta)
+        return self.forward_eager(batch.input_ids, batch.positions, batch.meta, self.states.states(states))
 
     def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       states: LinearStates | None = None) -> ForwardResult:

@@ -153,7 +153,10 @@ class DeviceRound:
         k, runner = self.k, self.runner
         meta, positions = uniform_metadata_on_device(self.first, k + 1, self.table, runner.block_size)
         states = runner.states
-        out = runner.forward_eager(self.ids, positions, meta, None if states is None else states.round_states(k + 1))
+        if states is None:
+            out = runner.forward_eager(self.ids, positions, meta)
+        else:
+            out = runner.forward_eager(self.ids, positions, meta, states.round_states(k + 1))
         hidden, aux = out.hidden, out.aux_hidden
         greedy = runner.model.compute_logits(hidden).argmax(dim=-1)
         # m: the drafts that equal the target's greedy token before them, up to the first that does not.
