@@ -1,5 +1,5 @@
 """Slots of recurrent state for the linear-attention (Gated DeltaNet) layers of hybrid models, beside the paged KV
-of their full-attention layers (docs/hybrid-state.md).
+of their full-attention layers (docs/architecture.md, "Hybrid models").
 
 A slot holds one sequence's state in every linear-attention layer: a conv state and a recurrent state per layer,
 stored stacked ([layers, slots, ...]) so that one indexing op moves a slot's state through all layers. A slot is
