@@ -211,7 +211,7 @@ class HybridCausalLM(CausalLM):
                 states: LinearStates | None = None) -> ForwardResult:
         if states is None and self.num_linear_layers:
             raise ValueError(f"{self.config.architecture} needs `states` in its forward: the state slots of its "
-                             "linear-attention layers (docs/architecture.md, "Hybrid models")")
+                             "linear-attention layers (docs/architecture.md, Hybrid models)")
         h, residual = self.embed(input_ids), None
         aux = []
         inv_freq = self.model.rotary_emb.inv_freq
