@@ -131,6 +131,28 @@ def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str,
     return layout
 
 
+def assign_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Fill every parameter of `model` (built on "meta") from HF-named `tensors` through checkpoint_layout (packed
+    projections, stacked experts), strictly: a missing, unexpected or misshapen tensor is an error naming it."""
+    layout = checkpoint_layout(model)
+    unexpected = sorted(set(tensors) - set(layout))
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {source}")
+    missing = sorted(set(layout) - set(tensors))
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]!r} in {source}")
+    params = {name: torch.empty(p.shape, dtype=tensors[next(iter(tensors))].dtype)
+              for name, p in model.named_parameters()}
+    for name, slot in layout.items():
+        value = tensors[name]
+        if _squeezed(value.shape) != _squeezed(slot.shape):
+            raise ValueError(f"shape mismatch for {name!r} in {source}: expected {tuple(slot.shape)}, got "
+                             f"{tuple(value.shape)}")
+        value = value.reshape(-1, *params[slot.param].shape[1:])
+        params[slot.param][slot.row:slot.row + value.shape[0]].copy_(value)
+    model.load_state_dict(params, strict=True, assign=True)
+
+
 def quant_plan(model: torch.nn.Module, arch: registry.Architecture, checkpoint: gguf.GGUFCheckpoint | None,
                cfg: ModelConfig, path: Path, quantization: str, device: torch.device) -> quant.QuantPlan:
     """Which weights are read quantized (outrider.quant.checkpoint.QUANTIZATION_CHOICES): the checkpoint's own

@@ -41,8 +41,10 @@ def random_params(module: nn.Module, prefix: str = "", seed: int = 0) -> dict[st
     return out
 
 
-def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 0, **kwargs: Any) -> Path:
-    """A target checkpoint (write_tiny_checkpoint kwargs) with a random MTP head in `layout` ("qwen" | "mimo")."""
+def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 0, fused_experts: bool = False,
+                         **kwargs: Any) -> Path:
+    """A target checkpoint (write_tiny_checkpoint kwargs) with a random MTP head in `layout` ("qwen" | "mimo");
+    `fused_experts`: a MoE head's experts stored fused, as Qwen3.5-MoE's release stores them."""
     from outrider.speculative.mtp import LAYOUTS
 
     arch, key = _MTP[layout]
@@ -50,7 +52,7 @@ def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 
     path = write_tiny_checkpoint(path, seed=seed, **kwargs)  # first pass: the config the head is shaped by
     cls = LAYOUTS[layout]
     with torch.device("meta"):
-        head = cls(ModelConfig.from_path(path))
+        head = cls(ModelConfig.from_path(path), fused_experts=fused_experts)
     extra = random_params(head, cls.prefix, seed + 1)
     return write_tiny_checkpoint(path, seed=seed, **kwargs, extra_tensors=extra)
 
