@@ -59,9 +59,10 @@ def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 
 
 def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int = 2, block_size: int = 4,
                             mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
-                            sliding_window: int = 0, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """A DFlash drafter for the target checkpoint at `target`: its hidden size, heads and vocabulary. With
-    `sliding_window`, the newer z-lab layout (Qwen3.5 drafters): the block size under dflash_config, every layer but
+                            sliding_window: int = 0, config: dict[str, Any] | None = None, seed: int = 0,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """A DFlash drafter for the target checkpoint at `target`: its hidden size, heads and vocabulary unless `config`
+    says otherwise (a release's own attention shape). With `sliding_window`, the newer z-lab layout (Qwen3.5 drafters): the block size under dflash_config, every layer but
     the last a sliding-window one, rope_parameters."""
     from safetensors.torch import save_file
 
@@ -69,6 +70,7 @@ def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int
 
     tcfg = json.loads((Path(target) / "config.json").read_text())
     n_target = tcfg["num_hidden_layers"]
+    rope_theta = ModelConfig.from_dict(tcfg).rope_theta  # (rope_theta, or under rope_parameters)
     taps = target_layer_ids if target_layer_ids is not None else default_target_layers(n_target, layers)
     dflash = {"mask_token_id": tcfg["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
               "target_layer_ids": taps}
@@ -76,17 +78,18 @@ def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int
         layout = {"dflash_config": {**dflash, "block_size": block_size}, "use_sliding_window": True,
                   "sliding_window": sliding_window,
                   "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
-                  "rope_parameters": {"rope_theta": tcfg["rope_theta"], "rope_type": "default"}}
+                  "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"}}
     else:
-        layout = {"block_size": block_size, "dflash_config": dflash, "rope_theta": tcfg["rope_theta"]}
+        layout = {"block_size": block_size, "dflash_config": dflash, "rope_theta": rope_theta}
     config = {
+        **{k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")},
+        **(config or {}),
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
         "num_target_layers": n_target,
         **layout,
-        **{k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")},
         "num_hidden_layers": layers,
         "attention_bias": False,
         "tie_word_embeddings": False,
