@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from outrider.engine.pooling import PendingPool
     from outrider.engine.prompt_logprobs import PendingRows
     from outrider.engine.request import Request, TokenLogprob
+    from outrider.layers.gated_deltanet import StateBatch
     from outrider.speculative.drafter import PendingDrafts
     from outrider.speculative.verify import PendingVerdict
 
@@ -115,6 +116,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     prompt_logprobs: list[PendingRows] = field(default_factory=list)  # prefill rows' (engine/prompt_logprobs.py)
     pooled: list[PendingPool] = field(default_factory=list)  # prefill rows' (engine/pooling.py)
+    states: StateBatch | None = None  # a hybrid model's slots (a verify's are committed once its verdict is known)
 
     @property
     def awaits_sampling(self) -> bool:

@@ -398,4 +398,5 @@ class Engine:
         pool = self.pool
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_block_size": pool.block_size,
-                "prefix_cache_hit_tokens": pool.hits, **self.counters}
+                "prefix_cache_hit_tokens": pool.hits, **self.counters,
+                **(self.scheduler.states.stats() if self.scheduler.states is not None else {})}

@@ -106,14 +106,21 @@ class StatePool:
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
-    def allocate(self) -> int:
-        """A slot for a new (or recomputing) request, its state zeroed: never a stale state."""
+    def allocate(self, start: Hashable | None = None) -> int:
+        """A slot for a new (or recomputing) request, its state zeroed, or the snapshot `start`'s (a prefix hit):
+        never a stale state."""
+        if start is not None:  # (most recently used: evicted for this slot only when it is the last spare one)
+            self._snapshots.move_to_end(start)
         slot = self._take()
         if slot is None:
             raise RuntimeError("state pool exhausted: every slot is owned by a running request")
         self._owned.add(slot)
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        if start is None:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
+        elif start in self._snapshots:
+            self._copy(self._snapshots[start], slot)
+        # (else the snapshot's own slot was taken: it holds that state already)
         return slot
 
     def free(self, slot: int) -> None:
