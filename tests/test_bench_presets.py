@@ -128,3 +128,23 @@ def test_qwen3_5_4b_drafter_presets_write_the_released_shapes(tmp_path):
     assert config.layers.sliding_window == 4096
     assert (config.layers.num_attention_heads, config.layers.num_key_value_heads, config.layers.head_dim) == (32, 8, 128)
     assert drafter_shapes.preset("qwen3.5-4b", "dflash").layers == 6
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fix_successors_makes_greedy_decoding_decisive(tie):
+    """Untied: each token's greedy successor is a fixed random permutation's; tied (Qwen3.5-4B): the token itself."""
+    from outrider.bench.shapes import fix_successors
+    from tests.test_models_parity import Runner
+
+    model, cfg = random_model_of({**RANDOM_MODELS["tiny-qwen3"], "tie_word_embeddings": tie}, torch.device("cpu"),
+                                 torch.float32, seed=3)
+    model.tie_weights()
+    fix_successors(model, seed=4)
+    tokens = [3, 77, 150, 401]
+    logits = Runner(model, cfg, len(tokens)).step([[t] for t in tokens])
+    got = [int(lg[-1].argmax()) for lg in logits]
+    if tie:
+        assert got == tokens
+    else:
+        successor = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(4))
+        assert got == [int(successor[t]) for t in tokens]

@@ -52,10 +52,15 @@ RANDOM_MODELS: dict[str, dict] = {  # HF config.json fields of the public checkp
                       "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                       "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
                       "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False},
-    # Tiny Qwen3 shapes (no public checkpoint): the benchmarks' code paths in seconds on a CPU.
+    # Tiny Qwen3 / Qwen3.5 shapes (no public checkpoint): the benchmarks' code paths in seconds on a CPU.
     "tiny-qwen3": {**_QWEN3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
                    "tie_word_embeddings": False, "torch_dtype": "float32"},
+    "tiny-qwen3.5": {**_QWEN3_5, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+                     "eos_token_id": None, "torch_dtype": "float32"},
     "tiny-qwen3-draft": {**_QWEN3, "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
                          "max_position_embeddings": 2048, "tie_word_embeddings": True, "torch_dtype": "float32"},
@@ -190,10 +195,13 @@ def fix_successors(model: torch.nn.Module, seed: int = 0, gain: float = 100.0) -
     different tokens. Here every token's embedding is scaled up `gain` times, so the last layer's residual stream
     keeps its direction, and the LM head's row for a fixed successor (a random permutation) is that direction:
     the greedy next token is the current token's successor, by a margin no rounding flips. Shapes, and so the
-    cost of every step, stay as they were. The LM head must not be tied to the embedding."""
+    cost of every step, stay as they were. With the LM head tied to the embedding (Qwen3.5-4B) the scaled embedding
+    alone does it: each token's greedy successor is itself."""
     emb, head = model.model.embed_tokens.weight, model.lm_head.weight
     if head is emb:
-        raise ValueError("fix_successors needs an LM head of its own (tie_word_embeddings is set)")
+        with torch.no_grad():
+            emb.mul_(gain)
+        return
     successor = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed)).to(emb.device)
     with torch.no_grad():
         unit = emb.float() / emb.float().norm(dim=1, keepdim=True)
