@@ -126,7 +126,8 @@ def test_qwen3_5_4b_drafter_presets_write_the_released_shapes(tmp_path):
     assert config.target_layer_ids == (1, 5, 9, 13, 17, 21, 25, 29)
     assert config.layers.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
     assert config.layers.sliding_window == 4096
-    assert (config.layers.num_attention_heads, config.layers.num_key_value_heads, config.layers.head_dim) == (32, 8, 128)
+    layers = config.layers
+    assert (layers.num_attention_heads, layers.num_key_value_heads, layers.head_dim) == (32, 8, 128)
     assert drafter_shapes.preset("qwen3.5-4b", "dflash").layers == 6
 
 

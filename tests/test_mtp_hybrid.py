@@ -7,8 +7,6 @@ target stand in for the parts."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,6 +18,7 @@ from outrider.config import ModelConfig
 from outrider.models import load_model
 from outrider.speculative.drafter import TargetView
 from outrider.speculative.mtp import load_mtp_head
+from outrider.testing.checkpoints import write_multimodal_release
 from outrider.testing.drafters import write_mtp_checkpoint
 from tests.test_models_hybrid import HybridRunner
 
@@ -133,17 +132,7 @@ def test_the_released_multimodal_layout_detects_and_loads_its_mtp_head(tmp_path)
     the decoder under model.language_model., the head's tensors at the top level as `mtp.*`: the config announces
     the head (what the engine's no-flag detection reads) and the head loads the same as from the text-only layout."""
     text = write_mtp_checkpoint(tmp_path / "text", "qwen", arch="qwen3_5", layers=4)
-    config = json.loads((text / "config.json").read_text())
-    full = tmp_path / "full"
-    full.mkdir()
-    (full / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": {**config, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
-        "tie_word_embeddings": config["tie_word_embeddings"]}))
-    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
-               for k, v in load_file(text / "model.safetensors").items()}
-    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
-    save_file(tensors, full / "model.safetensors")
+    full = write_multimodal_release(text, tmp_path / "full")
     cfg = ModelConfig.from_path(full)
     assert cfg.mtp_num_hidden_layers == 1
     _, a = load_mtp_head(str(text), ModelConfig.from_path(text), torch.float32, torch.device("cpu"))
