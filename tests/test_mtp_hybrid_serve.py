@@ -4,12 +4,15 @@ response `timings` and the /metrics `llamacpp:spec_decode_*` counters report the
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 
 import httpx
 import pytest
 
 from e2e_harness import ServerProcess
+from outrider.config import ModelConfig
 from outrider.llm import LLM
 from outrider.params import SamplingParams
 from spec_helpers import write_hybrid_family
@@ -63,3 +66,21 @@ def test_outrider_serve_reports_the_mtp_heads_drafts_and_acceptance(family):
     assert delta("llamacpp:spec_decode_num_draft_tokens_total") == sum(t["draft_n"] for t in timings)
     assert delta("llamacpp:spec_decode_num_accepted_tokens_total") == sum(t["draft_n_accepted"] for t in timings)
     assert delta("llamacpp:spec_decode_num_drafts_total") == sum(t["draft_rounds"] for t in timings)
+
+
+def test_a_head_shipped_with_no_config_key_is_detected_from_its_tensors(family, tmp_path):
+    """Qwen3-Next's release ships mtp.* with no mtp_num_hidden_layers / num_nextn_predict_layers in config.json: the
+    tensors announce the head, and the engine drafts with it with no flag."""
+    path = tmp_path / "no_key"
+    shutil.copytree(family["mtp"], path)
+    config = json.loads((path / "config.json").read_text())
+    del config["mtp_num_hidden_layers"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_path(path).mtp_num_hidden_layers == 0
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), max_num_seqs=2, spec_draft_n_max=3)
+    outs = llm.generate(SPEC_PROMPTS[:2], params)
+    assert llm.engine.speculation is not None and llm.engine.speculation.drafter.kind == "mtp"
+    assert sum(o.timing.draft_n for o in outs) > 0
+    plain = LLM(str(family["target"]), max_num_seqs=2).generate(SPEC_PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
