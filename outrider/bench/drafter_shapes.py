@@ -47,8 +47,11 @@ PRESETS: dict[tuple[str, str], DrafterShape] = {
                                            config=(("num_attention_heads", 32), ("num_key_value_heads", 8),
                                                    ("head_dim", 128))),
     ("tiny-qwen3.5", "mtp"): DrafterShape("mtp"),
+    # (its attention shaped unlike the target's, as the 4B drafter's is: twice the heads, half the head size)
     ("tiny-qwen3.5", "dflash"): DrafterShape("dflash", layers=2, block_size=4, target_layer_ids=(1, 2),
-                                             mask_token_id=4, sliding_window=8),
+                                             mask_token_id=4, sliding_window=8,
+                                             config=(("num_attention_heads", 8), ("num_key_value_heads", 4),
+                                                     ("head_dim", 8))),
     ("tiny-qwen3", "draft"): DrafterShape("draft", draft_model="tiny-qwen3-draft"),
     ("tiny-qwen3", "mtp"): DrafterShape("mtp"),
     ("tiny-qwen3", "eagle3"): DrafterShape("eagle3"),
