@@ -139,7 +139,8 @@ def _write_hub_dflash(path: Path, target: Path) -> Path:
 
 def write_hybrid_family(root: Path, arch: str, seed: int = 5, layers: int = 4) -> dict[str, Path]:
     """A hybrid `target` (Qwen3-Next / Qwen3.5) made the family's near-bigram model, a Qwen3 `draft` model of the same
-    vocabulary that reads the same bigram from the embedding alone (zero residual branches), and a `dflash` drafter."""
+    vocabulary that reads the same bigram from the embedding alone (zero residual branches), a `dflash` drafter, and
+    `mtp`: the same target with its own MTP head as released (`mtp.*`), passing t_{i+1}'s embedding through."""
     root = Path(root)
     target = write_tiny_checkpoint(root / "target", arch, hidden_size=H, layers=layers, seed=seed)
     t = _concentrate(load_file(target / "model.safetensors"), seed + 100)
@@ -156,7 +157,11 @@ def write_hybrid_family(root: Path, arch: str, seed: int = 5, layers: int = 4) -
     d.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"], "lm_head.weight": t["lm_head.weight"],
               "model.norm.weight": torch.ones(H)})
     _save(draft, d)
-    return {"target": target, "draft": draft, "dflash": _write_hub_dflash(root / "dflash", target)}
+    mtp = write_mtp_checkpoint(root / "mtp", "qwen", arch=arch, hidden_size=H, layers=layers, seed=seed)
+    with_head = {**load_file(mtp / "model.safetensors"), **t}  # the very same target weights
+    _pass_through_head(with_head, "mtp.", "fc.weight", True, torch.Generator().manual_seed(seed + 300))
+    _save(mtp, with_head)
+    return {"target": target, "draft": draft, "dflash": _write_hub_dflash(root / "dflash", target), "mtp": mtp}
 
 
 # kind -> (family arch, checkpoint served as the target, engine kwargs from the family, drafter kind reported)
