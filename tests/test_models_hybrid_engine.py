@@ -110,13 +110,23 @@ def family(request, tmp_path_factory):
     return write_hybrid_family(tmp_path_factory.mktemp("hybrid_family"), request.param)
 
 
-@pytest.mark.parametrize("kind", ["draft", "dflash"])
+KINDS = ("draft", "dflash", "mtp")
+
+
+def speculating(family, kind: str, **kwargs) -> LLM:
+    """The family's target drafting with `kind`: a draft model or DFlash drafter beside it, or its own MTP head."""
+    if kind == "mtp":
+        return LLM(str(family["mtp"]), **kwargs)
+    return LLM(str(family["target"]), draft_model=str(family[kind]), **kwargs)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_speculation_on_a_hybrid_target_is_lossless(family, kind, batch):
     prompts, params = SPEC_PROMPTS[:batch], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain = LLM(str(family["target"]), spec_type="none", max_num_seqs=batch).generate(prompts, params)
-    spec = LLM(str(family["target"]), max_num_seqs=batch, spec_draft_n_max=3, draft_model=str(family[kind]),
-               overlap_schedule=True)
+    spec = speculating(family, kind, max_num_seqs=batch, spec_draft_n_max=3, overlap_schedule=True)
+    assert spec.engine.drafter_kind == kind
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     drafted = sum(o.timing.draft_n for o in outs)
@@ -124,14 +134,14 @@ def test_greedy_speculation_on_a_hybrid_target_is_lossless(family, kind, batch):
     assert 0 < accepted < drafted, "the drafter should be accepted part of the time"
 
 
-@pytest.mark.parametrize("kind", ["draft", "dflash"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_device_rounds_on_a_hybrid_target_are_lossless(family, kind):
     """A lone greedy request runs whole rounds on the device; each commits its accepted state there."""
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompt = [[5, 9, 13, 200, 17]]
     plain = LLM(str(family["target"]), spec_type="none", max_num_seqs=1).generate(prompt, params)
-    spec = LLM(str(family["target"]), max_num_seqs=2, spec_draft_n_max=3, draft_model=str(family[kind]),
-               spec_device_round=True, overlap_schedule=True)
+    spec = speculating(family, kind, max_num_seqs=2, spec_draft_n_max=3, spec_device_round=True,
+                       overlap_schedule=True)
     rounds = 0
     for r in spec.engine.speculation.rounds.values():
         replay = r.replay
@@ -167,12 +177,13 @@ def chi_square_p(a: Counter, b: Counter) -> float:
     return stats.chi2_contingency(table)[1]
 
 
-def test_sampled_speculation_on_a_hybrid_target_keeps_the_distribution(family):
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_speculation_on_a_hybrid_target_keeps_the_distribution(family, kind):
     """Chi-square over each position's token, many requests a step, rows accepting nothing beside rows accepting
     every draft."""
     kw = dict(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=64)  # (verify rows: one per sequence)
     plain = sampled(LLM(str(family["target"]), spec_type="none", **kw))
-    llm = LLM(str(family["target"]), spec_draft_n_max=2, draft_model=str(family["draft"]), overlap_schedule=True, **kw)
+    llm = speculating(family, kind, spec_draft_n_max=2, overlap_schedule=True, **kw)
     llm.engine.speculation.policy.max_batch = 1 << 20  # (every request of the big batch drafts)
     llm.engine.speculation.policy.max_verify_tokens = 1 << 20
     spec = sampled(llm)
