@@ -1,7 +1,7 @@
 """Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE) served by the engine on the GPU in its default configuration
 (CUDA graphs over static state slots, overlap scheduling, fla prefill, step kernels for decode and verify): greedy
 tokens equal the CPU engine's, eager or captured, cold or through prefix hits; and with a drafter loaded (host
-rounds at batch 8, device rounds at batch 1), speculation keeps them."""
+rounds at batch 8, device rounds at batch 1; a draft model, DFlash, the target's MTP head), speculation keeps them."""
 
 from __future__ import annotations
 
@@ -36,16 +36,18 @@ def test_hybrid_engine_with_graphs_and_overlap_equals_the_cpu(tmp_path, arch):
     assert tokens(eager) == cpu
 
 
-@pytest.mark.parametrize("kind", ["draft", "dflash"])
+@pytest.mark.parametrize("kind", ["draft", "dflash", "mtp"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_speculation_on_a_hybrid_target_on_the_gpu_equals_plain_cpu_decoding(tmp_path, kind, batch):
     family = write_hybrid_family(tmp_path, "qwen3_5")
     prompts = PROMPTS[:batch]
     cpu = tokens(LLM(str(family["target"]), device="cpu", dtype="float32", spec_type="none", max_num_seqs=8),
                  prompts)
-    gpu = LLM(str(family["target"]), device="cuda", dtype="float32", max_num_seqs=8, spec_draft_n_max=3,
-              draft_model=str(family[kind]))
-    assert gpu.engine.speculation is not None and gpu.engine.runner.graphs
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, spec_draft_n_max=3)
+    gpu = LLM(str(family["mtp"]), **kw) if kind == "mtp" else LLM(str(family["target"]), draft_model=str(family[kind]),
+                                                                  **kw)
+    assert gpu.engine.drafter_kind == kind and gpu.engine.runner.graphs
+    assert batch > 1 or gpu.engine.speculation.rounds  # (batch 1: device rounds, captured)
     outs = gpu.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == cpu
     assert sum(o.timing.draft_n_accepted for o in outs) > 0
