@@ -89,7 +89,7 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     if pools.states is not None:
         if drafter is not None and drafter.max_draft >= pools.states.verify_conv.shape[2]:
             raise ValueError(f"the {kind} drafter drafts up to {drafter.max_draft} tokens; a hybrid target verifies "
-                             f"at most {HYBRID_MAX_DRAFT} (--draft-max)")
+                             f"at most {HYBRID_MAX_DRAFT} unless --draft-max says otherwise")
         states = LinearStateSlots(pools.states, config.block_size, config.max_num_seqs, config.enable_prefix_caching)
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                      snapshots=pools.states if states is not None and config.enable_prefix_caching else None)
@@ -151,7 +151,7 @@ def _load_drafter(config: EngineConfig, target: _Target, kind: str,
     return drafter, policy, None
 
 
-HYBRID_MAX_DRAFT = 16  # a hybrid target's verify rows keep the state after each of up to this many drafts + 1
+HYBRID_MAX_DRAFT = 16  # drafts a hybrid target's verify rows hold without --draft-max (each costs a state per row)
 
 
 class _KVPools:
@@ -196,13 +196,16 @@ class _KVPools:
 
 def _state_pool(config: EngineConfig, target: _Target, drafted: bool) -> StatePool | None:
     """A hybrid target's state pool: a slot per sequence and as many for prefix snapshots (with prefix caching),
-    and verify rows for every sequence a verify step may hold (DraftPolicy.max_batch) when speculating."""
+    and verify rows for every sequence a verify step may hold (DraftPolicy.max_batch) when speculating, of as many
+    positions as a round verifies: --draft-max + 1 (the drafter then drafts no more), else HYBRID_MAX_DRAFT + 1."""
     model = target.model
     if not getattr(model, "num_linear_layers", 0):
         return None
     layout = StateLayout.of(model.linear_config, model.num_linear_layers)
     slots = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
-    rows, positions = (min(config.max_num_seqs, DraftPolicy.max_batch), HYBRID_MAX_DRAFT + 1) if drafted else (0, 0)
+    asked = config.spec_draft_n_max
+    drafts = HYBRID_MAX_DRAFT if asked is None else max(asked, 1)  # (as _load_drafter caps the drafter)
+    rows, positions = (min(config.max_num_seqs, DraftPolicy.max_batch), drafts + 1) if drafted else (0, 0)
     log.info("linear-attention state: %d slots, %d verify rows of %d positions, %.2f GiB", slots, rows, positions,
              layout.pool_bytes(slots, rows, positions) / 2**30)
     return StatePool(layout, slots, rows, positions, target.device)
