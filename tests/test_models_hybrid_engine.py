@@ -261,3 +261,33 @@ def test_metrics_and_slots_report_the_state_pool(tmp_path):
             assert after["outrider_state_slots_free"] == 5
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_steps_with_prompt_chunks_verify_no_drafts_and_lose_no_token(family, kind):
+    """Requests arrive while others decode, their prompts in chunks: those steps carry no drafts (a verify leaves the
+    linear layers' slots alone, a chunk must advance them), the others draft again after, and the tokens stay the
+    target's."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(family["target"]), spec_type="none", max_num_seqs=8).generate(SPEC_PROMPTS, params)
+    spec = speculating(family, kind, max_num_seqs=8, spec_draft_n_max=3, max_num_batched_tokens=10,
+                       block_size=4, overlap_schedule=True)
+    engine, launched = spec.engine, []
+    real_launch = engine.runner.launch
+
+    def launch(plan, *args, **kwargs):
+        launched.append(plan)
+        return real_launch(plan, *args, **kwargs)
+    engine.runner.launch = launch
+    reqs = []
+    for prompt in SPEC_PROMPTS:  # one arrival every third step
+        reqs.append(Request(list(prompt), params))
+        engine.add_request(reqs[-1], lambda out: None)
+        for _ in range(3):
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in plain]
+    chunked = [p for p in launched if p.has_prefill]
+    drafted = [p for p in launched if any(s.draft_tokens for s in p.scheduled)]
+    assert chunked and drafted and not [p for p in chunked if p in drafted]
