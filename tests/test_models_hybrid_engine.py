@@ -291,3 +291,18 @@ def test_steps_with_prompt_chunks_verify_no_drafts_and_lose_no_token(family, kin
     chunked = [p for p in launched if p.has_prefill]
     drafted = [p for p in launched if any(s.draft_tokens for s in p.scheduled)]
     assert chunked and drafted and not [p for p in chunked if p in drafted]
+
+
+def test_the_state_pool_and_the_attention_layers_kv_share_one_budget(tmp_path):
+    from outrider.engine.memory import kv_block_bytes
+
+    ckpt = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_5", layers=4)
+    budget = 8 * 2**20
+    llm = LLM(str(ckpt), max_num_seqs=4, max_model_len=4096, kv_cache_memory_gib=budget / 2**30, block_size=16)
+    engine, model = llm.engine, llm.engine.model
+    pool = engine.scheduler.states.pool
+    assert pool.num_slots == 8  # a slot per sequence, as many for prefix snapshots
+    per_block = kv_block_bytes((model.num_kv_layers, engine.model_config.num_key_value_heads,
+                                engine.model_config.head_dim), 16, torch.float32)
+    state_bytes = pool.layout.pool_bytes(pool.num_slots, 0, 0)
+    assert engine.pool.num_blocks + 1 == (budget - state_bytes) // per_block

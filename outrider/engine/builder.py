@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -181,13 +182,11 @@ class _KVPools:
     def _allocate(self, drafter_shapes: list, taps: tuple[int, ...], drafted: bool) -> list[KVCache]:
         config, target, mc = self.config, self.model, self.model.config
         self.states = _state_pool(config, target, drafted)
-        state_bytes = 0 if self.states is None else self.states.layout.pool_bytes(
-            self.states.num_slots, *self.states.verify_conv.shape[1:3])
         layers = getattr(target.model, "num_kv_layers", mc.num_hidden_layers)
         shapes = [(layers, mc.num_key_value_heads, mc.head_dim), *drafter_shapes]
         self.num_blocks = _num_kv_blocks(config, target, drafted, taps,
                                          sum(kv_block_bytes(p, config.block_size, target.dtype) for p in shapes),
-                                         state_bytes)
+                                         self.states)
         pools = [KVCache.allocate(layers, self.num_blocks, config.block_size, kv_heads, head_dim, target.dtype,
                                   target.device) for layers, kv_heads, head_dim in shapes]
         self._target = pools[0]
@@ -212,25 +211,28 @@ def _state_pool(config: EngineConfig, target: _Target, drafted: bool) -> StatePo
 
 
 def _num_kv_blocks(config: EngineConfig, target: _Target, drafted: bool, taps: tuple[int, ...],
-                   per_block: int, reserved: int) -> int:
+                   per_block: int, states: StatePool | None) -> int:
     """Blocks for the KV pools (`per_block` bytes a block across them): what the limits can use, within the memory
-    budget (engine/memory.py) less `reserved` bytes (a hybrid model's state pool)."""
+    budget (engine/memory.py) less a hybrid model's state pool (allocated already)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     wanted = config.max_num_seqs * -(-target.max_model_len // config.block_size) + 1
     if config.kv_cache_memory_gib or target.device.type != "cuda":
+        reserved = 0 if states is None else states.layout.pool_bytes(states.num_slots, *states.verify_conv.shape[1:3])
         return num_kv_blocks(per_block, wanted, (config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 - reserved)
     # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
     tokens = max(1, min(config.max_num_batched_tokens, target.max_model_len))
     rows = min(tokens, max(config.max_num_seqs, MAX_VERIFY_TOKENS if drafted else 0))
     reserve = measure_step_reserve(target.model, target.config, tokens=tokens, rows=rows,
                                    block_size=config.block_size, dtype=target.dtype, device=target.device,
-                                   aux_layer_ids=taps)
+                                   aux_layer_ids=taps,
+                                   states=None if states is None else partial(LinearStateSlots.scratch, states))
     log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
     graphs = graph_reserve(config.max_num_seqs, target.config.vocab_size, drafted=drafted,
                            eager=config.enforce_eager)
+    # (the free memory cuda_budget reads is what the state pool, allocated already, left)
     return num_kv_blocks(per_block, wanted, cuda_budget(target.device, config.gpu_memory_utilization,
-                                                        reserve + graphs) - reserved)
+                                                        reserve + graphs))
 
 
 def _step_graphs(config: EngineConfig, target: _Target, policy: DraftPolicy | None) -> StepGraphs:

@@ -89,6 +89,12 @@ class LinearStateSlots:
     def states(self, batch: StateBatch) -> LinearStates:
         return LinearStates(self.pool, batch)
 
+    @staticmethod
+    def scratch(pool: StatePool, tokens: int) -> LinearStates:
+        """One prompt of `tokens` in PAD_SLOT, which nobody owns (memory.measure_step_reserve's forward)."""
+        slots = torch.full((1,), PAD_SLOT, dtype=torch.int64, device=pool.conv.device)
+        return LinearStates(pool, StateBatch([0, tokens], slots, [PAD_SLOT]))
+
     def for_graph(self, meta: AttentionMetadata, verify: bool) -> LinearStates:
         """A captured graph's states: uniform queries of meta.max_query_len tokens over graph_slots (filled per
         replay by `load_graph`). The host slot list is read only by the CPU reference, never on a graph."""
