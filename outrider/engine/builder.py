@@ -88,9 +88,6 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     kv_cache, num_blocks = pools.target(drafted=drafter is not None), pools.num_blocks
     states = None
     if pools.states is not None:
-        if drafter is not None and drafter.max_draft >= pools.states.verify_conv.shape[2]:
-            raise ValueError(f"the {kind} drafter drafts up to {drafter.max_draft} tokens; a hybrid target verifies "
-                             f"at most {HYBRID_MAX_DRAFT} unless --draft-max says otherwise")
         states = LinearStateSlots(pools.states, config.block_size, config.max_num_seqs, config.enable_prefix_caching)
     pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                      snapshots=pools.states if states is not None and config.enable_prefix_caching else None)
@@ -146,13 +143,28 @@ def _load_drafter(config: EngineConfig, target: _Target, kind: str,
         log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
         return None, None, f"{type(exc).__name__}: {exc}"
     measured = config.spec_measured_costs if config.spec_measured_costs is not None else target.device.type == "cuda"
-    policy = DraftPolicy(n_max=drafter.max_draft if asked is None else asked, n_min=config.spec_draft_n_min,
-                         p_min=config.draft_p_min, measured=measured)
+    verified = _verified_drafts(config, target)
+    policy = DraftPolicy(n_max=min(drafter.max_draft if asked is None else asked, verified),
+                         n_min=config.spec_draft_n_min, p_min=config.draft_p_min, measured=measured,
+                         max_draft=verified if _is_hybrid(target) else None)
     log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
     return drafter, policy, None
 
 
 HYBRID_MAX_DRAFT = 16  # drafts a hybrid target's verify rows hold without --draft-max (each costs a state per row)
+
+
+def _is_hybrid(target: _Target) -> bool:
+    return bool(getattr(target.model, "num_linear_layers", 0))
+
+
+def _verified_drafts(config: EngineConfig, target: _Target) -> int:
+    """The most drafts one round verifies on a hybrid target: --draft-max, else HYBRID_MAX_DRAFT (its verify rows
+    keep the state after each); unbounded (a large number) for other targets."""
+    if not _is_hybrid(target):
+        return 1 << 30
+    asked = config.spec_draft_n_max
+    return HYBRID_MAX_DRAFT if asked is None else max(asked, 1)
 
 
 class _KVPools:
@@ -196,15 +208,14 @@ class _KVPools:
 def _state_pool(config: EngineConfig, target: _Target, drafted: bool) -> StatePool | None:
     """A hybrid target's state pool: a slot per sequence and as many for prefix snapshots (with prefix caching),
     and verify rows for every sequence a verify step may hold (DraftPolicy.max_batch) when speculating, of as many
-    positions as a round verifies: --draft-max + 1 (the drafter then drafts no more), else HYBRID_MAX_DRAFT + 1."""
+    positions as a round verifies (_verified_drafts + 1: the draft policy caps rounds to it)."""
     model = target.model
-    if not getattr(model, "num_linear_layers", 0):
+    if not _is_hybrid(target):
         return None
     layout = StateLayout.of(model.linear_config, model.num_linear_layers)
     slots = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
-    asked = config.spec_draft_n_max
-    drafts = HYBRID_MAX_DRAFT if asked is None else max(asked, 1)  # (as _load_drafter caps the drafter)
-    rows, positions = (min(config.max_num_seqs, DraftPolicy.max_batch), drafts + 1) if drafted else (0, 0)
+    rows = min(config.max_num_seqs, DraftPolicy.max_batch) if drafted else 0
+    positions = _verified_drafts(config, target) + 1 if drafted else 0
     log.info("linear-attention state: %d slots, %d verify rows of %d positions, %.2f GiB", slots, rows, positions,
              layout.pool_bytes(slots, rows, positions) / 2**30)
     return StatePool(layout, slots, rows, positions, target.device)
@@ -240,7 +251,7 @@ def _step_graphs(config: EngineConfig, target: _Target, policy: DraftPolicy | No
     draft length (requests asking for more verify eager); lone prefill chunks."""
     verify = range(2, policy.n_max + 2) if policy is not None else ()
     prefill = [q for q in prefill_graph_lens(config.prefill_graph_tokens, target.max_model_len) if q not in verify]
-    if getattr(target.model, "num_linear_layers", 0):  # (a padded chunk would advance the linear layers' state)
+    if _is_hybrid(target):  # (a padded chunk would advance the linear layers' state)
         prefill = []
     return StepGraphs(config.max_num_seqs, target.max_model_len, tuple(verify), tuple(prefill))
 
