@@ -316,3 +316,25 @@ def test_a_request_asking_for_more_drafts_than_the_verify_rows_hold_is_capped(fa
     outs = spec.generate(SPEC_PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert all(o.timing.draft_n <= 2 * o.timing.draft_rounds for o in outs) and sum(o.timing.draft_n for o in outs)
+
+
+def test_a_failed_step_recomputes_its_requests_rather_than_reuse_a_half_advanced_state(case):
+    """A step of several requests fails after its forward advanced their slots: each recomputes (and runs alone to
+    find the fault's owner), so no token comes from a state that absorbed a step twice."""
+    ckpt, hf_tokens = case
+    llm = LLM(str(ckpt), max_num_seqs=8, dtype="float32")
+    runner, faults = llm.engine.runner, []
+    real_sample = runner.sample
+
+    def sample(step, *args, **kwargs):
+        if len(step.plan.scheduled) > 1 and not faults and any(len(r.output_ids) > 3 for r in reqs):
+            faults.append(step.plan)
+            raise RuntimeError("injected")
+        return real_sample(step, *args, **kwargs)
+    runner.sample = sample
+    reqs = [Request(list(p), GREEDY) for p in PROMPTS]
+    for r in reqs:
+        llm.engine.add_request(r, lambda out: None)
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert faults and [r.output_ids for r in reqs] == hf_tokens

@@ -269,6 +269,13 @@ class Engine:
                       len(plan.scheduled), exc)
             self.suspects.update(s.request.request_id for s in plan.scheduled)
             self.restamp.update(req.request_id for req in plan.admitted)
+            if self.scheduler.states is not None:  # (a linear layer's state may have advanced part way: recompute)
+                t = self.clock()
+                for s in plan.scheduled:
+                    if self.scheduler.requeue(s.request):
+                        s.request.timing.mark_preempted(t)
+                        if self.speculation is not None:
+                            self.speculation.release(s.request.request_id)
             return
         log.error("step failed: %s\n%s", exc, traceback.format_exc())
         for s in plan.scheduled:

@@ -111,6 +111,13 @@ class Scheduler:
                 s.draft_tokens = []
         return StepPlan(scheduled, preempted, admitted)
 
+    def requeue(self, req: Request) -> bool:
+        """Preempt a running request (its blocks and state slot freed) to recompute it; False if it is not running."""
+        if req not in self.running:
+            return False
+        self._preempt(req)
+        return True
+
     def _hit_hash(self, req: Request) -> int | None:
         """The hash of the last block of req's prefix hit (None: no hit)."""
         n = req.num_computed // self.pool.block_size
