@@ -16,6 +16,7 @@ import torch
 from outrider.engine.request import Request, Status, TokenLogprob  # noqa: F401  (Status: re-exported)
 
 if TYPE_CHECKING:
+    from outrider.layers.gated_deltanet_types import StateBatch
     from outrider.speculative.drafter import PendingDrafts
     from outrider.speculative.verify import PendingVerdict
 
@@ -127,6 +128,7 @@ class LaunchedStep:
     ready: torch.cuda.Event | None = None  # recorded after the copies (CUDA)
     prompt_logprobs: list[PendingRows] = field(default_factory=list)  # prefill rows' (engine/prompt_logprobs.py)
     pooled: list[PendingPool] = field(default_factory=list)  # prefill rows' (engine/pooling.py)
+    states: StateBatch | None = None  # a hybrid model's slots (a verify's are committed once its verdict is known)
 
     @property
     def awaits_sampling(self) -> bool:

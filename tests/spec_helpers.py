@@ -104,16 +104,7 @@ def write_family(root: Path, arch: str, members: tuple[str, ...], seed: int = 5,
             _save(path, t)
             out[layout] = path
     if "dflash" in members:
-        # Zero residual branches: a mask slot's output is the mask token's embedding, so the drafter always
-        # proposes the target's favourite hub after <|mask|>, which the target keeps part of the time.
-        out["dflash"] = write_dflash_checkpoint(root / "dflash", out["target"], layers=1, block_size=4,
-                                                mask_token_id=MASK_ID)
-        t = load_file(out["dflash"] / "model.safetensors")
-        for name in t:
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                t[name] = torch.zeros_like(t[name])
-        t["norm.weight"] = torch.ones(H)
-        _save(out["dflash"], t)
+        out["dflash"] = _write_hub_dflash(root / "dflash", out["target"])
     if "eagle3" in members:
         # The layer adds nothing and fc passes the last tap through: the head scores (nearly) the target's own
         # hidden state with the target's LM head rows for its draft vocabulary (the hubs and a few dozen more).
@@ -131,6 +122,46 @@ def write_family(root: Path, arch: str, members: tuple[str, ...], seed: int = 5,
         t["lm_head.weight"] = base["lm_head.weight"][draft_ids]
         _save(out["eagle3"], t)
     return out
+
+
+def _write_hub_dflash(path: Path, target: Path) -> Path:
+    """A DFlash drafter with zero residual branches: a mask slot's output is the mask token's embedding, so it always
+    proposes the target's favourite hub after <|mask|>, which the target keeps part of the time."""
+    path = write_dflash_checkpoint(path, target, layers=1, block_size=4, mask_token_id=MASK_ID)
+    t = load_file(path / "model.safetensors")
+    for name in t:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])
+    t["norm.weight"] = torch.ones(H)
+    _save(path, t)
+    return path
+
+
+def write_hybrid_family(root: Path, arch: str, seed: int = 5, layers: int = 4) -> dict[str, Path]:
+    """A hybrid `target` (Qwen3-Next / Qwen3.5) made the family's near-bigram model, a Qwen3 `draft` model of the same
+    vocabulary that reads the same bigram from the embedding alone (zero residual branches), a `dflash` drafter, and
+    `mtp`: the same target with its own MTP head as released (`mtp.*`), passing t_{i+1}'s embedding through."""
+    root = Path(root)
+    target = write_tiny_checkpoint(root / "target", arch, hidden_size=H, layers=layers, seed=seed)
+    t = _concentrate(load_file(target / "model.safetensors"), seed + 100)
+    for name in t:  # (residual branches at 0.08: the embedding-only draft then agrees often, not always)
+        if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+            t[name] = (0.4 if name.startswith("model.layers.") and "linear_attn" not in name else 0.08) * t[name]
+    t["model.norm.weight"] = torch.zeros(H)  # (stored as w for 1 + w: the family's norm of ones)
+    _save(target, t)
+    draft = write_tiny_checkpoint(root / "draft", "qwen3", hidden_size=H, layers=1, seed=seed + 1)
+    d = load_file(draft / "model.safetensors")
+    for name in d:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            d[name] = torch.zeros_like(d[name])
+    d.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"], "lm_head.weight": t["lm_head.weight"],
+              "model.norm.weight": torch.ones(H)})
+    _save(draft, d)
+    mtp = write_mtp_checkpoint(root / "mtp", "qwen", arch=arch, hidden_size=H, layers=layers, seed=seed)
+    with_head = {**load_file(mtp / "model.safetensors"), **t}  # the very same target weights
+    _pass_through_head(with_head, "mtp.", "fc.weight", True, torch.Generator().manual_seed(seed + 300))
+    _save(mtp, with_head)
+    return {"target": target, "draft": draft, "dflash": _write_hub_dflash(root / "dflash", target), "mtp": mtp}
 
 
 # kind -> (family arch, checkpoint served as the target, engine kwargs from the family, drafter kind reported)

@@ -272,3 +272,19 @@ def test_controlled_drafter_realises_the_acceptance_law_within_a_few_hundred_rou
                 at_least[j] += 1
         for j in range(1, k + 1):
             assert abs(at_least[j] - rounds * alpha ** j) <= 3, (stream, j, at_least)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_hybrid_target_presets_run_controlled_acceptance(kind, tmp_path):
+    """The Qwen3.5 presets' code paths at a tiny shape: a tied hybrid target, its own MTP head (mtp.*, the gated
+    full-attention layer) or a DFlash drafter in the newer layout (sliding layers), every draft kept or none."""
+    out = tmp_path / "spec.json"
+    argv = ["spec", "--random-weights", "tiny-qwen3.5", "--spec-type", kind, "--acceptance", "0", "1", "--device",
+            "cpu", "--batch", "2", "--gen", str(GEN), "--num-requests", "2", "--draft-n-max", "3",
+            "--prompt-len", "10", "--repeats", "1", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = _results(out)
+    assert [r["acceptance"] for r in rows] == [0.0, 1.0]
+    for row in rows:
+        assert row["kind"] == kind and row["off_script"] == 0
+    assert rows[1]["accepted_by_position"] == [1.0] * 3 and rows[0]["tau"] == 1.0

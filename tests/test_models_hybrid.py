@@ -4,8 +4,6 @@ batches, chunked prefill, greedy decoding, and a speculative verify rolled back 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,6 +14,7 @@ from outrider.models import load_model
 from outrider.models.hybrid import LinearStates
 from outrider.models.output import ForwardResult
 from outrider.testing import write_tiny_checkpoint
+from outrider.testing.checkpoints import write_multimodal_release
 from tests.test_models_parity import Runner, assert_greedy_matches_hf, hf_logits
 
 transformers = pytest.importorskip("transformers")
@@ -105,16 +104,8 @@ def test_qwen3_5_conditional_generation_checkpoint_serves_its_text_model(tmp_pat
     """The release layout: keys under text_config, weights under model.language_model., a vision tower beside
     (not loaded): the same model as the text-only checkpoint."""
     text = write_tiny_checkpoint(tmp_path / "text", "qwen3_5", layers=4)
-    config = json.loads((text / "config.json").read_text())
-    full = tmp_path / "full"
-    full.mkdir()
-    (full / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-        "text_config": {**config, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
-        "tie_word_embeddings": config["tie_word_embeddings"]}))
-    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
-               for k, v in load_file(text / "model.safetensors").items()}
-    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    full = write_multimodal_release(text, tmp_path / "full")
+    tensors = load_file(full / "model.safetensors")
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
     save_file(tensors, full / "model.safetensors")
     a, _ = load_model(text)

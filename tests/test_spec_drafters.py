@@ -122,6 +122,9 @@ def ckpts(tmp_path_factory):
                                          seed=3),
         "dflash": write_dflash_checkpoint(root / "dflash", target, layers=2, block_size=5,
                                           target_layer_ids=[0, 2]),
+        # the newer layout, its sliding window shorter than the prompts: the window changes the drafts
+        "dflash_sliding": write_dflash_checkpoint(root / "dflash_sliding", target, layers=3, block_size=5,
+                                                  target_layer_ids=[0, 2, 3], sliding_window=6),
         "eagle3": write_eagle3_checkpoint(root / "eagle3", target, aux_layer_ids=[1, 2, 3], seed=4),
         "eagle3_speculators": write_eagle3_checkpoint(root / "eagle3_speculators", target, aux_layer_ids=[1, 2, 3],
                                                       layout="speculators", seed=4),
@@ -160,6 +163,7 @@ LAYOUTS = [
     ("mtp", "mtp_qwen", None),
     ("mtp", "mtp_mimo", None),
     ("dflash", "target", "dflash"),
+    ("dflash", "target", "dflash_sliding"),
     ("eagle3", "target", "eagle3"),
     ("eagle3", "target", "eagle3_speculators"),
 ]

@@ -23,6 +23,9 @@ class DrafterShape:
     block_size: int = 0  # dflash: drafts per block + 1
     target_layer_ids: tuple[int, ...] = ()  # dflash: the target layers whose outputs it reads
     mask_token_id: int = 0  # dflash
+    sliding_window: int = 0  # dflash: the newer layout's window (every layer but the last slides); 0: none
+    # dflash: the release's config.json values that differ from the target's (attention heads, head size, ...)
+    config: tuple[tuple[str, int], ...] = ()
 
 
 PRESETS: dict[tuple[str, str], DrafterShape] = {
@@ -34,6 +37,21 @@ PRESETS: dict[tuple[str, str], DrafterShape] = {
                                          mask_token_id=151669),
     # An EAGLE-3 head of the published Qwen3-8B heads' shape (bench/workloads.py: EAGLE3_PRESETS).
     ("qwen3-8b", "eagle3"): DrafterShape("eagle3"),
+    # Qwen/Qwen3.5-4B's own MTP head (mtp.*: one gated full-attention layer with the dense MLP, mtp_layer).
+    ("qwen3.5-4b", "mtp"): DrafterShape("mtp"),
+    # The published z-lab/Qwen3.5-4B-DFlash shape: 6 layers (5 sliding, window 4096, then 1 full), block 16 in
+    # dflash_config, taps every 4th target layer from 1, 32 heads of 128 (8 KV) where the target has 16 of 256.
+    ("qwen3.5-4b", "dflash"): DrafterShape("dflash", layers=6, block_size=16,
+                                           target_layer_ids=(1, 5, 9, 13, 17, 21, 25, 29), mask_token_id=248077,
+                                           sliding_window=4096,
+                                           config=(("num_attention_heads", 32), ("num_key_value_heads", 8),
+                                                   ("head_dim", 128))),
+    ("tiny-qwen3.5", "mtp"): DrafterShape("mtp"),
+    # (its attention shaped unlike the target's, as the 4B drafter's is: twice the heads, half the head size)
+    ("tiny-qwen3.5", "dflash"): DrafterShape("dflash", layers=2, block_size=4, target_layer_ids=(1, 2),
+                                             mask_token_id=4, sliding_window=8,
+                                             config=(("num_attention_heads", 8), ("num_key_value_heads", 4),
+                                                     ("head_dim", 8))),
     ("tiny-qwen3", "draft"): DrafterShape("draft", draft_model="tiny-qwen3-draft"),
     ("tiny-qwen3", "mtp"): DrafterShape("mtp"),
     ("tiny-qwen3", "eagle3"): DrafterShape("eagle3"),
@@ -71,7 +89,8 @@ def write_preset(target: str, shape: DrafterShape, root: Path, dtype: torch.dtyp
 
     draft = write_dflash_checkpoint(root / "dflash", stub, layers=shape.layers, block_size=shape.block_size,
                                     mask_token_id=shape.mask_token_id, target_layer_ids=list(shape.target_layer_ids),
-                                    seed=seed + 1, dtype=dtype)
+                                    sliding_window=shape.sliding_window, config=dict(shape.config), seed=seed + 1,
+                                    dtype=dtype)
     return PresetPaths(stub, draft)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from outrider.bench.engine_setup import build_engine
 from outrider.bench.profile import CollectWaits
 from outrider.bench.report import Reporter
-from outrider.bench.shapes import config_weight_bytes, kv_bytes_per_token
+from outrider.bench.shapes import config_weight_bytes, kv_bytes_per_token, state_bytes_per_sequence
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 
@@ -77,18 +77,25 @@ def run(args, reporter: Reporter) -> None:
     name = (args.random_weights or args.model) + ("" if engine.overlap else " (no overlap)")
     rng = random.Random(args.seed)
     prompt = lambda n: [rng.randrange(cfg.vocab_size) for _ in range(n)]  # noqa: E731
-    w_bytes = config_weight_bytes(cfg, engine.dtype.itemsize)
+    # A step's bytes: the weights it reads (a MoE's active ones: bench/shapes.py), each sequence's linear-attention
+    # state (read and written) and KV so far. Their time at --peak-bw is the bandwidth bound the % below is of.
+    w_bytes = config_weight_bytes(cfg, engine.dtype.itemsize, args.batch)
+    state_seq = state_bytes_per_sequence(cfg)
     kv_tok = kv_bytes_per_token(cfg, engine.dtype)
 
     # Warm-up at the measured shapes, so Triton's compiles (prefill and decode variants) stay out of TTFT.
     run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], 8)
     free = run_batch(engine, [prompt(args.prompt_len) for _ in range(args.batch)], args.gen)
     rate = free.tok_s
-    step_bytes = w_bytes + args.batch * (args.prompt_len + args.gen / 2) * kv_tok
+    step_bytes = w_bytes + args.batch * (state_seq + (args.prompt_len + args.gen / 2) * kv_tok)
+    bound = f", bound {1e3 * step_bytes / reporter.peak_bw:.2f} ms/step" if reporter.peak_bw else ""
     reporter.line(f"latency {name} bs={args.batch} in={args.prompt_len} out={args.gen}",
                   f"{rate:.1f} tok/s/seq ({1e3 / rate:.2f} ms/step, {rate * args.batch:.0f} tok/s total), "
-                  f"TTFT {free.ttft_s * 1e3:.1f} ms; host blocked on the GPU {free.blocked_ms_per_step:.2f} ms/step",
-                  step_bytes * rate, 1.0, tok_s=rate, ttft_s=free.ttft_s, blocked_ms_per_step=free.blocked_ms_per_step)
+                  f"TTFT {free.ttft_s * 1e3:.1f} ms; host blocked on the GPU {free.blocked_ms_per_step:.2f} ms/step; "
+                  f"step reads {w_bytes / 1e9:.2f} GB of weights{' (active)' if _is_moe(cfg) else ''} + "
+                  f"{(step_bytes - w_bytes) / 1e9:.3f} GB of state and KV{bound}",
+                  step_bytes * rate, 1.0, tok_s=rate, ttft_s=free.ttft_s, blocked_ms_per_step=free.blocked_ms_per_step,
+                  weight_bytes=w_bytes, step_bytes=step_bytes)
     if args.profile:
         from outrider.bench.profile import GRAPH_FORWARD, profiled
 
@@ -107,7 +114,8 @@ def run(args, reporter: Reporter) -> None:
         # Two tokens: the first is delivered while the second step is already scheduled (overlap), as in serving.
         ttfts = [run_batch(engine, [prompt(args.ttft_prompt_len)], 2).ttft_s for _ in range(3)]
         best = min(ttfts)
-        layer_params = (w_bytes - engine.dtype.itemsize * cfg.vocab_size * cfg.hidden_size) / engine.dtype.itemsize
+        per_token = config_weight_bytes(cfg, engine.dtype.itemsize)  # (a MoE's active weights: top-k experts)
+        layer_params = (per_token - engine.dtype.itemsize * cfg.vocab_size * cfg.hidden_size) / engine.dtype.itemsize
         flops = 2 * layer_params * args.ttft_prompt_len
         reporter.line(f"ttft {name} in={args.ttft_prompt_len}",
                       f"{best * 1e3:.1f} ms (best of 3, max_tokens 2; {flops / best / 1e12:.0f} TFLOP/s over the "
@@ -123,6 +131,10 @@ def run(args, reporter: Reporter) -> None:
                       f"{r.ttft_s * 1e3:.1f} ms ({r.detail}; own process); outrider/hf = {ours / r.tok_s:.2f}x",
                       hf_bytes * r.tok_s / r.batch, 1.0, config=r.config, batch=r.batch, tok_s=r.tok_s,
                       ttft_s=r.ttft_s, ratio=ours / r.tok_s, pid=r.pid)
+
+
+def _is_moe(cfg) -> bool:
+    return bool(cfg.raw.get("num_experts"))
 
 
 def _compare_hf(args) -> list:

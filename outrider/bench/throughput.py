@@ -31,7 +31,8 @@ def run(args, reporter: Reporter) -> None:
     produced, elapsed, steps = _workload(engine, prompts, lens, log)
     # Bytes: every step streams the weights; every generated token reads its sequence's KV so far.
     kv_reads = sum(n_out * n_in + n_out * (n_out - 1) / 2 for n_in, n_out in lens) * kv_bytes_per_token(cfg, engine.dtype)
-    moved = steps * config_weight_bytes(cfg, engine.dtype.itemsize) + kv_reads
+    # (a MoE's experts read per step grow with the tokens a step decodes: the mean batch stands in for each step's)
+    moved = steps * config_weight_bytes(cfg, engine.dtype.itemsize, max(1, round(produced / steps))) + kv_reads
     reporter.line(f"throughput {name} n={args.num_requests} len=[{args.min_len},{args.max_len}]",
                   f"{produced / elapsed:.0f} output tok/s ({produced} tokens in {elapsed:.2f} s, {steps} steps)",
                   moved, elapsed, tok_s=produced / elapsed, steps=steps)

@@ -199,6 +199,7 @@ class AsyncEngine:
         engine = self.engine
         slots = []
         running = {r.id_slot: r for r in engine.scheduler.running}
+        states = engine.scheduler.states
         self._last_task.update(running)
         for i in range(engine.config.max_num_seqs):
             req = self._last_task.get(i)
@@ -208,6 +209,9 @@ class AsyncEngine:
                 "is_processing": i in running,
                 "request": req,
                 "n_decoded": len(req.output_ids) if req is not None else 0,
+                # a hybrid model's: the linear-attention state slot and KV blocks the request holds
+                "state_slot": states.slot(running[i]) if states is not None and i in running else None,
+                "kv_blocks": len(running[i].block_ids) if i in running else 0,
             })
         stats = engine.stats()
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import traceback
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -20,11 +21,13 @@ from outrider.config import EngineConfig, ModelConfig
 from outrider.engine.cuda_graphs import StepGraphs, prefill_graph_lens
 from outrider.engine.engine import Engine, EngineParts
 from outrider.engine.kv_cache import BlockPool
+from outrider.engine.linear_state import LinearStateSlots
 from outrider.engine.memory import (CPU_KV_CACHE_GIB, cuda_budget, graph_reserve, kv_block_bytes, measure_step_reserve,
                                     num_kv_blocks)
 from outrider.engine.request import Request
 from outrider.engine.runner import ModelRunner
 from outrider.engine.scheduler import Scheduler
+from outrider.engine.state_pool import StateLayout, StatePool
 from outrider.models import load_model, resolve_model_path
 from outrider.params import SamplingParams
 from outrider.quant.checkpoint import summarize as summarize_weights
@@ -83,10 +86,14 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
         config = replace(config, spec_draft_n_max=policy.n_max if policy is not None else DEFAULT_N_MAX)
     taps = tuple(drafter.aux_layer_ids) if drafter is not None else ()
     kv_cache, num_blocks = pools.target(drafted=drafter is not None), pools.num_blocks
-    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
-    scheduler = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, target.max_model_len)
+    states = None
+    if pools.states is not None:
+        states = LinearStateSlots(pools.states, config.block_size, config.max_num_seqs, config.enable_prefix_caching)
+    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                     snapshots=pools.states if states is not None and config.enable_prefix_caching else None)
+    scheduler = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, target.max_model_len, states)
     graphs = _step_graphs(config, target, policy) if device.type == "cuda" and not config.enforce_eager else None
-    runner = ModelRunner(model, kv_cache, mc.vocab_size, device, taps, graphs)
+    runner = ModelRunner(model, kv_cache, mc.vocab_size, device, taps, graphs, states)
     eos_ids = frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_id)
     runner.sampler.set_eog_ids(eos_ids)
     speculation = None
@@ -136,21 +143,41 @@ def _load_drafter(config: EngineConfig, target: _Target, kind: str,
         log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
         return None, None, f"{type(exc).__name__}: {exc}"
     measured = config.spec_measured_costs if config.spec_measured_costs is not None else target.device.type == "cuda"
-    policy = DraftPolicy(n_max=drafter.max_draft if asked is None else asked, n_min=config.spec_draft_n_min,
-                         p_min=config.draft_p_min, measured=measured)
+    verified = _verified_drafts(config, target)
+    policy = DraftPolicy(n_max=min(drafter.max_draft if asked is None else asked, verified),
+                         n_min=config.spec_draft_n_min, p_min=config.draft_p_min, measured=measured,
+                         max_draft=verified if _is_hybrid(target) else None)
     log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)
     return drafter, policy, None
+
+
+HYBRID_MAX_DRAFT = 16  # drafts a hybrid target's verify rows hold without --draft-max (each costs a state per row)
+
+
+def _is_hybrid(target: _Target) -> bool:
+    return bool(getattr(target.model, "num_linear_layers", 0))
+
+
+def _verified_drafts(config: EngineConfig, target: _Target) -> int:
+    """The most drafts one round verifies on a hybrid target: --draft-max, else HYBRID_MAX_DRAFT (its verify rows
+    keep the state after each); unbounded (a large number) for other targets."""
+    if not _is_hybrid(target):
+        return 1 << 30
+    asked = config.spec_draft_n_max
+    return HYBRID_MAX_DRAFT if asked is None else max(asked, 1)
 
 
 class _KVPools:
     """The target's KV pool and the drafter's, with as many blocks each (they share block ids), sized in one budget
     and allocated once: when the drafter asks for its pool (its weights loaded: they count), else for the target
-    alone."""
+    alone. A hybrid target's KV pool holds its attention layers only; its state pool (engine/state_pool.py) is paid
+    from the same budget first."""
 
     def __init__(self, config: EngineConfig, target: _Target) -> None:
         self.config, self.model = config, target
         self.num_blocks = 0
         self._target: KVCache | None = None
+        self.states: StatePool | None = None
 
     def drafter(self, shape: tuple[int, int, int], taps: tuple[int, ...]) -> KVCache:
         """drafter.KVPool: the drafter's pool (the target's is allocated beside it)."""
@@ -166,33 +193,55 @@ class _KVPools:
 
     def _allocate(self, drafter_shapes: list, taps: tuple[int, ...], drafted: bool) -> list[KVCache]:
         config, target, mc = self.config, self.model, self.model.config
-        shapes = [(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim), *drafter_shapes]
+        self.states = _state_pool(config, target, drafted)
+        layers = getattr(target.model, "num_kv_layers", mc.num_hidden_layers)
+        shapes = [(layers, mc.num_key_value_heads, mc.head_dim), *drafter_shapes]
         self.num_blocks = _num_kv_blocks(config, target, drafted, taps,
-                                         sum(kv_block_bytes(p, config.block_size, target.dtype) for p in shapes))
+                                         sum(kv_block_bytes(p, config.block_size, target.dtype) for p in shapes),
+                                         self.states)
         pools = [KVCache.allocate(layers, self.num_blocks, config.block_size, kv_heads, head_dim, target.dtype,
                                   target.device) for layers, kv_heads, head_dim in shapes]
         self._target = pools[0]
         return pools
 
 
+def _state_pool(config: EngineConfig, target: _Target, drafted: bool) -> StatePool | None:
+    """A hybrid target's state pool: a slot per sequence and as many for prefix snapshots (with prefix caching),
+    and verify rows for every sequence a verify step may hold (DraftPolicy.max_batch) when speculating, of as many
+    positions as a round verifies (_verified_drafts + 1: the draft policy caps rounds to it)."""
+    model = target.model
+    if not _is_hybrid(target):
+        return None
+    layout = StateLayout.of(model.linear_config, model.num_linear_layers)
+    slots = config.max_num_seqs * (2 if config.enable_prefix_caching else 1)
+    rows = min(config.max_num_seqs, DraftPolicy.max_batch) if drafted else 0
+    positions = _verified_drafts(config, target) + 1 if drafted else 0
+    log.info("linear-attention state: %d slots, %d verify rows of %d positions, %.2f GiB", slots, rows, positions,
+             layout.pool_bytes(slots, rows, positions) / 2**30)
+    return StatePool(layout, slots, rows, positions, target.device)
+
+
 def _num_kv_blocks(config: EngineConfig, target: _Target, drafted: bool, taps: tuple[int, ...],
-                   per_block: int) -> int:
+                   per_block: int, states: StatePool | None) -> int:
     """Blocks for the KV pools (`per_block` bytes a block across them): what the limits can use, within the memory
-    budget (engine/memory.py)."""
+    budget (engine/memory.py) less a hybrid model's state pool (allocated already)."""
     if config.num_kv_blocks:
         return config.num_kv_blocks
     wanted = config.max_num_seqs * -(-target.max_model_len // config.block_size) + 1
     if config.kv_cache_memory_gib or target.device.type != "cuda":
-        return num_kv_blocks(per_block, wanted, (config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30)
+        reserved = 0 if states is None else states.layout.pool_bytes(states.num_slots, *states.verify_conv.shape[1:3])
+        return num_kv_blocks(per_block, wanted, (config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 - reserved)
     # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
     tokens = max(1, min(config.max_num_batched_tokens, target.max_model_len))
     rows = min(tokens, max(config.max_num_seqs, MAX_VERIFY_TOKENS if drafted else 0))
     reserve = measure_step_reserve(target.model, target.config, tokens=tokens, rows=rows,
                                    block_size=config.block_size, dtype=target.dtype, device=target.device,
-                                   aux_layer_ids=taps)
+                                   aux_layer_ids=taps,
+                                   states=None if states is None else partial(LinearStateSlots.scratch, states))
     log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
     graphs = graph_reserve(config.max_num_seqs, target.config.vocab_size, drafted=drafted,
                            eager=config.enforce_eager)
+    # (the free memory cuda_budget reads is what the state pool, allocated already, left)
     return num_kv_blocks(per_block, wanted, cuda_budget(target.device, config.gpu_memory_utilization,
                                                         reserve + graphs))
 
@@ -202,6 +251,8 @@ def _step_graphs(config: EngineConfig, target: _Target, policy: DraftPolicy | No
     draft length (requests asking for more verify eager); lone prefill chunks."""
     verify = range(2, policy.n_max + 2) if policy is not None else ()
     prefill = [q for q in prefill_graph_lens(config.prefill_graph_tokens, target.max_model_len) if q not in verify]
+    if _is_hybrid(target):  # (a padded chunk would advance the linear layers' state)
+        prefill = []
     return StepGraphs(config.max_num_seqs, target.max_model_len, tuple(verify), tuple(prefill))
 
 

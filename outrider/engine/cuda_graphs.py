@@ -39,13 +39,23 @@ def capture_step_graphs(runner, shapes: StepGraphs, progress: bool = True) -> li
     graph keeps a [batch * q, vocab] logits buffer alive."""
     common = dict(max_blocks_per_seq=-(-shapes.max_model_len // runner.kv_cache.block_size),
                   max_seq_len=shapes.max_model_len, device=runner.device)
-    decode = CudaGraphRunner(runner.forward_decode, max_batch=shapes.max_batch, **common)
+    decode = CudaGraphRunner(_with_states(runner, runner.forward_decode, verify=False), max_batch=shapes.max_batch,
+                             **common)
     decode.capture(progress)
     graphs = [decode]
     verify_buckets = [b for b in VERIFY_BUCKETS if b <= shapes.max_batch]
-    for q, buckets in [(q, verify_buckets) for q in shapes.verify_lens] + [(q, [1]) for q in shapes.prefill_lens]:
-        graph = CudaGraphRunner(runner.forward_eager, max_batch=buckets[-1], tokens_per_seq=q, buckets=buckets,
-                                pool=decode.pool, **common)
+    for q, buckets, verify in ([(q, verify_buckets, True) for q in shapes.verify_lens]
+                               + [(q, [1], False) for q in shapes.prefill_lens]):
+        graph = CudaGraphRunner(_with_states(runner, runner.forward_eager, verify), max_batch=buckets[-1],
+                                tokens_per_seq=q, buckets=buckets, pool=decode.pool, **common)
         graph.capture(progress)
         graphs.append(graph)
     return graphs
+
+
+def _with_states(runner, forward, verify: bool):
+    """forward as a graph captures it: for a hybrid model, over the runner's static slot rows (verify: a verify
+    step's, writing the verify rows)."""
+    if runner.states is None:
+        return forward
+    return lambda input_ids, positions, meta: forward(input_ids, positions, meta, runner.states.for_graph(meta, verify))

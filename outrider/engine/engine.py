@@ -269,6 +269,13 @@ class Engine:
                       len(plan.scheduled), exc)
             self.suspects.update(s.request.request_id for s in plan.scheduled)
             self.restamp.update(req.request_id for req in plan.admitted)
+            if self.scheduler.states is not None:  # (a linear layer's state may have advanced part way: recompute)
+                t = self.clock()
+                for s in plan.scheduled:
+                    if self.scheduler.requeue(s.request):
+                        s.request.timing.mark_preempted(t)
+                        if self.speculation is not None:
+                            self.speculation.release(s.request.request_id)
             return
         log.error("step failed: %s\n%s", exc, traceback.format_exc())
         for s in plan.scheduled:
@@ -398,4 +405,5 @@ class Engine:
         pool = self.pool
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used, "kv_block_size": pool.block_size,
-                "prefix_cache_hit_tokens": pool.hits, **self.counters}
+                "prefix_cache_hit_tokens": pool.hits, **self.counters,
+                **(self.scheduler.states.stats() if self.scheduler.states is not None else {})}

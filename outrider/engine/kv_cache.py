@@ -9,7 +9,9 @@ findable until their memory is needed (least recently freed first).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from outrider.engine.request import Request
 
@@ -26,12 +28,24 @@ class Block:
     tokens: tuple[int, ...] = field(default=())  # kept with the hash so a collision can never alias blocks
 
 
+class Snapshots(Protocol):
+    """A hybrid model's state snapshots by block hash (engine/state_pool.py): a prefix hit must end at one."""
+
+    def longest_snapshot(self, keys: Sequence[int]) -> int: ...
+
+    def drop(self, key: int) -> None: ...
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 snapshots: Snapshots | None = None):
+        """snapshots: a hybrid model's, which a prefix hit is cut to (no snapshot, no hit) and which leave with
+        their blocks."""
         if num_blocks < 2:
             raise ValueError("the KV pool needs at least 2 blocks")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.snapshots = snapshots
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks in eviction order (oldest first). Block 0 is reserved as the padding target.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -70,6 +84,7 @@ class BlockPool:
         ids = req.all_ids
         bs = self.block_size
         matched: list[int] = []
+        hashes: list[int] = []
         prev = None
         for start in range(0, len(ids) - 1 - bs + 1, bs):
             toks = tuple(ids[start : start + bs])
@@ -78,7 +93,10 @@ class BlockPool:
             if bid is None or self.blocks[bid].tokens != toks:
                 break
             matched.append(bid)
+            hashes.append(h)
             prev = h
+        if self.snapshots is not None and matched:
+            return matched[: self.snapshots.longest_snapshot(hashes)]
         return matched
 
     def admit(self, req: Request, budget: int) -> int:
@@ -211,4 +229,6 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) == bid:
                 del self.cached[block.block_hash]
+                if self.snapshots is not None:  # (no hit can reach the state at its end any more)
+                    self.snapshots.drop(block.block_hash)
             block.block_hash, block.tokens = None, ()

@@ -9,6 +9,7 @@ case (every running sequence sampling with top-k off, which sorts the whole voca
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -55,10 +56,11 @@ def cuda_budget(device: torch.device, utilization: float, reserve: int) -> float
 
 @torch.inference_mode()
 def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, rows: int, block_size: int,
-                         dtype: torch.dtype, device: torch.device, aux_layer_ids: tuple[int, ...] = ()) -> int:
+                         dtype: torch.dtype, device: torch.device, aux_layer_ids: tuple[int, ...] = (),
+                         states: Callable[[int], Any] | None = None) -> int:
     """Peak bytes a step allocates beyond what is allocated now (CUDA): a forward over `tokens` prompt tokens
     (one sequence, over a scratch pool just big enough; tapping aux_layer_ids, as a drafter's steps do), and
-    sampling `rows` of its logits with top-k off.
+    sampling `rows` of its logits with top-k off. states: a hybrid model's LinearStates for a prompt of n tokens.
     FALLBACK_RESERVE when the measurement fails (logged)."""
     from outrider.attention.metadata import build_metadata
     from outrider.sampler import RowSpec, Sampler
@@ -73,8 +75,9 @@ def measure_step_reserve(model: torch.nn.Module, model_config, *, tokens: int, r
         scratch = torch.cuda.memory_allocated(device) - base  # the scratch pool: not part of a step
         torch.cuda.reset_peak_memory_stats(device)
         meta, positions = build_metadata([(list(range(1, blocks + 1)), 0, tokens)], block_size, device)
+        extra = {} if states is None else {"states": states(tokens)}
         hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device), positions, cache, meta,
-                       get_backend(device), aux_layer_ids).hidden
+                       get_backend(device), aux_layer_ids, **extra).hidden
         logits = model.compute_logits(hidden[-rows:])
         sampler = Sampler(mc.vocab_size, device)
         spec = RowSpec(SamplingParams(temperature=1.0, top_k=0, top_p=0.95, min_p=0.05, xtc_probability=1.0, seed=0),

@@ -20,7 +20,10 @@ from outrider.attention import AttentionMetadata, KVCache, get_backend
 from outrider.attention.metadata import batch_layout, build_metadata, metadata_over
 from outrider.engine import pooling, prompt_logprobs
 from outrider.engine.cuda_graphs import StepGraphs, capture_step_graphs
+from outrider.engine.linear_state import LinearStateSlots
 from outrider.graphs import CudaGraphRunner
+from outrider.layers.gated_deltanet_types import StateBatch
+from outrider.models.hybrid import LinearStates
 from outrider.models.output import ForwardResult
 from outrider.sampler import ParamTable, Sampler, SamplingRows
 from outrider.upload import copy_to_host, to_device
@@ -40,6 +43,7 @@ class StepBatch:
     # Flat rows whose logits are needed, in plan order (the last known token of each sampling request, then
     # one per draft token); None when that is every row in order (a pure decode step: no gather needed).
     logits_rows: torch.Tensor | None
+    states: StateBatch | None = None  # a hybrid model's linear-layer slots
 
 
 class BlockTables:
@@ -95,10 +99,12 @@ class BlockTables:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, vocab_size: int, device: torch.device,
-                 aux_layer_ids: tuple[int, ...] = (), graphs: StepGraphs | None = None):
+                 aux_layer_ids: tuple[int, ...] = (), graphs: StepGraphs | None = None,
+                 states: LinearStateSlots | None = None):
         """aux_layer_ids: the target layers whose outputs every forward also returns (aux_hidden), for a drafter
-        that reads them. graphs: the step graphs to capture (CUDA), now."""
+        that reads them. graphs: the step graphs to capture (CUDA), now. states: a hybrid model's state slots."""
         self.model = model
+        self.states = states
         self.aux_layer_ids = aux_layer_ids
         self.kv_cache = kv_cache
         self.device = device
@@ -190,14 +196,15 @@ class ModelRunner:
         for j, (_, _, values) in enumerate(copies):
             input_ids.index_copy_(0, dev[6 + 2 * j], values.index_select(0, dev[7 + 2 * j]))
         meta = metadata_over(qsl, lens, dev[2:6], causal=True)
-        return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1])
+        states = self.states.batch(plan, qsl, self.device) if self.states is not None else None
+        return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1], states)
 
     def _chunk_padding(self, plan: StepPlan) -> int:
         """Rows to pad a lone prefill chunk with, up to the shortest captured graph that takes it whole (0: the
         step runs as it is). One sequence's chunk of n tokens padded to q >= n is that graph's step: the pad rows
         sit at the positions after the chunk's, store no K/V (slot -1) and, causal, are seen by no real row; the
         pad rows' keys come from whatever the cache holds, finite, and their outputs are never read."""
-        if len(plan.scheduled) != 1:
+        if len(plan.scheduled) != 1 or self.states is not None:  # (pad rows would advance a linear layer's state)
             return 0
         s = plan.scheduled[0]
         n, start = s.num_new_tokens, s.request.num_computed
@@ -210,19 +217,33 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> ForwardResult:
         """The step's forward; a captured decode graph also computes every row's logits, other steps leave them
         None for the caller (it may need only some rows)."""
-        graph = next((g for g in self.graphs if g.can_run(batch.meta)), None)
+        states = batch.states
+        # (a hybrid model's graphs of several tokens a sequence are verify graphs: no prefill graphs are captured)
+        graph = next((g for g in self.graphs
+                      if g.can_run(batch.meta) and (states is None or (g.q > 1) == states.verify)), None)
         if graph is not None:
+            if states is not None:
+                self.states.load_graph(states)
             return graph.run(batch.input_ids, batch.positions, batch.meta)
-        return self.forward_eager(batch.input_ids, batch.positions, batch.meta)
+        if states is None:
+            return self.forward_eager(batch.input_ids, batch.positions, batch.meta)
+        return self.forward_eager(batch.input_ids, batch.positions, batch.meta, self.states.states(states))
 
-    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> ForwardResult:
-        """The model call: the hidden states, plus aux_hidden when a drafter reads them."""
+    def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      states: LinearStates | None = None) -> ForwardResult:
+        """The model call: the hidden states, plus aux_hidden when a drafter reads them. states: a hybrid model's
+        (its linear layers' slots)."""
+        if states is not None:
+            return self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids, states)
         return self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids)
 
     @torch.inference_mode()
     def hidden_rows(self, spans: Sequence[Commit]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden, aux_hidden or None) at these committed rows, recomputed: a forward over them that reads the
-        cache (which holds their K/V already) and writes nothing to it (slot -1)."""
+        cache (which holds their K/V already) and writes nothing to it (slot -1). Not for a hybrid model: its linear
+        layers' state has moved past those rows."""
+        if self.states is not None:
+            raise NotImplementedError("a hybrid model cannot recompute committed rows' hidden states")
         ids = [t for c in spans for t in c.request.token_slice(c.start, c.start + c.count)]
         meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in spans], self.block_size,
                                          self.device)
@@ -231,11 +252,11 @@ class ModelRunner:
                                  meta)
         return out.hidden, out.aux_hidden
 
-    def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       meta: AttentionMetadata) -> ForwardResult:
+    def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       states: LinearStates | None = None) -> ForwardResult:
         """What decode CUDA graphs capture: forward_eager's result with every row's logits (a decode step samples
         every row), so the final norm and LM head launch inside the graph too."""
-        out = self.forward_eager(input_ids, positions, meta)
+        out = self.forward_eager(input_ids, positions, meta, states)
         into = self.decode_logits[: input_ids.shape[0]] if self.decode_logits is not None else None
         return replace(out, logits=self.model.compute_logits(out.hidden, out=into))
 
@@ -247,13 +268,15 @@ class ModelRunner:
         n = len(plan.scheduled)
         batch = self.prepare(plan, feed, drafts_on_device)
         fwd = self.forward(batch)
+        if self.states is not None:
+            self.states.after_launch(plan)
         hidden, aux, logits = fwd.hidden, fwd.aux_hidden, fwd.logits
         out = StepOutput([[] for _ in range(n)], [[] for _ in range(n)], [0] * n, hidden, aux)
         step = LaunchedStep(plan, batch.sampling, out, drafts_on_device=drafts_on_device,
                             prompt_logprobs=prompt_logprobs.capture(
                                 plan, hidden, self.model,
                                 lambda req, start, count: self.hidden_rows([Commit(req, start, count)])[0]),
-                            pooled=pooling.capture(plan, hidden, self.model))
+                            pooled=pooling.capture(plan, hidden, self.model), states=batch.states)
         if not batch.sampling:
             return step
         rows = batch.logits_rows
@@ -293,8 +316,11 @@ class ModelRunner:
             probs = draft_probs or {}
             q = [_trim(probs.get(plan.scheduled[i].request.request_id), len(d)) for i, d in zip(sampling, drafts)]
             sbatch = self.sampler.prepare(specs, argmax_drafts=all(x is None for x in q))
+            verifying = step.states is not None and step.states.verify
             step.verdict = verify(self.sampler, logits, sbatch, drafts, q, pending=on_device, sources=sources,
-                                  accepted_on_device=accepted_on_device)
+                                  accepted_on_device=accepted_on_device or verifying)
+            if verifying:  # (every row of a verify step samples: it holds no prompt chunk)
+                self.states.commit_verify(step.states, step.verdict.accepted)
             sampled = step.verdict.output
             step.starts = step.verdict.starts
         else:

@@ -5,6 +5,11 @@ speculative verify rows), then waiting requests are admitted while slots, budget
 request whose prompt is longer than the remaining budget is prefilled in chunks across steps (chunked
 prefill, mixed with the decodes of others). When KV blocks run out, the most recently admitted request is
 preempted: its blocks are freed and it waits to recompute (prompt and outputs so far) later.
+
+A hybrid model's requests also own a state slot (engine/linear_state.py) from admission to finish or preemption; a
+prefill chunk ends at the block boundary where its state is snapshotted for prefix hits; and a step with a prompt
+chunk verifies no drafts (a verify forward leaves the linear layers' slots alone, which a prompt chunk must advance):
+its decoding requests feed their one token and draft again the step after.
 """
 
 from __future__ import annotations
@@ -12,13 +17,17 @@ from __future__ import annotations
 from collections import deque
 
 from outrider.engine.kv_cache import BlockPool
+from outrider.engine.linear_state import LinearStateSlots
 from outrider.engine.request import Request
 from outrider.steps import ScheduledRequest, Status, StepPlan
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 states: LinearStateSlots | None = None):
+        """states: a hybrid model's state slots."""
         self.pool = pool
+        self.states = states
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -40,7 +49,7 @@ class Scheduler:
             self.running = [r for r in self.running if r is not req]
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free_request(req)
+        self._free(req)
         if req.id_slot >= 0 and req.id_slot not in self.free_slots:
             self.free_slots.append(req.id_slot)
             self.free_slots.sort()
@@ -61,6 +70,8 @@ class Scheduler:
                 continue  # its token in flight is its last (overlap scheduling)
             todo = req.num_tokens - req.num_computed
             n = todo if todo < budget else budget  # (min() costs several times more, per request per step)
+            if self.states is not None and n > 1:
+                n = self.states.chunk_end(req, req.num_computed, n)
             draft = drafts.get(req.request_id) if drafts and todo == 1 else None  # drafts follow a decode's one token
             draft = draft[: max(0, min(budget - n, self.max_model_len - req.num_tokens))] if draft else []
             while not self.pool.ensure(req, req.num_computed + n + len(draft)):
@@ -83,6 +94,9 @@ class Scheduler:
             n = self.pool.admit(req, budget)
             if not n:
                 break
+            if self.states is not None:
+                n = self.states.chunk_end(req, req.num_computed, n)
+                self.states.admit(req, self._hit_hash(req))
             del self.waiting[passed]
             req.status = Status.RUNNING
             self.free_slots.remove(slot)
@@ -92,7 +106,28 @@ class Scheduler:
             budget -= n
         if admitted:
             self.running = self.running + admitted
+        if self.states is not None and drafts and any(s.num_new_tokens > 1 or not s.samples for s in scheduled):
+            for s in scheduled:
+                s.draft_tokens = []
         return StepPlan(scheduled, preempted, admitted)
+
+    def requeue(self, req: Request) -> bool:
+        """Preempt a running request (its blocks and state slot freed) to recompute it; False if it is not running."""
+        if req not in self.running:
+            return False
+        self._preempt(req)
+        return True
+
+    def _hit_hash(self, req: Request) -> int | None:
+        """The hash of the last block of req's prefix hit (None: no hit)."""
+        n = req.num_computed // self.pool.block_size
+        return self.pool.blocks[req.block_ids[n - 1]].block_hash if n else None
+
+    def _free(self, req: Request) -> None:
+        """Give back req's blocks and state slot."""
+        self.pool.free_request(req)
+        if self.states is not None:
+            self.states.release(req)
 
     def _slot_for(self, req: Request) -> int | None:
         """The free slot `req` would take (the one it asked for, else the lowest), or None."""
@@ -102,7 +137,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running = [r for r in self.running if r is not req]
-        self.pool.free_request(req)
+        self._free(req)
         req.status = Status.WAITING
         req.num_preemptions += 1
         if req.id_slot >= 0:

@@ -1,5 +1,5 @@
 """Slots of recurrent state for the linear-attention (Gated DeltaNet) layers of hybrid models, beside the paged KV
-of their full-attention layers (docs/hybrid-state.md).
+of their full-attention layers (docs/architecture.md, "Hybrid models").
 
 A slot holds one sequence's state in every linear-attention layer: a conv state and a recurrent state per layer,
 stored stacked ([layers, slots, ...]) so that one indexing op moves a slot's state through all layers. A slot is
@@ -106,14 +106,21 @@ class StatePool:
     def num_snapshots(self) -> int:
         return len(self._snapshots)
 
-    def allocate(self) -> int:
-        """A slot for a new (or recomputing) request, its state zeroed: never a stale state."""
+    def allocate(self, start: Hashable | None = None) -> int:
+        """A slot for a new (or recomputing) request, its state zeroed, or the snapshot `start`'s (a prefix hit):
+        never a stale state."""
+        if start is not None:  # (most recently used: evicted for this slot only when it is the last spare one)
+            self._snapshots.move_to_end(start)
         slot = self._take()
         if slot is None:
             raise RuntimeError("state pool exhausted: every slot is owned by a running request")
         self._owned.add(slot)
-        self.conv[:, slot].zero_()
-        self.recurrent[:, slot].zero_()
+        if start is None:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()
+        elif start in self._snapshots:
+            self._copy(self._snapshots[start], slot)
+        # (else the snapshot's own slot was taken: it holds that state already)
         return slot
 
     def free(self, slot: int) -> None:

@@ -9,7 +9,7 @@ decode or verify step captures into a CUDA graph.
   registers across the positions.
 
 A sequence's positions are walked up to MAX_POS (the longest query a step has: 1 at decode, k + 1 at verify).
-fla has no kernel that keeps every position's state, which the rollback needs (docs/hybrid-state.md).
+fla has no kernel that keeps every position's state, which the rollback needs (docs/architecture.md, "Hybrid models").
 Semantics: layers/gated_deltanet.causal_conv and recurrent_delta_rule.
 """
 

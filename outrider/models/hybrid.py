@@ -75,8 +75,10 @@ class HybridConfig:
 
 
 def one_centered_norms(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Checkpoint -> our value: RMSNorm weights are stored as w for (1 + w); the linear layers' gated norm is not."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+    """Checkpoint -> our value: RMSNorm weights (every `*norm*.weight`, the MTP head's pre_fc_norm_embedding and
+    pre_fc_norm_hidden included) are stored as w for (1 + w); the linear layers' gated norm is not."""
+    module, _, kind = name.rpartition(".")
+    if kind == "weight" and "norm" in module.rpartition(".")[2] and not module.endswith("linear_attn.norm"):
         return tensor + 1
     return tensor
 
@@ -211,7 +213,7 @@ class HybridCausalLM(CausalLM):
                 states: LinearStates | None = None) -> ForwardResult:
         if states is None and self.num_linear_layers:
             raise ValueError(f"{self.config.architecture} needs `states` in its forward: the state slots of its "
-                             "linear-attention layers (docs/hybrid-state.md)")
+                             "linear-attention layers (docs/architecture.md, Hybrid models)")
         h, residual = self.embed(input_ids), None
         aux = []
         inv_freq = self.model.rotary_emb.inv_freq

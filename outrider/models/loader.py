@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -131,6 +131,28 @@ def checkpoint_layout(model: torch.nn.Module, packed: bool = False) -> dict[str,
     return layout
 
 
+def assign_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Fill every parameter of `model` (built on "meta") from HF-named `tensors` through checkpoint_layout (packed
+    projections, stacked experts), strictly: a missing, unexpected or misshapen tensor is an error naming it."""
+    layout = checkpoint_layout(model)
+    unexpected = sorted(set(tensors) - set(layout))
+    if unexpected:
+        raise ValueError(f"unexpected tensor {unexpected[0]!r} in {source}")
+    missing = sorted(set(layout) - set(tensors))
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]!r} in {source}")
+    params = {name: torch.empty(p.shape, dtype=tensors[next(iter(tensors))].dtype)
+              for name, p in model.named_parameters()}
+    for name, slot in layout.items():
+        value = tensors[name]
+        if _squeezed(value.shape) != _squeezed(slot.shape):
+            raise ValueError(f"shape mismatch for {name!r} in {source}: expected {tuple(slot.shape)}, got "
+                             f"{tuple(value.shape)}")
+        value = value.reshape(-1, *params[slot.param].shape[1:])
+        params[slot.param][slot.row:slot.row + value.shape[0]].copy_(value)
+    model.load_state_dict(params, strict=True, assign=True)
+
+
 def quant_plan(model: torch.nn.Module, arch: registry.Architecture, checkpoint: gguf.GGUFCheckpoint | None,
                cfg: ModelConfig, path: Path, quantization: str, device: torch.device) -> quant.QuantPlan:
     """Which weights are read quantized (outrider.quant.checkpoint.QUANTIZATION_CHOICES): the checkpoint's own
@@ -156,7 +178,8 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
                rope: RopeOverride | None = None,
                quantization: str = "auto") -> tuple[torch.nn.Module, ModelConfig]:
     """Build the model for the checkpoint's architecture (safetensors or GGUF) and load its weights strictly, in
-    eval mode; `rope` overrides the checkpoint's RoPE settings. Quantized weights stay quantized where outrider
+    eval mode; `rope` overrides the checkpoint's RoPE settings. The config returned announces an MTP head whenever
+    the checkpoint ships one. Quantized weights stay quantized where outrider
     serves their format on the device (`quantization`: outrider.quant.checkpoint.QUANTIZATION_CHOICES)."""
     path = resolve_model_path(path_or_repo)
     checkpoint = gguf.open_gguf(path) if gguf.is_gguf(path) else None
@@ -177,11 +200,13 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
     params = {name: torch.empty(p.shape, dtype=dtype, device=device) for name, p in model.named_parameters()
               if name.rpartition(".")[0] not in plan.modules or not name.endswith(".weight")}
     loaded = set()
+    ships_mtp = False
     for t in gguf.hf_tensors(checkpoint, cfg) if checkpoint else safetensors_tensors(path):
         name = arch.checkpoint_name(t.name)
         if reader.take(t, name):
             continue
         if name not in layout:
+            ships_mtp = ships_mtp or name.startswith(MTP_PREFIXES)
             if name.startswith(MTP_PREFIXES + arch.ignored_prefixes) or name.endswith(_IGNORED_SUFFIXES) or (
                     name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
@@ -207,6 +232,10 @@ def load_model(path_or_repo: str | os.PathLike, dtype: str | torch.dtype = "auto
         quant.dequantize_modules(model)
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
+    if ships_mtp and not cfg.mtp_num_hidden_layers and not checkpoint:
+        # Qwen3-Next's release ships mtp.* with no config key announcing it: the tensors are the announcement (the
+        # engine drafts with a target's MTP head by default, speculative/mtp.py reads its layer 0).
+        cfg = replace(cfg, mtp_num_hidden_layers=1)
     if checkpoint:
         gguf.log_weights(checkpoint, quant.summarize(model), plan.dequantized)
     elif plan.method:

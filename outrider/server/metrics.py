@@ -60,6 +60,12 @@ class Metrics:
         self.kv_total = Gauge("outrider_kv_blocks_total", "KV blocks in the pool.", registry=self.registry)
         self.kv_free = Gauge("outrider_kv_blocks_free", "KV blocks no request holds (prefix-cached ones included).",
                              registry=self.registry)
+        # A hybrid model's linear-attention state pool (engine/state_pool.py); absent for other models.
+        self.state_slots = {part: Gauge(f"outrider_state_slots_{part}", text, registry=self.registry) for part, text in (
+            ("total", "Linear-attention state slots in the pool."),
+            ("owned", "State slots held by running requests."),
+            ("snapshot", "State slots holding prefix-cache snapshots (given up on demand)."),
+            ("free", "State slots neither owned nor holding a snapshot."))}
 
     def on_finished(self, timing: RequestTiming, pooled: bool = False) -> None:
         """Account one request that finished normally (called once, from the event loop). An embedding request
@@ -126,6 +132,9 @@ class Metrics:
         self.kv_used.set(stats.get("kv_blocks_used", 0))
         self.kv_total.set(stats.get("kv_blocks_total", 0))
         self.kv_free.set(stats.get("kv_blocks_total", 0) - stats.get("kv_blocks_used", 0))
+        if "state_slots_total" in stats:
+            for part, gauge in self.state_slots.items():
+                gauge.set(stats[f"state_slots_{part}"])
         return "\n".join(lines) + "\n" + generate_latest(self.registry).decode()
 
 

@@ -301,6 +301,8 @@ def _slot(state: ServerState, snap: dict) -> dict[str, Any]:
                       "n_decoded": n_decoded}
     params = state.generation_settings(req.params, req.seed)
     debug = state.config.slots_debug
+    if snap["state_slot"] is not None:  # a hybrid model's request: its state slot beside its KV blocks
+        view.update(state_slot=snap["state_slot"], kv_blocks=snap["kv_blocks"])
     view.update({"id_task": req.request_id, "n_prompt_tokens": req.num_prompt,
                  "n_prompt_tokens_processed": req.timing.prompt_n, "n_prompt_tokens_cache": req.timing.cache_n,
                  "params": params if debug else {k: v for k, v in params.items() if k not in PRIVATE_PARAMS},

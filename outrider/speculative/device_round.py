@@ -115,6 +115,12 @@ class DeviceRound:
         self.table[0, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self._table_of = (id(blocks), len(blocks))
 
+    def follow(self, req) -> None:
+        """The sequence's block table and, for a hybrid target, its state slot, as the host holds them now."""
+        self.set_blocks(req.block_ids)
+        if self.runner.states is not None:
+            self.runner.states.bind_round(req)
+
     def reach(self) -> int:
         """Positions, from the bonus token's, that the next run may write K/V at (for the host's reservation)."""
         return self.k + 1 + self.drafter.lookahead(self.k)
@@ -146,7 +152,11 @@ class DeviceRound:
         """The round: what a captured graph replays (no host reads, fixed shapes)."""
         k, runner = self.k, self.runner
         meta, positions = uniform_metadata_on_device(self.first, k + 1, self.table, runner.block_size)
-        out = runner.forward_eager(self.ids, positions, meta)
+        states = runner.states
+        if states is None:
+            out = runner.forward_eager(self.ids, positions, meta)
+        else:
+            out = runner.forward_eager(self.ids, positions, meta, states.round_states(k + 1))
         hidden, aux = out.hidden, out.aux_hidden
         greedy = runner.model.compute_logits(hidden).argmax(dim=-1)
         # m: the drafts that equal the target's greedy token before them, up to the first that does not.
@@ -155,6 +165,8 @@ class DeviceRound:
         self.limit.fill_(k)
         self.emitted.copy_(greedy)
         self.accepted.copy_(m)
+        if states is not None:  # (a hybrid target's linear layers continue from the state after the m drafts)
+            states.commit_round(m)
         verdict = RoundVerdict(inputs=self.ids, hidden=hidden, aux_hidden=aux, positions=positions, meta=meta,
                                emitted=greedy, accepted=m, bonus=greedy.index_select(0, m), first=self.first + m + 1)
         drafts = self.drafter.round_drafts(verdict, self.table, k)

@@ -7,6 +7,13 @@ committed position, fused as ctx = hidden_norm(fc(cat(taps))), enter each draft 
 (k_norm(k_proj(ctx)) with RoPE, v_proj(ctx)), written into the drafter's paged KV on commit. Drafting: the
 block [x_last, MASK * (B-1)] at positions p..p+B-1 attends non-causally over that context and itself; the
 target's LM head on the normed outputs at block slots 1..B-1 gives the drafts.
+
+Config: z-lab's first releases put `block_size` at the top level; newer ones (Qwen3.5 / Qwen3.6 targets) put it in
+`dflash_config.block_size` and add `layer_types` with `sliding_attention` layers, `sliding_window`,
+`use_sliding_window` and `rope_parameters`. A sliding layer's block queries see the context keys of their last
+`sliding_window` positions (and the whole block, non-causally, as every layer does); `use_sliding_window: false`
+makes every layer full attention, as transformers' Qwen3 config does. Every key is read or known to change nothing
+(DRAFTER_KEYS, HF's generic keys among them); any other is refused by name, never defaulted.
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,8 +34,7 @@ from outrider.graphs import VERIFY_BUCKETS, CudaGraphRunner
 from outrider.attention.metadata import build_metadata, shifted_metadata, uniform_metadata_on_device
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
-from outrider.models import read_tensors
-from outrider.models import registry
+from outrider.models import read_tensors, registry
 from outrider.models.registry import decoder_layer
 from outrider.speculative.device_round import RoundVerdict
 from outrider.speculative.drafter import (LEARN_ROWS, Commit, KVPool, Proposals, StagedDrafts, TargetView,
@@ -52,6 +59,56 @@ def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list
     return [min(max(t, 0), num_target_layers - 1) for t in taps]  # only tiny test targets need the clamp
 
 
+# Keys of a DFlash config.json that outrider reads, or that change nothing for inference (HF's generic bookkeeping;
+# max_window_layers, which layer_types or use_sliding_window supersede).
+DRAFTER_KEYS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "_name_or_path", "torch_dtype", "dtype",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "attention_dropout",
+    "tie_word_embeddings", "max_window_layers",
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "vocab_size", "rms_norm_eps", "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling",
+    "rope_parameters", "attention_bias", "layer_types", "sliding_window", "use_sliding_window",
+    "block_size", "num_target_layers", "dflash_config", "is_causal",
+})
+DFLASH_CONFIG_KEYS = frozenset({"mask_token_id", "target_layer_ids", "block_size"})
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """What a DFlash drafter's config.json says: its layers (a Qwen3 ModelConfig), block size, mask token and the
+    target layers it reads."""
+
+    layers: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], target_layers: int) -> "DFlashConfig":
+        unknown = sorted(set(raw) - DRAFTER_KEYS)
+        dflash = raw.get("dflash_config") or {}
+        unknown += sorted(f"dflash_config.{k}" for k in set(dflash) - DFLASH_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"DFlash config keys outrider does not understand: {', '.join(unknown)}")
+        if raw.get("is_causal"):
+            raise ValueError("DFlash config is_causal: true: outrider drafts a block non-causally, as DFlash does")
+        sizes = {raw.get("block_size"), dflash.get("block_size")} - {None}
+        if len(sizes) != 1:
+            raise ValueError("DFlash config needs one block size (block_size or dflash_config.block_size); got "
+                             f"{sorted(sizes) or 'none'}")
+        if "mask_token_id" not in dflash:
+            raise ValueError("DFlash config needs dflash_config.mask_token_id")
+        layers = {**raw, "architectures": ["Qwen3ForCausalLM"]}  # Qwen3 decoder layers: q/k norm, no biases
+        if not raw.get("use_sliding_window", True):  # (transformers' Qwen3 config: then no layer slides)
+            layers["layer_types"] = ["full_attention"] * raw["num_hidden_layers"]
+        cfg = registry.model_config(layers)
+        taps = dflash.get("target_layer_ids") or default_target_layers(
+            raw.get("num_target_layers", target_layers), cfg.num_hidden_layers)
+        if not all(0 <= t < target_layers for t in taps):
+            raise ValueError(f"DFlash target_layer_ids {list(taps)} name layers outside the target's {target_layers}")
+        return cls(cfg, int(sizes.pop()), int(dflash["mask_token_id"]), tuple(taps))
+
+
 class DFlashModel(nn.Module):
     """The drafter's own weights, under the checkpoint's tensor names."""
 
@@ -73,15 +130,12 @@ class DFlashDrafter:
 
     def __init__(self, target: TargetView, target_cfg: ModelConfig, path: str, block_size: int,
                  dtype: torch.dtype, device: torch.device | str, kv_pool: KVPool) -> None:
-        raw = json.loads((Path(path) / "config.json").read_text())
-        # The layers are Qwen3 decoder layers (q/k norm, no biases); ModelConfig knows them by that name.
-        cfg = registry.model_config({**raw, "architectures": ["Qwen3ForCausalLM"]})
-        dflash = raw.get("dflash_config") or {}
-        self.mask_token_id = int(dflash["mask_token_id"])
-        taps = dflash.get("target_layer_ids") or default_target_layers(
-            raw.get("num_target_layers", target_cfg.num_hidden_layers), cfg.num_hidden_layers)
-        self.aux_layer_ids = tuple(taps)
-        self.block = int(raw.get("block_size", 16))
+        config = DFlashConfig.from_dict(json.loads((Path(path) / "config.json").read_text()),
+                                        target_cfg.num_hidden_layers)
+        cfg, taps = config.layers, config.target_layer_ids
+        self.mask_token_id = config.mask_token_id
+        self.aux_layer_ids = taps
+        self.block = config.block_size
         self.max_draft = self.block - 1
         self.device = torch.device(device)
         self.target = target

@@ -342,6 +342,7 @@ class DraftPolicy:
     measured: bool = False  # choose k from measured step costs (on by default on CUDA: EngineConfig)
     max_verify_tokens: int = MAX_VERIFY_TOKENS
     max_batch: int = 64  # no drafting above this many decoding requests
+    max_draft: int | None = None  # drafts a round may verify whatever the drafter could (a hybrid target's verify rows)
     prior_alpha: float = 0.7  # acceptance assumed before measurements (worth 2 rounds, decaying like them)
     decay: float = 0.9  # weight of the past per round (a request's estimate; its drift per undrafted step: 1 - decay)
     pooled_decay: float = 0.99  # weight of the past per round in the estimate over all requests
@@ -367,6 +368,8 @@ class DraftPolicy:
         if probe.ids == ids and self._quiet(probe, explore):
             return [0] * n
         batch_cap = min(self.max_verify_tokens // max(n, 1) - 1, drafter.max_draft)
+        if self.max_draft is not None:
+            batch_cap = min(batch_cap, self.max_draft)
         caps = [self._cap(r, batch_cap, extra) for r, extra in zip(requests, in_flight or itertools.repeat(0))]
         if max(caps, default=0) <= 0:
             return [0] * n

@@ -1,11 +1,17 @@
 """Multi-token-prediction heads shipped inside the target checkpoint, used as a drafter.
 
 Two layouts: Qwen3-Next / Qwen3.5 (`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`,
-`mtp.layers.0.*`, `mtp.norm`) and MiMo (`model.mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj,
+`mtp.layers.0.*`, `mtp.norm`; top level also in Qwen3.5's multimodal release, whose decoder sits under
+`model.language_model.`) and MiMo (`model.mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj,
 <decoder layer>, final_layernorm}`). Both fuse the embedding of token t_{i+1} with the target's final-norm
 hidden h_i, run one decoder layer with its own KV (one extra layer, indexed by the target's block ids), norm,
 and use the target's lm_head to predict t_{i+2}. Drafting deeper than 1 feeds the head its own output back,
 reusing layer 0 (released checkpoints have one layer; acceptance decays with depth).
+
+On a hybrid target (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: models/hybrid.py) the Qwen layer is the model's own kind of
+full-attention layer (`mtp_layer`: gated attention, partial RoPE, the model's MoE or dense MLP), and the head's
+tensors pass through the architecture's checkpoint conversion (their RMSNorms store w for (1 + w)). Experts are
+read as the checkpoint stores them: per expert, or fused (`mlp.experts.gate_up_proj`).
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from outrider.attention import AttentionBackend, AttentionMetadata, KVCache
 from outrider.config import ModelConfig
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding
-from outrider.models import read_tensors
-from outrider.models.registry import decoder_layer
+from outrider.models import read_tensors, registry
+from outrider.models.loader import assign_tensors
+from outrider.models.hybrid import HybridCausalLM, mtp_layer
 from outrider.speculative.chain import ChainDrafter
 from outrider.speculative.drafter import KVPool, TargetView, greedy_drafts
 
@@ -28,13 +35,15 @@ class QwenMTP(nn.Module):
 
     prefix = "mtp."
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused_experts: bool = False) -> None:
+        """fused_experts: a MoE layer's experts are stored fused (Qwen3.5-MoE's release)."""
         super().__init__()
         h = cfg.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([decoder_layer(cfg, 0)])
+        hybrid = registry.of(cfg).model is HybridCausalLM  # (its layer 0 may be a linear-attention one)
+        self.layers = nn.ModuleList([mtp_layer(cfg, fused_experts) if hybrid else registry.decoder_layer(cfg, 0)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def fuse(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -51,9 +60,9 @@ class MiMoMTP(nn.Module):
 
     prefix = "model.mtp_layers.0."
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fused_experts: bool = False) -> None:
         super().__init__()
-        layer = decoder_layer(cfg, 0)
+        layer = registry.decoder_layer(cfg, 0)
         # The layer's modules sit beside the head's own in the checkpoint (self_attn, mlp, ... unprefixed): they are
         # registered here, and the layer, which shares them, runs them.
         for name, child in layer.named_children():
@@ -84,12 +93,13 @@ def load_mtp_head(path: str, cfg: ModelConfig, dtype: torch.dtype, device: torch
             break
     else:
         raise ValueError(f"no MTP tensors ({', '.join(c.prefix for c in LAYOUTS.values())}*) in {path}")
-    state = {name[len(cls.prefix):]: t for name, t in tensors.items()}
+    convert = registry.of(cfg).from_checkpoint or (lambda name, t: t)
+    state = {name[len(cls.prefix):]: convert(name, t) for name, t in tensors.items()}
     # Only layer 0 is used (see the module docstring); deeper Qwen layers are left on disk.
     state = {n: t for n, t in state.items() if not n.startswith("layers.") or n.startswith("layers.0.")}
     with torch.device("meta"):
-        head = cls(cfg)
-    head.load_state_dict(state, strict=True, assign=True)
+        head = cls(cfg, fused_experts=any(n.endswith("mlp.experts.gate_up_proj") for n in state))
+    assign_tensors(head, state, f"the MTP head ({cls.prefix}*) of {path}")
     return layout, head.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 

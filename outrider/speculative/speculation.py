@@ -197,7 +197,7 @@ class Speculation:
         elif owner[1] != k:  # (the device's state follows the owner's rounds: the new length takes over from them)
             rounds.continue_from(self.rounds[owner[1]])
             verified = min(k, owner[1])
-        rounds.set_blocks(req.block_ids)
+        rounds.follow(req)
         self._owner = (req.request_id, k)
         t0 = self.clock()
         host.count_step(1)

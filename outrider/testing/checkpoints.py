@@ -74,6 +74,26 @@ def write_tiny_checkpoint(path: str | Path, arch: str = "qwen3", *, vocab_size: 
     return path
 
 
+def write_multimodal_release(text: str | Path, path: str | Path) -> Path:
+    """The tiny text-only Qwen3.5 checkpoint at `text` in its release's layout at `path`:
+    Qwen3_5ForConditionalGeneration, the decoder's keys under text_config and its weights under model.language_model., a (tiny) vision tower
+    beside it; top-level tensors (the MTP head's mtp.*, lm_head) stay where they are."""
+    from safetensors.torch import load_file, save_file
+
+    text, path = Path(text), Path(path)
+    config = json.loads((text / "config.json").read_text())
+    path.mkdir(parents=True, exist_ok=True)
+    _write_json(path / "config.json", {
+        "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+        "text_config": {**config, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1},
+        "tie_word_embeddings": config["tie_word_embeddings"]})
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(text / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
 def random_weights(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """Random float32 weights under HF names, scaled so tiny models give varied, well-separated greedy tokens."""
     cfg = registry.model_config(config)

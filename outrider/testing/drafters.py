@@ -41,8 +41,10 @@ def random_params(module: nn.Module, prefix: str = "", seed: int = 0) -> dict[st
     return out
 
 
-def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 0, **kwargs: Any) -> Path:
-    """A target checkpoint (write_tiny_checkpoint kwargs) with a random MTP head in `layout` ("qwen" | "mimo")."""
+def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 0, fused_experts: bool = False,
+                         **kwargs: Any) -> Path:
+    """A target checkpoint (write_tiny_checkpoint kwargs) with a random MTP head in `layout` ("qwen" | "mimo");
+    `fused_experts`: a MoE head's experts stored fused, as Qwen3.5-MoE's release stores them."""
     from outrider.speculative.mtp import LAYOUTS
 
     arch, key = _MTP[layout]
@@ -50,32 +52,44 @@ def write_mtp_checkpoint(path: str | Path, layout: str = "qwen", *, seed: int = 
     path = write_tiny_checkpoint(path, seed=seed, **kwargs)  # first pass: the config the head is shaped by
     cls = LAYOUTS[layout]
     with torch.device("meta"):
-        head = cls(registry.load_config(path))
+        head = cls(registry.load_config(path), fused_experts=fused_experts)
     extra = random_params(head, cls.prefix, seed + 1)
     return write_tiny_checkpoint(path, seed=seed, **kwargs, extra_tensors=extra)
 
 
 def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int = 2, block_size: int = 4,
                             mask_token_id: int | None = None, target_layer_ids: list[int] | None = None,
-                            seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """A DFlash drafter for the target checkpoint at `target`: its hidden size, heads and vocabulary."""
+                            sliding_window: int = 0, config: dict[str, Any] | None = None, seed: int = 0,
+                            dtype: torch.dtype = torch.float32) -> Path:
+    """A DFlash drafter for the target checkpoint at `target`: its hidden size, heads and vocabulary unless `config`
+    says otherwise (a release's own attention shape). With `sliding_window`, the newer z-lab layout (Qwen3.5 drafters): the block size under dflash_config, every layer but
+    the last a sliding-window one, rope_parameters."""
     from safetensors.torch import save_file
 
-    from outrider.speculative.dflash import DFlashModel, default_target_layers
+    from outrider.speculative.dflash import DFlashConfig, DFlashModel, default_target_layers
 
     tcfg = json.loads((Path(target) / "config.json").read_text())
     n_target = tcfg["num_hidden_layers"]
+    rope_theta = registry.model_config(tcfg).rope_theta  # (rope_theta, or under rope_parameters)
     taps = target_layer_ids if target_layer_ids is not None else default_target_layers(n_target, layers)
+    dflash = {"mask_token_id": tcfg["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
+              "target_layer_ids": taps}
+    if sliding_window:
+        layout = {"dflash_config": {**dflash, "block_size": block_size}, "use_sliding_window": True,
+                  "sliding_window": sliding_window,
+                  "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"],
+                  "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"}}
+    else:
+        layout = {"block_size": block_size, "dflash_config": dflash, "rope_theta": rope_theta}
     config = {
+        **{k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings")},
+        **(config or {}),
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         "model_type": "qwen3",
-        "block_size": block_size,
         "num_target_layers": n_target,
-        "dflash_config": {"mask_token_id": tcfg["vocab_size"] - 1 if mask_token_id is None else mask_token_id,
-                          "target_layer_ids": taps},
-        **{k: tcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")},
+        **layout,
         "num_hidden_layers": layers,
         "attention_bias": False,
         "tie_word_embeddings": False,
@@ -86,7 +100,7 @@ def write_dflash_checkpoint(path: str | Path, target: str | Path, *, layers: int
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    cfg = registry.model_config({**config, "architectures": ["Qwen3ForCausalLM"]})
+    cfg = DFlashConfig.from_dict(config, n_target).layers
     with torch.device("meta"):
         model = DFlashModel(cfg, len(taps) * tcfg["hidden_size"])
     tensors = {n: t.to(dtype).contiguous() for n, t in random_params(model, seed=seed).items()}
