@@ -50,13 +50,19 @@
 # smol-drafter: train a DFlash drafter for SmolLM2 (scripts/train_smollm2_drafter.py, ~3.5 min; packed into $OUT),
 #          then bench spec with it at batch 1 and 8 on its held-out prompts. Needs SmolLM2's parts as smollm2 does
 #          (in the same call or an earlier one).
+# quant: issue 39's rows: bench quant on the Qwen3-8B shape, bf16 beside each of q4_k_m, q8_0, fp8, awq (one
+#     bf16 checkpoint written to /tmp/oq and reused), then the kernels alone at 1-512 rows.
+# hybrid: issue 38's rows: batch-1 latency (active-weight roofline) of the Qwen3.5-4B and Qwen3-30B-A3B shapes,
+#     batch-64 throughput of 30B-A3B beside the dense 8B.
+# hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: its MTP head (alpha 0.8, k 3) and the DFlash-b16 preset
+#     (alpha 0.86), batch 1 and 32.
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
 #     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
 set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|quant|hybrid|hybrid-spec|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -240,6 +246,20 @@ JSON
     fi ;;
   kernels)
     bench kernels ;;
+  quant)
+    for f in q4_k_m q8_0 fp8 awq; do
+      bench quant --random-weights qwen3-8b --checkpoint-dir /tmp/oq --weights-format bf16 $f
+    done
+    bench quant --random-weights qwen3-8b --kernels --kernel-formats Q4_K Q6_K Q8_0 FP8 INT4 --kernel-rows 1 5 16 32 512 ;;
+  hybrid)
+    bench latency --random-weights qwen3.5-4b --batch 1 --gen 256
+    bench latency --random-weights qwen3-30b-a3b --batch 1 --gen 256
+    bench throughput --random-weights qwen3-30b-a3b --max-num-seqs 64 --num-requests 256
+    bench throughput --random-weights qwen3-8b --max-num-seqs 64 --num-requests 256 ;;
+  hybrid-spec)
+    b="spec --random-weights qwen3.5-4b --batch 1 32 --num-requests 16"
+    bench $b --spec-type mtp --acceptance 0.8 0 --draft-n-max 3 --json "$OUT/json/hybrid-mtp.json"
+    bench $b --spec-type dflash --acceptance 0.86 0 --draft-n-max 15 --json "$OUT/json/hybrid-dflash.json" ;;
   sweep-attn)
     timed "$OUT/bench.log" $PY scripts/sweep_verify_attention.py ;;
   latency)
