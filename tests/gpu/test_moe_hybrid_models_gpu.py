@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from outrider.attention import KVCache
-from outrider.attention.triton_backend import TritonAttentionBackend
 from outrider.engine.state_pool import StateLayout, StatePool
 from outrider.llm import LLM
 from outrider.models import load_model
@@ -43,6 +42,8 @@ class CudaHybridRunner(HybridRunner):
         cfg = model.config
         self.kv = KVCache.allocate(cfg.num_hidden_layers, self.tables.numel(), BLOCK_SIZE, cfg.num_key_value_heads,
                                    cfg.head_dim, torch.float32, "cuda")
+        from outrider.attention.triton_backend import TritonAttentionBackend  # (needs Triton: CUDA only)
+
         self.backend = TritonAttentionBackend()
         layout = StateLayout.of(model.linear_config, model.num_linear_layers)
         self.pool = StatePool(layout, n_seqs + 2, verify_rows=n_seqs, verify_positions=6, device="cuda")
