@@ -11,7 +11,7 @@ import torch
 
 from outrider.bench.drafter_shapes import PRESETS, write_preset
 from outrider.bench.shapes import (RANDOM_MODELS, _meta_model, config_weight_bytes, kv_bytes_per_token,
-                                   random_model_of, state_bytes_per_sequence)
+                                   random_model_of, state_bytes_per_sequence, write_stub_checkpoint)
 from outrider.config import ModelConfig
 from outrider.models import registry
 from outrider.speculative.dflash import DFlashConfig
@@ -150,3 +150,13 @@ def test_fix_successors_makes_greedy_decoding_decisive(tie):
     else:
         successor = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(4))
         assert got == [int(successor[t]) for t in tokens]
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_MODELS))
+def test_stub_checkpoint_ends_generation_on_a_token_its_tokenizer_has(name, tmp_path):
+    from transformers import AutoTokenizer
+
+    stub = write_stub_checkpoint(name, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(stub)
+    eos = registry.load_config(stub).eos_token_id
+    assert all(token < len(tokenizer) for token in eos)

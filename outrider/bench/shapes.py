@@ -172,7 +172,9 @@ def write_stub_checkpoint(name: str, path: Path, full_vocab: bool = False, **ext
             shutil.copyfile(cache / file, path / file)
     else:
         write_tiny_tokenizer(path)
-    (path / "config.json").write_text(json.dumps({**RANDOM_MODELS[name], **extra_config}))
+    # The stub's tokenizer, not the release's, decides end of generation: a release's EOS id may lie past it.
+    config = {**RANDOM_MODELS[name], "eos_token_id": None, **extra_config}
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 
