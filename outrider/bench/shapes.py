@@ -20,8 +20,9 @@ _QWEN3_5 = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
                 full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
                 linear_value_head_dim=128, partial_rotary_factor=0.25,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
-                eos_token_id=248044, torch_dtype="bfloat16")
-RANDOM_MODELS: dict[str, dict] = {  # HF config.json fields of the public checkpoints
+                torch_dtype="bfloat16")
+# HF config.json fields of the public checkpoints, less their token ids: the stub tokenizer's EOS ends generation.
+RANDOM_MODELS: dict[str, dict] = {
     "qwen3-0.6b": {**_QWEN3, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "tie_word_embeddings": True},
     "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
@@ -60,7 +61,7 @@ RANDOM_MODELS: dict[str, dict] = {  # HF config.json fields of the public checkp
                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                      "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                      "linear_value_head_dim": 16, "max_position_embeddings": 2048, "tie_word_embeddings": True,
-                     "eos_token_id": None, "torch_dtype": "float32"},
+                     "torch_dtype": "float32"},
     "tiny-qwen3-draft": {**_QWEN3, "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
                          "max_position_embeddings": 2048, "tie_word_embeddings": True, "torch_dtype": "float32"},
@@ -172,9 +173,7 @@ def write_stub_checkpoint(name: str, path: Path, full_vocab: bool = False, **ext
             shutil.copyfile(cache / file, path / file)
     else:
         write_tiny_tokenizer(path)
-    # The stub's tokenizer, not the release's, decides end of generation: a release's EOS id may lie past it.
-    config = {**RANDOM_MODELS[name], "eos_token_id": None, **extra_config}
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({**RANDOM_MODELS[name], **extra_config}))
     return path
 
 

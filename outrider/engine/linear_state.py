@@ -117,8 +117,11 @@ class LinearStateSlots:
         self._round_host = self.slot(req)
         self.round_slot.fill_(self._round_host)
 
-    def round_states(self, q: int) -> LinearStates:
-        return self.states(StateBatch([0, q], self.round_slot, [self._round_host], verify=True))
+    def round_states(self, meta: AttentionMetadata) -> LinearStates:
+        """The round's verify states: its one sequence's meta.max_query_len tokens, the query offsets on the device
+        (a captured round copies nothing from the host)."""
+        q = meta.max_query_len
+        return self.states(StateBatch([0, q], self.round_slot, [self._round_host], True, meta.query_start_loc))
 
     def commit_round(self, accepted: torch.Tensor) -> None:
         self.pool.commit_verify(self.round_slot, self._round_row, accepted)

@@ -156,7 +156,7 @@ class DeviceRound:
         if states is None:
             out = runner.forward_eager(self.ids, positions, meta)
         else:
-            out = runner.forward_eager(self.ids, positions, meta, states.round_states(k + 1))
+            out = runner.forward_eager(self.ids, positions, meta, states.round_states(meta))
         hidden, aux = out.hidden, out.aux_hidden
         greedy = runner.model.compute_logits(hidden).argmax(dim=-1)
         # m: the drafts that equal the target's greedy token before them, up to the first that does not.
