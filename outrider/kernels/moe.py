@@ -32,9 +32,17 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def block_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> BlockLayout:
-    """Sort the flattened expert ids [T, k] into per-expert blocks, with device ops of fixed shapes only."""
+    """Sort the flattened expert ids [T, k] into per-expert blocks, with device ops of fixed shapes only: one
+    launch for decode-sized routings (SMALL_PAIRS pairs or fewer), a dozen torch ops otherwise."""
     flat = ids.flatten()
     n = flat.numel()
+    blocks = max_blocks(n, num_experts, block_m)
+    if n <= SMALL_PAIRS:
+        sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int64, device=flat.device)
+        block_expert = torch.empty(blocks, dtype=torch.int64, device=flat.device)
+        _small_layout[(blocks,)](flat.contiguous(), sorted_pairs, block_expert, n, num_experts,
+                                 NP=max(16, triton.next_power_of_2(n)), BLOCK_M=block_m)
+        return BlockLayout(sorted_pairs, block_expert)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -43,12 +51,77 @@ def block_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> BlockLayo
     expert_of = flat[order]
     first = torch.cumsum(counts, 0) - counts  # each expert's first index in `order`
     dest = (padded_end - padded)[expert_of] + torch.arange(n, device=flat.device) - first[expert_of]
-    blocks = max_blocks(n, num_experts, block_m)
     sorted_pairs = torch.full((blocks * block_m,), n, dtype=torch.int64, device=flat.device)
     sorted_pairs.scatter_(0, dest, order)
     starts = torch.arange(0, blocks * block_m, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_end, starts, right=True)
     return BlockLayout(sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1))
+
+
+SMALL_PAIRS = 64  # routings up to this many pairs get their layout from one launch of _small_layout
+
+
+@triton.jit
+def _small_layout(ids_ptr, pairs_ptr, block_expert_ptr, n, num_experts, NP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Block b of block_layout's result for n <= NP pairs. Every program ranks all pairs itself (an NP x NP
+    comparison, cheaper than a second launch): a pair's rank among the earlier pairs of its expert, each expert's
+    padded block count, and the padded start of each expert (the experts below it, in id order)."""
+    b = tl.program_id(0)
+    i = tl.arange(0, NP)
+    valid = i < n
+    f = tl.load(ids_ptr + i, mask=valid, other=num_experts)
+    same = (f[:, None] == f[None, :]) & valid[:, None] & valid[None, :]
+    rank = tl.sum((same & (i[None, :] < i[:, None])).to(tl.int64), 1)
+    padded = (tl.sum(same.to(tl.int64), 1) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first = valid & (rank == 0)
+    below = (f[None, :] < f[:, None]) & first[None, :]
+    start = tl.sum(tl.where(below, padded[None, :], 0), 1)
+    block_start = b * BLOCK_M
+    mine = first & (start <= block_start) & (block_start < start + padded)  # at most one expert's
+    owner = tl.max(tl.where(mine, f, -1), 0)
+    owner_start = tl.max(tl.where(mine, start, -1), 0)
+    tl.store(block_expert_ptr + b, owner)
+    r = tl.arange(0, BLOCK_M)
+    hit = (f[None, :] == owner) & valid[None, :] & (rank[None, :] == (block_start - owner_start + r)[:, None])
+    tl.store(pairs_ptr + block_start + r, tl.min(tl.where(hit, i[None, :], n), 1))
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """layers.moe.route in one launch: (ids [T, k] int64, weights [T, k] float32)."""
+    t, num_experts = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    if t:
+        _route[(t,)](logits, ids, weights, num_experts, logits.stride(0), TOP_K=top_k,
+                     KP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
+                     NORMALIZE=normalize)
+    return ids, weights
+
+
+@triton.jit
+def _route(logits_ptr, ids_ptr, weights_ptr, num_experts, stride, TOP_K: tl.constexpr, KP: tl.constexpr,
+           BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+    """One token: softmax over its expert logits in float32, then TOP_K rounds of taking the largest left (the
+    lowest id among equals)."""
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    left = tl.where(e < num_experts, p, -1.0)
+    j = tl.arange(0, KP)
+    ids = tl.zeros((KP,), dtype=tl.int64)
+    weights = tl.zeros((KP,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        best = tl.max(left, 0)
+        pick = tl.min(tl.where(left == best, e, BLOCK_E), 0)
+        ids = tl.where(j == slot, pick, ids)
+        weights = tl.where(j == slot, best, weights)
+        left = tl.where(e == pick, -1.0, left)
+    if NORMALIZE:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(ids_ptr + t * TOP_K + j, ids, mask=j < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + j, weights, mask=j < TOP_K)
 
 
 @triton.jit
@@ -92,7 +165,7 @@ def _grouped_gemm(a_ptr, w_ptr, out_ptr, scale_ptr, pairs_ptr, block_expert_ptr,
 
 def _block_m(num_pairs: int) -> int:
     # Decode routes one token to k experts: each block holds one real row, so keep blocks at tl.dot's minimum.
-    return 16 if num_pairs <= 64 else 64
+    return 16 if num_pairs <= SMALL_PAIRS else 64
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m: int, num_pairs: int,
@@ -124,4 +197,4 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
     act = grouped_gemm(x, gate_up, layout, block_m, num_pairs, a_row_div=top_k, gated=True)
     weights = weights.flatten().to(torch.float32).contiguous()
     y = grouped_gemm(act, down, layout, block_m, num_pairs, a_row_div=1, gated=False, scale=weights)
-    return y.view(t, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return y.view(t, top_k, -1).sum(dim=1)  # (torch accumulates half precision in float32)

@@ -57,7 +57,17 @@ class Routing(NamedTuple):
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
-    """Softmax over the experts in float32, the top k, renormalised to sum 1 when `normalize` (norm_topk_prob)."""
+    """Softmax over the experts in float32, the top k, renormalised to sum 1 when `normalize` (norm_topk_prob).
+    On CUDA one kernel (kernels/moe.py) instead of torch's five, which cost more than the experts' GEMMs at batch 1."""
+    if logits.is_cuda:
+        from outrider.kernels import moe
+
+        return Routing(*moe.route(logits, top_k, normalize))
+    return torch_route(logits, top_k, normalize)
+
+
+def torch_route(logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
+    """Reference: the semantics kernels/moe.route matches."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:

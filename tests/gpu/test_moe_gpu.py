@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.layers.moe import route, torch_experts
+from outrider.layers.moe import torch_experts, torch_route
 
 
 def _problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -15,7 +15,7 @@ def _problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dty
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
     down = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
     router = torch.randn(experts, hidden, generator=gen)
-    routing = route(x @ router.T, top_k, normalize=True)
+    routing = torch_route(x @ router.T, top_k, normalize=True)
     to = dict(device=device, dtype=dtype)
     return x.to(**to), gate_up.to(**to), down.to(**to), routing._replace(
         ids=routing.ids.to(device), weights=routing.weights.to(device))
@@ -52,6 +52,39 @@ def test_block_layout_puts_every_pair_once_in_its_experts_block(device):
     assert sorted(seen) == list(range(flat.numel()))
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (3, 16, 4), (8, 128, 8), (6, 512, 10), (2, 5, 2)])
+def test_one_launch_layout_equals_the_sorting_layout(tokens, experts, top_k, device):
+    from outrider.kernels import moe
+
+    gen = torch.Generator().manual_seed(tokens * experts)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[-1] = ids[0]  # (two tokens, or one token's pairs, share experts)
+    ids = ids.to(device)
+    got = moe.block_layout(ids, experts, block_m=16)
+    small, moe.SMALL_PAIRS = moe.SMALL_PAIRS, 0
+    try:
+        want = moe.block_layout(ids, experts, block_m=16)
+    finally:
+        moe.SMALL_PAIRS = small
+    assert ids.numel() <= small
+    assert got.sorted_pairs.tolist() == want.sorted_pairs.tolist()
+    assert got.block_expert.tolist() == want.block_expert.tolist()
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,normalize", [(1, 128, 8, True), (5, 512, 10, True), (3, 60, 4, False),
+                                                             (2, 8, 1, True)])
+def test_one_launch_routing_equals_the_torch_reference(tokens, experts, top_k, normalize, model_dtype, device):
+    from outrider.kernels.moe import route
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(device, model_dtype)
+    ids, weights = route(logits, top_k, normalize)
+    ref = torch_route(logits.float().cpu(), top_k, normalize)
+    torch.testing.assert_close(weights.cpu(), ref.weights, atol=1e-6, rtol=1e-5)  # (both in descending order)
+    # The same experts, but for the order among equal logits (half precision has ties), which torch leaves open.
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    assert torch.equal(logits.cpu().gather(1, ids.cpu()), logits.cpu().gather(1, ref.ids))
+
+
 @pytest.mark.cuda_only
 def test_fused_experts_replay_in_a_cuda_graph(device):
     from outrider.kernels.moe import fused_experts
@@ -64,4 +97,4 @@ def test_fused_experts_replay_in_a_cuda_graph(device):
     x2, *_ = _problem(2, 16, 4, 64, 64, torch.bfloat16, device, seed=1)
     x.copy_(x2)
     graph.replay()
-    torch.testing.assert_close(out, fused_experts(x2, gate_up, down, routing))
+    torch.testing.assert_close(out, fused_experts(x2, gate_up, down, routing.ids, routing.weights))
