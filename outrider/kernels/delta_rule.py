@@ -4,9 +4,11 @@ decode or verify step captures into a CUDA graph.
 
 - `causal_conv_step`: the depthwise causal conv + SiLU over each sequence's query tokens from its slot's conv
   window; advances the slot, or (verify) writes the window after each position to the verify rows.
-- `recurrent_step`: the gated delta rule over each sequence's query tokens from its slot's recurrent state; the
-  same two modes. One program per (sequence, value head, block of value dims): the [Dk, BV] state block stays in
-  registers across the positions.
+- `recurrent_step`: the gated delta rule over each sequence's query tokens from its slot's recurrent state, with
+  the heads' normalisation and gates computed in the kernel (torch's two dozen small ops a layer would each be a
+  launch); the same two modes. One program per (sequence, value head, block of value dims): the [Dk, BV] state
+  block stays in registers across the positions.
+- `gated_norm`: the output's gated RMSNorm in one launch.
 
 A sequence's positions are walked up to MAX_POS (the longest query a step has: 1 at decode, k + 1 at verify).
 fla has no kernel that keeps every position's state, which the rollback needs (docs/architecture.md, "Hybrid models").
@@ -78,47 +80,89 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
 
 
 @triton.jit
-def _recurrent_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
-                    stride_ss, stride_vr, stride_vp, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_V: tl.constexpr, MAX_POS: tl.constexpr, VERIFY: tl.constexpr):
-    b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
-    slot = tl.load(slots_ptr + b).to(tl.int64)
+def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
+                    stride_x, stride_b, stride_a, stride_ss, stride_vr, stride_vp, scale, HK: tl.constexpr,
+                    HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                    MAX_POS: tl.constexpr, VERIFY: tl.constexpr):
+    """GatedDeltaNet.heads fused in: q, k L2-normalised (q scaled) from the conv output's channels of this value
+    head's key head, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end = tl.load(qsl_ptr + seq), tl.load(qsl_ptr + seq + 1)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    kh = h // (HV // HK)
     offs_k = tl.arange(0, DK)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    neg_rate = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     block = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # this head's [DK, BLOCK_V] block of a state
     s = tl.load(state_ptr + slot * stride_ss + block)
     for i in range(MAX_POS):
         t = start + i
         if t < end:
-            row = t.to(tl.int64) * HV + h
-            kt = tl.load(k_ptr + row * DK + offs_k)
-            qt = tl.load(q_ptr + row * DK + offs_k)
-            vt = tl.load(v_ptr + row * DV + offs_v)
-            s = s * tl.exp(tl.load(g_ptr + row))
-            u = tl.load(beta_ptr + row) * (vt - tl.sum(s * kt[:, None], axis=0))
+            t64 = t.to(tl.int64)
+            x_row = x_ptr + t64 * stride_x
+            qt = tl.load(x_row + kh * DK + offs_k).to(tl.float32)
+            kt = tl.load(x_row + (HK + kh) * DK + offs_k).to(tl.float32)
+            vt = tl.load(x_row + 2 * HK * DK + h * DV + offs_v).to(tl.float32)
+            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * scale
+            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
+            z = tl.load(a_ptr + t64 * stride_a + h).to(tl.float32) + dt_bias
+            softplus = tl.where(z > 20.0, z, tl.where(z < -15.0, tl.exp(z), tl.log(1.0 + tl.exp(z))))  # (torch's)
+            beta = tl.sigmoid(tl.load(b_ptr + t64 * stride_b + h).to(tl.float32))
+            s = s * tl.exp(neg_rate * softplus)
+            u = beta * (vt - tl.sum(s * kt[:, None], axis=0))
             s = s + kt[:, None] * u[None, :]
+            row = t64 * HV + h
             tl.store(out_ptr + row * DV + offs_v, tl.sum(s * qt[:, None], axis=0))
             if VERIFY:
-                tl.store(verify_ptr + b * stride_vr + i * stride_vp + block, s)
+                tl.store(verify_ptr + seq * stride_vr + i * stride_vp + block, s)
     if not VERIFY:
         tl.store(state_ptr + slot * stride_ss + block, s)
 
 
-def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor, qsl: torch.Tensor, slots: torch.Tensor, max_pos: int,
+def recurrent_step(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+                   dt_bias: torch.Tensor, state: torch.Tensor, qsl: torch.Tensor, slots: torch.Tensor, max_pos: int,
                    verify_state: torch.Tensor | None = None) -> torch.Tensor:
-    """q, k [T, Hv, Dk] (normalised, q scaled), v [T, Hv, Dv], g, beta [T, Hv], all float32; state [S, Hv, Dk, Dv]
-    float32 (the pool's) -> o [T, Hv, Dv] float32. verify_state [R, P, Hv, Dk, Dv]: verify mode."""
-    t, hv, dk = q.shape
-    dv = v.shape[-1]
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    out = torch.empty(t, hv, dv, dtype=torch.float32, device=q.device)
+    """The conv output [T, C] (q | k | v channels), b and a [T, Hv] (rows may be strided), A_log and dt_bias [Hv]
+    (GatedDeltaNet.heads' inputs); state [S, Hv, Dk, Dv] float32 (the pool's) -> o [T, Hv, Dv] float32.
+    verify_state [R, P, Hv, Dk, Dv]: verify mode."""
+    hv, dk, dv = state.shape[1:]
+    hk = (conv_out.shape[1] - hv * dv) // (2 * dk)
+    if conv_out.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
+        raise ValueError("recurrent_step reads rows of unit column stride")
+    out = torch.empty(conv_out.shape[0], hv, dv, dtype=torch.float32, device=conv_out.device)
     verify = verify_state is not None
     target = verify_state if verify else state
     block_v = min(dv, 32)
     grid = (slots.numel(), hv, triton.cdiv(dv, block_v))
-    _recurrent_step[grid](q, k, v, g, beta, out, state, target, qsl, slots, state.stride(0),
-                          target.stride(0) if verify else 0, target.stride(1) if verify else 0, HV=hv, DK=dk, DV=dv,
+    _recurrent_step[grid](conv_out, b, a, a_log, dt_bias, out, state, target, qsl, slots, conv_out.stride(0),
+                          b.stride(0), a.stride(0), state.stride(0), target.stride(0) if verify else 0,
+                          target.stride(1) if verify else 0, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
                           BLOCK_V=block_v, MAX_POS=max_pos, VERIFY=verify)
+    return out
+
+
+@triton.jit
+def _gated_norm(x_ptr, z_ptr, w_ptr, out_ptr, stride_zt, eps, HV: tl.constexpr, DV: tl.constexpr):
+    """One (token, head) row: GatedRMSNorm's roundings to the output dtype, step by step."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs = tl.arange(0, DV)
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + (t * HV + h) * DV + offs).to(dtype).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, 0) / DV + eps)).to(dtype)
+    normed = (tl.load(w_ptr + offs).to(tl.float32) * y.to(tl.float32)).to(dtype)
+    z = tl.load(z_ptr + t * stride_zt + h * DV + offs).to(tl.float32)
+    tl.store(out_ptr + (t * HV + h) * DV + offs, (normed.to(tl.float32) * z * tl.sigmoid(z)).to(dtype))
+
+
+def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """layers/gated_deltanet.GatedRMSNorm of the delta rule's output x [T, Hv, Dv] float32 and the gate z
+    [T, Hv, Dv] (heads contiguous, rows may be strided) -> [T, Hv, Dv] in `dtype`, in one launch."""
+    t, hv, dv = x.shape
+    if z.stride(2) != 1 or z.stride(1) != dv:
+        raise ValueError("gated_norm reads each row's heads contiguous")
+    out = torch.empty(t, hv, dv, dtype=dtype, device=x.device)
+    if t:
+        _gated_norm[(t, hv)](x.contiguous(), z, weight, out, z.stride(0), eps, HV=hv, DV=dv)
     return out

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from outrider.layers.gated_deltanet_types import LayerState, Mixed, StateBatch
+from outrider.layers.gated_deltanet_types import Gates, LayerState, Mixed, StateBatch
 from outrider.layers.linear import Linear, MergedLinear, stack_merged_parts
 
 CHUNK = 64  # the chunked form's block length (fla's too)
@@ -151,7 +151,13 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The delta rule's output `core` [T, Hv, Dv] float32, rounded to `dtype` first, and the gate z -> `dtype`."""
+        if core.is_cuda:
+            from outrider.kernels.delta_rule import gated_norm
+
+            return gated_norm(core, z, self.weight, self.eps, dtype)
+        x = core.to(dtype)
         xf = x.float()
         normed = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (normed * F.silu(z.float())).to(x.dtype)
@@ -210,11 +216,11 @@ class GatedDeltaNet(nn.Module):
         if x.is_cuda:
             from outrider.layers import gated_deltanet_cuda
 
-            core = gated_deltanet_cuda.mix(self.conv1d.weight[:, 0], self.heads, mixed, state, batch)
+            core = gated_deltanet_cuda.mix(self.conv1d.weight[:, 0], self.heads, Gates(self.A_log, self.dt_bias),
+                                           mixed, state, batch)
         else:
             core = self.torch_mix(mixed, state, batch)
-        out = self.norm(core.to(x.dtype), mixed.z)
-        return self.out_proj(out.flatten(1))
+        return self.out_proj(self.norm(core, mixed.z, x.dtype).flatten(1))
 
     def torch_mix(self, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
         """The reference, sequence by sequence: conv and delta rule from each slot's state, which advances (or,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from outrider.layers.gated_deltanet_types import LayerState, Mixed, StateBatch
+from outrider.layers.gated_deltanet_types import Gates, LayerState, Mixed, StateBatch
 
 
 def _fla():
@@ -34,27 +34,28 @@ SHORT_QUERY = 16
 Heads = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
 
 
-def mix(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
-    """GatedDeltaNet.torch_mix on the GPU, given the layer's depthwise conv weight [C, K] and its `heads` -> the
-    delta rule's output [T, Hv, Dv] float32."""
+def mix(conv_weight: torch.Tensor, heads: Heads, gates: Gates, mixed: Mixed, state: LayerState,
+        batch: StateBatch) -> torch.Tensor:
+    """GatedDeltaNet.torch_mix on the GPU, given the layer's depthwise conv weight [C, K], its `heads` and the
+    parameters they read -> the delta rule's output [T, Hv, Dv] float32."""
     qsl = batch.query_start_loc_host
     longest = max(b - a for a, b in zip(qsl, qsl[1:]))
     if batch.verify or longest <= SHORT_QUERY:
-        return _short(conv_weight, heads, mixed, state, batch, longest)
+        return _short(conv_weight, gates, mixed, state, batch, longest)
     return _chunked(conv_weight, heads, mixed, state, batch)
 
 
-def _short(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState, batch: StateBatch,
+def _short(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerState, batch: StateBatch,
            longest: int) -> torch.Tensor:
-    """Decode and verify: kernels/delta_rule.py, on the slots in place (verify: into the verify rows)."""
+    """Decode and verify: kernels/delta_rule.py, on the slots in place (verify: into the verify rows); the
+    recurrent kernel computes the heads itself."""
     from outrider.kernels.delta_rule import causal_conv_step, recurrent_step
 
     qsl = _device_qsl(batch, mixed.qkv.device)
     conv_out = causal_conv_step(mixed.qkv, conv_weight, state.conv, qsl, batch.slots, longest,
                                 state.verify_conv if batch.verify else None)
-    q, k, v, g, beta = heads(conv_out, mixed.b, mixed.a)
-    return recurrent_step(q, k, v, g, beta, state.recurrent, qsl, batch.slots, longest,
-                          state.verify_recurrent if batch.verify else None)
+    return recurrent_step(conv_out, mixed.b, mixed.a, gates.a_log, gates.dt_bias, state.recurrent, qsl, batch.slots,
+                          longest, state.verify_recurrent if batch.verify else None)
 
 
 def _chunked(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState,

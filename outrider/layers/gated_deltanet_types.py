@@ -1,11 +1,19 @@
 """What a Gated DeltaNet step passes between the layer (layers/gated_deltanet.py) and its CUDA path
-(layers/gated_deltanet_cuda.py): the per-slot state tensors, the batch's layout, the input projection's parts."""
+(layers/gated_deltanet_cuda.py): the per-slot state tensors, the batch's layout, the input projection's parts, the
+gates' parameters."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+
+class Gates(NamedTuple):
+    """A layer's per-value-head decay parameters, A_log and dt_bias [Hv] (GatedDeltaNet.heads reads them)."""
+
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
 
 
 class LayerState(NamedTuple):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outrider.layers.gated_deltanet import causal_conv, recurrent_delta_rule
+from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, GatedDeltaNet, GatedDeltaNetConfig, GatedRMSNorm,
+                                            causal_conv, recurrent_delta_rule)
 
 LENS = [1, 4, 3]  # a decode row among verify rows of different lengths
 SLOTS = [5, 1, 3]
@@ -43,21 +44,36 @@ def test_conv_step_matches_the_reference(verify, device):
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), windows[-1])
 
 
+def _heads_layer(hk: int, hv: int, dk: int, dv: int) -> GatedDeltaNet:
+    cfg = GatedDeltaNetConfig(hidden_size=32, num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv,
+                              conv_kernel=4, rms_norm_eps=1e-6, projections=QWEN3_5_PROJECTIONS)
+    layer = GatedDeltaNet(cfg, 0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        layer.A_log.copy_(torch.randn(hv, generator=gen))
+        layer.dt_bias.copy_(torch.randn(hv, generator=gen) * 4)  # (softplus' large, small and middle ranges)
+    return layer
+
+
 @pytest.mark.parametrize("verify", [False, True], ids=["advance", "verify"])
 def test_recurrent_step_matches_the_reference(verify, device):
     from outrider.kernels.delta_rule import recurrent_step
 
     gen = torch.Generator().manual_seed(1)
-    hv, dk, dv = 3, 16, 64  # two blocks of value dims
+    hk, hv, dk, dv = 1, 3, 16, 64  # value heads sharing a key head; two blocks of value dims
+    layer = _heads_layer(hk, hv, dk, dv)
     qsl, qsl_dev, slots = _qsl(device)
     t = qsl[-1]
-    q = torch.nn.functional.normalize(torch.randn(t, hv, dk, generator=gen), dim=-1) * dk ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(t, hv, dk, generator=gen), dim=-1)
-    v, beta, g = torch.randn(t, hv, dv, generator=gen), torch.rand(t, hv, generator=gen), -torch.rand(t, hv, generator=gen)
+    conv_out = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen)
+    ba = torch.randn(t, 2 * hv + 3, generator=gen) * 8  # strided rows, as a split projection gives
+    b, a = ba[:, :hv], ba[:, hv:2 * hv]
+    q, k, v, g, beta = layer.heads(conv_out, b, a)
     state, verify_rows = torch.randn(6, hv, dk, dv, generator=gen), torch.zeros(3, 5, hv, dk, dv)
     to = dict(device=device)
     state_dev, verify_dev = state.clone().to(**to), verify_rows.to(**to)  # (own copies: the kernel writes)
-    out = recurrent_step(*(x.to(**to) for x in (q, k, v, g, beta)), state_dev, qsl_dev, slots, max(LENS),
+    ba_dev = ba.to(**to)
+    out = recurrent_step(conv_out.to(**to), ba_dev[:, :hv], ba_dev[:, hv:2 * hv], layer.A_log.detach().to(**to),
+                         layer.dt_bias.detach().to(**to), state_dev, qsl_dev, slots, max(LENS),
                          verify_dev if verify else None)
     for i, (a, b) in enumerate(zip(qsl, qsl[1:])):
         ref, states = recurrent_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[SLOTS[i]])
@@ -67,3 +83,22 @@ def test_recurrent_step_matches_the_reference(verify, device):
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), state[SLOTS[i]])
         else:
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), states[-1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gated_norm_matches_the_reference_roundings(dtype, device):
+    from outrider.kernels.delta_rule import gated_norm
+
+    gen = torch.Generator().manual_seed(3)
+    t, hv, dv = 5, 3, 64
+    norm = GatedRMSNorm(dv, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dv, generator=gen))
+    norm = norm.to(dtype)
+    core = torch.randn(t, hv, dv, generator=gen) * 3
+    z = torch.randn(t, hv * dv + 7, generator=gen).to(dtype)[:, 3:3 + hv * dv].reshape(t, hv, dv)  # strided rows
+    want = norm(core, z, dtype)
+    got = gated_norm(core.to(device), z.to(device), norm.weight.detach().to(device), norm.eps, dtype)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # (bfloat16: a rounding step apart where a sum rounds differently)
+    torch.testing.assert_close(got.cpu(), want, atol=tol, rtol=tol)

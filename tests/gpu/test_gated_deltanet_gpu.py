@@ -10,6 +10,7 @@ import torch
 
 from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, QWEN3_NEXT_PROJECTIONS, GatedDeltaNet,
                                             GatedDeltaNetConfig, LayerState, StateBatch)
+from outrider.layers.gated_deltanet_types import Gates
 
 RAW = {"hidden_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6}
@@ -44,7 +45,8 @@ def _step(layer, x, state, lens, slots, verify=False, reference=False):
     batch = StateBatch(qsl, torch.tensor(slots, device=x.device), slots, verify)
     with torch.no_grad():
         mixed = layer.split(x)
-        return (layer.torch_mix if reference else partial(gated_deltanet_cuda.mix, layer.conv1d.weight[:, 0], layer.heads))(mixed, state, batch)
+        return (layer.torch_mix if reference else partial(gated_deltanet_cuda.mix, layer.conv1d.weight[:, 0], layer.heads,
+                                                        Gates(layer.A_log, layer.dt_bias)))(mixed, state, batch)
 
 
 STEPS = {"prefill": ([70, 5, 130], [4, 0, 2], False),  # ragged, past one chunk
