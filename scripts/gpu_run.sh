@@ -93,13 +93,14 @@ budget() {  # seconds the next command may run: the time left before the deadlin
   echo "$left"
 }
 
-timed() {  # timed LOG CMD...: run with the budget, logging the command, its output and its wall time to LOG
+timed() {  # timed LOG CMD...: run with the budget (then SIGINT, so pytest still prints its summary), logging the
+          # command, its output and its wall time to LOG
   local log=$1 t; shift
   t=$(budget)
   if [ "$t" = 0 ]; then echo "skipped (deadline): $*" | tee -a "$log"; return 0; fi
   echo "\$ $* [t+$((SECONDS - START))s, limit ${t}s]" | tee -a "$log"
   local t0=$SECONDS
-  timeout "$t" "$@" 2>&1 | grep --line-buffered -v "capturing CUDA graphs" | tee -a "$log"
+  timeout -s INT -k 15 "$t" "$@" 2>&1 | grep --line-buffered -v "capturing CUDA graphs" | tee -a "$log"
   echo "  (exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s)" | tee -a "$log"
 }
 
