@@ -33,7 +33,7 @@ from outrider.params import SamplingParams
 from outrider.quant.checkpoint import summarize as summarize_weights
 from outrider.speculative.device_round import device_rounds
 from outrider.speculative.drafter import DEFAULT_N_MAX, MAX_VERIFY_TOKENS, DraftPolicy, Drafter
-from outrider.speculative.kinds import detect_kind, load_drafter
+from outrider.speculative.kinds import detect_kind, load_drafter, target_kind
 from outrider.speculative.speculation import Speculation
 from outrider.speculative.speculator import Speculator
 from outrider.structured.grammar import GrammarCompiler
@@ -123,7 +123,7 @@ def _spec_kind(config: EngineConfig, target: _Target) -> str | None:
         return None if config.spec_type == "none" else config.spec_type
     if config.draft_model:
         return detect_kind(config.draft_model, target.path)
-    return "mtp" if target.config.mtp_num_hidden_layers > 0 else None
+    return target_kind(target.config)
 
 
 def _load_drafter(config: EngineConfig, target: _Target, kind: str,
