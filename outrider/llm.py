@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from outrider.config import EngineConfig
-from outrider.engine.builder import build_engine
+from outrider.engine.builder import Seams, build_engine
 from outrider.engine.request import FinishReason, Request, RequestOutput
 from outrider.params import SamplingParams
 from outrider.request_fields import tokenize
@@ -24,9 +24,10 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str, clock: Callable[[], float] = now, **engine_kwargs):
-        """engine_kwargs: EngineConfig fields; clock: what the engine's timing stamps read."""
-        self.engine = build_engine(EngineConfig(model=str(model), **engine_kwargs), clock=clock)
+    def __init__(self, model: str, clock: Callable[[], float] = now, seams: Seams = Seams(), **engine_kwargs):
+        """engine_kwargs: EngineConfig fields; clock: what the engine's timing stamps read; seams: what the engine's
+        parts are made with (engine/builder.py)."""
+        self.engine = build_engine(EngineConfig(model=str(model), **engine_kwargs), clock=clock, seams=seams)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],

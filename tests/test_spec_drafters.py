@@ -15,7 +15,8 @@ from outrider.sampler import RowSpec, Sampler
 from outrider.models import load_model
 from outrider.params import SamplingParams
 from outrider.speculative.drafter import Commit
-from outrider.speculative.kinds import detect_kind, load_drafter
+from outrider.models.registry import load_config
+from outrider.speculative.kinds import detect_kind, load_drafter, target_kind
 from outrider.speculative.verify import verify
 from outrider.testing.checkpoints import write_tiny_checkpoint
 from outrider.testing.drafters import write_dflash_checkpoint, write_eagle3_checkpoint, write_mtp_checkpoint
@@ -149,6 +150,13 @@ def test_detect_kind(ckpts):
     assert detect_kind(str(ckpts["mtp_qwen"]), str(ckpts["mtp_qwen"])) == "mtp"
     assert detect_kind(str(ckpts["eagle3"]), str(ckpts["target"])) == "eagle3"
     assert detect_kind(str(ckpts["eagle3_speculators"]), str(ckpts["target"])) == "eagle3"
+
+
+def test_a_target_speculates_with_the_head_its_own_config_declares(ckpts):
+    """Qwen3.5 / Qwen3-Next MTP layers and MiMo's (test_models_moe_mimo.py) declare the MTP kind; a plain target
+    declares none (no speculation without a flag)."""
+    assert target_kind(load_config(ckpts["mtp_qwen"])) == "mtp"
+    assert target_kind(load_config(ckpts["target"])) is None
 
 
 def test_draft_model_equal_to_target_is_an_oracle(ckpts, plain):

@@ -33,9 +33,9 @@ from outrider.params import SamplingParams
 from outrider.quant.checkpoint import summarize as summarize_weights
 from outrider.speculative.device_round import device_rounds
 from outrider.speculative.drafter import DEFAULT_N_MAX, MAX_VERIFY_TOKENS, DraftPolicy, Drafter
-from outrider.speculative.kinds import detect_kind, load_drafter
+from outrider.speculative.kinds import detect_kind, load_drafter, target_kind
 from outrider.speculative.speculation import Speculation
-from outrider.speculative.speculator import Speculator
+from outrider.speculative.speculator import SpeculationLimits, Speculator
 from outrider.structured.grammar import GrammarCompiler
 from outrider.timing import now
 from outrider.tokenizer import Tokenizer
@@ -59,10 +59,22 @@ class _Target:
     max_model_len: int
 
 
+@dataclass(frozen=True)
+class Seams:
+    """What build_engine makes the block pool, the draft policy and the Speculator with, called with the arguments
+    each class takes, and the Speculator's limits: the server's by default; a test passes a subclass that records
+    or scripts what it observes, or a partial with other settings."""
+
+    block_pool: Callable[..., BlockPool] = BlockPool
+    policy: Callable[..., DraftPolicy] = DraftPolicy
+    speculator: Callable[..., Speculator] = Speculator
+    limits: SpeculationLimits = SpeculationLimits()
+
+
 def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelConfig] | None = None,
-                 clock: Callable[[], float] = now) -> Engine:
+                 clock: Callable[[], float] = now, seams: Seams = Seams()) -> Engine:
     """An engine for `config`, ready to serve. `preloaded`: a (model, config) already on the device (benchmarks with
-    random weights). `clock`: what every timing stamp reads."""
+    random weights). `clock`: what every timing stamp reads. `seams`: what its parts are made with (tests)."""
     device = pick_device(config.device)
     if device.type == "cpu" and config.cpu_threads > 0:
         torch.set_num_threads(config.cpu_threads)
@@ -81,7 +93,8 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     # The drafter loads before the KV pools are sized: its weights and the target rows it reads count in the budget.
     pools = _KVPools(config, target)
     kind = _spec_kind(config, target)
-    drafter, policy, drafter_error = _load_drafter(config, target, kind, pools) if kind else (None, None, None)
+    drafter, policy, drafter_error = (_load_drafter(config, target, kind, pools, seams.policy) if kind
+                                      else (None, None, None))
     if config.spec_draft_n_max is None:  # the default draft length, resolved (/props and /slots show it)
         config = replace(config, spec_draft_n_max=policy.n_max if policy is not None else DEFAULT_N_MAX)
     taps = tuple(drafter.aux_layer_ids) if drafter is not None else ()
@@ -89,8 +102,8 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
     states = None
     if pools.states is not None:
         states = LinearStateSlots(pools.states, config.block_size, config.max_num_seqs, config.enable_prefix_caching)
-    pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
-                     snapshots=pools.states if states is not None and config.enable_prefix_caching else None)
+    pool = seams.block_pool(num_blocks, config.block_size, config.enable_prefix_caching,
+                            snapshots=pools.states if states is not None and config.enable_prefix_caching else None)
     scheduler = Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens, target.max_model_len, states)
     graphs = _step_graphs(config, target, policy) if device.type == "cuda" and not config.enforce_eager else None
     runner = ModelRunner(model, kv_cache, mc.vocab_size, device, taps, graphs, states)
@@ -104,8 +117,8 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
                                        runner.graphs[0].pool)
             except Exception as exc:  # the drafter's graphs only save launches: without them it drafts eager
                 log.error("drafter graphs failed to capture, drafting eager: %s\n%s", exc, traceback.format_exc())
-        speculator = Speculator(drafter, policy, pool, runner.hidden_rows, config.max_num_batched_tokens, clock,
-                                lambda: _synchronize(device))
+        speculator = seams.speculator(drafter, policy, pool, runner.hidden_rows, config.max_num_batched_tokens,
+                                      clock, lambda: _synchronize(device), seams.limits)
         speculation = Speculation(speculator, _device_rounds(config, runner, drafter, policy, target), clock)
     log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, target.dtype,
              num_blocks, config.block_size, (now() - t0) * 1e3)
@@ -123,13 +136,13 @@ def _spec_kind(config: EngineConfig, target: _Target) -> str | None:
         return None if config.spec_type == "none" else config.spec_type
     if config.draft_model:
         return detect_kind(config.draft_model, target.path)
-    return "mtp" if target.config.mtp_num_hidden_layers > 0 else None
+    return target_kind(target.config)
 
 
-def _load_drafter(config: EngineConfig, target: _Target, kind: str,
-                  pools: _KVPools) -> tuple[Drafter | None, DraftPolicy | None, str | None]:
-    """The drafter of this kind, weights loaded, and its policy; on failure, log why and serve without speculation
-    (the third part says why)."""
+def _load_drafter(config: EngineConfig, target: _Target, kind: str, pools: _KVPools,
+                  make_policy: Callable[..., DraftPolicy]) -> tuple[Drafter | None, DraftPolicy | None, str | None]:
+    """The drafter of this kind, weights loaded, and its policy (made by `make_policy`); on failure, log why and serve
+    without speculation (the third part says why)."""
     t0 = now()
     asked = config.spec_draft_n_max  # None: the drafter's own default (an explicit 0 stays 0)
     try:
@@ -144,7 +157,7 @@ def _load_drafter(config: EngineConfig, target: _Target, kind: str,
         return None, None, f"{type(exc).__name__}: {exc}"
     measured = config.spec_measured_costs if config.spec_measured_costs is not None else target.device.type == "cuda"
     verified = _verified_drafts(config, target)
-    policy = DraftPolicy(n_max=min(drafter.max_draft if asked is None else asked, verified),
+    policy = make_policy(n_max=min(drafter.max_draft if asked is None else asked, verified),
                          n_min=config.spec_draft_n_min, p_min=config.draft_p_min, measured=measured,
                          max_draft=verified if _is_hybrid(target) else None)
     log.info("Drafter loaded (kind=%s, %.0f ms)", kind, (now() - t0) * 1e3)

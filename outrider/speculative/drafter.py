@@ -8,7 +8,8 @@ One engine step with a drafter (docs/speculative.md walks it through):
   4. one ragged target forward over [last, d1..dk] per request; verify() per row; commit m+1 tokens
   5. drafter.on_commit(commits, hidden, aux_hidden) for EVERY committed target row, deferred and batched: the
      Speculator queues each step's rows and hands a request's queue over as one Commit before the next propose,
-     when a step prefills, every LEARN_BACKLOG_STEPS steps, and before a finishing request's blocks are released
+     when a step prefills, every SpeculationLimits.learn_backlog_steps steps, and before a finishing request's
+     blocks are released
   6. policy.record(request_id, k, m) beside timing.mark_draft_round(k, m)
   7. drafter.release(request_id) / policy.release(request_id) whenever a request's blocks are freed
   8. for a drafter that drafts_ahead, between a verify step's verdict (on the device) and the host reading it:

@@ -1,6 +1,7 @@
 """The drafter kinds, each declared once: its name (EngineConfig.spec_type), llama-server's --spec-type spelling,
-whether it needs weights, how a checkpoint is recognised as one, how its vocabulary is checked and how it loads.
-The CLI, the /props renderer, the flags' help, the demo and the benchmarks derive their tables from KINDS.
+whether it needs weights, how a checkpoint is recognised as one (or a target's own config declares it), how its
+vocabulary is checked and how it loads. The CLI, the /props renderer, the flags' help, the demo, the benchmarks and
+the engine builder derive their tables from KINDS.
 
 Light on purpose (no torch at import): the CLI reads it before any model loads; each loader imports its drafter.
 """
@@ -57,9 +58,16 @@ class DrafterKind:
     # Is a draft checkpoint (its config.json; {} for a GGUF file) this kind? `is_target`: it is the target's own
     # directory. Kinds are tried in KINDS order; None: never detected from a checkpoint.
     detects: Callable[[dict, bool], bool] | None = None
-    in_target: bool = False  # its weights ship inside the target's checkpoint (the demo keeps no directory for it)
+    # Does a target's own config declare this drafter's head in its checkpoint (MTP layers)? Such a target
+    # speculates with it with no flag (the first of KINDS that says so); None: never.
+    declared_by_target: Callable[[ModelConfig], bool] | None = None
     # Raise IncompatibleDrafter where the drafter cannot draft for the target (speculative/compat.py).
     check_vocabulary: Callable[[ModelConfig, Path, Path], None] | None = None
+
+    @property
+    def in_target(self) -> bool:
+        """Its weights ship inside the target's checkpoint (the demo keeps no directory for it)."""
+        return self.declared_by_target is not None
 
 
 def _load_draft_model(a: DrafterLoad) -> Drafter:
@@ -132,7 +140,8 @@ def _check_dflash(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
 KINDS = (
     DrafterKind("dflash", "draft-dflash", True, _load_dflash, detects=_is_dflash, check_vocabulary=_check_dflash),
     DrafterKind("eagle3", "draft-eagle3", True, _load_eagle3, detects=_is_eagle3),
-    DrafterKind("mtp", "draft-mtp", True, _load_mtp, detects=lambda raw, is_target: is_target, in_target=True),
+    DrafterKind("mtp", "draft-mtp", True, _load_mtp, detects=lambda raw, is_target: is_target,
+                declared_by_target=lambda target_cfg: target_cfg.mtp_num_hidden_layers > 0),
     # (a separate causal LM sharing the target's tokenizer: whatever checkpoint is no other kind)
     DrafterKind("draft", "draft-simple", True, _load_draft_model, detects=lambda raw, is_target: True,
                 check_vocabulary=_check_draft_model),
@@ -151,6 +160,11 @@ def detect_kind(draft_path: str, target_path: str | None = None) -> str:
     raw = {} if is_gguf(path) else json.loads((path / "config.json").read_text())  # a GGUF is a draft model
     is_target = target_path is not None and path.resolve() == resolve_model_path(target_path).resolve()
     return next(k.name for k in KINDS if k.detects is not None and k.detects(raw, is_target))
+
+
+def target_kind(target_cfg: ModelConfig) -> str | None:
+    """The kind of the drafter a target's own config declares (it speculates with it with no flag); None: none."""
+    return next((k.name for k in KINDS if k.declared_by_target is not None and k.declared_by_target(target_cfg)), None)
 
 
 def load_drafter(kind: str, **load) -> Drafter:

@@ -45,19 +45,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outrider.engine")
 
-# Steps whose committed rows may wait before the drafter learns them. Learning is a drafter forward (DFlash: fc,
-# norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever the row count, a graph replay
-# and its copies on CUDA, dozens of eager launches elsewhere: on a launch-bound target it costs as much again as a
-# plain step. Queued, it runs once per round (before each propose) and once per this many undrafted steps, or
-# sooner at small batches, where more rows would no longer fit one learning graph (LEARN_ROWS): a larger learn runs
-# eager and ragged, as a prefill's does, at several times a replay's host cost. (Not at larger batches: a replay
-# every step or two costs more than one eager learn every LEARN_BACKLOG_STEPS steps.)
-LEARN_BACKLOG_STEPS = 16
-# A learn of up to this many of the largest learning graph's rows (LEARN_ROWS; a short prompt's) is handed over in
-# pieces that each fit it: learning a short prompt eagerly costs a launch per kernel of the drafter's layers
-# (milliseconds for a draft model), a replay a fraction of a millisecond. Beyond, a learn runs as one eager, ragged
-# forward, whose cost grows with its rows more slowly.
-PIECEWISE_LEARN_GRAPHS = 4
+@dataclass(frozen=True)
+class SpeculationLimits:
+    """When the Speculator hands queued rows to the drafter (the defaults are the server's).
+
+    learn_backlog_steps: steps whose committed rows may wait before the drafter learns them. Learning is a drafter
+    forward (DFlash: fc, norm and K/V of every layer; MTP, EAGLE-3: a decoder layer and an LM head) whatever the row
+    count, a graph replay and its copies on CUDA, dozens of eager launches elsewhere: on a launch-bound target it
+    costs as much again as a plain step. Queued, it runs once per round (before each propose) and once per this many
+    undrafted steps, or sooner at small batches, where more rows would no longer fit one learning graph
+    (learn_graph_rows): a larger learn runs eager and ragged, as a prefill's does, at several times a replay's host
+    cost. (Not at larger batches: a replay every step or two costs more than one eager learn every
+    learn_backlog_steps steps.)
+
+    piecewise_learn_graphs: a learn of up to this many of the largest learning graph's rows (a short prompt's) is
+    handed over in pieces that each fit it: learning a short prompt eagerly costs a launch per kernel of the
+    drafter's layers (milliseconds for a draft model), a replay a fraction of a millisecond. Beyond, a learn runs as
+    one eager, ragged forward, whose cost grows with its rows more slowly.
+
+    learn_graph_rows: the rows of the largest learning graph drafters capture (drafter.LEARN_ROWS)."""
+
+    learn_backlog_steps: int = 16
+    piecewise_learn_graphs: int = 4
+    learn_graph_rows: int = LEARN_ROWS[-1]
 
 
 @dataclass
@@ -133,9 +143,11 @@ class BlockReservations(Protocol):
 
 class Speculator:
     def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations, hidden_rows: HiddenRows,
-                 max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None]):
+                 max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None],
+                 limits: SpeculationLimits):
         """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
-        the engine's; synchronize: waits for the device (one-off work is timed to its end)."""
+        the engine's; synchronize: waits for the device (one-off work is timed to its end); limits: when queued
+        rows are handed to the drafter."""
         self.drafter = drafter
         self.policy = policy
         self.pool = pool
@@ -143,6 +155,7 @@ class Speculator:
         self.max_rows = max_rows
         self.clock = clock
         self.synchronize = synchronize
+        self.limits = limits
         self._one_off = 0.0  # seconds of this step's one-off work (left out of its measured cost)
         self._kinds: dict[int, str] = {}  # request id -> the kind that drafted its latest round (combined kinds)
         # The learning queue: rows by request id (in the order requests joined it), and the queued steps' hidden
@@ -369,7 +382,7 @@ class Speculator:
     def learn(self, plan: StepPlan, out: StepOutput, live: set[int] | dict) -> None:
         """Queue every committed row of the step for the requests that still hold their blocks, and let the drafter
         learn the queue: all of it when the step prefilled (a heavy step anyway) or the queue spans
-        LEARN_BACKLOG_STEPS steps; a finishing request's rows now, before its blocks are released (they may serve
+        limits.learn_backlog_steps steps; a finishing request's rows now, before its blocks are released (they may serve
         prefix hits). Propose learns the rest first. Rows slept through (_skips) are left for the catch-up, and
         their blocks marked in the pool, so that a prefix hit on them is caught up too."""
         if not self.drafter.learns:
@@ -382,8 +395,8 @@ class Speculator:
         sleeping = self._skips(plan) or out is self._unkept
         if sleeping and self._queued:
             self.flush()  # (falling asleep: what is queued is learned, the rest waits for the catch-up)
-        rows = out.hidden.shape[0]
-        if 0 < self._committed <= LEARN_ROWS[-1] < self._committed + rows and rows <= LEARN_ROWS[-1] // 4:
+        rows, largest = out.hidden.shape[0], self.limits.learn_graph_rows
+        if 0 < self._committed <= largest < self._committed + rows and rows <= largest // 4:
             self.flush()  # (what is queued fits one learning graph; with this step's rows it might not)
         reads_hidden, queue, asleep, bs = self.drafter.reads_hidden, self._queued, self._asleep, self.pool.block_size
         offset = base = self._rows  # the step's first row among the kept ones
@@ -423,7 +436,7 @@ class Speculator:
             return
         self._steps += 1
         self._committed += added
-        now = plan.has_prefill or self._steps >= LEARN_BACKLOG_STEPS
+        now = plan.has_prefill or self._steps >= self.limits.learn_backlog_steps
         if reads_hidden:
             if not now:
                 out.keep_hidden()  # (done at launch with overlap scheduling; else the next replay overwrites them)
@@ -451,7 +464,8 @@ class Speculator:
 
     def flush(self, request_ids: Iterable[int] | None = None) -> None:
         """Let the drafter learn the queued rows of these requests (default: every queued one): in one call, or in
-        pieces that each fit the largest learning graph where they are a few graphs' worth (PIECEWISE_LEARN_GRAPHS)."""
+        pieces that each fit the largest learning graph where they are a few graphs' worth
+        (limits.piecewise_learn_graphs)."""
         ids = list(self._queued) if request_ids is None else [r for r in request_ids if r in self._queued]
         if not ids:
             return
@@ -469,8 +483,9 @@ class Speculator:
         if not self._queued:
             self._forget_rows()
         commits = [c for q in queued for c in q.commits()]
-        largest = LEARN_ROWS[-1]
-        pieces = _chunks(commits, largest) if largest < rows <= PIECEWISE_LEARN_GRAPHS * largest else [commits]
+        largest = self.limits.learn_graph_rows
+        pieces = (_chunks(commits, largest) if largest < rows <= self.limits.piecewise_learn_graphs * largest
+                  else [commits])
         first = 0
         try:
             for piece in pieces:

@@ -55,8 +55,8 @@ def test_captured_device_rounds_give_plain_greedy_output_in_float32(families, ki
 
 
 def test_dflash_learns_a_short_prompt_in_graph_replays_as_it_does_eagerly(families):
-    """A short prompt (speculator.PIECEWISE_LEARN_GRAPHS) is learned in pieces that fit the largest learning graph,
-    replayed (each row its own one-token sequence): the context K/V each piece writes equals an eager learn's."""
+    """A short prompt (SpeculationLimits.piecewise_learn_graphs) is learned in pieces that fit the largest learning
+    graph, replayed (each row its own one-token sequence): the context K/V each piece writes equals an eager learn's."""
     llm = LLM(families["qwen3"]["target"], device="cuda", dtype="float32", draft_model=str(families["qwen3"]["dflash"]),
               max_model_len=1024, spec_measured_costs=False)
     drafter = llm.engine.speculation.drafter
