@@ -34,7 +34,7 @@ from outrider.speculative.drafter import DraftPolicy
 from outrider.speculative.speculator import SpeculationLimits, Speculator
 from outrider.steps import StepOutput, StepPlan
 from outrider.testing.recording import RecordingDrafter
-from spec_helpers import LOOKUP_SETUPS, SETUPS, write_attentive_families
+from spec_helpers import LOOKUP_SETUPS, SETUPS, write_attentive_families, write_hybrid_family
 
 HIDDEN_KINDS = ["dflash", "mtp", "mimo", "eagle3"]  # the drafters that read the target's hidden rows
 LEARNING_KINDS = HIDDEN_KINDS + ["draft"]  # and the draft model, which learns committed tokens
@@ -89,7 +89,7 @@ class WatchedSpeculator(Speculator):
                 time.sleep(catch_up_seconds)
             return hidden_rows(spans)
 
-        super().__init__(drafter, policy, pool, recomputed, *args)
+        super().__init__(drafter, policy, pool, recomputed if hidden_rows is not None else None, *args)
 
     def draft_lengths(self, running: Sequence[Request]) -> dict[int, int]:
         lengths = super().draft_lengths(running)
@@ -373,6 +373,39 @@ def test_speculation_priced_out_with_company_sleeps_and_resumes_when_the_request
     # the short request.
     ((start, rows, tokens),) = [span for spans in llm.engine.speculation.speculator.catch_ups for span in spans]
     assert start == 0 and start + rows == tokens - 1 and rows >= len(PROMPTS[0]) + 11
+
+
+@pytest.fixture(scope="module")
+def hybrid_family(tmp_path_factory):
+    return write_hybrid_family(tmp_path_factory.mktemp("hybrid"), "qwen3_5")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_on_a_hybrid_target_a_priced_out_drafter_learns_every_row_instead_of_sleeping(hybrid_family, recorder,
+                                                                                       kind):
+    """A hybrid target cannot recompute committed rows' hidden states (its linear layers' state has moved past
+    them), so a drafter that reads them could never catch up: priced out beside another request it drafts
+    nothing but still learns every committed row, and drafts again once the request is alone. Outputs are plain
+    greedy decoding's."""
+    kw = dict(seams=watched(priced_beside_company(probe_every=2)), dtype="float32", max_num_seqs=8,
+              spec_draft_n_max=3, spec_measured_costs=False, draft_p_min=1e-30, overlap_schedule=True)
+    llm = (LLM(str(hybrid_family["mtp"]), **kw) if kind == "mtp"
+           else LLM(str(hybrid_family["target"]), draft_model=str(hybrid_family[kind]), **kw))
+    record = recorder(llm.engine)
+    long, short = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), \
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = llm.generate(PROMPTS[:2], [long, short])
+    want = LLM(str(hybrid_family["target"]), dtype="float32", spec_type="none").generate(PROMPTS[:2], [long, short])
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert got[1].timing.draft_rounds == 0 and got[0].timing.draft_rounds > 0
+    speculator = llm.engine.speculation.speculator
+    assert not speculator.catch_ups and any(not d.ks and d.batch == 2 for d in speculator.decisions)
+    ids = {rid for e in record.events if e[0] == "learn" for rid, _, _ in e[1]}
+    learned = {rid: sorted({row for start, count in record.learned(rid) for row in range(start, start + count)})
+               for rid in ids}
+    # Every row of both requests but their last token's (never fed).
+    assert sorted(map(len, learned.values())) == [len(PROMPTS[1]) + 12 - 1, len(PROMPTS[0]) + 40 - 1]
+    assert all(rows == list(range(len(rows))) for rows in learned.values())
 
 
 class LineCount:

@@ -142,10 +142,11 @@ class BlockReservations(Protocol):
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations, hidden_rows: HiddenRows,
+    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations, hidden_rows: HiddenRows | None,
                  max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None],
                  limits: SpeculationLimits):
-        """max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
+        """hidden_rows: None where the target cannot recompute committed rows (a hybrid model's linear layers have
+        moved past them): a drafter that reads them then never sleeps, as it could not catch up. max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
         the engine's; synchronize: waits for the device (one-off work is timed to its end); limits: when queued
         rows are handed to the drafter."""
         self.drafter = drafter
@@ -228,8 +229,12 @@ class Speculator:
         ks = self.policy.draft_lengths(decoding, self.drafter,
                                        explore=n == 1 or not (asleep or self.policy.priced_out(n)))
         lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
-        self._sleeping = not lengths and self.drafter.learns and self.policy.priced_out(n)
+        self._sleeping = not lengths and self._may_sleep() and self.policy.priced_out(n)
         return lengths
+
+    def _may_sleep(self) -> bool:
+        drafter = self.drafter
+        return drafter.learns and (self.hidden_rows is not None or not drafter.reads_hidden)
 
     def _doze(self, batch: Sequence[Request] | None) -> None:
         """Take the dormant path for this batch, every request of it asleep, from the next decision on (None: for
@@ -367,7 +372,7 @@ class Speculator:
         if self._dormant_step(plan):
             return True
         if plan.has_prefill:
-            return len(plan.scheduled) > 1 and self.policy.priced_out(len(plan.scheduled))
+            return self._may_sleep() and len(plan.scheduled) > 1 and self.policy.priced_out(len(plan.scheduled))
         return self._sleeping
 
     def keep(self, plan: StepPlan, out: StepOutput) -> None:
@@ -452,6 +457,8 @@ class Speculator:
         if not self._asleep:
             return
         starts = [(r, self._asleep.pop(r.request_id)) for r in running if r.request_id in self._asleep]
+        if self.hidden_rows is None and self.drafter.reads_hidden:
+            return  # (a prefix hit on rows the drafter never learned, on a target that cannot recompute them)
         spans = [Commit(r, start, r.num_tokens - 1 - start) for r, start in starts if r.num_tokens - 1 > start]
         try:
             for chunk in _chunks(spans, self.max_rows):
