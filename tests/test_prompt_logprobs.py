@@ -92,3 +92,25 @@ def test_prompt_logprobs_under_speculation(checkpoints, teacher_forced):
     assert all(r.timing.cache_n > 0 for r in again)
     for req, want in zip(again, teacher_forced):
         check(req, want)
+
+
+def test_prompt_logprobs_on_a_hybrid_target_take_no_prefix_hit_and_equal_a_cold_prompts(tmp_path):
+    """A hybrid model cannot recompute cached rows' hidden states (its linear layers' state has moved past them):
+    a request asking for prompt log-probs computes its whole prompt, with the same log-probs as the first time, and
+    one that does not still takes the hit."""
+    path = write_tiny_checkpoint(tmp_path, "qwen3_5", seed=4)
+    llm = LLM(str(path), dtype="float32", max_model_len=512, max_num_seqs=4, block_size=BLOCK,
+              enable_prefix_caching=True)
+    first = run(llm, PROMPTS, 2)
+    again = run(llm, PROMPTS, 2)
+    assert [r.timing.cache_n for r in again] == [0, 0]
+    for cold, warm in zip(first, again):
+        assert [(e.token_id, e.rank, e.top) for e in cold.prompt_logprobs[1:]] == \
+            [(e.token_id, e.rank, e.top) for e in warm.prompt_logprobs[1:]]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in warm.prompt_logprobs[1:]]),
+                                   torch.tensor([e.logprob for e in cold.prompt_logprobs[1:]]))
+    plain = Request(list(PROMPTS[0]), SamplingParams(max_tokens=1, temperature=0))
+    llm.engine.add_request(plain, lambda out: None)
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert plain.timing.cache_n > 0

@@ -81,6 +81,8 @@ class BlockPool:
         """Ids of cached blocks that hold a prefix of req's known tokens (always leaving one token to compute)."""
         if not (self.enable_prefix_caching and req.params.cache_prompt) or req.params.reads_every_prompt_row:
             return []
+        if self.snapshots is not None and req.params.prompt_logprobs is not None:
+            return []  # (a hybrid model cannot recompute the cached rows' hidden states their log-probs need)
         ids = req.all_ids
         bs = self.block_size
         matched: list[int] = []
