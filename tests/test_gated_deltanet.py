@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, QWEN3_NEXT_PROJECTIONS, GatedDeltaNet,
-                                            GatedDeltaNetConfig, LayerState, StateBatch, chunked_delta_rule,
-                                            recurrent_delta_rule)
+                                            GatedDeltaNetConfig, LayerState, StateBatch, apply_updates,
+                                            chunked_delta_rule, recurrent_delta_rule)
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,7 +43,7 @@ def ours_from(hf, packed: bool) -> GatedDeltaNet:
 def new_state(cfg: GatedDeltaNetConfig, slots: int = 4, rows: int = 4, positions: int = 8) -> LayerState:
     return LayerState(torch.zeros(slots, *cfg.conv_state_shape), torch.zeros(slots, *cfg.recurrent_state_shape),
                       torch.zeros(rows, positions, *cfg.conv_state_shape),
-                      torch.zeros(rows, positions, *cfg.recurrent_state_shape))
+                      torch.zeros(rows, positions, cfg.num_v_heads, cfg.head_k_dim + cfg.head_v_dim + 1))
 
 
 def run(layer, x: torch.Tensor, state: LayerState, chunks: list[list[int]], slots: list[int],
@@ -95,9 +95,10 @@ def test_a_ragged_batch_equals_each_sequence_alone(pair):
         torch.testing.assert_close(got, alone, atol=1e-5, rtol=1e-5)
 
 
-def test_verify_rows_hold_the_state_after_each_position(pair):
-    """Verifying k + 1 tokens leaves the slot as it was; row j is the state after j + 1 of them, what a plain
-    forward of those j + 1 tokens reaches, so a rollback to j accepted drafts is a copy."""
+def test_verify_rows_hold_what_gives_the_state_after_each_position(pair):
+    """Verifying k + 1 tokens leaves the slot as it was; the row's conv state j, and its recurrent updates 0..j
+    replayed on the slot, are the state after j + 1 of them, what a plain forward of those j + 1 tokens reaches:
+    a rollback to j accepted drafts re-runs nothing."""
     _, ours = pair
     x = torch.randn(20, RAW["hidden_size"], generator=torch.Generator().manual_seed(4))
     state = new_state(ours.cfg)
@@ -109,7 +110,10 @@ def test_verify_rows_hold_the_state_after_each_position(pair):
     for j in range(5):
         plain = LayerState(before[1].clone(), before[0].clone())
         out = run(ours, x, plain, [list(range(15, 16 + j))], [0])[0]
-        torch.testing.assert_close(state.verify_recurrent[0, j], plain.recurrent[0], rtol=1e-5, atol=1e-6)
+        replayed = before[0][0]
+        for i in range(j + 1):
+            replayed = apply_updates(replayed, state.verify_updates[0, i])
+        torch.testing.assert_close(replayed, plain.recurrent[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state.verify_conv[0, j], plain.conv[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(verify_out[0][:j + 1], out, rtol=1e-5, atol=1e-5)
 
@@ -121,7 +125,7 @@ def test_chunked_rule_equals_the_recurrence_with_a_state():
     k = torch.nn.functional.normalize(torch.randn(n, h, dk, generator=gen), dim=-1)
     v, beta = torch.randn(n, h, dv, generator=gen), torch.rand(n, h, generator=gen)
     g, s0 = -torch.rand(n, h, generator=gen), torch.randn(h, dk, dv, generator=gen)
-    o_rec, states = recurrent_delta_rule(q, k, v, g, beta, s0)
+    o_rec, states, _ = recurrent_delta_rule(q, k, v, g, beta, s0)
     o_chunk, final = chunked_delta_rule(q, k, v, g, beta, s0, chunk=32)
     torch.testing.assert_close(o_chunk, o_rec, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(final, states[-1], atol=1e-4, rtol=1e-4)

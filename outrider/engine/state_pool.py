@@ -8,10 +8,13 @@ hash). Snapshots are a cache: they live in slots no request needs and are evicte
 when a request needs one. Slot 0 is never handed out: it is the scratch slot padded rows of a captured batch
 point at.
 
-Speculative verify: a verify forward writes the state after each of its query positions to verify rows
-([layers, rows, positions, ...], row = the sequence's row in the batch) and leaves the slots as they were;
-`commit_verify` then copies, for each sequence, the row's state after its last accepted position into its slot,
-on the device and without a host sync, so the next round continues from exactly the accepted prefix.
+Speculative verify: a verify forward writes, for each of its query positions, the conv state after it and its
+rank-one update of the recurrent state (k, u and the log decay g) to verify rows ([layers, rows, positions, ...],
+row = the sequence's row in the batch), and leaves the slots as they were; `commit_verify` then gives each
+sequence's slot the conv state after its last accepted position and replays the updates up to it on the slot's
+recurrent state, on the device and without a host sync, so the next round continues from exactly the accepted
+prefix. A position's update is Hv (Dk + Dv + 1) numbers where a state is Hv Dk Dv: with its conv window, a verify
+position costs about 7 % of a slot at Qwen3.5-4B's shape, in memory and in what the verify writes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outrider.layers.gated_deltanet import GatedDeltaNetConfig, LayerState
+from outrider.layers.gated_deltanet import GatedDeltaNetConfig, LayerState, apply_updates
 
 PAD_SLOT = 0
 
@@ -33,7 +36,7 @@ class StateLayout:
 
     num_layers: int
     conv_shape: tuple[int, ...]
-    recurrent_shape: tuple[int, ...]
+    recurrent_shape: tuple[int, ...]  # (Hv, Dk, Dv)
     dtype: torch.dtype = torch.float32
 
     @classmethod
@@ -41,14 +44,27 @@ class StateLayout:
         return cls(num_layers, cfg.conv_state_shape, cfg.recurrent_state_shape)
 
     @property
+    def update_shape(self) -> tuple[int, int]:
+        """One verify position's update of the recurrent state: (Hv, Dk + Dv + 1), k, u and g a head."""
+        hv, dk, dv = self.recurrent_shape
+        return (hv, dk + dv + 1)
+
+    @property
     def bytes_per_slot(self) -> int:
-        """One sequence's state in all layers (also the size of one verify position of one row)."""
-        per_layer = _numel(self.conv_shape) + _numel(self.recurrent_shape)
+        """One sequence's state in all layers."""
+        return self._bytes(_numel(self.conv_shape) + _numel(self.recurrent_shape))
+
+    @property
+    def bytes_per_verify_position(self) -> int:
+        """One verify position of one row, in all layers: the conv state after it and its update."""
+        return self._bytes(_numel(self.conv_shape) + _numel(self.update_shape))
+
+    def _bytes(self, per_layer: int) -> int:
         return self.num_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
 
     def pool_bytes(self, num_slots: int, verify_rows: int, verify_positions: int) -> int:
         """What a StatePool of these sizes allocates (slot 0 included)."""
-        return self.bytes_per_slot * (num_slots + 1 + verify_rows * verify_positions)
+        return self.bytes_per_slot * (num_slots + 1) + self.bytes_per_verify_position * verify_rows * verify_positions
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -80,7 +96,7 @@ class StatePool:
         self.recurrent = torch.zeros(n, num_slots + 1, *layout.recurrent_shape, dtype=dtype, device=dev)
         rows = (verify_rows, verify_positions)
         self.verify_conv = torch.zeros(n, *rows, *layout.conv_shape, dtype=dtype, device=dev)
-        self.verify_recurrent = torch.zeros(n, *rows, *layout.recurrent_shape, dtype=dtype, device=dev)
+        self.verify_updates = torch.zeros(n, *rows, *layout.update_shape, dtype=dtype, device=dev)
         self._free = list(range(num_slots, 0, -1))  # popped from the end: lowest slot first
         self._owned: set[int] = set()
         self._snapshots: OrderedDict[Hashable, int] = OrderedDict()  # key -> slot, least recently used first
@@ -89,7 +105,7 @@ class StatePool:
 
     def layer(self, i: int) -> LayerState:
         """Linear-attention layer i's views (the i-th of the model's linear-attention layers, in order)."""
-        return LayerState(self.conv[i], self.recurrent[i], self.verify_conv[i], self.verify_recurrent[i])
+        return LayerState(self.conv[i], self.recurrent[i], self.verify_conv[i], self.verify_updates[i])
 
     # --- slots of running requests ---------------------------------------------------------------------------
 
@@ -189,4 +205,13 @@ class StatePool:
         (accepted = drafts accepted: position 0 is the verified token itself), in every layer. Device tensors
         [B] int64; device ops only, so it runs inside a captured round."""
         self.conv[:, slots] = self.verify_conv[:, rows, accepted]
-        self.recurrent[:, slots] = self.verify_recurrent[:, rows, accepted]
+        if self.recurrent.is_cuda:
+            from outrider.kernels.delta_rule import commit_updates
+
+            commit_updates(self.recurrent, self.verify_updates, slots, rows, accepted)
+            return
+        state, updates = self.recurrent[:, slots], self.verify_updates[:, rows]  # [L, B, ...], [L, B, P, ...]
+        for i in range(updates.shape[2]):
+            live = (accepted >= i)[None, :, None, None, None]
+            state = torch.where(live, apply_updates(state, updates[:, :, i]), state)
+        self.recurrent[:, slots] = state

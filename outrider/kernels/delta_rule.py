@@ -6,12 +6,14 @@ decode or verify step captures into a CUDA graph.
   window; advances the slot, or (verify) writes the window after each position to the verify rows.
 - `recurrent_step`: the gated delta rule over each sequence's query tokens from its slot's recurrent state, with
   the heads' normalisation and gates computed in the kernel (torch's two dozen small ops a layer would each be a
-  launch); the same two modes. One program per (sequence, value head, block of value dims): the [Dk, BV] state
-  block stays in registers across the positions.
+  launch); the same two modes (verify: each position's update of the state, not the state). One program per
+  (sequence, value head, block of value dims): the [Dk, BV] state block stays in registers across the positions.
 - `gated_norm`: the output's gated RMSNorm in one launch.
+- `commit_updates`: after a verify, each sequence's slot takes the state after its accepted drafts, replaying the
+  updates its verify row kept (k, u, g a position: a rank-one update each, far smaller than a state).
 
 A sequence's positions are walked up to MAX_POS (the longest query a step has: 1 at decode, k + 1 at verify).
-fla has no kernel that keeps every position's state, which the rollback needs (docs/architecture.md, "Hybrid models").
+fla has no kernel that keeps what the rollback needs of every position (docs/architecture.md, "Hybrid models").
 Semantics: layers/gated_deltanet.causal_conv and recurrent_delta_rule.
 """
 
@@ -114,25 +116,29 @@ def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_
             s = s + kt[:, None] * u[None, :]
             row = t64 * HV + h
             tl.store(out_ptr + row * DV + offs_v, tl.sum(s * qt[:, None], axis=0))
-            if VERIFY:
-                tl.store(verify_ptr + seq * stride_vr + i * stride_vp + block, s)
+            if VERIFY:  # this position's update (k, u, g) of the state: commit_updates replays it
+                update = verify_ptr + seq * stride_vr + i * stride_vp + h * (DK + DV + 1)
+                tl.store(update + DK + offs_v, u)
+                if vb == 0:
+                    tl.store(update + offs_k, kt)
+                    tl.store(update + DK + DV, neg_rate * softplus)
     if not VERIFY:
         tl.store(state_ptr + slot * stride_ss + block, s)
 
 
 def recurrent_step(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
                    dt_bias: torch.Tensor, state: torch.Tensor, qsl: torch.Tensor, slots: torch.Tensor, max_pos: int,
-                   verify_state: torch.Tensor | None = None) -> torch.Tensor:
+                   verify_updates: torch.Tensor | None = None) -> torch.Tensor:
     """The conv output [T, C] (q | k | v channels), b and a [T, Hv] (rows may be strided), A_log and dt_bias [Hv]
     (GatedDeltaNet.heads' inputs); state [S, Hv, Dk, Dv] float32 (the pool's) -> o [T, Hv, Dv] float32.
-    verify_state [R, P, Hv, Dk, Dv]: verify mode."""
+    verify_updates [R, P, Hv, Dk + Dv + 1]: verify mode, each position's update written there (LayerState)."""
     hv, dk, dv = state.shape[1:]
     hk = (conv_out.shape[1] - hv * dv) // (2 * dk)
     if conv_out.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
         raise ValueError("recurrent_step reads rows of unit column stride")
     out = torch.empty(conv_out.shape[0], hv, dv, dtype=torch.float32, device=conv_out.device)
-    verify = verify_state is not None
-    target = verify_state if verify else state
+    verify = verify_updates is not None
+    target = verify_updates if verify else state
     block_v = min(dv, 32)
     grid = (slots.numel(), hv, triton.cdiv(dv, block_v))
     _recurrent_step[grid](conv_out, b, a, a_log, dt_bias, out, state, target, qsl, slots, conv_out.stride(0),
@@ -166,3 +172,44 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     if t:
         _gated_norm[(t, hv)](x.contiguous(), z, weight, out, z.stride(0), eps, HV=hv, DV=dv)
     return out
+
+
+@triton.jit
+def _commit_updates(state_ptr, updates_ptr, slots_ptr, rows_ptr, accepted_ptr, num_seqs, stride_sl, stride_ss,
+                    stride_ul, stride_ur, stride_up, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_V: tl.constexpr, POSITIONS: tl.constexpr):
+    """One (layer, sequence), value head and block of value dims: the slot's state block, then the updates of
+    positions 0..accepted of its verify row, in order, as the verify applied them."""
+    pid, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    layer, seq = pid // num_seqs, pid % num_seqs
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    row = tl.load(rows_ptr + seq).to(tl.int64)
+    last = tl.load(accepted_ptr + seq)
+    offs_k = tl.arange(0, DK)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    at = state_ptr + layer.to(tl.int64) * stride_sl + slot * stride_ss + h * DK * DV + offs_k[:, None] * DV + \
+        offs_v[None, :]
+    s = tl.load(at)
+    base = updates_ptr + layer.to(tl.int64) * stride_ul + row * stride_ur + h * (DK + DV + 1)
+    for i in range(POSITIONS):
+        if i <= last:
+            update = base + i * stride_up
+            kt = tl.load(update + offs_k)
+            u = tl.load(update + DK + offs_v)
+            s = s * tl.exp(tl.load(update + DK + DV)) + kt[:, None] * u[None, :]
+    tl.store(at, s)
+
+
+def commit_updates(state: torch.Tensor, updates: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                   accepted: torch.Tensor) -> None:
+    """StatePool.commit_verify's recurrent part in one launch: state [L, S, Hv, Dk, Dv] and updates
+    [L, R, P, Hv, Dk + Dv + 1] float32 (the pool's), slots, rows and accepted [B] on the device."""
+    layers, _, hv, dk, dv = state.shape
+    num_seqs = slots.numel()
+    if not num_seqs:
+        return
+    block_v = min(dv, 32)
+    grid = (layers * num_seqs, hv, triton.cdiv(dv, block_v))
+    _commit_updates[grid](state, updates, slots, rows, accepted, num_seqs, state.stride(0), state.stride(1),
+                          updates.stride(0), updates.stride(1), updates.stride(2), HV=hv, DK=dk, DV=dv,
+                          BLOCK_V=block_v, POSITIONS=updates.shape[2])

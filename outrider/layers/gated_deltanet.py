@@ -9,8 +9,9 @@ sigmoid(b_t), q/k heads shared by groups of value heads; o is RMS-normed per hea
 State lives outside the layer (engine/state_pool.py): per sequence a conv state [C, K] (its last K conv inputs,
 oldest first; fla's layout) and a recurrent state [Hv, Dk, Dv], both float32, addressed by slot. A forward reads
 and advances each sequence's slot, so chunked prefill carries state from chunk to chunk. A verify forward
-(`StateBatch.verify`) leaves the slots alone and writes the state after every position into verify rows instead,
-so that accepting j drafts continues from the state after position j (StatePool.commit_verify), exactly.
+(`StateBatch.verify`) leaves the slots alone and writes into verify rows instead the conv state after every
+position and every position's rank-one update of the recurrent state (k, u, g), so that accepting j drafts
+continues from the state after position j (StatePool.commit_verify replays the first j + 1 updates), exactly.
 
 The torch reference here is the semantics and the CPU path: a chunked form for prompts (per chunk of 64, the
 delta updates solved as one unit-triangular system) and the plain recurrence for short queries. On CUDA the
@@ -20,7 +21,7 @@ kernels of flash-linear-attention (`fla`, Triton; the `gpu` extra) do the same, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -94,11 +95,20 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     return F.silu(y), windows.permute(1, 0, 2)
 
 
+class DeltaRun(NamedTuple):
+    """recurrent_delta_rule's result: the output o [L, H, Dv], the state after each position [L, H, Dk, Dv], and
+    each position's update [L, H, Dk + Dv + 1] (k, u, g: S <- exp(g) S + k u^T; apply_updates)."""
+
+    out: torch.Tensor
+    states: torch.Tensor
+    updates: torch.Tensor
+
+
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         state: torch.Tensor) -> DeltaRun:
     """The gated delta rule token by token. q, k [L, H, Dk] (normalised, q scaled), v [L, H, Dv], g, beta [L, H],
-    state [H, Dk, Dv] -> (o [L, H, Dv], the states after each position [L, H, Dk, Dv]); all float32."""
-    outs, states = [], []
+    state [H, Dk, Dv], all float32."""
+    outs, states, us = [], [], []
     s = state
     for t in range(q.shape[0]):
         s = s * g[t].exp()[:, None, None]
@@ -106,7 +116,15 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         s = s + k[t][:, :, None] * u[:, None, :]
         outs.append(torch.einsum("hkv,hk->hv", s, q[t]))
         states.append(s)
-    return torch.stack(outs), torch.stack(states)
+        us.append(u)
+    return DeltaRun(torch.stack(outs), torch.stack(states), torch.cat([k, torch.stack(us), g[..., None]], dim=-1))
+
+
+def apply_updates(state: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+    """The recurrent state [..., H, Dk, Dv] after one position's updates [..., H, Dk + Dv + 1] (DeltaRun.updates)."""
+    dk, dv = state.shape[-2:]
+    k, u, g = updates[..., :dk], updates[..., dk:dk + dv], updates[..., dk + dv]
+    return state * g.exp()[..., None, None] + k[..., :, None] * u[..., None, :]
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -235,11 +253,11 @@ class GatedDeltaNet(nn.Module):
             conv_out, conv_states = causal_conv(mixed.qkv[a:b], weight, state.conv[slot])
             q, k, v, g, beta = self.heads(conv_out, mixed.b[a:b], mixed.a[a:b])
             if batch.verify:
-                o, states = recurrent_delta_rule(q, k, v, g, beta, state.recurrent[slot])
+                o, _, updates = recurrent_delta_rule(q, k, v, g, beta, state.recurrent[slot])
                 state.verify_conv[i, :b - a] = conv_states
-                state.verify_recurrent[i, :b - a] = states
+                state.verify_updates[i, :b - a] = updates
             elif b - a < CHUNK:
-                o, states = recurrent_delta_rule(q, k, v, g, beta, state.recurrent[slot])
+                o, states, _ = recurrent_delta_rule(q, k, v, g, beta, state.recurrent[slot])
                 state.recurrent[slot] = states[-1]
                 state.conv[slot] = conv_states[-1]
             else:

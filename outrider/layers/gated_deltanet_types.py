@@ -18,12 +18,14 @@ class Gates(NamedTuple):
 
 class LayerState(NamedTuple):
     """One linear-attention layer's state tensors, indexed by slot: conv [S, C, K], recurrent [S, Hv, Dk, Dv];
-    and the verify rows a verify forward fills, [R, P, ...] (P = the most query tokens a verify has)."""
+    and the verify rows a verify forward fills (P = the most query tokens a verify has): the conv state after each
+    position [R, P, C, K], and each position's update of the recurrent state [R, P, Hv, Dk + Dv + 1]: k
+    (normalised), u and the log decay g, with which S <- exp(g) S + k u^T (far smaller than a state a position)."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
     verify_conv: torch.Tensor | None = None
-    verify_recurrent: torch.Tensor | None = None
+    verify_updates: torch.Tensor | None = None
 
 
 class StateBatch(NamedTuple):

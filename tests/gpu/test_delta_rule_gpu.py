@@ -68,7 +68,7 @@ def test_recurrent_step_matches_the_reference(verify, device):
     ba = torch.randn(t, 2 * hv + 3, generator=gen) * 8  # strided rows, as a split projection gives
     b, a = ba[:, :hv], ba[:, hv:2 * hv]
     q, k, v, g, beta = layer.heads(conv_out, b, a)
-    state, verify_rows = torch.randn(6, hv, dk, dv, generator=gen), torch.zeros(3, 5, hv, dk, dv)
+    state, verify_rows = torch.randn(6, hv, dk, dv, generator=gen), torch.zeros(3, 5, hv, dk + dv + 1)
     to = dict(device=device)
     state_dev, verify_dev = state.clone().to(**to), verify_rows.to(**to)  # (own copies: the kernel writes)
     ba_dev = ba.to(**to)
@@ -76,13 +76,29 @@ def test_recurrent_step_matches_the_reference(verify, device):
                          layer.dt_bias.detach().to(**to), state_dev, qsl_dev, slots, max(LENS),
                          verify_dev if verify else None)
     for i, (a, b) in enumerate(zip(qsl, qsl[1:])):
-        ref, states = recurrent_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[SLOTS[i]])
+        ref, states, updates = recurrent_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state[SLOTS[i]])
         torch.testing.assert_close(out[a:b].cpu(), ref, atol=1e-4, rtol=1e-4)
         if verify:
-            torch.testing.assert_close(verify_dev[i, :b - a].cpu(), states, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(verify_dev[i, :b - a].cpu(), updates, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), state[SLOTS[i]])
         else:
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), states[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_commit_replays_each_rows_updates_up_to_its_accepted_position(device):
+    from outrider.engine.state_pool import StateLayout, StatePool
+    from outrider.kernels.delta_rule import commit_updates
+
+    gen = torch.Generator().manual_seed(4)
+    pool = StatePool(StateLayout(2, (12, 4), (3, 16, 64)), num_slots=6, verify_rows=4, verify_positions=5)
+    pool.recurrent.copy_(torch.randn(pool.recurrent.shape, generator=gen))
+    pool.verify_updates.copy_(torch.randn(pool.verify_updates.shape, generator=gen) * 0.5)
+    slots, rows, accepted = [5, 1, 3, 2], [2, 0, 3, 1], [4, 0, 2, 3]  # rows need not follow slots
+    state = pool.recurrent.to(device)
+    commit_updates(state, pool.verify_updates.to(device), *(torch.tensor(x, device=device) for x in (slots, rows,
+                                                                                                    accepted)))
+    pool.commit_verify(torch.tensor(slots), torch.tensor(rows), torch.tensor(accepted))  # (the CPU reference)
+    torch.testing.assert_close(state.cpu(), pool.recurrent, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

@@ -72,4 +72,4 @@ def test_hybrid_models_on_the_gpu_equal_the_cpu(tmp_path, arch):
         for want, got in zip(*outs):
             torch.testing.assert_close(got.cpu(), want, atol=1e-2, rtol=1e-2)  # (fla computes fp32 dots in tf32)
     cpu_pool, gpu_pool = runners[0].pool, runners[1].pool
-    torch.testing.assert_close(gpu_pool.verify_recurrent.cpu(), cpu_pool.verify_recurrent, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(gpu_pool.verify_updates.cpu(), cpu_pool.verify_updates, atol=1e-2, rtol=1e-2)
