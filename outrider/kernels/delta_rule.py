@@ -12,7 +12,8 @@ decode or verify step captures into a CUDA graph.
 - `commit_updates`: after a verify, each sequence's slot takes the state after its accepted drafts, replaying the
   updates its verify row kept (k, u, g a position: a rank-one update each, far smaller than a state).
 
-A sequence's positions are walked up to MAX_POS (the longest query a step has: 1 at decode, k + 1 at verify).
+A sequence's positions are walked up to max_pos (the longest query a step has: 1 at decode, k + 1 at verify), a
+run-time bound: one compiled kernel serves every draft length.
 fla has no kernel that keeps what the rollback needs of every position (docs/architecture.md, "Hybrid models").
 Semantics: layers/gated_deltanet.causal_conv and recurrent_delta_rule.
 """
@@ -26,7 +27,7 @@ import triton.language as tl
 
 @triton.jit
 def _conv_step(x_ptr, w_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr, C, stride_x, stride_out,
-               stride_ss, stride_vr, stride_vp, MAX_POS: tl.constexpr, VERIFY: tl.constexpr, BLOCK_C: tl.constexpr):
+               stride_ss, stride_vr, stride_vp, max_pos, VERIFY: tl.constexpr, BLOCK_C: tl.constexpr):
     """Kernel width 4 (every released Qwen3-Next / Qwen3.5): the window is four [BLOCK_C] columns, oldest first."""
     b, cb = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
@@ -42,7 +43,7 @@ def _conv_step(x_ptr, w_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
     w1 = tl.load(w_ptr + offs * 4 + 1, mask=ok, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + offs * 4 + 2, mask=ok, other=0.0).to(tl.float32)
     w3 = tl.load(w_ptr + offs * 4 + 3, mask=ok, other=0.0).to(tl.float32)
-    for i in range(MAX_POS):
+    for i in range(max_pos):
         t = start + i
         if t < end:
             x = tl.load(x_ptr + t.to(tl.int64) * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
@@ -77,7 +78,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
     grid = (slots.numel(), triton.cdiv(c, block_c))
     _conv_step[grid](x, weight.contiguous(), out, conv_state, target, qsl, slots, c, x.stride(0), out.stride(0),
                      conv_state.stride(0), target.stride(0) if verify else 0, target.stride(1) if verify else 0,
-                     MAX_POS=max_pos, VERIFY=verify, BLOCK_C=block_c)
+                     max_pos=max_pos, VERIFY=verify, BLOCK_C=block_c)
     return out
 
 
@@ -85,7 +86,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
 def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
                     stride_x, stride_b, stride_a, stride_ss, stride_vr, stride_vp, scale, HK: tl.constexpr,
                     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                    MAX_POS: tl.constexpr, VERIFY: tl.constexpr):
+                    max_pos, VERIFY: tl.constexpr):
     """GatedDeltaNet.heads fused in: q, k L2-normalised (q scaled) from the conv output's channels of this value
     head's key head, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
     seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -98,7 +99,7 @@ def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     block = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # this head's [DK, BLOCK_V] block of a state
     s = tl.load(state_ptr + slot * stride_ss + block)
-    for i in range(MAX_POS):
+    for i in range(max_pos):
         t = start + i
         if t < end:
             t64 = t.to(tl.int64)
@@ -144,7 +145,7 @@ def recurrent_step(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_l
     _recurrent_step[grid](conv_out, b, a, a_log, dt_bias, out, state, target, qsl, slots, conv_out.stride(0),
                           b.stride(0), a.stride(0), state.stride(0), target.stride(0) if verify else 0,
                           target.stride(1) if verify else 0, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
-                          BLOCK_V=block_v, MAX_POS=max_pos, VERIFY=verify)
+                          BLOCK_V=block_v, max_pos=max_pos, VERIFY=verify)
     return out
 
 
