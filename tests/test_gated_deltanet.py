@@ -42,7 +42,7 @@ def ours_from(hf, packed: bool) -> GatedDeltaNet:
 
 def new_state(cfg: GatedDeltaNetConfig, slots: int = 4, rows: int = 4, positions: int = 8) -> LayerState:
     return LayerState(torch.zeros(slots, *cfg.conv_state_shape), torch.zeros(slots, *cfg.recurrent_state_shape),
-                      torch.zeros(rows, positions, *cfg.conv_state_shape),
+                      torch.zeros(rows, positions, cfg.conv_dim),
                       torch.zeros(rows, positions, cfg.num_v_heads, cfg.head_k_dim + cfg.head_v_dim + 1))
 
 
@@ -96,8 +96,8 @@ def test_a_ragged_batch_equals_each_sequence_alone(pair):
 
 
 def test_verify_rows_hold_what_gives_the_state_after_each_position(pair):
-    """Verifying k + 1 tokens leaves the slot as it was; the row's conv state j, and its recurrent updates 0..j
-    replayed on the slot, are the state after j + 1 of them, what a plain forward of those j + 1 tokens reaches:
+    """Verifying k + 1 tokens leaves the slot as it was; the slot's conv window followed by the row's inputs 0..j,
+    and the row's recurrent updates 0..j replayed on the slot, are the state after j + 1 of them, what a plain forward of those j + 1 tokens reaches:
     a rollback to j accepted drafts re-runs nothing."""
     _, ours = pair
     x = torch.randn(20, RAW["hidden_size"], generator=torch.Generator().manual_seed(4))
@@ -114,7 +114,8 @@ def test_verify_rows_hold_what_gives_the_state_after_each_position(pair):
         for i in range(j + 1):
             replayed = apply_updates(replayed, state.verify_updates[0, i])
         torch.testing.assert_close(replayed, plain.recurrent[0], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state.verify_conv[0, j], plain.conv[0], rtol=1e-5, atol=1e-6)
+        window = torch.cat([before[1][0], state.verify_inputs[0, :j + 1].T], dim=-1)[:, -before[1].shape[-1]:]
+        torch.testing.assert_close(window, plain.conv[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(verify_out[0][:j + 1], out, rtol=1e-5, atol=1e-5)
 
 

@@ -312,7 +312,7 @@ def test_a_request_asking_for_more_drafts_than_the_verify_rows_hold_is_capped(fa
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, spec_n_max=3)
     plain = LLM(str(family["target"]), spec_type="none", max_num_seqs=4).generate(SPEC_PROMPTS[:4], params)
     spec = speculating(family, "dflash", max_num_seqs=4, spec_draft_n_max=2)  # (DFlash blocks of 4: 3 drafts)
-    assert spec.engine.scheduler.states.pool.verify_conv.shape[2] == 3
+    assert spec.engine.scheduler.states.pool.verify_inputs.shape[2] == 3
     outs = spec.generate(SPEC_PROMPTS[:4], params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert all(o.timing.draft_n <= 2 * o.timing.draft_rounds for o in outs) and sum(o.timing.draft_n for o in outs)

@@ -112,17 +112,20 @@ def test_commit_verify_takes_each_rows_accepted_position(accepted):
     pool = StatePool(LAYOUT, num_slots=6, verify_rows=4, verify_positions=4)
     slots = [pool.allocate() for _ in accepted]
     pool.recurrent.copy_(torch.randn_like(pool.recurrent))
-    pool.verify_conv.copy_(torch.randn_like(pool.verify_conv))
+    pool.conv.copy_(torch.randn_like(pool.conv))
+    pool.verify_inputs.copy_(torch.randn_like(pool.verify_inputs))
     pool.verify_updates.copy_(torch.randn_like(pool.verify_updates) * 0.5)
     rows = list(range(len(accepted)))[::-1]  # rows need not follow slots
-    others = pool.recurrent.clone()
+    others, windows = pool.recurrent.clone(), pool.conv.clone()
     pool.commit_verify(torch.tensor(slots), torch.tensor(rows), torch.tensor(accepted))
     for slot, row, j in zip(slots, rows, accepted):
         want = others[:, slot]
         for i in range(j + 1):  # (the row's updates up to the accepted position, in order)
             want = apply_updates(want, pool.verify_updates[:, row, i])
         torch.testing.assert_close(pool.recurrent[:, slot], want, rtol=0, atol=0)
-        assert torch.equal(pool.conv[:, slot], pool.verify_conv[:, row, j])
+        k = windows.shape[-1]  # (the window after position j: the last k of the window and the inputs 0..j)
+        inputs = torch.cat([windows[:, slot], pool.verify_inputs[:, row, :j + 1].transpose(1, 2)], dim=-1)
+        assert torch.equal(pool.conv[:, slot], inputs[..., -k:])
     untouched = [s for s in range(pool.num_slots + 1) if s not in slots]
     assert torch.equal(pool.recurrent[:, untouched], others[:, untouched])
 
@@ -157,11 +160,11 @@ def test_budget_pays_the_verify_rows_and_the_scratch_slot_first():
                               conv_kernel=4, rms_norm_eps=1e-6, projections=QWEN3_5_PROJECTIONS)
     layout = StateLayout.of(cfg, num_layers=3)
     per_slot = 3 * (cfg.conv_dim * 4 + 4 * 16 * 8) * 4
-    per_position = 3 * (cfg.conv_dim * 4 + 4 * (16 + 8 + 1)) * 4  # (a conv window and an update a position)
+    per_position = 3 * (cfg.conv_dim + 4 * (16 + 8 + 1)) * 4  # (a conv input and an update a position)
     assert (layout.bytes_per_slot, layout.bytes_per_verify_position) == (per_slot, per_position)
     n = slots_for_budget(layout, 100 * per_slot, verify_rows=4, verify_positions=5)
     assert n == (100 * per_slot - 20 * per_position) // per_slot - 1
     pool = StatePool(layout, n, 4, 5)
-    used = sum(t.numel() * t.element_size() for t in (pool.conv, pool.recurrent, pool.verify_conv,
+    used = sum(t.numel() * t.element_size() for t in (pool.conv, pool.recurrent, pool.verify_inputs,
                                                        pool.verify_updates))
     assert used == layout.pool_bytes(n, 4, 5) <= 100 * per_slot

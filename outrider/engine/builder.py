@@ -242,7 +242,7 @@ def _num_kv_blocks(config: EngineConfig, target: _Target, drafted: bool, taps: t
         return config.num_kv_blocks
     wanted = config.max_num_seqs * -(-target.max_model_len // config.block_size) + 1
     if config.kv_cache_memory_gib or target.device.type != "cuda":
-        reserved = 0 if states is None else states.layout.pool_bytes(states.num_slots, *states.verify_conv.shape[1:3])
+        reserved = 0 if states is None else states.layout.pool_bytes(states.num_slots, *states.verify_inputs.shape[1:3])
         return num_kv_blocks(per_block, wanted, (config.kv_cache_memory_gib or CPU_KV_CACHE_GIB) * 2**30 - reserved)
     # The largest step: a full token budget of prompt, and as many sampled rows as sequences (or verify rows).
     tokens = max(1, min(config.max_num_batched_tokens, target.max_model_len))

@@ -8,13 +8,13 @@ hash). Snapshots are a cache: they live in slots no request needs and are evicte
 when a request needs one. Slot 0 is never handed out: it is the scratch slot padded rows of a captured batch
 point at.
 
-Speculative verify: a verify forward writes, for each of its query positions, the conv state after it and its
-rank-one update of the recurrent state (k, u and the log decay g) to verify rows ([layers, rows, positions, ...],
-row = the sequence's row in the batch), and leaves the slots as they were; `commit_verify` then gives each
-sequence's slot the conv state after its last accepted position and replays the updates up to it on the slot's
-recurrent state, on the device and without a host sync, so the next round continues from exactly the accepted
-prefix. A position's update is Hv (Dk + Dv + 1) numbers where a state is Hv Dk Dv: with its conv window, a verify
-position costs about 7 % of a slot at Qwen3.5-4B's shape, in memory and in what the verify writes.
+Speculative verify: a verify forward writes, for each of its query positions, its conv input and its rank-one
+update of the recurrent state (k, u and the log decay g) to verify rows ([layers, rows, positions, ...], row = the
+sequence's row in the batch), and leaves the slots as they were; `commit_verify` then gives each sequence's slot the
+conv window after its last accepted position (the last K of the window and the inputs up to it) and replays the
+updates up to it on the slot's recurrent state, on the device and without a host sync, so the next round continues
+from exactly the accepted prefix. A position costs C + Hv (Dk + Dv + 1) numbers where a state is C K + Hv Dk Dv:
+about 3 % of a slot at Qwen3.5-4B's shape, in memory and in what the verify writes.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class StateLayout:
 
     @property
     def bytes_per_verify_position(self) -> int:
-        """One verify position of one row, in all layers: the conv state after it and its update."""
-        return self._bytes(_numel(self.conv_shape) + _numel(self.update_shape))
+        """One verify position of one row, in all layers: its conv input and its update."""
+        return self._bytes(self.conv_shape[0] + _numel(self.update_shape))
 
     def _bytes(self, per_layer: int) -> int:
         return self.num_layers * per_layer * torch.empty((), dtype=self.dtype).element_size()
@@ -95,7 +95,7 @@ class StatePool:
         self.conv = torch.zeros(n, num_slots + 1, *layout.conv_shape, dtype=dtype, device=dev)
         self.recurrent = torch.zeros(n, num_slots + 1, *layout.recurrent_shape, dtype=dtype, device=dev)
         rows = (verify_rows, verify_positions)
-        self.verify_conv = torch.zeros(n, *rows, *layout.conv_shape, dtype=dtype, device=dev)
+        self.verify_inputs = torch.zeros(n, *rows, layout.conv_shape[0], dtype=dtype, device=dev)
         self.verify_updates = torch.zeros(n, *rows, *layout.update_shape, dtype=dtype, device=dev)
         self._free = list(range(num_slots, 0, -1))  # popped from the end: lowest slot first
         self._owned: set[int] = set()
@@ -105,7 +105,7 @@ class StatePool:
 
     def layer(self, i: int) -> LayerState:
         """Linear-attention layer i's views (the i-th of the model's linear-attention layers, in order)."""
-        return LayerState(self.conv[i], self.recurrent[i], self.verify_conv[i], self.verify_updates[i])
+        return LayerState(self.conv[i], self.recurrent[i], self.verify_inputs[i], self.verify_updates[i])
 
     # --- slots of running requests ---------------------------------------------------------------------------
 
@@ -204,7 +204,11 @@ class StatePool:
         """After a verify forward: slot slots[b] takes the state after position accepted[b] of verify row rows[b]
         (accepted = drafts accepted: position 0 is the verified token itself), in every layer. Device tensors
         [B] int64; device ops only, so it runs inside a captured round."""
-        self.conv[:, slots] = self.verify_conv[:, rows, accepted]
+        # The conv window after position j: the last K of the slot's window and the row's inputs 0..j.
+        window = self.conv[:, slots]  # [L, B, C, K]
+        inputs = torch.cat([window, self.verify_inputs[:, rows].transpose(2, 3)], dim=-1)  # [L, B, C, K + P]
+        at = accepted[:, None] + 1 + torch.arange(window.shape[-1], device=accepted.device)  # [B, K]
+        self.conv[:, slots] = inputs.gather(-1, at[None, :, None, :].expand(window.shape))
         if self.recurrent.is_cuda:
             from outrider.kernels.delta_rule import commit_updates
 

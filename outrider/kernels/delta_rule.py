@@ -3,7 +3,7 @@ state pool's slots in place: no gather or scatter of states, no host loop, every
 decode or verify step captures into a CUDA graph.
 
 - `causal_conv_step`: the depthwise causal conv + SiLU over each sequence's query tokens from its slot's conv
-  window; advances the slot, or (verify) writes the window after each position to the verify rows.
+  window; advances the slot, or (verify) writes each position's input to the verify rows.
 - `recurrent_step`: the gated delta rule over each sequence's query tokens from its slot's recurrent state, with
   the heads' normalisation and gates computed in the kernel (torch's two dozen small ops a layer would each be a
   launch); the same two modes (verify: each position's update of the state, not the state). One program per
@@ -51,12 +51,8 @@ def _conv_step(x_ptr, w_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
             y = c0 * w0 + c1 * w1 + c2 * w2 + c3 * w3
             y = y * tl.sigmoid(y)
             tl.store(out_ptr + t.to(tl.int64) * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
-            if VERIFY:
-                v_base = verify_ptr + b * stride_vr + i * stride_vp + offs * 4
-                tl.store(v_base + 0, c0, mask=ok)
-                tl.store(v_base + 1, c1, mask=ok)
-                tl.store(v_base + 2, c2, mask=ok)
-                tl.store(v_base + 3, c3, mask=ok)
+            if VERIFY:  # (the window after this position follows from the inputs: StatePool.commit_verify)
+                tl.store(verify_ptr + b * stride_vr + i * stride_vp + offs, x, mask=ok)
     if not VERIFY:
         tl.store(s_base + 0, c0, mask=ok)
         tl.store(s_base + 1, c1, mask=ok)
@@ -65,15 +61,16 @@ def _conv_step(x_ptr, w_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, qsl: torch.Tensor,
-                     slots: torch.Tensor, max_pos: int, verify_conv: torch.Tensor | None = None) -> torch.Tensor:
+                     slots: torch.Tensor, max_pos: int, verify_inputs: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, C] (rows may be strided), weight [C, 4], conv_state [S, C, 4] float32 (the pool's), qsl [B + 1] and
-    slots [B] on the device -> conv + SiLU output [T, C] in x's dtype. verify_conv [R, P, C, 4]: verify mode."""
+    slots [B] on the device -> conv + SiLU output [T, C] in x's dtype. verify_inputs [R, P, C]: verify mode, each
+    position's input written there (float32)."""
     t, c = x.shape
     if weight.shape[1] != 4:
         raise ValueError(f"the conv kernel handles kernel width 4, not {weight.shape[1]}")
     out = torch.empty(t, c, dtype=x.dtype, device=x.device)
-    verify = verify_conv is not None
-    target = verify_conv if verify else conv_state
+    verify = verify_inputs is not None
+    target = verify_inputs if verify else conv_state
     block_c = 256
     grid = (slots.numel(), triton.cdiv(c, block_c))
     _conv_step[grid](x, weight.contiguous(), out, conv_state, target, qsl, slots, c, x.stride(0), out.stride(0),

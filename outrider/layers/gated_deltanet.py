@@ -254,7 +254,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v, g, beta = self.heads(conv_out, mixed.b[a:b], mixed.a[a:b])
             if batch.verify:
                 o, _, updates = recurrent_delta_rule(q, k, v, g, beta, state.recurrent[slot])
-                state.verify_conv[i, :b - a] = conv_states
+                state.verify_inputs[i, :b - a] = conv_states[:, :, -1]
                 state.verify_updates[i, :b - a] = updates
             elif b - a < CHUNK:
                 o, states, _ = recurrent_delta_rule(q, k, v, g, beta, state.recurrent[slot])

@@ -53,7 +53,7 @@ def _short(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerSt
 
     qsl = _device_qsl(batch, mixed.qkv.device)
     conv_out = causal_conv_step(mixed.qkv, conv_weight, state.conv, qsl, batch.slots, longest,
-                                state.verify_conv if batch.verify else None)
+                                state.verify_inputs if batch.verify else None)
     return recurrent_step(conv_out, mixed.b, mixed.a, gates.a_log, gates.dt_bias, state.recurrent, qsl, batch.slots,
                           longest, state.verify_updates if batch.verify else None)
 

@@ -18,13 +18,14 @@ class Gates(NamedTuple):
 
 class LayerState(NamedTuple):
     """One linear-attention layer's state tensors, indexed by slot: conv [S, C, K], recurrent [S, Hv, Dk, Dv];
-    and the verify rows a verify forward fills (P = the most query tokens a verify has): the conv state after each
-    position [R, P, C, K], and each position's update of the recurrent state [R, P, Hv, Dk + Dv + 1]: k
-    (normalised), u and the log decay g, with which S <- exp(g) S + k u^T (far smaller than a state a position)."""
+    and the verify rows a verify forward fills (P = the most query tokens a verify has), what the state after each
+    position follows from, far smaller than that state: each position's conv input [R, P, C] (float32; the conv
+    window after position j is the last K of the slot's window and the inputs 0..j), and its update of the
+    recurrent state [R, P, Hv, Dk + Dv + 1]: k (normalised), u and the log decay g, with S <- exp(g) S + k u^T."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
-    verify_conv: torch.Tensor | None = None
+    verify_inputs: torch.Tensor | None = None
     verify_updates: torch.Tensor | None = None
 
 

@@ -29,7 +29,7 @@ def test_conv_step_matches_the_reference(verify, device):
     qsl, qsl_dev, slots = _qsl(device)
     x = torch.randn(qsl[-1], c + 7, generator=gen)[:, :c]  # strided rows, as a split projection gives
     weight, state = torch.randn(c, 4, generator=gen), torch.randn(6, c, 4, generator=gen)
-    verify_rows = torch.zeros(3, 5, c, 4)
+    verify_rows = torch.zeros(3, 5, c)
     to = dict(device=device)
     state_dev, verify_dev = state.clone().to(**to), verify_rows.to(**to)  # (own copies: the kernel writes)
     out = causal_conv_step(x.to(**to), weight.to(**to), state_dev, qsl_dev, slots, max(LENS),
@@ -38,7 +38,7 @@ def test_conv_step_matches_the_reference(verify, device):
         ref, windows = causal_conv(x[a:b], weight, state[SLOTS[i]])
         torch.testing.assert_close(out[a:b].cpu(), ref, atol=1e-5, rtol=1e-5)
         if verify:
-            torch.testing.assert_close(verify_dev[i, :b - a].cpu(), windows)
+            torch.testing.assert_close(verify_dev[i, :b - a].cpu(), windows[:, :, -1])  # (each position's input)
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), state[SLOTS[i]])  # untouched
         else:
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), windows[-1])

@@ -31,7 +31,7 @@ def _state(cfg: GatedDeltaNetConfig, device: torch.device) -> LayerState:
         return torch.randn(*shape, device=device) * 0.1
 
     return LayerState(underway(6, *cfg.conv_state_shape), underway(6, *cfg.recurrent_state_shape),
-                      underway(3, 5, *cfg.conv_state_shape),
+                      underway(3, 5, cfg.conv_dim),
                       underway(3, 5, cfg.num_v_heads, cfg.head_k_dim + cfg.head_v_dim + 1))
 
 
