@@ -147,13 +147,13 @@ def test_lookup_misses_leave_the_step_plain_before_its_token_is_known():
     whose lookup cannot hit gets no length, so the step is not completed early and stays overlapped."""
     from outrider.engine.kv_cache import BlockPool
     from outrider.speculative.drafter import DraftPolicy
-    from outrider.speculative.speculator import Speculator
+    from outrider.speculative.speculator import SpeculationLimits, Speculator
 
     def no_rows(spans):
         raise AssertionError("n-gram lookup reads no hidden states")
 
     spec = Speculator(drafter(n=2), DraftPolicy(), BlockPool(16, 16, False), no_rows, 2048, time.perf_counter,
-                      lambda: None)
+                      lambda: None, SpeculationLimits())
     repeats, novel = request([1, 2, 3, 9, 1, 2]), request([1, 2, 3, 4, 5, 6])
     for req in (repeats, novel):
         req.num_pending = 1  # sampled on the device, not yet on the host
