@@ -124,3 +124,25 @@ def test_json_schema_runs_the_same_workload_constrained_and_free(tiny_checkpoint
     assert bench.main(argv) == 0
     rows = _rows(out)
     assert rows["json-schema"]["tok_s"] > 0 and rows["json-schema"]["free_tok_s"] == rows["throughput"]["tok_s"]
+
+
+def test_quant_bench_writes_each_format_at_its_size_and_runs_it_beside_bf16(tmp_path):
+    """`bench quant` end to end on a shape every format's blocks fit: each checkpoint is written in its format at
+    about its bits a weight, loads through the ordinary loader, decodes at batch 1 and 2, and is compared with
+    bf16 (on the CPU the quantized layers are dequantized, so the loaded bytes are bf16's)."""
+    out = tmp_path / "quant.json"
+    argv = ["quant", "--random-weights", "tiny-qwen3-256", "--device", "cpu", "--weights-format", "bf16", "q4_k_m",
+            "q8_0", "fp8", "awq", "--checkpoint-dir", str(tmp_path / "ckpt"), "--gen", "4", "--prompt-len", "8",
+            "--ttft-prompt-len", "16", "--batch", "2", "--json", str(out)]
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())
+    tensor_bytes = {r["format"]: r["tensor_bytes"] for r in rows if r["label"].endswith(" weights")}
+    bf16 = tensor_bytes["bf16"]
+    # Bytes a weight against bf16's two: Q4_K_M ~4.9 bits (its Q6_K tensors included), Q8_0 8.5, FP8 8 + scales,
+    # AWQ 4 + group scales and zeros.
+    assert 0.25 < tensor_bytes["q4_k_m"] / bf16 < 0.4 and 0.5 < tensor_bytes["q8_0"] / bf16 < 0.6
+    assert 0.5 <= tensor_bytes["fp8"] / bf16 < 0.6 and 0.25 < tensor_bytes["awq"] / bf16 < 0.4
+    assert all(r["loaded_bytes"] > 0 for r in rows if "loaded_bytes" in r)
+    speeds = {(r["format"], r["batch"]) for r in rows if r.get("tok_s", 0) > 0}
+    assert speeds == {(f, b) for f in tensor_bytes for b in (1, 2)}
+    assert {r["format"] for r in rows if r["label"].endswith("vs bf16")} == set(tensor_bytes)

@@ -50,14 +50,10 @@ def run(args, reporter: Reporter) -> None:
     results = {}
     for fmt in args.weights_format:
         path, tensor_bytes = write_checkpoint(args.random_weights, fmt, root)
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        model, cfg = load_model(path, dtype="bfloat16", device=device)
-        torch.cuda.synchronize(device)
-        weights = torch.cuda.memory_allocated(device) - before
-        reporter.note(f"quant {fmt} weights", f"{weights / 2**30:.2f} GiB on the GPU after load, checkpoint tensors "
-                      f"{tensor_bytes / 2**30:.2f} GiB ({weights / tensor_bytes:.3f}x)", format=fmt,
-                      gpu_bytes=weights, tensor_bytes=tensor_bytes)
+        model, cfg, weights = _load_measured(path, device)
+        reporter.note(f"quant {fmt} weights", f"{weights / 2**30:.2f} GiB on the {device.type} after load, "
+                      f"checkpoint tensors {tensor_bytes / 2**30:.2f} GiB ({weights / tensor_bytes:.3f}x)", format=fmt,
+                      loaded_bytes=weights, tensor_bytes=tensor_bytes, device=device.type)
         max_len = max(args.prompt_len + args.gen, args.ttft_prompt_len + 2) + 16
         engine = build_engine(args, max_num_seqs=args.batch, max_model_len=max_len,
                               max_num_batched_tokens=max(2048, args.batch * args.prompt_len, args.ttft_prompt_len),
@@ -85,6 +81,19 @@ def run(args, reporter: Reporter) -> None:
             reporter.note(f"quant {fmt} vs bf16", f"batch 1 {row['bs1_tok_s'] / base['bs1_tok_s']:.2f}x, batch "
                           f"{args.batch} {row[f'bs{args.batch}_tok_s'] / base[f'bs{args.batch}_tok_s']:.2f}x, TTFT "
                           f"{row['ttft_s'] / base['ttft_s']:.2f}x", format=fmt)
+
+
+def _load_measured(path: Path, device: torch.device) -> tuple[torch.nn.Module, object, int]:
+    """(model, config, the bytes its load took): on CUDA what the allocator handed out, elsewhere the bytes of the
+    model's parameters and buffers."""
+    if device.type != "cuda":
+        model, cfg = load_model(path, dtype="bfloat16", device=device)
+        return model, cfg, sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    model, cfg = load_model(path, dtype="bfloat16", device=device)
+    torch.cuda.synchronize(device)
+    return model, cfg, torch.cuda.memory_allocated(device) - before
 
 
 # Qwen3-8B's projections as [N, K]: qkv_proj, o_proj, gate_up_proj, down_proj.

@@ -57,6 +57,10 @@ RANDOM_MODELS: dict[str, dict] = {
     "tiny-qwen3": {**_QWEN3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
                    "tie_word_embeddings": False, "torch_dtype": "float32"},
+    # Every dimension a multiple of 256: each quantized format's blocks fit (bench quant on a CPU in seconds).
+    "tiny-qwen3-256": {**_QWEN3, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+                       "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+                       "max_position_embeddings": 2048, "tie_word_embeddings": False, "torch_dtype": "float32"},
     "tiny-qwen3.5": {**_QWEN3_5, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                      "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,

@@ -179,7 +179,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m:
     _grouped_gemm[grid](a, w, out, scale if scale is not None else out, layout.sorted_pairs, layout.block_expert,
                         num_pairs, n, a.stride(0), w.stride(0), w.stride(1), out.stride(0), K=k_dim,
                         A_ROW_DIV=a_row_div, GATED=gated, SCALED=scale is not None,
-                        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", BLOCK_M=block_m, BLOCK_N=block_n,
+                        BLOCK_K=block_k)
     return out
 
 

@@ -142,13 +142,14 @@ class BlockReservations(Protocol):
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations, hidden_rows: HiddenRows | None,
-                 max_rows: int, clock: Callable[[], float], synchronize: Callable[[], None],
-                 limits: SpeculationLimits):
+    def __init__(self, drafter: Drafter, policy: DraftPolicy, pool: BlockReservations,
+                 hidden_rows: HiddenRows | None, max_rows: int, clock: Callable[[], float],
+                 synchronize: Callable[[], None], limits: SpeculationLimits):
         """hidden_rows: None where the target cannot recompute committed rows (a hybrid model's linear layers have
-        moved past them): a drafter that reads them then never sleeps, as it could not catch up. max_rows: the most rows one catch-up forward runs (a step's token budget: its activations fit). clock:
-        the engine's; synchronize: waits for the device (one-off work is timed to its end); limits: when queued
-        rows are handed to the drafter."""
+        moved past them): a drafter that reads them then never sleeps, as it could not catch up. max_rows: the
+        most rows one catch-up forward runs (a step's token budget: its activations fit). clock: the engine's;
+        synchronize: waits for the device (one-off work is timed to its end); limits: when queued rows are handed
+        to the drafter."""
         self.drafter = drafter
         self.policy = policy
         self.pool = pool
