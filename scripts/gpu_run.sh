@@ -56,8 +56,11 @@
 #     batch-64 throughput of 30B-A3B beside the dense 8B.
 # hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: its MTP head (alpha 0.8, k 3) and the DFlash-b16 preset
 #     (alpha 0.86), batch 1 and 32.
-# ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): batch-1 latency of each on this one machine,
-#     alternated twice (freshly started machines differ by up to ~15%, so compare only within a call).
+# ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): the same rows of each tree on this one machine,
+#     tree after tree (freshly started machines differ by up to ~15%, so compare only within a call). AB_ROWS picks
+#     them (default "plain1 plain1"): plain1 (batch-1 latency, 0.6B and 8B), plain8 / plain32 (8B latency at that
+#     batch), and the 8B bench spec rows of KIND at batch 1 (its issue-13 setting: dflash 0.86; eagle3 and draft 0.8,
+#     k 4; mtp 0.7, k 3) spelled spec-KIND, or at batch 8 and 32 (alpha 0.7 and 0) spelled spec-KIND-b832.
 set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
@@ -128,15 +131,29 @@ smol_ready() {  # smol_ready MODE: assemble $SMOL from the parts carried so far;
   return 1
 }
 
+ab_row() {  # ab_row ROW: one A/B row, in the current tree
+  local kind
+  case $1 in
+    plain1) bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
+            bench latency --random-weights qwen3-8b --ttft-prompt-len 0 ;;
+    plain8|plain32) bench latency --random-weights qwen3-8b --batch "${1#plain}" --ttft-prompt-len 0 ;;
+    spec-*-b832) kind=${1#spec-}; kind=${kind%-b832}
+                 bench spec --random-weights qwen3-8b --spec-type "$kind" --batch 8 32 --num-requests 32 \
+                   --acceptance 0.7 0 ;;
+    spec-*) kind=${1#spec-}
+            bench spec --random-weights qwen3-8b --spec-type "$kind" --batch 1 --num-requests 8 $(preset8b "$kind") ;;
+    *) echo "unknown AB row $1" >&2; return 2 ;;
+  esac
+}
+
 if [ "$1" = ab ]; then
-  for round in 1 2; do
+  for row in ${AB_ROWS:-plain1 plain1}; do
     for dir in $AB; do
-      echo "== $dir (round $round)" | tee -a "$OUT/bench.log"
-      (cd "$dir" && export PYTHONPATH="$PWD" && bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0 &&
-       bench latency --random-weights qwen3-8b --ttft-prompt-len 0)
+      echo "== $dir: $row" | tee -a "$OUT/bench.log"
+      (cd "$dir" && export PYTHONPATH="$PWD" && ab_row "$row")
     done
   done
-  grep -E '^(==|latency)' "$OUT/bench.log"
+  grep -E '^(==|latency|spec )' "$OUT/bench.log"
   exit 0
 fi
 
