@@ -13,6 +13,8 @@ from outrider.engine.request import Request
 from outrider.timing import now
 from tests.spec_helpers import SETUPS, write_families
 
+pytestmark = pytest.mark.cuda_only  # (the engine's CUDA path: graphs, streams, the device's clock)
+
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 

@@ -37,6 +37,7 @@ def params(llm: LLM) -> list[SamplingParams]:
             SamplingParams(max_tokens=40, temperature=0.9, seed=5, grammar=gbnf)]
 
 
+@pytest.mark.cuda_only
 def test_constrained_steps_overlap_and_equal_the_synchronous_output(ckpt):
     llm = LLM(ckpt, device="cuda", dtype="float32", max_num_seqs=8)
     sync = LLM(ckpt, device="cuda", dtype="float32", max_num_seqs=8, overlap_schedule=False)
@@ -46,6 +47,7 @@ def test_constrained_steps_overlap_and_equal_the_synchronous_output(ckpt):
     jsonschema.validate(json.loads(got[0].text), SCHEMA)
 
 
+@pytest.mark.cuda_only
 def test_constrained_sampling_never_waits_for_the_device(ckpt):
     """A constrained step's sampling is enqueued while its forward runs: a synchronising call there (a blocking
     copy, a read of a device value) would make the host wait out the forward, every step."""
