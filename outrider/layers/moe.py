@@ -58,7 +58,7 @@ class Routing(NamedTuple):
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
     """Softmax over the experts in float32, the top k, renormalised to sum 1 when `normalize` (norm_topk_prob).
-    On CUDA one kernel (kernels/moe.py) instead of torch's five, which cost more than the experts' GEMMs at batch 1."""
+    On CUDA one kernel (kernels/moe.py) instead of torch's five: at batch 1 each is a launch that computes little."""
     if logits.is_cuda:
         from outrider.kernels import moe
 
