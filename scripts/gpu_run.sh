@@ -150,7 +150,7 @@ if [ "$1" = ab ]; then
   for row in ${AB_ROWS:-plain1 plain1}; do
     for dir in $AB; do
       echo "== $dir: $row" | tee -a "$OUT/bench.log"
-      (cd "$dir" && export PYTHONPATH="$PWD" && ab_row "$row")
+      (cd "$dir" && export PYTHONPATH="$PWD:/tmp/site" && ab_row "$row")
     done
   done
   grep -E '^(==|latency|spec )' "$OUT/bench.log"
