@@ -83,8 +83,10 @@ class LinearStateSlots:
         """A step's StateBatch: a verify when any request feeds drafts (the scheduler keeps prompt chunks out of
         such steps)."""
         slots = [self.slot(s.request) for s in plan.scheduled]
+        qsl_cpu = torch.tensor(qsl, dtype=torch.int64)
         return StateBatch(qsl, torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True), slots,
-                          verify=any(s.draft_tokens for s in plan.scheduled))
+                          verify=any(s.draft_tokens for s in plan.scheduled),
+                          query_start_loc=qsl_cpu.to(device, non_blocking=True), query_start_loc_cpu=qsl_cpu)
 
     def states(self, batch: StateBatch) -> LinearStates:
         return LinearStates(self.pool, batch)

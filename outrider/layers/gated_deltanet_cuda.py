@@ -61,19 +61,23 @@ def _short(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerSt
 def _chunked(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState,
              batch: StateBatch) -> torch.Tensor:
     """Prompts: fla's causal conv and chunked delta rule over the ragged batch, states gathered from the slots
-    and scattered back."""
+    and scattered back. The host offsets go along, so that fla never reads the device's back (a sync a layer)."""
     causal_conv1d, chunk_rule = _fla()
     dtype = mixed.qkv.dtype
     cu = _device_qsl(batch, mixed.qkv.device).to(torch.int64)
+    cu_cpu = batch.query_start_loc_cpu
+    if cu_cpu is None:
+        cu_cpu = torch.tensor(batch.query_start_loc_host, dtype=torch.int64)
     conv_init = state.conv.index_select(0, batch.slots).to(dtype)
     conv_out, conv_final = causal_conv1d(mixed.qkv[None], conv_weight, initial_state=conv_init,
-                                         output_final_state=True, activation="silu", cu_seqlens=cu)
+                                         output_final_state=True, activation="silu", cu_seqlens=cu,
+                                         cu_seqlens_cpu=cu_cpu)
     state.conv.index_copy_(0, batch.slots, conv_final.to(state.conv.dtype))
     q, k, v, g, beta = heads(conv_out[0], mixed.b, mixed.a)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     o, final = chunk_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                           initial_state=state.recurrent.index_select(0, batch.slots), output_final_state=True,
-                          cu_seqlens=cu)
+                          cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
     state.recurrent.index_copy_(0, batch.slots, final.to(state.recurrent.dtype))
     return o[0].float()
 

@@ -40,7 +40,10 @@ class StateBatch(NamedTuple):
     slots: torch.Tensor  # [B] int64, on the state's device
     slots_host: list[int]
     verify: bool = False
-    query_start_loc: torch.Tensor | None = None  # [B + 1] on the device (the attention metadata's; None: made)
+    query_start_loc: torch.Tensor | None = None  # [B + 1] on the device (a graph's: its attention metadata's)
+    # [B + 1] int64 on the host: fla's varlen kernels read the chunk layout from it instead of syncing on the
+    # device copy, and one object for every layer of a forward lets fla compute that layout once
+    query_start_loc_cpu: torch.Tensor | None = None
 
 
 class Mixed(NamedTuple):
