@@ -120,11 +120,11 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int):
+def _candidates(m: int, block: int, n: int):
     """Configs `--tune` tries: tile rows, K per step, warps and pipeline depth around the default."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
 
-    base = default_config(m, block)
+    base = default_config(m, block, n)
     out = [base]
     for block_n in (16, 32, 64):
         for steps in (128, 256):
@@ -164,7 +164,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
-                        for c in _candidates(m, block)]
+                        for c in _candidates(m, block, n)]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

@@ -54,19 +54,22 @@ class QuantGemmConfig:
     num_stages: int = 2
 
 
-def default_config(m: int, block: int) -> QuantGemmConfig:
+def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
     128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
     a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
     if m <= FMA_MAX_M.value:  # 256 values a step for one row, 128 for two (the accumulator doubles)
         return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block))
+    if m <= 16:  # verify rows: 64 rows of a wide weight (gate_up) a program, else 32; pipelined 4 deep on 8 warps:
+        # near the fastest `--tune` found on an H100 for Qwen3-8B's projections. 128 values a step, or one block
+        # of the formats with longer blocks: ptxas for sm_90 then keeps every format's tile in registers
+        wide = n >= 16384 and block < 256
+        return QuantGemmConfig(block_n=64 if wide else 32, block_m=16, blocks=max(1, 128 // block), num_warps=8,
+                               num_stages=4)
     # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
     # tiles in registers (no spills), but Q6_K's at 32 rows (80 bytes); 64-row tiles spilled 0.5-1.5 KB. Past 16
     # rows, 32 rows of W a program: twice the programs of 64 (a 4096-row weight fills only 64 SMs at 64).
-    blocks = max(1, 128 // block)
-    if m <= 16:
-        return QuantGemmConfig(block_n=16, block_m=16, blocks=blocks)
-    return QuantGemmConfig(block_n=32, block_m=32, blocks=blocks, num_warps=8)
+    return QuantGemmConfig(block_n=32, block_m=32, blocks=max(1, 128 // block), num_warps=8)
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,21 @@ def _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, 
     return lo, hi, tl.reshape(p_lo, (NB * H,)), tl.reshape(p_hi, (NB * H,))
 
 
+@triton.jit
+def _in_order(lo, hi, FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """_tile's two planes -> the tile [BLOCK_N, NB * BLOCK] in K order, so that a store of it is contiguous."""
+    if FMT == Q6_K:  # low plane (half h, quarter a, j) at 128 h + 32 a + j, the high plane 64 further
+        t = tl.join(tl.reshape(lo, (BLOCK_N, NB, 2, 2, 32)), tl.reshape(hi, (BLOCK_N, NB, 2, 2, 32)))
+        t = tl.permute(t, (0, 1, 2, 5, 3, 4))
+    elif FMT == Q4_K or FMT == Q5_K:  # low plane (chunk c, j) at 64 c + j, the high plane 32 further
+        t = tl.join(tl.reshape(lo, (BLOCK_N, NB, 4, 32)), tl.reshape(hi, (BLOCK_N, NB, 4, 32)))
+        t = tl.permute(t, (0, 1, 2, 4, 3))
+    else:  # low plane value l of a block at l, the high plane BLOCK / 2 further
+        t = tl.join(tl.reshape(lo, (BLOCK_N, NB, BLOCK // 2)), tl.reshape(hi, (BLOCK_N, NB, BLOCK // 2)))
+        t = tl.permute(t, (0, 1, 3, 2))
+    return tl.reshape(t, (BLOCK_N, NB * BLOCK))
+
+
 @triton.jit(do_not_specialize=["M"])
 def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                   stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
@@ -279,13 +297,13 @@ def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, 
         rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
     n_blocks = K // BLOCK
     kb = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
-    lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
-                               stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
-    H: tl.constexpr = BLOCK // 2
-    out_rows = out_ptr + offs_n[:, None].to(tl.int64) * stride_on
-    mask = (offs_n[:, None] < N) & ((tl.program_id(1) * NB + tl.arange(0, NB * H) // H) < n_blocks)[None, :]
-    tl.store(out_rows + p_lo[None, :], lo.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_rows + p_hi[None, :], hi.to(out_ptr.dtype.element_ty), mask=mask)
+    lo, hi, _, _ = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
+                              stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
+    tile = _in_order(lo, hi, FMT, BLOCK, BLOCK_N, NB)
+    cols = tl.program_id(1) * (NB * BLOCK) + tl.arange(0, NB * BLOCK)
+    mask = (offs_n[:, None] < N) & (cols < n_blocks * BLOCK)[None, :]
+    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + cols[None, :], tile.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def _tensors(part: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -305,7 +323,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     m, k = x.shape
     n = part.shape[0]
     lay = _layout(part)
-    cfg = config or default_config(m, lay.block)
+    cfg = config or default_config(m, lay.block, n)
     w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _qgemm_kernel[grid](x, w, w16, scale, zero, bias if bias is not None else scale, y, m, n, k, x.stride(0),
@@ -320,7 +338,7 @@ def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.
     tensor of R ids names (an embedding lookup)."""
     n, k = out.shape
     lay = _layout(part)
-    cfg = default_config(1, lay.block)
+    cfg = default_config(1, lay.block, n)
     w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
     gather = isinstance(rows, torch.Tensor)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))

@@ -177,9 +177,32 @@ _SIGNATURES = {**{name: (f.block, f.type_size, "*u8", "*u8", "*u8") for name, f 
                "INT4": (128, 0, "*fp16", "*u8", "*u8"), "FP8": (128, 0, "*fp32", "*fp8e4nv", "*fp8e4nv")}
 
 
-def _spilled_bytes(kind: str, rows: int) -> int:
-    """Compile `kind`'s kernel at its default config for `rows` for sm_90 (Triton's own ptxas: no GPU needed) and
-    return the bytes ptxas reports spilled."""
+def _spilled_bytes(kind: str, rows: int, n: int) -> int:
+    """Compile `kind`'s kernel at its default config for `rows` (0: the dequantization kernel) of an `n`-row
+    weight for sm_90 (Triton's own ptxas: no GPU needed) and return the bytes ptxas reports spilled."""
+    from outrider.kernels import quant_gemm as q
+
+    block, type_size, s, z, w = _SIGNATURES[kind]
+    cfg = q.default_config(max(rows, 1), block, n)
+    if rows == 0:
+        signature = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "s_ptr": s, "z_ptr": z, "out_ptr": "*bf16",
+                     "ids_ptr": "*i64", "row0": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32",
+                     "stride_on": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
+                     **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "FP8_BITS", "GATHER", "BLOCK_N", "NB"], "constexpr")}
+        constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
+                     "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
+        return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
+    signature = {"x_ptr": "*bf16", "w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "s_ptr": s, "z_ptr": z,
+                 "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                 "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
+                 **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
+                                  "NB"], "constexpr")}
+    constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
+                 "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
+    return _ptxas_spills(q._qgemm_kernel, signature, constants, cfg)
+
+
+def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
     import re
     import subprocess
 
@@ -188,18 +211,7 @@ def _spilled_bytes(kind: str, rows: int) -> int:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    from outrider.kernels import quant_gemm as q
-
-    block, type_size, s, z, w = _SIGNATURES[kind]
-    cfg = q.default_config(rows, block)
-    signature = {"x_ptr": "*bf16", "w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "s_ptr": s, "z_ptr": z,
-                 "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-                 "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
-                 **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
-                                  "NB"], "constexpr")}
-    constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
-                 "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
-    kernel = triton.compile(ASTSource(fn=q._qgemm_kernel, signature=signature, constexprs=constants),
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", "-", "-o", "/dev/null"],
@@ -207,20 +219,21 @@ def _spilled_bytes(kind: str, rows: int) -> int:
     return int(re.search(r"(\d+) bytes spill stores", report)[1])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 64])
+@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (16, 4096), (16, 24576), (64, 4096)])
 @pytest.mark.parametrize("kind", _SIGNATURES)
-def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows):
-    """Each format's kernel at its default config for `rows` compiles for sm_90, and ptxas reports no register
-    spills (Q6_K's 32-row tile excepted: a few dozen bytes). In a process of its own: compiling needs Triton's
-    compiler, which TRITON_INTERPRET=1 replaces."""
+def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
+    """Each format's kernel at its default config for `rows` of an n-row weight (rows 0: its dequantization
+    kernel) compiles for sm_90, and ptxas reports no register spills (Q6_K's 32-row tile excepted: a few dozen
+    bytes). In a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1 replaces."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, kind, str(rows)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, __file__, kind, str(rows), str(n)], env=env, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert int(done.stdout.split()[-1]) <= (96 if (kind, rows) == ("Q6_K", 64) else 0)
 
 
-if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS: the bytes its kernel spills (see above)
-    print(_spilled_bytes(sys.argv[1], int(sys.argv[2])))
+if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: the bytes its kernel spills (see above)
+    print(_spilled_bytes(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
