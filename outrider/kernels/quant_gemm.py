@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -109,19 +110,30 @@ def _fp8_bits_to_f32(u):
 
 
 @triton.jit
-def _k_scale_min(w_ptr, base, s):
-    """Q4_K/Q5_K: the 6-bit scale and min of sub-block s (any shape broadcasting with base) -> float32."""
+def _k_scale_min(w32_ptr, base, s):
+    """Q4_K/Q5_K: the 6-bit scale and min of sub-block s (broadcasting with base, a block's byte offset) ->
+    float32. The 12 scale bytes (offset 4) are read as three words; byte t = s % 4 of each holds sub-block s's
+    low bits (s < 4) or the high ones beside the next word's."""
+    word = base // 4 + 1
+    t = 8 * (s % 4)
+    b0 = (tl.load(w32_ptr + word) >> t) & 255
+    b1 = (tl.load(w32_ptr + word + 1) >> t) & 255
+    b2 = (tl.load(w32_ptr + word + 2) >> t) & 255
     low = s < 4
-    b_s = tl.load(w_ptr + base + 4 + s).to(tl.int32)
-    b_s4 = tl.load(w_ptr + base + 8 + s).to(tl.int32)
-    b_sm4 = tl.load(w_ptr + base + 4 + tl.where(low, s, s - 4)).to(tl.int32)
-    sc = tl.where(low, b_s & 63, (b_s4 & 15) | ((b_sm4 >> 6) << 4))
-    mn = tl.where(low, b_s4 & 63, (b_s4 >> 4) | ((b_s >> 6) << 4))
+    sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
+    mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit
-def _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, FP8_BK,
+def _bytes_of(words, BLOCK_N: tl.constexpr, NB: tl.constexpr, C: tl.constexpr):
+    """int32 words [BLOCK_N, NB, C, 8] -> their bytes [BLOCK_N, NB, C, 32] in memory order (int32, 0..255)."""
+    shifts = 8 * tl.arange(0, 4)[None, None, None, None, :]
+    return tl.reshape((words[:, :, :, :, None] >> shifts) & 255, (BLOCK_N, NB, C, 32))
+
+
+@triton.jit
+def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, FP8_BK,
           FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, NB: tl.constexpr,
           BLOCK_N: tl.constexpr, FP8_BITS: tl.constexpr):
     """W's rows `rows` [BLOCK_N, 1, 1], blocks kb [1, NB, 1] -> two planes [BLOCK_N, NB * BLOCK / 2] float32 and
@@ -174,19 +186,21 @@ def _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, 
             hi = (d * sc_hi) * q_hi.to(tl.float32)
             p_lo = kb4 * 256 + pos_lo
             p_hi = p_lo + 64
-        else:  # Q4_K, Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
+        else:  # Q4_K, Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1; blocks (144 and 176
+            # bytes) and rows start on 4-byte boundaries, so the quants and scales are read as words
             QS: tl.constexpr = 16 if FMT == Q4_K else 48
             d = _f16(w16_ptr, base)
             dmin = _f16(w16_ptr, base + 2)
-            qs = tl.load(w_ptr + base + QS + 32 * c + j).to(tl.int32)
+            i = tl.arange(0, 8)[None, None, None, :]
+            qs = _bytes_of(tl.load(w32_ptr + (base + QS) // 4 + 8 * c + i), BLOCK_N, NB, 4)
             q_lo = qs & 15
             q_hi = qs >> 4
             if FMT == Q5_K:
-                qh = tl.load(w_ptr + base + 16 + j).to(tl.int32)
+                qh = _bytes_of(tl.load(w32_ptr + (base + 16) // 4 + i), BLOCK_N, NB, 1)
                 q_lo |= ((qh >> (2 * c)) & 1) << 4
                 q_hi |= ((qh >> (2 * c + 1)) & 1) << 4
-            sc_lo, m_lo = _k_scale_min(w_ptr, base, 2 * c)
-            sc_hi, m_hi = _k_scale_min(w_ptr, base, 2 * c + 1)
+            sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * c)
+            sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * c + 1)
             lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
             hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * m_hi
             p_lo = kb4 * 256 + 64 * c + j
@@ -235,7 +249,7 @@ def _in_order(lo, hi, FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                   stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, NB: tl.constexpr):
@@ -255,7 +269,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
     for k0 in tl.range(0, K, NB * BLOCK):
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
-        lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
+        lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
                                    stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
         # Blocks past the row's end (a last partial step) were read as the last block: x is zero against them.
         x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
@@ -285,7 +299,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, st
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn, stride_on,
+def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn, stride_on,
                     FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
                     FP8_BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """Rows row0 .. row0 + N of W (GATHER: rows ids[0 .. N], an embedding lookup) -> out [N, K] in out's
@@ -297,7 +311,7 @@ def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, 
         rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
     n_blocks = K // BLOCK
     kb = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
-    lo, hi, _, _ = _tile(w_ptr, w16_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
+    lo, hi, _, _ = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
                               stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
     tile = _in_order(lo, hi, FMT, BLOCK, BLOCK_N, NB)
     cols = tl.program_id(1) * (NB * BLOCK) + tl.arange(0, NB * BLOCK)
@@ -306,15 +320,29 @@ def _dequant_kernel(w_ptr, w16_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, 
              mask=mask)
 
 
-def _tensors(part: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """(w, w as float16 for GGUF's scales, scale, zero, W's row stride in w's elements, scale row stride)."""
+class _Tensors(NamedTuple):
+    """What a kernel reads of a part: its data (and, for GGUF, as float16 for the scales and as int32 words for
+    the K-quants' quants), scale and zero (the data where the format has none) and the row strides."""
+
+    w: torch.Tensor
+    w16: torch.Tensor
+    w32: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    stride_wn: int  # in w's elements (bytes for GGUF)
+    stride_sn: int
+
+
+def _tensors(part: QuantizedTensor) -> _Tensors:
     data = part.data
     if isinstance(part.format, FP8Format) and INTERPRET:
         data = data.view(torch.uint8)
-    w16 = data.view(torch.float16) if isinstance(part.format, GGUFFormat) else data
+    gguf = isinstance(part.format, GGUFFormat)
+    words = gguf and part.format.name in ("Q4_K", "Q5_K")
     scale = part.scale if part.scale is not None else data
-    zero = part.zero if part.zero is not None else data
-    return data, w16, scale, zero, data.stride(0), scale.stride(0) if scale.dim() == 2 else 0
+    return _Tensors(data, data.view(torch.float16) if gguf else data, data.view(torch.int32) if words else data,
+                    scale, part.zero if part.zero is not None else data, data.stride(0),
+                    scale.stride(0) if scale.dim() == 2 else 0)
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -324,10 +352,10 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     n = part.shape[0]
     lay = _layout(part)
     cfg = config or default_config(m, lay.block, n)
-    w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
+    t = _tensors(part)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    _qgemm_kernel[grid](x, w, w16, scale, zero, bias if bias is not None else scale, y, m, n, k, x.stride(0),
-                        stride_wn, stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
+    _qgemm_kernel[grid](x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k,
+                        x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
                         BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
                         IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -339,11 +367,11 @@ def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.
     n, k = out.shape
     lay = _layout(part)
     cfg = default_config(1, lay.block, n)
-    w, w16, scale, zero, stride_wn, stride_sn = _tensors(part)
+    t = _tensors(part)
     gather = isinstance(rows, torch.Tensor)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))
-    _dequant_kernel[grid](w, w16, scale, zero, out, rows if gather else w, 0 if gather else rows, n, k, stride_wn,
-                          stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
+    _dequant_kernel[grid](t.w, t.w16, t.w32, t.scale, t.zero, out, rows if gather else t.w, 0 if gather else rows, n,
+                          k, t.stride_wn, t.stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
                           TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather, BLOCK_N=cfg.block_n,
                           NB=cfg.blocks, num_warps=cfg.num_warps)
     return out
