@@ -8,6 +8,11 @@ one ended (negative: they overlapped, as PDL allows).
 
     python scripts/profile_gpu.py --model qwen3-0.6b --batch 1 [--eager] [--top 25] [--timeline 30]
 
+With --prefills N it profiles N lone prompts of --prompt-len tokens instead (each a new request of one output
+token, run to its end), per prompt: where a prompt's time goes, and how often the host waits for the device.
+
+    python scripts/profile_gpu.py --model qwen3.5-4b --prefills 8 --timeline 40
+
 With --spec-type KIND (a drafter preset of bench/drafter_shapes.py, random weights) every decode step drafts
 --k tokens per request (the policy bypassed; the random drafts are mostly rejected, which changes acceptance,
 not what a round of k drafts costs), or with --k 0 none: the cost of having the drafter loaded.
@@ -48,6 +53,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--spec-type", choices=["draft", "mtp", "dflash", "eagle3"], help="load this drafter preset")
     ap.add_argument("--k", type=int, default=0, help="with --spec-type: drafts per request every decode step")
+    ap.add_argument("--prefills", type=int, default=0, metavar="N", help="profile N lone prompts, not decode steps")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
                            gpu_memory_utilization=0.9, no_overlap=a.no_overlap,
@@ -63,14 +69,32 @@ def main() -> None:
         engine.step()
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     sync()
-    if a.spec_type:
+    if a.spec_type and not a.prefills:
         host_split(engine, a.steps, sync)
+    prompts = iter(range(1, 1 << 30))
+
+    def prefill() -> None:  # one lone prompt (a fresh one: no prefix hit), to its one output token
+        done = []
+        first = next(prompts)
+        engine.add_request(Request([(first * 131 + 7 * i) % vocab for i in range(a.prompt_len)],
+                                   SamplingParams(max_tokens=1, temperature=0.0)), done.append)
+        while not any(out.finished for out in done):
+            engine.step()
+
+    units = a.prefills or a.steps
+    work = prefill if a.prefills else engine.step
+    if a.prefills:
+        while engine.has_work():
+            engine.step()
+        for _ in range(2):
+            prefill()
+        sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for _ in range(a.steps):
-            engine.step()
+        for _ in range(units):
+            work()
         sync()
-        wall = (time.perf_counter() - t0) / a.steps
+        wall = (time.perf_counter() - t0) / units
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     busy = 0.0
     gpu_events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
@@ -79,17 +103,19 @@ def main() -> None:
         by_name[ev.name][0] += t
         by_name[ev.name][1] += 1
         busy += t
-    busy_ms = busy / 1e3 / a.steps
+    busy_ms = busy / 1e3 / units
     drafting = f" {a.spec_type} k={a.k}" if a.spec_type else ""
+    unit = f"prompt of {a.prompt_len}" if a.prefills else "step"
     print(f"== {a.model}{drafting} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall {wall * 1e3:.3f} "
-          f"ms/step, GPU busy {busy_ms:.3f} ms/step, host gap {wall * 1e3 - busy_ms:.3f} ms/step")
+          f"ms/{unit}, GPU busy {busy_ms:.3f} ms/{unit}, host gap {wall * 1e3 - busy_ms:.3f} ms/{unit}")
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
     for name, (tot, cnt) in rows:
-        print(f"  {tot / 1e3 / a.steps:8.4f} ms/step  {cnt / a.steps:6.1f}/step  {tot / max(cnt, 1):8.2f} us/call  {name[:110]}")
-    host_calls(prof.events(), a.steps)
+        print(f"  {tot / 1e3 / units:8.4f} ms/{unit}  {cnt / units:6.1f}/{unit}  {tot / max(cnt, 1):8.2f} us/call  "
+              f"{name[:110]}")
+    host_calls(prof.events(), units)
     if a.timeline:
-        idle_gaps(gpu_events, a.steps)
-        timeline(gpu_events, a.steps, a.timeline)
+        idle_gaps(gpu_events, units)
+        timeline(gpu_events, units, a.timeline)
 
 
 def drafting_engine(args, a, limits: dict) -> Engine:
