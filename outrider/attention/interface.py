@@ -71,10 +71,14 @@ class QKNormRope:
     q_weight: torch.Tensor | None  # [D] per-head norm weights, or both None (no q/k norm)
     k_weight: torch.Tensor | None
     eps: float
+    # [D] int64: the head dimension read at each position of q, k and the norm weights (None: in order). Partial
+    # RoPE rides on this (models/hybrid.py): prepared q and k come out, and k is cached, in this order.
+    order: torch.Tensor | None = None
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] -> (prepared q, prepared k): the reference semantics (ops.qk_norm_rope)."""
-        return ops.qk_norm_rope(q, k, self.positions, self.inv_freq, self.q_weight, self.k_weight, self.eps)
+        return ops.qk_norm_rope(q, k, self.positions, self.inv_freq, self.q_weight, self.k_weight, self.eps,
+                                self.order)
 
 
 class AttentionBackend(Protocol):

@@ -24,11 +24,11 @@ class TritonAttentionBackend:
         """Two kernels: one prepares q and k and writes k/v at meta.slot_mapping, then attention only reads."""
         k_cache, v_cache = kv_cache.k[layer], kv_cache.v[layer]
         q = qk_norm_rope_store_kv(q, k, v, rope.positions, rope.inv_freq, rope.q_weight, rope.k_weight, rope.eps,
-                                  k_cache, v_cache, meta.slot_mapping)
+                                  k_cache, v_cache, meta.slot_mapping, rope.order)
         return paged_attention(q, k_cache, v_cache, meta, scale, window=window)
 
     def store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
               meta: AttentionMetadata, rope: QKNormRope) -> None:
         """One kernel (it prepares q too: that costs less than a kernel of its own for k)."""
         qk_norm_rope_store_kv(q, k, v, rope.positions, rope.inv_freq, rope.q_weight, rope.k_weight, rope.eps,
-                              kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping)
+                              kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping, rope.order)

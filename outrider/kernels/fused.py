@@ -173,14 +173,20 @@ def argmax_confidence(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 @triton.jit
 def _load_halves(x_ptr, t, stride_t, stride_h, N_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
-    """Row t's heads as their two rotate-half halves, [BLOCK_H, BLOCK_HALF] each (zero padded), in float32."""
+                 BLOCK_HALF: tl.constexpr, order_ptr=None):
+    """Row t's heads as their two rotate-half halves, [BLOCK_H, BLOCK_HALF] each (zero padded), in float32; with
+    order_ptr, position p of a head reads its dimension order[p]."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < N_HEADS) & (d < HALF)
-    base = x_ptr + t * stride_t + h * stride_h + d
-    return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
-            tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32))
+    row = x_ptr + t * stride_t + h * stride_h
+    if order_ptr is None:
+        lo, hi = row + d, row + d + HALF
+    else:
+        dm = tl.minimum(d, HALF - 1)
+        lo, hi = row + tl.load(order_ptr + dm), row + tl.load(order_ptr + dm + HALF)
+    return (tl.load(lo, mask=mask, other=0.0).to(tl.float32),
+            tl.load(hi, mask=mask, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -225,10 +231,10 @@ def rope_halves(x1, x2, cos, sin, dt: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
-                         slot_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
+                         slot_ptr, order_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, eps,
                          HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, STORE_KV: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         ORDER: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token, every load issued before the first store: the compiler may not move a load past
     # a store that could alias it, so storing q first would cost k's loads a second memory round trip.
     # STORE_KV: k and v go to the paged caches ko/vo at row slot_mapping[t] (the KV store, fused here to save
@@ -242,15 +248,23 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw
     pos = tl.load(pos_ptr + t).to(tl.float32)
     inv_freq = tl.load(inv_freq_ptr + tl.arange(0, BLOCK_HALF), mask=tl.arange(0, BLOCK_HALF) < HALF,
                        other=0.0)[None, :]
-    q1, q2 = _load_halves(q_ptr, t, stride_qt, stride_qh, HQ, BLOCK_HQ, HALF, BLOCK_HALF)
-    k1, k2 = _load_halves(k_ptr, t, stride_kt, stride_kh, HK, BLOCK_HK, HALF, BLOCK_HALF)
+    if ORDER:  # (v is read in order: only q, k and their norms are permuted)
+        q1, q2 = _load_halves(q_ptr, t, stride_qt, stride_qh, HQ, BLOCK_HQ, HALF, BLOCK_HALF, order_ptr)
+        k1, k2 = _load_halves(k_ptr, t, stride_kt, stride_kh, HK, BLOCK_HK, HALF, BLOCK_HALF, order_ptr)
+    else:
+        q1, q2 = _load_halves(q_ptr, t, stride_qt, stride_qh, HQ, BLOCK_HQ, HALF, BLOCK_HALF)
+        k1, k2 = _load_halves(k_ptr, t, stride_kt, stride_kh, HK, BLOCK_HK, HALF, BLOCK_HALF)
     if STORE_KV:
         v1, v2 = _load_halves(v_ptr, t, stride_vt, stride_vh, HK, BLOCK_HK, HALF, BLOCK_HALF)
     dt = q_ptr.dtype.element_ty
     if NORM:
         # A weight is one "head" of [1, HALF] halves.
-        qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
-        kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
+        if ORDER:
+            qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF, order_ptr)
+            kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF, order_ptr)
+        else:
+            qw1, qw2 = _load_halves(qw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
+            kw1, kw2 = _load_halves(kw_ptr, 0, 0, 0, 1, 1, HALF, BLOCK_HALF)
         q1, q2 = head_rms_norm(q1, q2, qw1, qw2, eps, HALF, dt)
         k1, k2 = head_rms_norm(k1, k2, kw1, kw2, eps, HALF, dt)
     cos, sin = rope_cos_sin(pos, inv_freq, dt)
@@ -262,7 +276,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qo_ptr, ko_ptr, vo_ptr, qw_ptr, kw
         _store_halves(v1, v2, vo_ptr, kv_row, HK, BLOCK_HK, HALF, BLOCK_HALF)
 
 
-def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_weight, k_weight, eps) -> None:
+def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_weight, k_weight, eps,
+            order) -> None:
     """One _qk_norm_rope_kernel program per token; v None: no KV store (k_out is [T, Hkv, D])."""
     t, hq, head_dim = q.shape
     hk = k.shape[1]
@@ -274,30 +289,30 @@ def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_w
     q_weight, k_weight = (q_weight, k_weight) if norm else (q, k)
     _qk_norm_rope_kernel[(t,)](
         q, k, v, q_out, k_out, v_out, q_weight, k_weight, positions, inv_freq, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
+        order if order is not None else positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
         HQ=hq, HK=hk, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
         HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, STORE_KV=store,
-        num_warps=4, **pdl_args(use_pdl(q)),
+        ORDER=order is not None, num_warps=4, **pdl_args(use_pdl(q)),
     )
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D], k [T, Hkv, D] -> (RoPE(norm(q)), RoPE(norm(k))), new contiguous tensors."""
+                 eps: float, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D] -> (RoPE(norm(q)), RoPE(norm(k))), new contiguous tensors (ops.qk_norm_rope)."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch(q, k, None, q_out, k_out, None, None, positions, inv_freq, q_weight, k_weight, eps)
+    _launch(q, k, None, q_out, k_out, None, None, positions, inv_freq, q_weight, k_weight, eps, order)
     return q_out, k_out
 
 
 def qk_norm_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           inv_freq: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                           eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
+                          slot_mapping: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
     """qk_norm_rope plus the KV store in one launch: returns RoPE(norm(q)) (new, contiguous) and writes
     RoPE(norm(k)) and v [T, Hkv, D] into the contiguous paged caches [NB, page, Hkv, D] at slot_mapping [T]
     (-1: skip, e.g. CUDA-graph padding rows)."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, inv_freq, q_weight, k_weight, eps)
+    _launch(q, k, v, q_out, k_cache, v_cache, slot_mapping, positions, inv_freq, q_weight, k_weight, eps, order)
     return q_out

@@ -78,14 +78,19 @@ def torch_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optional per-head RMSNorm (Qwen3 q_norm/k_norm) then rotate-half RoPE at `positions`.
+                 eps: float = 1e-6, order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm (Qwen3 q_norm/k_norm) then rotate-half RoPE at `positions`, of q's and k's head
+    dimensions (and the norm weights) read in `order` (None: as they are).
 
     q [T, Hq, D], k [T, Hkv, D]; inv_freq [D/2] float32 on q's device (RotaryEmbedding.inv_freq)."""
     if _use_triton(q) and k.stride(-1) == 1:
         from outrider.kernels import fused
 
-        return fused.qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
+        return fused.qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, order)
+    if order is not None:
+        q, k = q.index_select(-1, order), k.index_select(-1, order)
+        if q_weight is not None:
+            q_weight, k_weight = q_weight[order], k_weight[order]
     return torch_qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps)
 
 

@@ -119,12 +119,9 @@ class GatedAttention(nn.Module):
         q_gate = q_gate.view(t, self.n_heads, 2 * self.head_dim)  # per head: [query | gate]
         q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]
         k, v = k.view(t, self.n_kv_heads, self.head_dim), v.view(t, self.n_kv_heads, self.head_dim)
-        q_w, k_w = self.q_norm.weight, self.k_norm.weight
-        if self.partial:
-            q, k = q.index_select(-1, self.order), k.index_select(-1, self.order)
-            q_w, k_w = q_w[self.order], k_w[self.order]
         o = backend.forward(q, k, v, kv_cache, self.kv_index, meta, self.scale,
-                            QKNormRope(positions, inv_freq, q_w, k_w, self.eps))
+                            QKNormRope(positions, inv_freq, self.q_norm.weight, self.k_norm.weight, self.eps,
+                                       self.order if self.partial else None))
         return self.o_proj((o * torch.sigmoid(gate)).flatten(1)), residual
 
 

@@ -70,17 +70,21 @@ def _qkv(t, hq, hk, d, dtype, norm, gen):
     return q, k, v, pos, inv_freq, qw, kw
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["in-order", "partial-rope-order"])
 @pytest.mark.parametrize("norm", [False, True], ids=["qwen2-no-qk-norm", "qwen3-qk-norm"])
 @pytest.mark.parametrize("t,hq,hk,d", [(1, 32, 8, 128), (2, 16, 8, 128), (5, 12, 4, 64), (3, 6, 3, 80)],
                          ids=["32/8x128-decode", "16/8x128-bs2", "ragged-heads", "odd-head-dim"])
-def test_qk_norm_rope_store_kv(t, hq, hk, d, norm, model_dtype, device):
-    """The fused prep + KV store equals the reference backend's steps: ops.torch_qk_norm_rope, then its store_kv.
+def test_qk_norm_rope_store_kv(t, hq, hk, d, norm, ordered, model_dtype, device):
+    """The fused prep + KV store equals the reference backend's steps: ops.torch_qk_norm_rope, then its store_kv;
+    with an order (partial RoPE's, models/hybrid.py), of q, k and the norm weights read in that order first.
 
     The last row has slot -1 (CUDA-graph padding): it writes nothing, though its q is still prepared."""
     from outrider.kernels import fused
+    from outrider.models.hybrid import partial_rope_order
 
     gen = torch.Generator().manual_seed(t * 1000 + d)
     q, k, v, pos, inv_freq, qw, kw = _qkv(t, hq, hk, d, model_dtype, norm, gen)
+    order = partial_rope_order(d, d // 4) if ordered else None
     num_blocks, page = 4, 4
     slots = torch.randperm(num_blocks * page, generator=gen)[:t]
     slots[-1] = -1
@@ -89,13 +93,13 @@ def test_qk_norm_rope_store_kv(t, hq, hk, d, norm, model_dtype, device):
         c.copy_(torch.randn(c.shape, generator=gen).to(model_dtype))  # untouched slots must keep it
 
     ref = KVCache(k=[history.k[0].clone()], v=[history.v[0].clone()])
-    ref_q, ref_k = ops.torch_qk_norm_rope(q, k, pos, inv_freq, qw, kw, 1e-6)
+    ref_q, ref_k = ops.qk_norm_rope(q, k, pos, inv_freq, qw, kw, 1e-6, order)  # (the torch path on the CPU)
     store_kv(ref_k, v, ref, 0, slots)
 
     dev = lambda x: x.to(device) if x is not None else None  # noqa: E731
     k_cache, v_cache = dev(history.k[0].clone()), dev(history.v[0].clone())
     out_q = fused.qk_norm_rope_store_kv(dev(q), dev(k), dev(v), dev(pos), dev(inv_freq), dev(qw), dev(kw), 1e-6,
-                                        k_cache, v_cache, dev(slots))
+                                        k_cache, v_cache, dev(slots), dev(order))
     _close(out_q, ref_q, model_dtype)
     _close(k_cache, ref.k[0], model_dtype)
     assert torch.equal(v_cache.cpu(), ref.v[0])  # v is copied, not computed
