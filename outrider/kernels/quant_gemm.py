@@ -8,7 +8,9 @@ for Q8_0 and FP8), and each plane is multiplied by the columns of x it meets (ga
 cached), so the quantized bytes are read once, contiguously, and no value is moved to its place in the row:
 y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
-(or sub-block), not per value. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
+(or sub-block), not per value. One row on a K-quant (decode) takes _kquant_row instead: raw quants times x summed
+over runs of 8 values, the sub-block scales applied to those sums (a K-quant's 6-bit scale decode per value was
+half the loop's instructions). Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
 code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
@@ -234,6 +236,61 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
 
 
 @triton.jit
+def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, acc, acc_min,
+                FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One loop step of a K-quant product with one row of x (decode, on the CUDA cores), the scales factored out:
+    acc [BLOCK_N, NB, 4, 32] gathers scale * q * x per value and acc_min [BLOCK_N, NB, 4] the sub-blocks' min
+    times their sum of x, both summed over K after the loop (no reduction a step), and a scale is decoded once per
+    sub-block, not per value. rows [BLOCK_N, 1, 1], blocks kb [1, NB, 1] (past n_blocks: x is zero)."""
+    kbc = tl.minimum(kb, n_blocks - 1)  # (a last partial step reads the last block again, against x masked)
+    base = rows.to(tl.int64) * stride_wn + kbc * TYPE_SIZE  # [BN, NB, 1] byte offsets of the blocks
+    c = tl.arange(0, 4)[None, None, :]  # 64-value chunk: its low nibbles one sub-block, its high ones the next
+    base4, c4 = base[:, :, :, None], c[:, :, :, None]
+    j = tl.arange(0, 32)[None, None, None, :]
+    live = (kb < n_blocks)[:, :, :, None]
+    if FMT == Q6_K:  # chunk c = half c // 2, quarter c % 2; a scale per 16 values
+        d = _f16(w16_ptr, base4 + 208)
+        a = c4 % 2
+        ql = tl.load(w_ptr + base4 + 32 * c4 + j).to(tl.int32)
+        qh = tl.load(w_ptr + base4 + 128 + 32 * (c4 // 2) + j).to(tl.int32)
+        q_lo = (((ql & 15) | (((qh >> (2 * a)) & 3) << 4)) - 32).to(tl.float32)
+        q_hi = (((ql >> 4) | (((qh >> (4 + 2 * a)) & 3) << 4)) - 32).to(tl.float32)
+        pos_lo = kb[:, :, :, None] * 256 + 128 * (c4 // 2) + 32 * a + j
+        # the scales of the 8-value runs the products are summed over below: run u is in 16-value group u // 2
+        g = 8 * (c4 // 2) + 2 * a + tl.arange(0, 4)[None, None, None, :] // 2
+        sc_lo = tl.load(w_ptr + base4 + 192 + g).to(tl.int8, bitcast=True).to(tl.float32) * d
+        sc_hi = tl.load(w_ptr + base4 + 196 + g).to(tl.int8, bitcast=True).to(tl.float32) * d
+        x_lo = tl.load(x_ptr + pos_lo, mask=live, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + pos_lo + 64, mask=live, other=0.0).to(tl.float32)
+    else:  # Q4_K, Q5_K: blocks (144, 176 bytes) and rows on 4-byte boundaries: quants and scales as words
+        QS: tl.constexpr = 16 if FMT == Q4_K else 48
+        d = _f16(w16_ptr, base)
+        dmin = _f16(w16_ptr, base + 2)
+        i = tl.arange(0, 8)[None, None, None, :]
+        qs = _bytes_of(tl.load(w32_ptr + (base4 + QS) // 4 + 8 * c4 + i), BLOCK_N, NB, 4)
+        q_lo = qs & 15
+        q_hi = qs >> 4
+        if FMT == Q5_K:
+            qh = _bytes_of(tl.load(w32_ptr + (base4 + 16) // 4 + i), BLOCK_N, NB, 1)
+            q_lo |= ((qh >> (2 * c4)) & 1) << 4
+            q_hi |= ((qh >> (2 * c4 + 1)) & 1) << 4
+        q_lo = q_lo.to(tl.float32)
+        q_hi = q_hi.to(tl.float32)
+        sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * c)  # [BN, NB, 4]
+        sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * c + 1)
+        pos_lo = kb[:, :, :, None] * 256 + 64 * c4 + j
+        x_lo = tl.load(x_ptr + pos_lo, mask=live, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_ptr + pos_lo + 32, mask=live, other=0.0).to(tl.float32)
+        acc_min += dmin * (m_lo * tl.sum(x_lo, axis=3) + m_hi * tl.sum(x_hi, axis=3))
+        sc_lo = (d * sc_lo)[:, :, :, None]
+        sc_hi = (d * sc_hi)[:, :, :, None]
+    p_lo = tl.sum(tl.reshape(q_lo * x_lo, (BLOCK_N, NB, 4, 4, 8)), axis=4)
+    p_hi = tl.sum(tl.reshape(q_hi * x_hi, (BLOCK_N, NB, 4, 4, 8)), axis=4)
+    acc += sc_lo * p_lo + sc_hi * p_hi
+    return acc, acc_min
+
+
+@triton.jit
 def _in_order(lo, hi, FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """_tile's two planes -> the tile [BLOCK_N, NB * BLOCK] in K order, so that a store of it is contiguous."""
     if FMT == Q6_K:  # low plane (half h, quarter a, j) at 128 h + 32 a + j, the high plane 64 further
@@ -265,29 +322,40 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
-    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA else (1, 1, 1), dtype=tl.float32)
+    # One row of x on a K-quant: the scales factored out of the products (_kquant_row)
+    FACTORED: tl.constexpr = BLOCK_M == 1 and (FMT == Q4_K or FMT == Q5_K or FMT == Q6_K)
+    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA and not FACTORED else (1, 1, 1), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, NB, 4, 4) if FACTORED else (1, 1, 1, 1), dtype=tl.float32)
+    acc_min = tl.zeros((BLOCK_N, NB, 4) if FACTORED else (1, 1, 1), dtype=tl.float32)
     for k0 in tl.range(0, K, NB * BLOCK):
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
-        lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
-                                   stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
-        # Blocks past the row's end (a last partial step) were read as the last block: x is zero against them.
-        x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
-        x_lo = tl.load(x_rows + p_lo[:, None], mask=x_mask, other=0.0)
-        x_hi = tl.load(x_rows + p_hi[:, None], mask=x_mask, other=0.0)
-        if FMA:  # products on the CUDA cores, summed over K once after the loop; the weights rounded to x's dtype
-            # first, as on the tensor cores and in the dequantized model, so decode rows compute what verify rows do
-            w_lo = lo.to(dt).to(tl.float32)
-            w_hi = hi.to(dt).to(tl.float32)
-            acc3 += w_lo[:, :, None] * x_lo.to(tl.float32)[None, :, :]
-            acc3 += w_hi[:, :, None] * x_hi.to(tl.float32)[None, :, :]
-        elif IEEE:  # float32 x: full-precision products, not TF32
-            acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
-            acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
+        if FACTORED:
+            acc4, acc_min = _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr + pid_m.to(tl.int64) * stride_xm, rows, kb,
+                                        n_blocks, stride_wn, acc4, acc_min, FMT, TYPE_SIZE, NB, BLOCK_N)
         else:
-            acc = tl.dot(lo.to(dt), x_lo, acc)
-            acc = tl.dot(hi.to(dt), x_hi, acc)
-    if FMA:
+            lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1),
+                                       stride_wn, stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N,
+                                       FP8_BITS)
+            # Blocks past the row's end (a last partial step) were read as the last block: x is zero against them
+            x_mask = m_mask & ((kb0 + tl.arange(0, NB * H) // H) < n_blocks)[:, None]
+            x_lo = tl.load(x_rows + p_lo[:, None], mask=x_mask, other=0.0)
+            x_hi = tl.load(x_rows + p_hi[:, None], mask=x_mask, other=0.0)
+            if FMA:  # products on the CUDA cores, summed over K once after the loop; the weights rounded to x's
+                # dtype first, as on the tensor cores and in the dequantized model
+                w_lo = lo.to(dt).to(tl.float32)
+                w_hi = hi.to(dt).to(tl.float32)
+                acc3 += w_lo[:, :, None] * x_lo.to(tl.float32)[None, :, :]
+                acc3 += w_hi[:, :, None] * x_hi.to(tl.float32)[None, :, :]
+            elif IEEE:  # float32 x: full-precision products, not TF32
+                acc = tl.dot(lo, x_lo, acc, input_precision="ieee")
+                acc = tl.dot(hi, x_hi, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(lo.to(dt), x_lo, acc)
+                acc = tl.dot(hi.to(dt), x_hi, acc)
+    if FACTORED:
+        acc = (tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1) - tl.sum(tl.sum(acc_min, axis=2), axis=1))[:, None]
+    elif FMA:
         acc = tl.sum(acc3, axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
@@ -299,8 +367,8 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
 
 
 @triton.jit
-def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn, stride_on,
-                    FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
+def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn,
+                    stride_on, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
                     FP8_BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """Rows row0 .. row0 + N of W (GATHER: rows ids[0 .. N], an embedding lookup) -> out [N, K] in out's
     dtype."""
@@ -355,8 +423,8 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     t = _tensors(part)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _qgemm_kernel[grid](x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k,
-                        x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
-                        BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
+                        x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k,
+                        FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
                         IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -371,8 +439,8 @@ def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.
     gather = isinstance(rows, torch.Tensor)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))
     _dequant_kernel[grid](t.w, t.w16, t.w32, t.scale, t.zero, out, rows if gather else t.w, 0 if gather else rows, n,
-                          k, t.stride_wn, t.stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
-                          TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather, BLOCK_N=cfg.block_n,
+                          k, t.stride_wn, t.stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k,
+                          FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather, BLOCK_N=cfg.block_n,
                           NB=cfg.blocks, num_warps=cfg.num_warps)
     return out
 
