@@ -56,6 +56,9 @@
 #     batch-64 throughput of 30B-A3B beside the dense 8B.
 # hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: its MTP head (alpha 0.8, k 3) and the DFlash-b16 preset
 #     (alpha 0.86), batch 1 and 32.
+# profile-hybrid: kernel tables (scripts/profile_gpu.py) of the Qwen3.5-4B shape's lone 128-token prompts (where a
+#     hybrid prompt's ~60 ms went), its decode step with the MTP head drafting 3 a round, and the Qwen3-30B-A3B
+#     decode step.
 # ab: AB="DIR_A DIR_B" (trees from scripts/snapshot.sh, carried): the same rows of each tree on this one machine,
 #     tree after tree (freshly started machines differ by up to ~15%, so compare only within a call). AB_ROWS picks
 #     them (default "plain1 plain1"): plain1 (batch-1 latency, 0.6B and 8B), plain8 / plain32 (8B latency at that
@@ -65,7 +68,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|quant|hybrid|hybrid-spec|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|quant|hybrid|hybrid-spec|profile-hybrid|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -278,6 +281,10 @@ JSON
     b="spec --random-weights qwen3.5-4b --batch 1 32 --num-requests 16"
     bench $b --spec-type mtp --acceptance 0.8 0 --draft-n-max 3 --json "$OUT/json/hybrid-mtp.json"
     bench $b --spec-type dflash --acceptance 0.86 0 --draft-n-max 15 --json "$OUT/json/hybrid-dflash.json" ;;
+  profile-hybrid)
+    timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3.5-4b --prefills 8 --timeline 40
+    timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3.5-4b --spec-type mtp --k 3 --timeline 60
+    timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3-30b-a3b --batch 1 ;;
   sweep-attn)
     timed "$OUT/bench.log" $PY scripts/sweep_verify_attention.py ;;
   latency)
