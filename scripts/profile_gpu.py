@@ -106,8 +106,9 @@ def main() -> None:
     busy_ms = busy / 1e3 / units
     drafting = f" {a.spec_type} k={a.k}" if a.spec_type else ""
     unit = f"prompt of {a.prompt_len}" if a.prefills else "step"
-    print(f"== {a.model}{drafting} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall {wall * 1e3:.3f} "
-          f"ms/{unit}, GPU busy {busy_ms:.3f} ms/{unit}, host gap {wall * 1e3 - busy_ms:.3f} ms/{unit}")
+    print(f"== {a.model}{drafting} bs={a.batch} {'eager' if a.eager else 'graphs'} T={a.temperature}: wall "
+          f"{wall * 1e3:.3f} ms/{unit}, GPU busy {busy_ms:.3f} ms/{unit}, "
+          f"host gap {wall * 1e3 - busy_ms:.3f} ms/{unit}")
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][0])[: a.top]
     for name, (tot, cnt) in rows:
         print(f"  {tot / 1e3 / units:8.4f} ms/{unit}  {cnt / units:6.1f}/{unit}  {tot / max(cnt, 1):8.2f} us/call  "

@@ -289,7 +289,8 @@ def _launch(q, k, v, q_out, k_out, v_out, slot_mapping, positions, inv_freq, q_w
     q_weight, k_weight = (q_weight, k_weight) if norm else (q, k)
     _qk_norm_rope_kernel[(t,)](
         q, k, v, q_out, k_out, v_out, q_weight, k_weight, positions, inv_freq, slot_mapping,
-        order if order is not None else positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), eps,
+        order if order is not None else positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), eps,
         HQ=hq, HK=hk, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HK=triton.next_power_of_2(hk),
         HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, STORE_KV=store,
         ORDER=order is not None, num_warps=4, **pdl_args(use_pdl(q)),

@@ -135,6 +135,32 @@ def _bytes_of(words, BLOCK_N: tl.constexpr, NB: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _k_quants(w_ptr, w32_ptr, base, c, FMT: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """A K-quant block's quants as [BLOCK_N, NB, 4 chunks, 32] int32 planes (low, high), for block byte offsets
+    base [BLOCK_N, NB, 1, 1] and chunks c [1, 1, 4, 1]. Q6_K: chunk c = half c // 2, quarter c % 2, its high plane
+    64 values on, values minus 32. Q4_K/Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1; blocks
+    (144, 176 bytes) and rows start on 4-byte boundaries, so the quants are read as words."""
+    if FMT == Q6_K:
+        j = tl.arange(0, 32)[None, None, None, :]
+        a = c % 2
+        ql = tl.load(w_ptr + base + 32 * c + j).to(tl.int32)
+        qh = tl.load(w_ptr + base + 128 + 32 * (c // 2) + j).to(tl.int32)
+        q_lo = ((ql & 15) | (((qh >> (2 * a)) & 3) << 4)) - 32
+        q_hi = ((ql >> 4) | (((qh >> (4 + 2 * a)) & 3) << 4)) - 32
+    else:
+        QS: tl.constexpr = 16 if FMT == Q4_K else 48
+        i = tl.arange(0, 8)[None, None, None, :]
+        qs = _bytes_of(tl.load(w32_ptr + (base + QS) // 4 + 8 * c + i), BLOCK_N, NB, 4)
+        q_lo = qs & 15
+        q_hi = qs >> 4
+        if FMT == Q5_K:
+            qh = _bytes_of(tl.load(w32_ptr + (base + 16) // 4 + i), BLOCK_N, NB, 1)
+            q_lo |= ((qh >> (2 * c)) & 1) << 4
+            q_hi |= ((qh >> (2 * c + 1)) & 1) << 4
+    return q_lo, q_hi
+
+
+@triton.jit
 def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, FP8_BK,
           FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, NB: tl.constexpr,
           BLOCK_N: tl.constexpr, FP8_BITS: tl.constexpr):
@@ -174,33 +200,19 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
         c = tl.arange(0, 4)[None, None, :, None]
         j = tl.arange(0, 32)[None, None, None, :]
         kb4 = kb[:, :, :, None]
+        q_lo, q_hi = _k_quants(w_ptr, w32_ptr, base, c, FMT, BLOCK_N, NB)
         if FMT == Q6_K:  # chunk c = half h (c // 2), quarter a (c % 2)
             d = _f16(w16_ptr, base + 208)
-            ql = tl.load(w_ptr + base + 32 * c + j).to(tl.int32)
-            qh = tl.load(w_ptr + base + 128 + 32 * (c // 2) + j).to(tl.int32)
-            a = c % 2
-            pos_lo = 128 * (c // 2) + 32 * a + j
+            pos_lo = 128 * (c // 2) + 32 * (c % 2) + j
             sc_lo = tl.load(w_ptr + base + 192 + pos_lo // 16).to(tl.int8, bitcast=True).to(tl.float32)
             sc_hi = tl.load(w_ptr + base + 196 + pos_lo // 16).to(tl.int8, bitcast=True).to(tl.float32)
-            q_lo = ((ql & 15) | (((qh >> (2 * a)) & 3) << 4)) - 32
-            q_hi = ((ql >> 4) | (((qh >> (4 + 2 * a)) & 3) << 4)) - 32
             lo = (d * sc_lo) * q_lo.to(tl.float32)
             hi = (d * sc_hi) * q_hi.to(tl.float32)
             p_lo = kb4 * 256 + pos_lo
             p_hi = p_lo + 64
-        else:  # Q4_K, Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1; blocks (144 and 176
-            # bytes) and rows start on 4-byte boundaries, so the quants and scales are read as words
-            QS: tl.constexpr = 16 if FMT == Q4_K else 48
+        else:  # Q4_K, Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
             d = _f16(w16_ptr, base)
             dmin = _f16(w16_ptr, base + 2)
-            i = tl.arange(0, 8)[None, None, None, :]
-            qs = _bytes_of(tl.load(w32_ptr + (base + QS) // 4 + 8 * c + i), BLOCK_N, NB, 4)
-            q_lo = qs & 15
-            q_hi = qs >> 4
-            if FMT == Q5_K:
-                qh = _bytes_of(tl.load(w32_ptr + (base + 16) // 4 + i), BLOCK_N, NB, 1)
-                q_lo |= ((qh >> (2 * c)) & 1) << 4
-                q_hi |= ((qh >> (2 * c + 1)) & 1) << 4
             sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * c)
             sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * c + 1)
             lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
@@ -248,13 +260,12 @@ def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, a
     base4, c4 = base[:, :, :, None], c[:, :, :, None]
     j = tl.arange(0, 32)[None, None, None, :]
     live = (kb < n_blocks)[:, :, :, None]
+    q_lo, q_hi = _k_quants(w_ptr, w32_ptr, base4, c4, FMT, BLOCK_N, NB)
+    q_lo = q_lo.to(tl.float32)
+    q_hi = q_hi.to(tl.float32)
     if FMT == Q6_K:  # chunk c = half c // 2, quarter c % 2; a scale per 16 values
         d = _f16(w16_ptr, base4 + 208)
         a = c4 % 2
-        ql = tl.load(w_ptr + base4 + 32 * c4 + j).to(tl.int32)
-        qh = tl.load(w_ptr + base4 + 128 + 32 * (c4 // 2) + j).to(tl.int32)
-        q_lo = (((ql & 15) | (((qh >> (2 * a)) & 3) << 4)) - 32).to(tl.float32)
-        q_hi = (((ql >> 4) | (((qh >> (4 + 2 * a)) & 3) << 4)) - 32).to(tl.float32)
         pos_lo = kb[:, :, :, None] * 256 + 128 * (c4 // 2) + 32 * a + j
         # the scales of the 8-value runs the products are summed over below: run u is in 16-value group u // 2
         g = 8 * (c4 // 2) + 2 * a + tl.arange(0, 4)[None, None, None, :] // 2
@@ -262,20 +273,9 @@ def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, a
         sc_hi = tl.load(w_ptr + base4 + 196 + g).to(tl.int8, bitcast=True).to(tl.float32) * d
         x_lo = tl.load(x_ptr + pos_lo, mask=live, other=0.0).to(tl.float32)
         x_hi = tl.load(x_ptr + pos_lo + 64, mask=live, other=0.0).to(tl.float32)
-    else:  # Q4_K, Q5_K: blocks (144, 176 bytes) and rows on 4-byte boundaries: quants and scales as words
-        QS: tl.constexpr = 16 if FMT == Q4_K else 48
+    else:  # Q4_K, Q5_K
         d = _f16(w16_ptr, base)
         dmin = _f16(w16_ptr, base + 2)
-        i = tl.arange(0, 8)[None, None, None, :]
-        qs = _bytes_of(tl.load(w32_ptr + (base4 + QS) // 4 + 8 * c4 + i), BLOCK_N, NB, 4)
-        q_lo = qs & 15
-        q_hi = qs >> 4
-        if FMT == Q5_K:
-            qh = _bytes_of(tl.load(w32_ptr + (base4 + 16) // 4 + i), BLOCK_N, NB, 1)
-            q_lo |= ((qh >> (2 * c4)) & 1) << 4
-            q_hi |= ((qh >> (2 * c4 + 1)) & 1) << 4
-        q_lo = q_lo.to(tl.float32)
-        q_hi = q_hi.to(tl.float32)
         sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * c)  # [BN, NB, 4]
         sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * c + 1)
         pos_lo = kb[:, :, :, None] * 256 + 64 * c4 + j
@@ -440,8 +440,8 @@ def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))
     _dequant_kernel[grid](t.w, t.w16, t.w32, t.scale, t.zero, out, rows if gather else t.w, 0 if gather else rows, n,
                           k, t.stride_wn, t.stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k,
-                          FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather, BLOCK_N=cfg.block_n,
-                          NB=cfg.blocks, num_warps=cfg.num_warps)
+                          FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather,
+                          BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps)
     return out
 
 

@@ -184,15 +184,16 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
 
     block, type_size, s, z, w = _SIGNATURES[kind]
     cfg = q.default_config(max(rows, 1), block, n)
+    views = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w}
     if rows == 0:
-        signature = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w, "s_ptr": s, "z_ptr": z, "out_ptr": "*bf16",
+        signature = {**views, "s_ptr": s, "z_ptr": z, "out_ptr": "*bf16",
                      "ids_ptr": "*i64", "row0": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32",
                      "stride_on": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "FP8_BITS", "GATHER", "BLOCK_N", "NB"], "constexpr")}
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    signature = {"x_ptr": "*bf16", "w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w, "s_ptr": s, "z_ptr": z,
+    signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                  **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
