@@ -63,7 +63,9 @@
 #     tree after tree (freshly started machines differ by up to ~15%, so compare only within a call). AB_ROWS picks
 #     them (default "plain1 plain1"): plain1 (batch-1 latency, 0.6B and 8B), plain8 / plain32 (8B latency at that
 #     batch), and the 8B bench spec rows of KIND at batch 1 (its issue-13 setting: dflash 0.86; eagle3 and draft 0.8,
-#     k 4; mtp 0.7, k 3) spelled spec-KIND, or at batch 8 and 32 (alpha 0.7 and 0) spelled spec-KIND-b832.
+#     k 4; mtp 0.7, k 3) spelled spec-KIND, or at batch 8 and 32 (alpha 0.7 and 0) spelled spec-KIND-b832;
+#     plain1-0.6b is the 0.6B row alone. AB_REPEAT=N runs each row N times per tree, each repeat starting with
+#     the other tree (host-bound rows such as the 0.6B one move by up to ~20% between processes).
 set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
@@ -137,6 +139,7 @@ smol_ready() {  # smol_ready MODE: assemble $SMOL from the parts carried so far;
 ab_row() {  # ab_row ROW: one A/B row, in the current tree
   local kind
   case $1 in
+    plain1-0.6b) bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0 ;;
     plain1) bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
             bench latency --random-weights qwen3-8b --ttft-prompt-len 0 ;;
     plain8|plain32) bench latency --random-weights qwen3-8b --batch "${1#plain}" --ttft-prompt-len 0 ;;
@@ -150,10 +153,15 @@ ab_row() {  # ab_row ROW: one A/B row, in the current tree
 }
 
 if [ "$1" = ab ]; then
+  read -r -a trees <<< "$AB"
   for row in ${AB_ROWS:-plain1 plain1}; do
-    for dir in $AB; do
-      echo "== $dir: $row" | tee -a "$OUT/bench.log"
-      (cd "$dir" && export PYTHONPATH="$PWD:/tmp/site" && ab_row "$row")
+    for rep in $(seq "${AB_REPEAT:-1}"); do
+      order=("${trees[@]}")
+      (( rep % 2 == 0 )) && order=("${trees[1]}" "${trees[0]}")  # each repeat starts with the other tree
+      for dir in "${order[@]}"; do
+        echo "== $dir: $row" | tee -a "$OUT/bench.log"
+        (cd "$dir" && export PYTHONPATH="$PWD:/tmp/site" && ab_row "$row")
+      done
     done
   done
   grep -E '^(==|latency|spec )' "$OUT/bench.log"
