@@ -10,7 +10,8 @@ y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the 
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
 (or sub-block), not per value. One row on a K-quant (decode) takes _kquant_row instead: raw quants times x summed
 over runs of 8 values, the sub-block scales applied to those sums (a K-quant's 6-bit scale decode per value was
-half the loop's instructions). Configs are explicit (default_config); `bench quant --kernels --tune` times others.
+half the loop's instructions). More rows on Q4_K/Q5_K take _kquant_mma: the raw quants on the tensor cores per
+32-value sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M] product. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
 code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
@@ -291,6 +292,48 @@ def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, a
 
 
 @triton.jit
+def _kquant_mma(w_ptr, w16_ptr, w32_ptr, x_rows, m_mask, rows, kb, n_blocks, stride_wn, acc,
+                FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One 256-value Q4_K/Q5_K block against BLOCK_M rows of x on the tensor cores, the scales factored out: the
+    raw quants (small integers, exact in x's dtype) times x per sub-block on the MMA, then each row's sub-block
+    scale and min applied to that [BLOCK_N, BLOCK_M] product, not to every value. rows [BLOCK_N, 1]; x_rows
+    [1, BLOCK_M] (the rows' pointers); block kb (past n_blocks: x is zero against it) -> acc."""
+    dt = x_rows.dtype.element_ty
+    base = rows.to(tl.int64) * stride_wn + tl.minimum(kb, n_blocks - 1) * TYPE_SIZE  # [BN, 1]
+    # 8 sub-blocks of 32: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
+    QS: tl.constexpr = 16 if FMT == Q4_K else 48
+    d = _f16(w16_ptr, base)
+    dmin = _f16(w16_ptr, base + 2)
+    i = tl.arange(0, 8)[None, :]
+    shifts = 8 * tl.arange(0, 4)[None, None, :]
+    ones = tl.full((BLOCK_N, 32), 1, tl.int32)
+    if FMT == Q5_K:
+        qh = tl.reshape((tl.load(w32_ptr + (base + 16) // 4 + i)[:, :, None] >> shifts) & 255, (BLOCK_N, 32))
+    for c in tl.static_range(4):
+        words = tl.load(w32_ptr + (base + QS) // 4 + 8 * c + i)  # [BN, 8]
+        qs = tl.reshape((words[:, :, None] >> shifts) & 255, (BLOCK_N, 32))
+        pos = kb * 256 + 64 * c + tl.arange(0, 32)
+        for plane in tl.static_range(2):
+            q = (qs >> (4 * plane)) & 15
+            if FMT == Q5_K:
+                q |= ((qh >> (2 * c + plane)) & 1) << 4
+            at = pos + 32 * plane
+            x = tl.load(x_rows + at[:, None], mask=m_mask & (at < n_blocks * 256)[:, None], other=0.0)
+            sc, mn = _k_scale_min(w32_ptr, base, 2 * c + plane)  # [BN, 1]
+            # (the sum of x comes from the MMA too: every row of ones @ x is it, with no reduction)
+            acc += (d * sc) * _mma(q, x, dt, IEEE) - (dmin * mn) * _mma(ones, x, dt, IEEE)
+    return acc
+
+
+@triton.jit
+def _mma(q, x, dt: tl.constexpr, IEEE: tl.constexpr):
+    """Integer quants [BN, K] times x [K, BM] on the tensor cores (float32 x: full-precision products)."""
+    if IEEE:
+        return tl.dot(q.to(tl.float32), x, input_precision="ieee")
+    return tl.dot(q.to(dt), x)
+
+
+@triton.jit
 def _in_order(lo, hi, FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """_tile's two planes -> the tile [BLOCK_N, NB * BLOCK] in K order, so that a store of it is contiguous."""
     if FMT == Q6_K:  # low plane (half h, quarter a, j) at 128 h + 32 a + j, the high plane 64 further
@@ -327,10 +370,16 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
     acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA and not FACTORED else (1, 1, 1), dtype=tl.float32)
     acc4 = tl.zeros((BLOCK_N, NB, 4, 4) if FACTORED else (1, 1, 1, 1), dtype=tl.float32)
     acc_min = tl.zeros((BLOCK_N, NB, 4) if FACTORED else (1, 1, 1), dtype=tl.float32)
+    # More rows on Q4_K/Q5_K (one block a step): the scales factored out on the tensor cores (_kquant_mma)
+    FACTORED_MMA: tl.constexpr = not FMA and (FMT == Q4_K or FMT == Q5_K)
     for k0 in tl.range(0, K, NB * BLOCK):
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
-        if FACTORED:
+        if FACTORED_MMA:
+            tl.static_assert(NB == 1)
+            acc = _kquant_mma(w_ptr, w16_ptr, w32_ptr, x_rows, m_mask, tl.minimum(offs_n, N - 1)[:, None], kb0,
+                              n_blocks, stride_wn, acc, FMT, TYPE_SIZE, BLOCK_N, IEEE)
+        elif FACTORED:
             acc4, acc_min = _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr + pid_m.to(tl.int64) * stride_xm, rows, kb,
                                         n_blocks, stride_wn, acc4, acc_min, FMT, TYPE_SIZE, NB, BLOCK_N)
         else:

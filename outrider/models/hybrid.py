@@ -7,7 +7,8 @@ output gate (o * sigmoid(gate) before o_proj), and RoPE turns only the first `pa
 Partial RoPE rides on the backend's full rotate-half RoPE: q and k heads are read in a fixed permutation of their
 dimensions that puts each rotary pair (i, i + r/2) at (i, i + D/2) and the unrotated dimensions at frequency 0
 (cos 1, sin 0). Attention scores are sums over the head dimension, so the permutation changes nothing else; v
-keeps its order.
+keeps its order. The backend's q/k preparation reads through the permutation (QKNormRope.order), so nothing is
+gathered beforehand.
 
 Norms: checkpoints store these models' RMSNorm weights as w in (1 + w) x / rms(x) (the gated norm inside the
 linear-attention layers excepted); `one_centered_norms` turns them into our w on load.
