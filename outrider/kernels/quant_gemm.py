@@ -292,6 +292,27 @@ def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, a
 
 
 @triton.jit
+def _int4_row(w_ptr, s_ptr, z_ptr, x_ptr, rows, kb, n_blocks, stride_wn, stride_sn, acc, acc_min,
+              BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """_kquant_row for AWQ/GPTQ 4-bit groups: raw quants times x summed over runs of 8 values into acc
+    [BLOCK_N, NB, BLOCK / 16], each group's scale applied to those sums and scale * zero times its sum of x into
+    acc_min [BLOCK_N, NB], both summed over K after the loop."""
+    H: tl.constexpr = BLOCK // 2
+    kbc = tl.minimum(kb, n_blocks - 1)  # [1, NB, 1]
+    l = tl.arange(0, H)[None, None, :]
+    q = tl.load(w_ptr + rows.to(tl.int64) * stride_wn + kbc * H + l).to(tl.int32)  # byte l: values l and l + H
+    s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + kbc).to(tl.float32)  # [BN, NB, 1]
+    z = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + kbc).to(tl.float32)
+    live = kb < n_blocks
+    x_lo = tl.load(x_ptr + kb * BLOCK + l, mask=live, other=0.0).to(tl.float32)  # [1, NB, H]
+    x_hi = tl.load(x_ptr + kb * BLOCK + H + l, mask=live, other=0.0).to(tl.float32)
+    qx = (q & 15).to(tl.float32) * x_lo + (q >> 4).to(tl.float32) * x_hi
+    acc += s * tl.sum(tl.reshape(qx, (BLOCK_N, NB, H // 8, 8)), axis=3)
+    acc_min += tl.reshape(s * z, (BLOCK_N, NB)) * tl.sum(x_lo + x_hi, axis=2)
+    return acc, acc_min
+
+
+@triton.jit
 def _kquant_mma(w_ptr, w16_ptr, w32_ptr, x_rows, m_mask, rows, kb, n_blocks, stride_wn, acc,
                 FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     """One 256-value Q4_K/Q5_K block against BLOCK_M rows of x on the tensor cores, the scales factored out: the
@@ -365,11 +386,16 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
-    # One row of x on a K-quant: the scales factored out of the products (_kquant_row)
+    # One row of x on a K-quant or a 4-bit group format: the scales factored out of the products (_kquant_row,
+    # _int4_row), partial sums kept in acc4 / acc_g and the mins' (zeros') part in acc_min
     FACTORED: tl.constexpr = BLOCK_M == 1 and (FMT == Q4_K or FMT == Q5_K or FMT == Q6_K)
-    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA and not FACTORED else (1, 1, 1), dtype=tl.float32)
+    FACTORED_INT4: tl.constexpr = BLOCK_M == 1 and FMT == INT4
+    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA and not (FACTORED or FACTORED_INT4) else (1, 1, 1),
+                    dtype=tl.float32)
     acc4 = tl.zeros((BLOCK_N, NB, 4, 4) if FACTORED else (1, 1, 1, 1), dtype=tl.float32)
-    acc_min = tl.zeros((BLOCK_N, NB, 4) if FACTORED else (1, 1, 1), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, NB, BLOCK // 16) if FACTORED_INT4 else (1, 1, 1), dtype=tl.float32)
+    acc_min = tl.zeros((BLOCK_N, NB, 4) if FACTORED else (BLOCK_N, NB) if FACTORED_INT4 else (1, 1, 1),
+                       dtype=tl.float32)
     # More rows on Q4_K/Q5_K (one block a step): the scales factored out on the tensor cores (_kquant_mma)
     FACTORED_MMA: tl.constexpr = not FMA and (FMT == Q4_K or FMT == Q5_K)
     for k0 in tl.range(0, K, NB * BLOCK):
@@ -379,6 +405,9 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
             tl.static_assert(NB == 1)
             acc = _kquant_mma(w_ptr, w16_ptr, w32_ptr, x_rows, m_mask, tl.minimum(offs_n, N - 1)[:, None], kb0,
                               n_blocks, stride_wn, acc, FMT, TYPE_SIZE, BLOCK_N, IEEE)
+        elif FACTORED_INT4:
+            acc_g, acc_min = _int4_row(w_ptr, s_ptr, z_ptr, x_ptr + pid_m.to(tl.int64) * stride_xm, rows, kb,
+                                       n_blocks, stride_wn, stride_sn, acc_g, acc_min, BLOCK, BLOCK_N, NB)
         elif FACTORED:
             acc4, acc_min = _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr + pid_m.to(tl.int64) * stride_xm, rows, kb,
                                         n_blocks, stride_wn, acc4, acc_min, FMT, TYPE_SIZE, NB, BLOCK_N)
@@ -404,6 +433,8 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
                 acc = tl.dot(hi.to(dt), x_hi, acc)
     if FACTORED:
         acc = (tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1) - tl.sum(tl.sum(acc_min, axis=2), axis=1))[:, None]
+    elif FACTORED_INT4:
+        acc = (tl.sum(tl.sum(acc_g, axis=2), axis=1) - tl.sum(acc_min, axis=1))[:, None]
     elif FMA:
         acc = tl.sum(acc3, axis=1)
     if HAS_BIAS:
