@@ -10,8 +10,9 @@ y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the 
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
 (or sub-block), not per value. One row on a K-quant (decode) takes _kquant_row instead: raw quants times x summed
 over runs of 8 values, the sub-block scales applied to those sums (a K-quant's 6-bit scale decode per value was
-half the loop's instructions). More rows on Q4_K/Q5_K take _kquant_mma: the raw quants on the tensor cores per
-32-value sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M] product. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
+half the loop's instructions); _int4_row does the same for 4-bit groups. More rows on Q4_K/Q5_K take _kquant_mma:
+the raw quants on the tensor cores per 32-value sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M]
+product. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
 code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
@@ -252,9 +253,10 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
 def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, acc, acc_min,
                 FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr):
     """One loop step of a K-quant product with one row of x (decode, on the CUDA cores), the scales factored out:
-    acc [BLOCK_N, NB, 4, 32] gathers scale * q * x per value and acc_min [BLOCK_N, NB, 4] the sub-blocks' min
-    times their sum of x, both summed over K after the loop (no reduction a step), and a scale is decoded once per
-    sub-block, not per value. rows [BLOCK_N, 1, 1], blocks kb [1, NB, 1] (past n_blocks: x is zero)."""
+    acc [BLOCK_N, NB, 4 chunks, 4 runs] gathers each 8-value run's sum of q * x times its scale, acc_min
+    [BLOCK_N, NB, 4] the sub-blocks' min times their sum of x, both summed over K after the loop; a scale is
+    decoded once per sub-block, not per value. rows [BLOCK_N, 1, 1], blocks kb [1, NB, 1] (past n_blocks: x is
+    zero)."""
     kbc = tl.minimum(kb, n_blocks - 1)  # (a last partial step reads the last block again, against x masked)
     base = rows.to(tl.int64) * stride_wn + kbc * TYPE_SIZE  # [BN, NB, 1] byte offsets of the blocks
     c = tl.arange(0, 4)[None, None, :]  # 64-value chunk: its low nibbles one sub-block, its high ones the next
