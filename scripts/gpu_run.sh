@@ -10,7 +10,8 @@
 # nvidia-ml-py jsonschema`, then keep only those four and jsonschema's attrs, jsonschema_specifications, referencing
 # and rpds_py (3.7 MB): the device has the rest (numpy, requests, tqdm, pyyaml, typing_extensions), and a copy here
 # would shadow its own on PYTHONPATH. bench spec runs SPEC_REPEATS (default 3) timed passes per side.
-# tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min.
+# tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min; TESTS="FILE ..."
+#     runs those instead (a fresh machine compiles every kernel first: one hybrid test took over 130 s).
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
 # timings: scripts/gpu_timings.py prompt (issue 14's prompt_ms criterion, lone-prompt TTFT with overlap on/off).
 # train: retrain the demo family into /tmp/demo (packed into $OUT); later modes then use it as DEMO.
@@ -172,7 +173,7 @@ for MODE in "$@"; do
   echo "== $MODE [t+$((SECONDS - START))s]" | tee -a "$OUT/bench.log"
   case "$MODE" in
   tests)
-    timed "$OUT/tests.log" $PY -m pytest tests/gpu tests/test_spec_engine.py -q -rs ;;
+    timed "$OUT/tests.log" $PY -m pytest ${TESTS:-tests/gpu tests/test_spec_engine.py} -q -rs ;;
   spec-tests)
     timed "$OUT/tests.log" $PY -m pytest tests/gpu/test_spec_and_timings_gpu.py -q -rs ;;
   timings)
