@@ -80,6 +80,56 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
 
 
 @triton.jit
+def _unit(x, scale):
+    """GatedDeltaNet's q/k head normalisation (l2_normalize), times scale."""
+    return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6) * scale
+
+
+@triton.jit
+def _softplus(z):
+    return tl.where(z > 20.0, z, tl.where(z < -15.0, tl.exp(z), tl.log(1.0 + tl.exp(z))))  # (torch's thresholds)
+
+
+@triton.jit
+def _heads(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, q_ptr, k_ptr, g_ptr, beta_ptr, stride_x, stride_b, stride_a,
+           scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr):
+    """GatedDeltaNet.heads for token t and value head h (a prompt's, for fla's chunked kernels): q, k of the head's
+    key head normalised (q scaled) into [T, HV, DK] in q's dtype, g = -exp(A_log) softplus(a + dt_bias) and
+    beta = sigmoid(b) into [T, HV] float32."""
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    kh = h // (HV // HK)
+    offs = tl.arange(0, DK)
+    x_row = x_ptr + t * stride_x
+    q = _unit(tl.load(x_row + kh * DK + offs).to(tl.float32), scale)
+    k = _unit(tl.load(x_row + (HK + kh) * DK + offs).to(tl.float32), 1.0)
+    out = (t * HV + h) * DK + offs
+    tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty))
+    tl.store(k_ptr + out, k.to(k_ptr.dtype.element_ty))
+    z = tl.load(a_ptr + t * stride_a + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+    tl.store(g_ptr + t * HV + h, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * _softplus(z))
+    tl.store(beta_ptr + t * HV + h, tl.sigmoid(tl.load(b_ptr + t * stride_b + h).to(tl.float32)))
+
+
+def heads(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+          num_k_heads: int, head_k_dim: int) -> tuple[torch.Tensor, ...]:
+    """GatedDeltaNet.heads in one launch: the conv output [T, C] (q | k | v channels), b and a [T, Hv] (rows may be
+    strided) -> q, k [T, Hv, Dk] and v [T, Hv, Dv] (a view of conv_out) in conv_out's dtype, g, beta [T, Hv]
+    float32."""
+    t, hv = a.shape
+    hk, dk = num_k_heads, head_k_dim
+    if conv_out.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
+        raise ValueError("heads reads rows of unit column stride")
+    q = torch.empty(t, hv, dk, dtype=conv_out.dtype, device=conv_out.device)
+    k = torch.empty_like(q)
+    g = torch.empty(t, hv, dtype=torch.float32, device=conv_out.device)
+    beta = torch.empty_like(g)
+    if t:
+        _heads[(t, hv)](conv_out, b, a, a_log, dt_bias, q, k, g, beta, conv_out.stride(0), b.stride(0), a.stride(0),
+                        dk ** -0.5, HK=hk, HV=hv, DK=dk)
+    return q, k, conv_out[:, 2 * hk * dk:].view(t, hv, -1), g, beta
+
+
+@triton.jit
 def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
                     stride_x, stride_b, stride_a, stride_ss, stride_vr, stride_vp, scale, HK: tl.constexpr,
                     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -104,10 +154,9 @@ def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_
             qt = tl.load(x_row + kh * DK + offs_k).to(tl.float32)
             kt = tl.load(x_row + (HK + kh) * DK + offs_k).to(tl.float32)
             vt = tl.load(x_row + 2 * HK * DK + h * DV + offs_v).to(tl.float32)
-            qt = qt * tl.rsqrt(tl.sum(qt * qt, 0) + 1e-6) * scale
-            kt = kt * tl.rsqrt(tl.sum(kt * kt, 0) + 1e-6)
-            z = tl.load(a_ptr + t64 * stride_a + h).to(tl.float32) + dt_bias
-            softplus = tl.where(z > 20.0, z, tl.where(z < -15.0, tl.exp(z), tl.log(1.0 + tl.exp(z))))  # (torch's)
+            qt = _unit(qt, scale)
+            kt = _unit(kt, 1.0)
+            softplus = _softplus(tl.load(a_ptr + t64 * stride_a + h).to(tl.float32) + dt_bias)
             beta = tl.sigmoid(tl.load(b_ptr + t64 * stride_b + h).to(tl.float32))
             s = s * tl.exp(neg_rate * softplus)
             u = beta * (vt - tl.sum(s * kt[:, None], axis=0))

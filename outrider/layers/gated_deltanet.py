@@ -234,8 +234,8 @@ class GatedDeltaNet(nn.Module):
         if x.is_cuda:
             from outrider.layers import gated_deltanet_cuda
 
-            core = gated_deltanet_cuda.mix(self.conv1d.weight[:, 0], self.heads, Gates(self.A_log, self.dt_bias),
-                                           mixed, state, batch)
+            core = gated_deltanet_cuda.mix(self.conv1d.weight[:, 0], Gates(self.A_log, self.dt_bias), mixed, state,
+                                           batch)
         else:
             core = self.torch_mix(mixed, state, batch)
         return self.out_proj(self.norm(core, mixed.z, x.dtype).flatten(1))

@@ -9,8 +9,6 @@ Semantics: layers/gated_deltanet.GatedDeltaNet.torch_mix (tests/gpu/test_gated_d
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from outrider.layers.gated_deltanet_types import Gates, LayerState, Mixed, StateBatch
@@ -30,19 +28,14 @@ def _fla():
 SHORT_QUERY = 16
 
 
-# GatedDeltaNet.heads: conv output, b, a -> q, k, v, g, beta.
-Heads = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]]
-
-
-def mix(conv_weight: torch.Tensor, heads: Heads, gates: Gates, mixed: Mixed, state: LayerState,
-        batch: StateBatch) -> torch.Tensor:
-    """GatedDeltaNet.torch_mix on the GPU, given the layer's depthwise conv weight [C, K], its `heads` and the
-    parameters they read -> the delta rule's output [T, Hv, Dv] float32."""
+def mix(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
+    """GatedDeltaNet.torch_mix on the GPU, given the layer's depthwise conv weight [C, K] and the parameters its
+    heads read -> the delta rule's output [T, Hv, Dv] float32."""
     qsl = batch.query_start_loc_host
     longest = max(b - a for a, b in zip(qsl, qsl[1:]))
     if batch.verify or longest <= SHORT_QUERY:
         return _short(conv_weight, gates, mixed, state, batch, longest)
-    return _chunked(conv_weight, heads, mixed, state, batch)
+    return _chunked(conv_weight, gates, mixed, state, batch)
 
 
 def _short(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerState, batch: StateBatch,
@@ -58,10 +51,13 @@ def _short(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerSt
                           longest, state.verify_updates if batch.verify else None)
 
 
-def _chunked(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: LayerState,
+def _chunked(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerState,
              batch: StateBatch) -> torch.Tensor:
     """Prompts: fla's causal conv and chunked delta rule over the ragged batch, states gathered from the slots
-    and scattered back. The host offsets go along, so that fla never reads the device's back (a sync a layer)."""
+    and scattered back, the heads between them one launch of ours (kernels/delta_rule.heads). The host offsets go
+    along, so that fla never reads the device's back (a sync a layer)."""
+    from outrider.kernels.delta_rule import heads
+
     causal_conv1d, chunk_rule = _fla()
     dtype = mixed.qkv.dtype
     cu = _device_qsl(batch, mixed.qkv.device).to(torch.int64)
@@ -73,8 +69,9 @@ def _chunked(conv_weight: torch.Tensor, heads: Heads, mixed: Mixed, state: Layer
                                          output_final_state=True, activation="silu", cu_seqlens=cu,
                                          cu_seqlens_cpu=cu_cpu)
     state.conv.index_copy_(0, batch.slots, conv_final.to(state.conv.dtype))
-    q, k, v, g, beta = heads(conv_out[0], mixed.b, mixed.a)
-    q, k, v = (t.to(dtype) for t in (q, k, v))
+    hv, dk, dv = state.recurrent.shape[1:]
+    x = conv_out[0]
+    q, k, v, g, beta = heads(x, mixed.b, mixed.a, gates.a_log, gates.dt_bias, (x.shape[1] - hv * dv) // (2 * dk), dk)
     o, final = chunk_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                           initial_state=state.recurrent.index_select(0, batch.slots), output_final_state=True,
                           cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)

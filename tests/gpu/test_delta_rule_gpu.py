@@ -85,6 +85,30 @@ def test_recurrent_step_matches_the_reference(verify, device):
             torch.testing.assert_close(state_dev[SLOTS[i]].cpu(), states[-1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_heads_kernel_matches_the_layers_heads(dtype, device):
+    """A prompt's heads for fla (kernels/delta_rule.heads, one launch) against GatedDeltaNet.heads: q, k of each
+    value head's key head normalised (q scaled) in the conv output's dtype, v a view, g and beta float32."""
+    from outrider.kernels.delta_rule import heads
+
+    gen = torch.Generator().manual_seed(3)
+    hk, hv, dk, dv = 2, 6, 16, 8  # three value heads a key head
+    layer = _heads_layer(hk, hv, dk, dv)
+    t = 5
+    conv_out = torch.randn(t, 2 * hk * dk + hv * dv, generator=gen).to(dtype)
+    ba = torch.randn(t, 2 * hv + 3, generator=gen) * 8  # strided rows, as a split projection gives
+    ref = layer.heads(conv_out, ba[:, :hv], ba[:, hv:2 * hv])
+    to = dict(device=device)
+    ba_dev = ba.to(**to)
+    got = heads(conv_out.to(**to), ba_dev[:, :hv], ba_dev[:, hv:2 * hv], layer.A_log.detach().to(**to),
+                layer.dt_bias.detach().to(**to), hk, dk)
+    for name, r, g in zip("qkvgb", ref, got):
+        want_dtype = dtype if name in "qkv" else torch.float32
+        assert g.dtype == want_dtype, name
+        tol = dict(atol=1e-5, rtol=1e-5) if want_dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(g.cpu().float(), r.to(want_dtype).float(), **tol, msg=name)
+
+
 def test_commit_replays_each_rows_updates_up_to_its_accepted_position(device):
     from outrider.engine.state_pool import StateLayout, StatePool
     from outrider.kernels.delta_rule import commit_updates

@@ -46,8 +46,8 @@ def _step(layer, x, state, lens, slots, verify=False, reference=False):
         mixed = layer.split(x)
         if reference:
             return layer.torch_mix(mixed, state, batch)
-        return gated_deltanet_cuda.mix(layer.conv1d.weight[:, 0], layer.heads, Gates(layer.A_log, layer.dt_bias),
-                                       mixed, state, batch)
+        return gated_deltanet_cuda.mix(layer.conv1d.weight[:, 0], Gates(layer.A_log, layer.dt_bias), mixed, state,
+                                       batch)
 
 
 STEPS = {"prefill": ([70, 5, 130], [4, 0, 2], False),  # ragged, past one chunk
