@@ -91,34 +91,42 @@ def _softplus(z):
 
 
 @triton.jit
+def _head_inputs(x_row, a_row, b_row, h, kh, offs_k, scale, neg_rate, dt_bias, HK: tl.constexpr, DK: tl.constexpr):
+    """GatedDeltaNet.heads for one token (its conv output row and a, b rows) and value head h of key head kh:
+    q, k normalised (q scaled), the log decay g = -exp(A_log) softplus(a + dt_bias) (neg_rate = -exp(A_log)) and
+    beta = sigmoid(b)."""
+    q = _unit(tl.load(x_row + kh * DK + offs_k).to(tl.float32), scale)
+    k = _unit(tl.load(x_row + (HK + kh) * DK + offs_k).to(tl.float32), 1.0)
+    g = neg_rate * _softplus(tl.load(a_row + h).to(tl.float32) + dt_bias)
+    return q, k, g, tl.sigmoid(tl.load(b_row + h).to(tl.float32))
+
+
+@triton.jit
 def _heads(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, q_ptr, k_ptr, g_ptr, beta_ptr, stride_x, stride_b, stride_a,
            scale, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr):
     """GatedDeltaNet.heads for token t and value head h (a prompt's, for fla's chunked kernels): q, k of the head's
     key head normalised (q scaled) into [T, HV, DK] in q's dtype, g = -exp(A_log) softplus(a + dt_bias) and
     beta = sigmoid(b) into [T, HV] float32."""
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    kh = h // (HV // HK)
     offs = tl.arange(0, DK)
-    x_row = x_ptr + t * stride_x
-    q = _unit(tl.load(x_row + kh * DK + offs).to(tl.float32), scale)
-    k = _unit(tl.load(x_row + (HK + kh) * DK + offs).to(tl.float32), 1.0)
+    q, k, g, beta = _head_inputs(x_ptr + t * stride_x, a_ptr + t * stride_a, b_ptr + t * stride_b, h, h // (HV // HK),
+                                 offs, scale, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)),
+                                 tl.load(dt_bias_ptr + h).to(tl.float32), HK, DK)
     out = (t * HV + h) * DK + offs
     tl.store(q_ptr + out, q.to(q_ptr.dtype.element_ty))
     tl.store(k_ptr + out, k.to(k_ptr.dtype.element_ty))
-    z = tl.load(a_ptr + t * stride_a + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    tl.store(g_ptr + t * HV + h, -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * _softplus(z))
-    tl.store(beta_ptr + t * HV + h, tl.sigmoid(tl.load(b_ptr + t * stride_b + h).to(tl.float32)))
+    tl.store(g_ptr + t * HV + h, g)
+    tl.store(beta_ptr + t * HV + h, beta)
 
 
 def heads(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-          num_k_heads: int, head_k_dim: int) -> tuple[torch.Tensor, ...]:
+          head_k_dim: int, head_v_dim: int) -> tuple[torch.Tensor, ...]:
     """GatedDeltaNet.heads in one launch: the conv output [T, C] (q | k | v channels), b and a [T, Hv] (rows may be
     strided) -> q, k [T, Hv, Dk] and v [T, Hv, Dv] (a view of conv_out) in conv_out's dtype, g, beta [T, Hv]
     float32."""
     t, hv = a.shape
-    hk, dk = num_k_heads, head_k_dim
-    if conv_out.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
-        raise ValueError("heads reads rows of unit column stride")
+    dk = head_k_dim
+    hk = _key_heads(conv_out, b, a, hv, dk, head_v_dim)
     q = torch.empty(t, hv, dk, dtype=conv_out.dtype, device=conv_out.device)
     k = torch.empty_like(q)
     g = torch.empty(t, hv, dtype=torch.float32, device=conv_out.device)
@@ -127,6 +135,14 @@ def heads(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch
         _heads[(t, hv)](conv_out, b, a, a_log, dt_bias, q, k, g, beta, conv_out.stride(0), b.stride(0), a.stride(0),
                         dk ** -0.5, HK=hk, HV=hv, DK=dk)
     return q, k, conv_out[:, 2 * hk * dk:].view(t, hv, -1), g, beta
+
+
+def _key_heads(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, hv: int, dk: int, dv: int) -> int:
+    """The key heads of a conv output [T, 2 Hk Dk + Hv Dv]; its rows and b's and a's must have unit column stride
+    (the kernels read rows)."""
+    if conv_out.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
+        raise ValueError("the Gated DeltaNet kernels read rows of unit column stride")
+    return (conv_out.shape[1] - hv * dv) // (2 * dk)
 
 
 @triton.jit
@@ -151,14 +167,10 @@ def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_
         if t < end:
             t64 = t.to(tl.int64)
             x_row = x_ptr + t64 * stride_x
-            qt = tl.load(x_row + kh * DK + offs_k).to(tl.float32)
-            kt = tl.load(x_row + (HK + kh) * DK + offs_k).to(tl.float32)
+            qt, kt, g, beta = _head_inputs(x_row, a_ptr + t64 * stride_a, b_ptr + t64 * stride_b, h, kh, offs_k, scale,
+                                           neg_rate, dt_bias, HK, DK)
             vt = tl.load(x_row + 2 * HK * DK + h * DV + offs_v).to(tl.float32)
-            qt = _unit(qt, scale)
-            kt = _unit(kt, 1.0)
-            softplus = _softplus(tl.load(a_ptr + t64 * stride_a + h).to(tl.float32) + dt_bias)
-            beta = tl.sigmoid(tl.load(b_ptr + t64 * stride_b + h).to(tl.float32))
-            s = s * tl.exp(neg_rate * softplus)
+            s = s * tl.exp(g)
             u = beta * (vt - tl.sum(s * kt[:, None], axis=0))
             s = s + kt[:, None] * u[None, :]
             row = t64 * HV + h
@@ -168,7 +180,7 @@ def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_
                 tl.store(update + DK + offs_v, u)
                 if vb == 0:
                     tl.store(update + offs_k, kt)
-                    tl.store(update + DK + DV, neg_rate * softplus)
+                    tl.store(update + DK + DV, g)
     if not VERIFY:
         tl.store(state_ptr + slot * stride_ss + block, s)
 
@@ -180,9 +192,7 @@ def recurrent_step(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_l
     (GatedDeltaNet.heads' inputs); state [S, Hv, Dk, Dv] float32 (the pool's) -> o [T, Hv, Dv] float32.
     verify_updates [R, P, Hv, Dk + Dv + 1]: verify mode, each position's update written there (LayerState)."""
     hv, dk, dv = state.shape[1:]
-    hk = (conv_out.shape[1] - hv * dv) // (2 * dk)
-    if conv_out.stride(1) != 1 or b.stride(1) != 1 or a.stride(1) != 1:
-        raise ValueError("recurrent_step reads rows of unit column stride")
+    hk = _key_heads(conv_out, b, a, hv, dk, dv)
     out = torch.empty(conv_out.shape[0], hv, dv, dtype=torch.float32, device=conv_out.device)
     verify = verify_updates is not None
     target = verify_updates if verify else state

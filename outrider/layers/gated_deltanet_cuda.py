@@ -69,9 +69,8 @@ def _chunked(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: Layer
                                          output_final_state=True, activation="silu", cu_seqlens=cu,
                                          cu_seqlens_cpu=cu_cpu)
     state.conv.index_copy_(0, batch.slots, conv_final.to(state.conv.dtype))
-    hv, dk, dv = state.recurrent.shape[1:]
-    x = conv_out[0]
-    q, k, v, g, beta = heads(x, mixed.b, mixed.a, gates.a_log, gates.dt_bias, (x.shape[1] - hv * dv) // (2 * dk), dk)
+    _, dk, dv = state.recurrent.shape[1:]
+    q, k, v, g, beta = heads(conv_out[0], mixed.b, mixed.a, gates.a_log, gates.dt_bias, dk, dv)
     o, final = chunk_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
                           initial_state=state.recurrent.index_select(0, batch.slots), output_final_state=True,
                           cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)

@@ -107,8 +107,9 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.partial = rotary_dim < self.head_dim
-        self.register_buffer("order", partial_rope_order(self.head_dim, rotary_dim), persistent=False)
+        # (None: RoPE turns every dimension, read in order)
+        order = partial_rope_order(self.head_dim, rotary_dim) if rotary_dim < self.head_dim else None
+        self.register_buffer("order", order, persistent=False)
         self.register_load_state_dict_pre_hook(stack_merged_parts)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, positions: torch.Tensor,
@@ -122,7 +123,7 @@ class GatedAttention(nn.Module):
         k, v = k.view(t, self.n_kv_heads, self.head_dim), v.view(t, self.n_kv_heads, self.head_dim)
         o = backend.forward(q, k, v, kv_cache, self.kv_index, meta, self.scale,
                             QKNormRope(positions, inv_freq, self.q_norm.weight, self.k_norm.weight, self.eps,
-                                       self.order if self.partial else None))
+                                       self.order))
         return self.o_proj((o * torch.sigmoid(gate)).flatten(1)), residual
 
 

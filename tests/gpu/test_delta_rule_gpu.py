@@ -101,7 +101,7 @@ def test_the_heads_kernel_matches_the_layers_heads(dtype, device):
     to = dict(device=device)
     ba_dev = ba.to(**to)
     got = heads(conv_out.to(**to), ba_dev[:, :hv], ba_dev[:, hv:2 * hv], layer.A_log.detach().to(**to),
-                layer.dt_bias.detach().to(**to), hk, dk)
+                layer.dt_bias.detach().to(**to), dk, dv)
     for name, r, g in zip("qkvgb", ref, got):
         want_dtype = dtype if name in "qkv" else torch.float32
         assert g.dtype == want_dtype, name
