@@ -188,6 +188,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
         block_size=ns.block_size, num_kv_blocks=ns.num_kv_blocks, kv_cache_memory_gib=ns.kv_cache_gib,
         gpu_memory_utilization=ns.gpu_memory_utilization, spec_draft_n_max=ns.spec_draft_n_max,
         spec_draft_n_min=ns.spec_draft_n_min, draft_p_min=ns.draft_p_min, spec_ngram=_ngram(ns),
+        spec_token_map=ns.spec_token_map,
         overlap_schedule=False if ns.no_overlap_schedule else None,
         prefill_graph_tokens=ns.prefill_graph_tokens,
         spec_measured_costs=False if ns.no_spec_measured_costs else None,

@@ -124,6 +124,9 @@ class EngineConfig:
     spec_draft_n_max: int | None = None  # None: the drafter's natural length (DFlash: block - 1; n-gram: 16; else 4)
     spec_draft_n_min: int = 0
     draft_p_min: float = 0.0
+    # A file of the token ids that drafters sharing the target's LM head (MTP, DFlash) may propose; their logits
+    # cover those rows only (speculative/token_map.py). None: the whole vocabulary.
+    spec_token_map: str | None = None
     # Choose draft lengths from measured step costs (None: on for CUDA; on the CPU, where costs vary with the
     # machine's load, the drafter's fixed cost estimate keeps tests deterministic).
     spec_measured_costs: bool | None = None

@@ -94,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     spc.add_argument("--acceptance", type=float, nargs="+", metavar="ALPHA",
                      help="controlled acceptance: keep each draft position with probability ALPHA (one run each)")
     spc.add_argument("--draft-n-max", type=int, help="draft length cap k (default: the drafter's)")
+    spc.add_argument("--spec-token-map", metavar="FILE",
+                     help="MTP / DFlash: the token ids drafts may propose (serve's --spec-token-map)")
     spc.add_argument("--no-device-round", action="store_true",
                      help="a request decoding alone runs its rounds step by step, not captured whole on the device "
                      "(spec_device_round: on by default with CUDA graphs)")

@@ -222,7 +222,7 @@ def run(args) -> list[SpecResult]:
         plain = build_engine(engine_config(args, setup.target, spec_type="none", **limits), preloaded=setup.preloaded)
         spec = build_engine(engine_config(args, setup.target, spec_draft_n_max=args.draft_n_max,
                                           spec_device_round=False if args.no_device_round else None,
-                                          **setup.drafter, **limits),
+                                          spec_token_map=args.spec_token_map, **setup.drafter, **limits),
                             preloaded=setup.preloaded)
         if spec.speculation is None:
             raise SystemExit("the speculative engine has no drafter (see the log above for why)")

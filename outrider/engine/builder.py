@@ -149,9 +149,10 @@ def _load_drafter(config: EngineConfig, target: _Target, kind: str, pools: _KVPo
         drafter = load_drafter(kind, target=target.model, target_cfg=target.config, target_path=target.path,
                                draft_path=config.draft_model, block_size=config.block_size, dtype=target.dtype,
                                ngram=config.spec_ngram, device=target.device, kv_pool=pools.drafter,
+                               token_map=config.spec_token_map,
                                max_draft=max(asked, 1) if asked is not None else None)
     except Exception as exc:
-        if config.spec_required:  # asked for on the command line: refusing to start says so plainly
+        if config.spec_required or config.spec_token_map:  # asked for: refusing to start says so plainly
             raise
         log.error("drafter (kind=%s) failed to load, serving without speculative decoding: %s", kind, exc)
         return None, None, f"{type(exc).__name__}: {exc}"

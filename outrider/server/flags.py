@@ -78,6 +78,9 @@ MODEL = [
     Opt(("--spec-draft-n-min",), "spec_draft_n_min", "LLAMA_ARG_SPEC_DRAFT_N_MIN", int, None, "min drafted tokens"),
     Opt(("--spec-draft-p-min", "--draft-p-min"), "draft_p_min", "LLAMA_ARG_SPEC_DRAFT_P_MIN", float, None,
         "min draft probability to keep drafting"),
+    Opt(("--spec-token-map", "--speculative-token-map"), "spec_token_map", None,
+        help="JSON list (or torch-saved tensor) of the token ids MTP and DFlash drafts may propose: their LM head "
+             "reads those rows only (a frequency-ranked 32k of a 150-250k vocabulary cuts most of a draft's cost)"),
     Opt(("--no-spec-measured-costs",), "no_spec_measured_costs", None, None, False,
         "choose draft lengths from the drafter's fixed cost estimate, not measured step costs (the CPU default)"),
     Opt(("--no-spec-device-round",), "no_spec_device_round", None, None, False,

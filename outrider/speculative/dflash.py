@@ -230,7 +230,8 @@ class DFlashDrafter:
     def _block_drafts(self, tokens: torch.Tensor, positions: torch.Tensor, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole block through the target's LM head: as cheap as the drafted slots alone (the head's weights
         are the cost), and in the graph, not a handful of launches after it."""
-        return greedy_drafts(self.target.lm_head(self._block_forward(tokens, positions, meta)), self.vocab_size)
+        ids, conf = greedy_drafts(self.target.lm_head(self._block_forward(tokens, positions, meta)), self.vocab_size)
+        return self.target.tokens(ids), conf
 
     def _block_forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         h = self.target.embed(tokens)

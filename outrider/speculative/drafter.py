@@ -20,6 +20,7 @@ The engine reaches all of this through one object, speculation.py's Speculation.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,12 +50,24 @@ class TargetView:
 
     embed: Callable[[torch.Tensor], torch.Tensor]
     final_norm: Callable[[torch.Tensor], torch.Tensor]
-    lm_head: Callable[[torch.Tensor], torch.Tensor]
+    lm_head: Callable[[torch.Tensor], torch.Tensor]  # logits over draft_ids' rows of the head, when given
     rotary: torch.nn.Module
+    draft_ids: torch.Tensor | None = None  # [N] int64: the token map (speculative/token_map.py); None: every token
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> TargetView:
-        return cls(model.embed, model.model.norm, model.lm_head, model.model.rotary_emb)
+    def of(cls, model: torch.nn.Module, draft_ids: torch.Tensor | None = None) -> TargetView:
+        """The target's view; with draft_ids, a head over those rows only (copied once, dequantized)."""
+        head = model.lm_head
+        if draft_ids is not None:
+            draft_ids = draft_ids.to(head.weight.device)
+            weight = head.weight  # (a tensor, or a QuantizedWeight whose embedding() dequantizes rows)
+            rows = weight.index_select(0, draft_ids) if isinstance(weight, torch.Tensor) else weight.embedding(draft_ids)
+            head = functools.partial(ops.linear, weight=rows)
+        return cls(model.embed, model.model.norm, head, model.model.rotary_emb, draft_ids)
+
+    def tokens(self, drafts: torch.Tensor) -> torch.Tensor:
+        """Draft ids from lm_head's columns to the target's vocabulary."""
+        return drafts if self.draft_ids is None else self.draft_ids[drafts]
 
 
 @dataclass

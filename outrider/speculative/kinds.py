@@ -39,6 +39,15 @@ class DrafterLoad:
     kv_pool: KVPool | None = None  # (n-gram lookup needs none)
     max_draft: int | None = None
     ngram: NgramConfig = NgramConfig()
+    token_map: str | None = None  # the file of ids that drafts through the target's LM head may propose
+
+    def target_view(self):
+        """The target as a drafter borrowing its embedding and LM head sees it (the head cut to the token map)."""
+        from outrider.speculative.drafter import TargetView
+        from outrider.speculative.token_map import read_token_map
+
+        ids = None if self.token_map is None else read_token_map(self.token_map, self.target_cfg.vocab_size)
+        return TargetView.of(self.target, ids)
 
     def checkpoint(self, what: str) -> str:
         """The drafter's checkpoint path, resolved; a clear error where it needs one and none was given."""
@@ -63,6 +72,7 @@ class DrafterKind:
     declared_by_target: Callable[[ModelConfig], bool] | None = None
     # Raise IncompatibleDrafter where the drafter cannot draft for the target (speculative/compat.py).
     check_vocabulary: Callable[[ModelConfig, Path, Path], None] | None = None
+    target_head: bool = False  # drafts through the target's LM head (a token map can cut it)
 
     @property
     def in_target(self) -> bool:
@@ -79,19 +89,17 @@ def _load_draft_model(a: DrafterLoad) -> Drafter:
 
 def _load_mtp(a: DrafterLoad) -> Drafter:
     from outrider.models import resolve_model_path
-    from outrider.speculative.drafter import TargetView
     from outrider.speculative.mtp import MTPDrafter
 
-    return MTPDrafter(TargetView.of(a.target), a.target_cfg, str(resolve_model_path(a.draft_path or a.target_path)),
+    return MTPDrafter(a.target_view(), a.target_cfg, str(resolve_model_path(a.draft_path or a.target_path)),
                       max_draft=_n_max(a), block_size=a.block_size, dtype=a.dtype, device=a.device,
                       kv_pool=a.kv_pool)
 
 
 def _load_dflash(a: DrafterLoad) -> Drafter:
     from outrider.speculative.dflash import DFlashDrafter
-    from outrider.speculative.drafter import TargetView
 
-    return DFlashDrafter(TargetView.of(a.target), a.target_cfg, a.checkpoint("DFlash"), block_size=a.block_size,
+    return DFlashDrafter(a.target_view(), a.target_cfg, a.checkpoint("DFlash"), block_size=a.block_size,
                          dtype=a.dtype, device=a.device, kv_pool=a.kv_pool)
 
 
@@ -138,10 +146,11 @@ def _check_dflash(target_cfg: ModelConfig, target: Path, draft: Path) -> None:
 
 
 KINDS = (
-    DrafterKind("dflash", "draft-dflash", True, _load_dflash, detects=_is_dflash, check_vocabulary=_check_dflash),
+    DrafterKind("dflash", "draft-dflash", True, _load_dflash, detects=_is_dflash, check_vocabulary=_check_dflash,
+                target_head=True),
     DrafterKind("eagle3", "draft-eagle3", True, _load_eagle3, detects=_is_eagle3),
     DrafterKind("mtp", "draft-mtp", True, _load_mtp, detects=lambda raw, is_target: is_target,
-                declared_by_target=lambda target_cfg: target_cfg.mtp_num_hidden_layers > 0),
+                declared_by_target=lambda target_cfg: target_cfg.mtp_num_hidden_layers > 0, target_head=True),
     # (a separate causal LM sharing the target's tokenizer: whatever checkpoint is no other kind)
     DrafterKind("draft", "draft-simple", True, _load_draft_model, detects=lambda raw, is_target: True,
                 check_vocabulary=_check_draft_model),
@@ -174,7 +183,11 @@ def load_drafter(kind: str, **load) -> Drafter:
     refused (IncompatibleDrafter, speculative/compat.py)."""
     from outrider.models import resolve_model_path
 
-    return _load(kind, DrafterLoad(**load), resolve_model_path)
+    load = DrafterLoad(**load)
+    if load.token_map is not None and not any(k.target_head for k in KINDS if k.name in kind.split(",")):
+        heads = " and ".join(k.name for k in KINDS if k.target_head)
+        raise ValueError(f"a token map cuts the target's LM head, which only {heads} draft through; {kind} does not")
+    return _load(kind, load, resolve_model_path)
 
 
 def _load(kind: str, load: DrafterLoad, resolve: Callable) -> Drafter:

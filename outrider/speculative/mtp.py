@@ -129,4 +129,5 @@ class MTPDrafter(ChainDrafter):
         return self.target.lm_head(y).float()
 
     def drafts(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return greedy_drafts(logits, self.vocab_size)
+        ids, conf = greedy_drafts(logits, self.vocab_size)
+        return self.target.tokens(ids), conf
