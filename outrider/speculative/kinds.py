@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from outrider.config import ModelConfig
-    from outrider.speculative.drafter import Drafter, KVPool
+    from outrider.speculative.drafter import Drafter, KVPool, TargetView
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DrafterLoad:
     ngram: NgramConfig = NgramConfig()
     token_map: str | None = None  # the file of ids that drafts through the target's LM head may propose
 
-    def target_view(self):
+    def target_view(self) -> TargetView:
         """The target as a drafter borrowing its embedding and LM head sees it (the head cut to the token map)."""
         from outrider.speculative.drafter import TargetView
         from outrider.speculative.token_map import read_token_map
