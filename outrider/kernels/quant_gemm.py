@@ -8,11 +8,16 @@ for Q8_0 and FP8), and each plane is multiplied by the columns of x it meets (ga
 cached), so the quantized bytes are read once, contiguously, and no value is moved to its place in the row:
 y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
-(or sub-block), not per value. One row on a K-quant (decode) takes _kquant_row instead: raw quants times x summed
-over runs of 8 values, the sub-block scales applied to those sums (a K-quant's 6-bit scale decode per value was
-half the loop's instructions); _int4_row does the same for 4-bit groups. More rows on Q4_K/Q5_K take _kquant_mma:
-the raw quants on the tensor cores per 32-value sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M]
-product. Configs are explicit (default_config); `bench quant --kernels --tune` times others.
+(or sub-block), not per value. More rows on Q4_K take _kquant_mma: the raw quants on the tensor cores per 32-value
+sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M] product.
+
+One row on Q4_K (decode) takes a kernel of its own (_q4k_row_kernel), laid out so that nothing crosses threads
+inside the loop: each thread reads four consecutive quant words of a row (one 16-byte load), turns each nibble
+into a float without an int-to-float conversion (q placed in the mantissa of 1.0: 1 + q / 16), multiplies by x
+and keeps per-quarter sums; the sub-block scale and min are applied to those sums once a block. Rows of small
+weights split K over several programs (split_k), whose partial sums the last of them adds in a fixed order.
+
+Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
 code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
@@ -57,6 +62,18 @@ class QuantGemmConfig:
     blocks: int  # quant blocks per loop step
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 1  # programs a row's K is split over (one-row Q4_K kernel)
+
+
+Q4K_ROW_PROGRAMS = 512  # programs the one-row Q4_K kernel aims at: 3-4 a streaming multiprocessor
+
+
+def q4k_row_config(n: int, k: int) -> QuantGemmConfig:
+    """One row on Q4_K: 32 rows of W a program (two a thread); a weight with fewer tiles than Q4K_ROW_PROGRAMS splits
+    its K over up to 8 programs, so that small projections (o, down, k, v) still keep enough loads in flight."""
+    tiles = triton.cdiv(n, 32)
+    split = max(1, min(8, k // 256, Q4K_ROW_PROGRAMS // tiles))
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split)
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
@@ -65,12 +82,8 @@ def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
     a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
     if m <= FMA_MAX_M.value:  # 256 values a step for one row, 128 for two (the accumulator doubles)
         return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block))
-    if m <= 16:  # verify rows: 64 rows of a wide weight (gate_up) a program, else 32; pipelined 4 deep on 8 warps:
-        # near the fastest `--tune` found on an H100 for Qwen3-8B's projections. 128 values a step, or one block
-        # of the formats with longer blocks: ptxas for sm_90 then keeps every format's tile in registers
-        wide = n >= 16384 and block < 256
-        return QuantGemmConfig(block_n=64 if wide else 32, block_m=16, blocks=max(1, 128 // block), num_warps=8,
-                               num_stages=4)
+    if m <= 16:  # verify rows: 16-row tiles on 4 warps (32/64-row tiles on 8 warps, 4 stages read 15 % slower)
+        return QuantGemmConfig(block_n=16, block_m=16, blocks=max(1, 128 // block))
     # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
     # tiles in registers (no spills), but Q6_K's at 32 rows (80 bytes); 64-row tiles spilled 0.5-1.5 KB. Past 16
     # rows, 32 rows of W a program: twice the programs of 64 (a 4096-row weight fills only 64 SMs at 64).
@@ -250,102 +263,110 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
 
 
 @triton.jit
-def _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr, rows, kb, n_blocks, stride_wn, acc, acc_min,
-                FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One loop step of a K-quant product with one row of x (decode, on the CUDA cores), the scales factored out:
-    acc [BLOCK_N, NB, 4 chunks, 4 runs] gathers each 8-value run's sum of q * x times its scale, acc_min
-    [BLOCK_N, NB, 4] the sub-blocks' min times their sum of x, both summed over K after the loop; a scale is
-    decoded once per sub-block, not per value. rows [BLOCK_N, 1, 1], blocks kb [1, NB, 1] (past n_blocks: x is
-    zero)."""
-    kbc = tl.minimum(kb, n_blocks - 1)  # (a last partial step reads the last block again, against x masked)
-    base = rows.to(tl.int64) * stride_wn + kbc * TYPE_SIZE  # [BN, NB, 1] byte offsets of the blocks
-    c = tl.arange(0, 4)[None, None, :]  # 64-value chunk: its low nibbles one sub-block, its high ones the next
-    base4, c4 = base[:, :, :, None], c[:, :, :, None]
-    j = tl.arange(0, 32)[None, None, None, :]
-    live = (kb < n_blocks)[:, :, :, None]
-    q_lo, q_hi = _k_quants(w_ptr, w32_ptr, base4, c4, FMT, BLOCK_N, NB)
-    q_lo = q_lo.to(tl.float32)
-    q_hi = q_hi.to(tl.float32)
-    if FMT == Q6_K:  # chunk c = half c // 2, quarter c % 2; a scale per 16 values
-        d = _f16(w16_ptr, base4 + 208)
-        a = c4 % 2
-        pos_lo = kb[:, :, :, None] * 256 + 128 * (c4 // 2) + 32 * a + j
-        # the scales of the 8-value runs the products are summed over below: run u is in 16-value group u // 2
-        g = 8 * (c4 // 2) + 2 * a + tl.arange(0, 4)[None, None, None, :] // 2
-        sc_lo = tl.load(w_ptr + base4 + 192 + g).to(tl.int8, bitcast=True).to(tl.float32) * d
-        sc_hi = tl.load(w_ptr + base4 + 196 + g).to(tl.int8, bitcast=True).to(tl.float32) * d
-        x_lo = tl.load(x_ptr + pos_lo, mask=live, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + pos_lo + 64, mask=live, other=0.0).to(tl.float32)
-    else:  # Q4_K, Q5_K
-        d = _f16(w16_ptr, base)
-        dmin = _f16(w16_ptr, base + 2)
-        sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * c)  # [BN, NB, 4]
-        sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * c + 1)
-        pos_lo = kb[:, :, :, None] * 256 + 64 * c4 + j
-        x_lo = tl.load(x_ptr + pos_lo, mask=live, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + pos_lo + 32, mask=live, other=0.0).to(tl.float32)
-        acc_min += dmin * (m_lo * tl.sum(x_lo, axis=3) + m_hi * tl.sum(x_hi, axis=3))
-        sc_lo = (d * sc_lo)[:, :, :, None]
-        sc_hi = (d * sc_hi)[:, :, :, None]
-    p_lo = tl.sum(tl.reshape(q_lo * x_lo, (BLOCK_N, NB, 4, 4, 8)), axis=4)
-    p_hi = tl.sum(tl.reshape(q_hi * x_hi, (BLOCK_N, NB, 4, 4, 8)), axis=4)
-    acc += sc_lo * p_lo + sc_hi * p_hi
-    return acc, acc_min
-
-
-@triton.jit
-def _int4_row(w_ptr, s_ptr, z_ptr, x_ptr, rows, kb, n_blocks, stride_wn, stride_sn, acc, acc_min,
-              BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
-    """_kquant_row for AWQ/GPTQ 4-bit groups: raw quants times x summed over runs of 8 values into acc
-    [BLOCK_N, NB, BLOCK / 16], each group's scale applied to those sums and scale * zero times its sum of x into
-    acc_min [BLOCK_N, NB], both summed over K after the loop."""
-    H: tl.constexpr = BLOCK // 2
-    kbc = tl.minimum(kb, n_blocks - 1)  # [1, NB, 1]
-    l = tl.arange(0, H)[None, None, :]
-    q = tl.load(w_ptr + rows.to(tl.int64) * stride_wn + kbc * H + l).to(tl.int32)  # byte l: values l and l + H
-    s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + kbc).to(tl.float32)  # [BN, NB, 1]
-    z = tl.load(z_ptr + rows.to(tl.int64) * stride_sn + kbc).to(tl.float32)
-    live = kb < n_blocks
-    x_lo = tl.load(x_ptr + kb * BLOCK + l, mask=live, other=0.0).to(tl.float32)  # [1, NB, H]
-    x_hi = tl.load(x_ptr + kb * BLOCK + H + l, mask=live, other=0.0).to(tl.float32)
-    qx = (q & 15).to(tl.float32) * x_lo + (q >> 4).to(tl.float32) * x_hi
-    acc += s * tl.sum(tl.reshape(qx, (BLOCK_N, NB, H // 8, 8)), axis=3)
-    acc_min += tl.reshape(s * z, (BLOCK_N, NB)) * tl.sum(x_lo + x_hi, axis=2)
-    return acc, acc_min
-
-
-@triton.jit
-def _kquant_mma(w_ptr, w16_ptr, w32_ptr, x_rows, m_mask, rows, kb, n_blocks, stride_wn, acc,
-                FMT: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One 256-value Q4_K/Q5_K block against BLOCK_M rows of x on the tensor cores, the scales factored out: the
+def _kquant_mma(w16_ptr, w32_ptr, x_rows, m_mask, rows, kb, n_blocks, stride_wn, acc,
+                TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One 256-value Q4_K block against BLOCK_M rows of x on the tensor cores, the scales factored out: the
     raw quants (small integers, exact in x's dtype) times x per sub-block on the MMA, then each row's sub-block
     scale and min applied to that [BLOCK_N, BLOCK_M] product, not to every value. rows [BLOCK_N, 1]; x_rows
     [1, BLOCK_M] (the rows' pointers); block kb (past n_blocks: x is zero against it) -> acc."""
     dt = x_rows.dtype.element_ty
     base = rows.to(tl.int64) * stride_wn + tl.minimum(kb, n_blocks - 1) * TYPE_SIZE  # [BN, 1]
     # 8 sub-blocks of 32: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
-    QS: tl.constexpr = 16 if FMT == Q4_K else 48
     d = _f16(w16_ptr, base)
     dmin = _f16(w16_ptr, base + 2)
     i = tl.arange(0, 8)[None, :]
     shifts = 8 * tl.arange(0, 4)[None, None, :]
     ones = tl.full((BLOCK_N, 32), 1, tl.int32)
-    if FMT == Q5_K:
-        qh = tl.reshape((tl.load(w32_ptr + (base + 16) // 4 + i)[:, :, None] >> shifts) & 255, (BLOCK_N, 32))
     for c in tl.static_range(4):
-        words = tl.load(w32_ptr + (base + QS) // 4 + 8 * c + i)  # [BN, 8]
+        words = tl.load(w32_ptr + (base + 16) // 4 + 8 * c + i)  # [BN, 8]
         qs = tl.reshape((words[:, :, None] >> shifts) & 255, (BLOCK_N, 32))
         pos = kb * 256 + 64 * c + tl.arange(0, 32)
         for plane in tl.static_range(2):
             q = (qs >> (4 * plane)) & 15
-            if FMT == Q5_K:
-                q |= ((qh >> (2 * c + plane)) & 1) << 4
             at = pos + 32 * plane
             x = tl.load(x_rows + at[:, None], mask=m_mask & (at < n_blocks * 256)[:, None], other=0.0)
             sc, mn = _k_scale_min(w32_ptr, base, 2 * c + plane)  # [BN, 1]
             # (the sum of x comes from the MMA too: every row of ones @ x is it, with no reduction)
             acc += (d * sc) * _mma(q, x, dt, IEEE) - (dmin * mn) * _mma(ones, x, dt, IEEE)
     return acc
+
+
+@triton.jit
+def _nibble_floats(words, SHIFT: tl.constexpr):
+    """The 4 bits at SHIFT of each word as the float 1 + q / 16: q put in the mantissa of 1.0, exact and without
+    an int-to-float conversion (a quarter-rate instruction)."""
+    if SHIFT <= 19:
+        bits = (words << (19 - SHIFT)) & 0x00780000
+    else:
+        bits = (words >> (SHIFT - 19)) & 0x00780000
+    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _q4k_row_kernel(x_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_w32,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """y [1, N] = x [1, K] @ W.T on Q4_K, program (pid_n, pid_k) owning W's rows from pid_n * BLOCK_N and the
+    pid_k-th of SPLIT runs of K's blocks. Quant word w (of a block's 32) holds in byte j the values 64 (w // 8) +
+    4 (w % 8) + j (low nibbles: sub-block 2 (w // 8)) and, 32 further, the next sub-block's (high nibbles). With
+    f = 1 + q / 16 a sub-block's product is 16 d sc sum(f x) - (16 d sc + dmin m) sum(x): the scales meet sums of
+    four words (a quarter of a chunk, one thread's), once a block."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_w32  # [BN, 1] word offsets of the rows
+    w = tl.arange(0, 32)[None, :]
+    xw = 64 * (w // 8) + 4 * (w % 8)  # x of byte 0's low nibble
+    chunk = tl.arange(0, 8)[None, :] // 2  # of each quarter
+    n_blocks = K // 256
+    per = tl.cdiv(n_blocks, SPLIT)
+    first = pid_k * per
+    last = tl.minimum(first + per, n_blocks)
+    acc = tl.zeros((BLOCK_N, 8), tl.float32)
+    words = tl.load(w32_ptr + row + 36 * tl.minimum(first, n_blocks - 1) + 4 + w)
+    for kb in tl.range(first, last):
+        nxt = tl.load(w32_ptr + row + 36 * tl.minimum(kb + 1, last - 1) + 4 + w)  # the next block, issued early
+        fx_lo = tl.zeros((BLOCK_N, 32), tl.float32)
+        fx_hi = tl.zeros((BLOCK_N, 32), tl.float32)
+        x_lo_sum = tl.zeros((1, 32), tl.float32)
+        x_hi_sum = tl.zeros((1, 32), tl.float32)
+        for j in tl.static_range(4):
+            x_lo = tl.load(x_ptr + kb * 256 + xw + j).to(tl.float32)
+            x_hi = tl.load(x_ptr + kb * 256 + xw + 32 + j).to(tl.float32)
+            fx_lo += _nibble_floats(words, 8 * j) * x_lo
+            fx_hi += _nibble_floats(words, 8 * j + 4) * x_hi
+            x_lo_sum += x_lo
+            x_hi_sum += x_hi
+        fx_lo = tl.sum(tl.reshape(fx_lo, (BLOCK_N, 8, 4)), axis=2)  # [BN, 8 quarters]: within a thread
+        fx_hi = tl.sum(tl.reshape(fx_hi, (BLOCK_N, 8, 4)), axis=2)
+        x_lo_sum = tl.sum(tl.reshape(x_lo_sum, (1, 8, 4)), axis=2)
+        x_hi_sum = tl.sum(tl.reshape(x_hi_sum, (1, 8, 4)), axis=2)
+        base = 4 * (row + 36 * kb)  # byte offset of the block
+        d16 = 16.0 * _f16(w16_ptr, base)
+        dmin = _f16(w16_ptr, base + 2)
+        sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * chunk)
+        sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * chunk + 1)
+        acc += (d16 * sc_lo) * (fx_lo - x_lo_sum) + (d16 * sc_hi) * (fx_hi - x_hi_sum) \
+            - dmin * (m_lo * x_lo_sum + m_hi * x_hi_sum)
+        words = nxt
+    y = tl.sum(acc, axis=1)
+    mask = offs_n < N
+    if SPLIT == 1:
+        _store_row(y, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
+    else:  # the last program of the row tile to finish adds the partial sums, in order (deterministic)
+        tl.store(part_ptr + pid_k * N + offs_n, y, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:
+            total = tl.zeros((BLOCK_N,), tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part_ptr + s * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_row(total, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_row(y, b_ptr, y_ptr, offs_n, mask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -388,31 +409,16 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
-    # One row of x on a K-quant or a 4-bit group format: the scales factored out of the products (_kquant_row,
-    # _int4_row), partial sums kept in acc4 / acc_g and the mins' (zeros') part in acc_min
-    FACTORED: tl.constexpr = BLOCK_M == 1 and (FMT == Q4_K or FMT == Q5_K or FMT == Q6_K)
-    FACTORED_INT4: tl.constexpr = BLOCK_M == 1 and FMT == INT4
-    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA and not (FACTORED or FACTORED_INT4) else (1, 1, 1),
-                    dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_N, NB, 4, 4) if FACTORED else (1, 1, 1, 1), dtype=tl.float32)
-    acc_g = tl.zeros((BLOCK_N, NB, BLOCK // 16) if FACTORED_INT4 else (1, 1, 1), dtype=tl.float32)
-    acc_min = tl.zeros((BLOCK_N, NB, 4) if FACTORED else (BLOCK_N, NB) if FACTORED_INT4 else (1, 1, 1),
-                       dtype=tl.float32)
-    # More rows on Q4_K/Q5_K (one block a step): the scales factored out on the tensor cores (_kquant_mma)
-    FACTORED_MMA: tl.constexpr = not FMA and (FMT == Q4_K or FMT == Q5_K)
+    acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA else (1, 1, 1), dtype=tl.float32)
+    # More rows on Q4_K (one block a step): the scales factored out on the tensor cores (_kquant_mma)
+    FACTORED_MMA: tl.constexpr = not FMA and FMT == Q4_K
     for k0 in tl.range(0, K, NB * BLOCK):
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
         if FACTORED_MMA:
             tl.static_assert(NB == 1)
-            acc = _kquant_mma(w_ptr, w16_ptr, w32_ptr, x_rows, m_mask, tl.minimum(offs_n, N - 1)[:, None], kb0,
-                              n_blocks, stride_wn, acc, FMT, TYPE_SIZE, BLOCK_N, IEEE)
-        elif FACTORED_INT4:
-            acc_g, acc_min = _int4_row(w_ptr, s_ptr, z_ptr, x_ptr + pid_m.to(tl.int64) * stride_xm, rows, kb,
-                                       n_blocks, stride_wn, stride_sn, acc_g, acc_min, BLOCK, BLOCK_N, NB)
-        elif FACTORED:
-            acc4, acc_min = _kquant_row(w_ptr, w16_ptr, w32_ptr, x_ptr + pid_m.to(tl.int64) * stride_xm, rows, kb,
-                                        n_blocks, stride_wn, acc4, acc_min, FMT, TYPE_SIZE, NB, BLOCK_N)
+            acc = _kquant_mma(w16_ptr, w32_ptr, x_rows, m_mask, tl.minimum(offs_n, N - 1)[:, None], kb0, n_blocks,
+                              stride_wn, acc, TYPE_SIZE, BLOCK_N, IEEE)
         else:
             lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1),
                                        stride_wn, stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N,
@@ -433,11 +439,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
             else:
                 acc = tl.dot(lo.to(dt), x_lo, acc)
                 acc = tl.dot(hi.to(dt), x_hi, acc)
-    if FACTORED:
-        acc = (tl.sum(tl.sum(tl.sum(acc4, axis=3), axis=2), axis=1) - tl.sum(tl.sum(acc_min, axis=2), axis=1))[:, None]
-    elif FACTORED_INT4:
-        acc = (tl.sum(tl.sum(acc_g, axis=2), axis=1) - tl.sum(acc_min, axis=1))[:, None]
-    elif FMA:
+    if FMA:
         acc = tl.sum(acc3, axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
@@ -501,14 +503,30 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     m, k = x.shape
     n = part.shape[0]
     lay = _layout(part)
-    cfg = config or default_config(m, lay.block, n)
     t = _tensors(part)
+    if m == 1 and lay.code == Q4_K.value:
+        _q4k_row(x, t, bias, y, n, k, config or q4k_row_config(n, k))
+        return
+    cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _qgemm_kernel[grid](x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k,
                         x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k,
                         FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
                         IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _q4k_row(x: torch.Tensor, t: _Tensors, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
+             cfg: QuantGemmConfig) -> None:
+    """One row of x on a Q4_K part (_q4k_row_kernel); a split K writes partial sums to a buffer of this call and
+    takes tickets from a zeroed counter per row tile (both graph-safe: fixed sizes)."""
+    tiles = triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k
+    part = torch.empty((split, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    count = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
+    _q4k_row_kernel[(tiles, split)](x, t.w16, t.w32, bias if bias is not None else x, y, part, count, n, k,
+                                   t.stride_wn // 4, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=split,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
