@@ -8,6 +8,7 @@ stop strings, per-request speculative settings, the sampler list, a grammar).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Any
 
 from outrider.request_fields import SUPPORTED, WINDOWED, history_window, sampler_on
@@ -58,12 +59,12 @@ class _SamplingParamsBase:
         cached rows' hidden states instead: engine/prompt_logprobs.py)."""
         return self.pooling is not None
 
-    @property
+    @functools.cached_property  # (read per row and step; the params are frozen)
     def penalized(self) -> bool:
         """True when a penalty (repeat/presence/frequency, DRY) reads the recent tokens, on the host."""
         return any(sampler_on(self, s) for s in WINDOWED)
 
-    @property
+    @functools.cached_property
     def penalty_window(self) -> int:
         """How many recent tokens the penalties read (-1: all of them, 0: none)."""
         return history_window(self)
