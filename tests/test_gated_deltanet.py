@@ -1,5 +1,6 @@
 """Gated DeltaNet (layers/gated_deltanet.py) against transformers' Qwen3-Next / Qwen3.5 linear-attention layers,
-and its state handling: chunked = whole, ragged batches, verify rows = the states of shorter runs."""
+and its state handling: chunked = whole, ragged batches, verify rows = the states of shorter runs, padded chunks (a
+prefill graph's) = their real rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, QWEN3_NEXT_PROJECTIONS, GatedDeltaNet,
                                             GatedDeltaNetConfig, LayerState, StateBatch, apply_updates,
-                                            chunked_delta_rule, recurrent_delta_rule)
+                                            causal_conv, chunked_delta_rule, recurrent_delta_rule)
+from outrider.layers.gated_deltanet_cuda import conv_window_at, real_rows, still_gates
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,3 +132,44 @@ def test_chunked_rule_equals_the_recurrence_with_a_state():
     o_chunk, final = chunked_delta_rule(q, k, v, g, beta, s0, chunk=32)
     torch.testing.assert_close(o_chunk, o_rec, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(final, states[-1], atol=1e-4, rtol=1e-4)
+
+
+def padded_chunk(layer, x: torch.Tensor, length: int, conv: torch.Tensor,
+                 recurrent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gated_deltanet_cuda._padded's rule on the torch reference: rows x [T, H] of which the first `length` are
+    real, from one slot's states -> (the delta rule's output [T, Hv, Dv], the conv state, the recurrent state)."""
+    with torch.no_grad():
+        mixed = layer.split(x)
+        n = torch.tensor([length])
+        real = real_rows(x.shape[0], n)
+        qkv = mixed.qkv.where(real, 0)
+        conv_out, _ = causal_conv(qkv, layer.conv1d.weight[:, 0], conv)
+        q, k, v, g, beta = layer.heads(conv_out, mixed.b, mixed.a)
+        g, beta = still_gates(g, beta, real)
+        out, final = chunked_delta_rule(q, k, v, g, beta, recurrent)
+        return out, conv_window_at(conv, qkv, n), final
+
+
+@pytest.mark.parametrize("length,rows", [(2, 8), (5, 8), (70, 128), (64, 64)])
+@pytest.mark.parametrize("prefix", [0, 9], ids=["cold", "continued"])
+def test_padded_rows_with_still_gates_leave_the_states_and_real_outputs_of_the_real_rows(pair, length, rows,
+                                                                                         prefix):
+    """Pad rows (garbage, even non-finite) after a chunk's `length` real ones, with beta = g = 0 and the conv
+    window taken at the real end: the real rows' outputs and both final states are the unpadded chunk's, cold or
+    continuing a slot (the window then spans the slot's previous inputs when the chunk is shorter than it)."""
+    _, ours = pair
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(prefix + length, RAW["hidden_size"], generator=gen)
+    state = new_state(ours.cfg)
+    if prefix:
+        run(ours, x, state, [list(range(prefix))], [1])
+    conv, recurrent = state.conv[1].clone(), state.recurrent[1].clone()
+    pad = torch.randn(rows - length, RAW["hidden_size"], generator=gen) * 1e3
+    pad[:1] = float("inf")
+    out, conv_after, recurrent_after = padded_chunk(ours, torch.cat([x[prefix:], pad]), length, conv, recurrent)
+    with torch.no_grad():
+        want = ours.torch_mix(ours.split(x[prefix:]), state, StateBatch([0, length], torch.tensor([1]), [1]))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:length], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv_after, state.conv[1], atol=1e-6, rtol=1e-6)  # (the projection of more rows)
+    torch.testing.assert_close(recurrent_after, state.recurrent[1], atol=1e-5, rtol=1e-5)

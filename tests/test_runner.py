@@ -1,5 +1,7 @@
 """Host side of a step: the batch layout built in bulk, its one-copy upload, and block tables kept across steps."""
 
+import types
+
 import numpy as np
 import torch
 from hypothesis import given, settings
@@ -134,3 +136,26 @@ def test_forward_decode_writes_logits_into_the_shared_buffer(tmp_path):
 
 def test_hidden_rows_are_recomputed_from_the_cache_without_writing_it(tmp_path):
     check_hidden_rows_recompute_without_writing(write_tiny_checkpoint(tmp_path / "tiny"), "cpu")
+
+
+def test_a_hybrid_step_replays_only_a_graph_of_its_kind():
+    """A hybrid model's verify graph writes the verify rows, the others advance the slots: a prompt chunk of a
+    verify graph's length runs eager (or a prefill graph), a verify step replays the verify graph, each with its
+    states loaded for the graph's length."""
+    from outrider.engine.runner import ModelRunner, StepBatch
+    from outrider.layers.gated_deltanet_types import StateBatch
+    from outrider.models.output import ForwardResult
+
+    hidden = torch.zeros(3, 4)
+    runner = ModelRunner.__new__(ModelRunner)
+    loaded: list[int] = []
+    runner.states = types.SimpleNamespace(load_graph=lambda batch, q: loaded.append(q), states=lambda batch: batch)
+    runner.forward_eager = lambda ids, pos, meta, states: ForwardResult(hidden + 5, None)
+    verify, prefill = _FakeGraphs(3, ForwardResult(hidden, None)), _FakeGraphs(8, ForwardResult(hidden, None))
+    runner.graphs, runner._verify_lens = [_FakeGraphs(1, None), verify, prefill], frozenset({3})
+    meta, pos = build_metadata([([1], 0, 3)], BS, torch.device("cpu"))
+    ids = torch.zeros(3, dtype=torch.int64)
+    for is_verify, want in ((False, hidden + 5), (True, hidden)):
+        states = StateBatch([0, 3], torch.tensor([0]), [0], is_verify)
+        assert torch.equal(runner.forward(StepBatch(ids, pos, meta, [], None, states)).hidden, want)
+    assert verify.replays == 1 and loaded == [3]

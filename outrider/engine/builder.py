@@ -265,8 +265,6 @@ def _step_graphs(config: EngineConfig, target: _Target, policy: DraftPolicy | No
     draft length (requests asking for more verify eager); lone prefill chunks."""
     verify = range(2, policy.n_max + 2) if policy is not None else ()
     prefill = [q for q in prefill_graph_lens(config.prefill_graph_tokens, target.max_model_len) if q not in verify]
-    if _is_hybrid(target):  # (a padded chunk would advance the linear layers' state)
-        prefill = []
     return StepGraphs(config.max_num_seqs, target.max_model_len, tuple(verify), tuple(prefill))
 
 

@@ -16,7 +16,7 @@ from outrider.attention import AttentionMetadata
 from outrider.engine.kv_cache import chain_hash
 from outrider.engine.request import Request
 from outrider.engine.state_pool import PAD_SLOT, StatePool
-from outrider.layers.gated_deltanet_types import StateBatch
+from outrider.layers.gated_deltanet_types import StateBatch, state_batch
 from outrider.models.hybrid import LinearStates
 from outrider.steps import StepPlan
 
@@ -29,9 +29,11 @@ class LinearStateSlots:
         self.prefix_caching = prefix_caching
         self._slots: dict[int, int] = {}  # request id -> owned slot
         device = pool.conv.device
-        # What captured graphs read: the step's slots, padded with PAD_SLOT (the decode and verify graphs), and the
-        # lone request's slot of a device round.
+        # What captured graphs read: the step's slots, padded with PAD_SLOT (the decode and verify graphs), a prefill
+        # graph's real query offsets ([0, chunk length]; its rows after them are padding), and the lone request's
+        # slot of a device round.
         self.graph_slots = torch.full((max_batch,), PAD_SLOT, dtype=torch.int64, device=device)
+        self.prefill_qsl = torch.zeros(2, dtype=torch.int64, device=device)
         self.round_slot = torch.full((1,), PAD_SLOT, dtype=torch.int64, device=device)
         self._round_row = torch.zeros(1, dtype=torch.int64, device=device)
         self._round_host = PAD_SLOT
@@ -82,11 +84,8 @@ class LinearStateSlots:
     def batch(self, plan: StepPlan, qsl: list[int], device: torch.device) -> StateBatch:
         """A step's StateBatch: a verify when any request feeds drafts (the scheduler keeps prompt chunks out of
         such steps)."""
-        slots = [self.slot(s.request) for s in plan.scheduled]
-        qsl_cpu = torch.tensor(qsl, dtype=torch.int64)
-        return StateBatch(qsl, torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True), slots,
-                          verify=any(s.draft_tokens for s in plan.scheduled),
-                          query_start_loc=qsl_cpu.to(device, non_blocking=True), query_start_loc_cpu=qsl_cpu)
+        return state_batch(qsl, [self.slot(s.request) for s in plan.scheduled], device,
+                           verify=any(s.draft_tokens for s in plan.scheduled))
 
     def states(self, batch: StateBatch) -> LinearStates:
         return LinearStates(self.pool, batch)
@@ -94,20 +93,27 @@ class LinearStateSlots:
     @staticmethod
     def scratch(pool: StatePool, tokens: int) -> LinearStates:
         """One prompt of `tokens` in PAD_SLOT, which nobody owns (memory.measure_step_reserve's forward)."""
-        slots = torch.full((1,), PAD_SLOT, dtype=torch.int64, device=pool.conv.device)
-        return LinearStates(pool, StateBatch([0, tokens], slots, [PAD_SLOT]))
+        return LinearStates(pool, state_batch([0, tokens], [PAD_SLOT], pool.conv.device))
 
     def for_graph(self, meta: AttentionMetadata, verify: bool) -> LinearStates:
         """A captured graph's states: uniform queries of meta.max_query_len tokens over graph_slots (filled per
-        replay by `load_graph`). The host slot list is read only by the CPU reference, never on a graph."""
+        replay by `load_graph`); a prefill graph's, one chunk padded to them, ending at prefill_qsl's end. The host
+        slot list is read only by the CPU reference, never on a graph."""
         n, q = meta.query_start_loc.shape[0] - 1, meta.max_query_len
+        if _prefill(q, verify):
+            return self.states(StateBatch([0, q], self.graph_slots[:1], [PAD_SLOT], query_start_loc=self.prefill_qsl,
+                                          padded=True))
         return self.states(StateBatch(list(range(0, n * q + 1, q)), self.graph_slots[:n], [PAD_SLOT] * n, verify,
                                       meta.query_start_loc))
 
-    def load_graph(self, batch: StateBatch) -> None:
+    def load_graph(self, batch: StateBatch, q: int) -> None:
+        """The static inputs of the graph of q tokens a sequence that replays the step of `batch` (its real
+        offsets: a prefill chunk's, not the padded ones)."""
         n = len(batch.slots_host)
         self.graph_slots[:n].copy_(batch.slots, non_blocking=True)
         self.graph_slots[n:].fill_(PAD_SLOT)
+        if _prefill(q, batch.verify):
+            self.prefill_qsl.copy_(batch.query_start_loc, non_blocking=True)
 
     def commit_verify(self, batch: StateBatch, accepted: torch.Tensor) -> None:
         """After a verify step: each sequence continues from the state after its accepted drafts (device ops)."""
@@ -134,3 +140,8 @@ class LinearStateSlots:
         return {"state_slots_total": pool.num_slots, "state_slots_owned": pool.num_owned,
                 "state_slots_snapshot": pool.num_snapshots,
                 "state_slots_free": pool.num_slots - pool.num_owned - pool.num_snapshots}
+
+
+def _prefill(q: int, verify: bool) -> bool:
+    """Whether a graph of q tokens a sequence is a prefill graph (one sequence's chunk, padded up to q)."""
+    return q > 1 and not verify

@@ -120,6 +120,7 @@ class ModelRunner:
         # Test hook: called with the plan in collect, before the step's results reach the host (e.g. to sleep).
         self.step_hook: Callable[[StepPlan], None] | None = None
         self.graphs: list[CudaGraphRunner] = []  # decode, then verify and prefill CUDA graphs
+        self._verify_lens = frozenset(graphs.verify_lens if graphs is not None else ())
         if graphs is not None:
             self.decode_logits = torch.empty((graphs.max_batch, vocab_size), dtype=torch.float32, device=device)
             self.graphs = capture_step_graphs(self, graphs)
@@ -170,7 +171,9 @@ class ModelRunner:
             lens.append(start + count)
         table = self.block_tables.gather([s.request for s in plan.scheduled])
         positions, slots = batch_layout(starts, qsl, table, self.block_size)
-        pad = self._chunk_padding(plan)
+        # (the real offsets, before any padding: a prefill graph's linear layers stop the state there)
+        states = self.states.batch(plan, list(qsl), self.device) if self.states is not None else None
+        pad = self._chunk_padding(plan, states)
         if pad:  # (rows after the chunk's: they store no K/V, and no real row attends to them)
             ids += [0] * pad
             positions = np.concatenate((positions, np.arange(lens[0], lens[0] + pad)))
@@ -196,38 +199,41 @@ class ModelRunner:
         for j, (_, _, values) in enumerate(copies):
             input_ids.index_copy_(0, dev[6 + 2 * j], values.index_select(0, dev[7 + 2 * j]))
         meta = metadata_over(qsl, lens, dev[2:6], causal=True)
-        states = self.states.batch(plan, qsl, self.device) if self.states is not None else None
         return StepBatch(input_ids, dev[1], meta, sampling, None if every_row else dev[-1], states)
 
-    def _chunk_padding(self, plan: StepPlan) -> int:
+    def _chunk_padding(self, plan: StepPlan, states: StateBatch | None) -> int:
         """Rows to pad a lone prefill chunk with, up to the shortest captured graph that takes it whole (0: the
         step runs as it is). One sequence's chunk of n tokens padded to q >= n is that graph's step: the pad rows
         sit at the positions after the chunk's, store no K/V (slot -1) and, causal, are seen by no real row; the
-        pad rows' keys come from whatever the cache holds, finite, and their outputs are never read."""
-        if len(plan.scheduled) != 1 or self.states is not None:  # (pad rows would advance a linear layer's state)
+        pad rows' keys come from whatever the cache holds, finite, and their outputs are never read. A hybrid
+        model's chunk pads only to a prefill graph, whose linear layers keep the pad rows out of the state."""
+        if len(plan.scheduled) != 1:
             return 0
         s = plan.scheduled[0]
         n, start = s.num_new_tokens, s.request.num_computed
         if n < 2 or s.draft_tokens or s.request.num_pending:
             return 0
         fits = [g.q for g in self.graphs if g.causal and g.q >= n and g.bucket_for(1) is not None
-                and start + g.q <= g.max_seq_len]
+                and start + g.q <= g.max_seq_len and self._runs(g, states)]
         return min(fits) - n if fits else 0
 
     def forward(self, batch: StepBatch) -> ForwardResult:
         """The step's forward; a captured decode graph also computes every row's logits, other steps leave them
         None for the caller (it may need only some rows)."""
         states = batch.states
-        # (a hybrid model's graphs of several tokens a sequence are verify graphs: no prefill graphs are captured)
-        graph = next((g for g in self.graphs
-                      if g.can_run(batch.meta) and (states is None or (g.q > 1) == states.verify)), None)
+        graph = next((g for g in self.graphs if g.can_run(batch.meta) and self._runs(g, states)), None)
         if graph is not None:
             if states is not None:
-                self.states.load_graph(states)
+                self.states.load_graph(states, graph.q)
             return graph.run(batch.input_ids, batch.positions, batch.meta)
         if states is None:
             return self.forward_eager(batch.input_ids, batch.positions, batch.meta)
         return self.forward_eager(batch.input_ids, batch.positions, batch.meta, self.states.states(states))
+
+    def _runs(self, graph: CudaGraphRunner, states: StateBatch | None) -> bool:
+        """Whether `graph` may replay a step: a hybrid model's (`states`) only of its kind, as a verify graph fills
+        the verify rows and the others advance the slots."""
+        return states is None or (graph.q in self._verify_lens) == states.verify
 
     def forward_eager(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                       states: LinearStates | None = None) -> ForwardResult:

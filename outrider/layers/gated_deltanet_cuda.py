@@ -2,7 +2,8 @@
 the `gpu` extra): its causal conv and chunked delta rule over the ragged batch (cu_seqlens), each sequence's
 state gathered from its slot and the final one scattered back. Decode and verify steps go through our own step
 kernels (kernels/delta_rule.py), which work on the slots in place and keep every verify position's state; all
-device ops, so those steps capture into CUDA graphs.
+device ops, so those steps capture into CUDA graphs. So do lone prompt chunks padded up to a prefill graph's rows
+(`StateBatch.padded`): fla's kernels over them as one sequence, the pad rows inert.
 
 Semantics: layers/gated_deltanet.GatedDeltaNet.torch_mix (tests/gpu/test_gated_deltanet_gpu.py compares them).
 """
@@ -31,6 +32,8 @@ SHORT_QUERY = 16
 def mix(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerState, batch: StateBatch) -> torch.Tensor:
     """GatedDeltaNet.torch_mix on the GPU, given the layer's depthwise conv weight [C, K] and the parameters its
     heads read -> the delta rule's output [T, Hv, Dv] float32."""
+    if batch.padded:
+        return _padded(conv_weight, gates, mixed, state, batch)
     qsl = batch.query_start_loc_host
     longest = max(b - a for a, b in zip(qsl, qsl[1:]))
     if batch.verify or longest <= SHORT_QUERY:
@@ -44,7 +47,7 @@ def _short(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerSt
     recurrent kernel computes the heads itself."""
     from outrider.kernels.delta_rule import causal_conv_step, recurrent_step
 
-    qsl = _device_qsl(batch, mixed.qkv.device)
+    qsl = batch.query_start_loc
     conv_out = causal_conv_step(mixed.qkv, conv_weight, state.conv, qsl, batch.slots, longest,
                                 state.verify_inputs if batch.verify else None)
     return recurrent_step(conv_out, mixed.b, mixed.a, gates.a_log, gates.dt_bias, state.recurrent, qsl, batch.slots,
@@ -60,10 +63,7 @@ def _chunked(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: Layer
 
     causal_conv1d, chunk_rule = _fla()
     dtype = mixed.qkv.dtype
-    cu = _device_qsl(batch, mixed.qkv.device).to(torch.int64)
-    cu_cpu = batch.query_start_loc_cpu
-    if cu_cpu is None:
-        cu_cpu = torch.tensor(batch.query_start_loc_host, dtype=torch.int64)
+    cu, cu_cpu = batch.query_start_loc.to(torch.int64), batch.query_start_loc_cpu
     conv_init = state.conv.index_select(0, batch.slots).to(dtype)
     conv_out, conv_final = causal_conv1d(mixed.qkv[None], conv_weight, initial_state=conv_init,
                                          output_final_state=True, activation="silu", cu_seqlens=cu,
@@ -78,7 +78,50 @@ def _chunked(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: Layer
     return o[0].float()
 
 
-def _device_qsl(batch: StateBatch, device: torch.device) -> torch.Tensor:
-    if batch.query_start_loc is not None:
-        return batch.query_start_loc
-    return torch.tensor(batch.query_start_loc_host).to(device, non_blocking=True)
+def _padded(conv_weight: torch.Tensor, gates: Gates, mixed: Mixed, state: LayerState,
+            batch: StateBatch) -> torch.Tensor:
+    """A prefill graph's lone chunk: fla's kernels over all the captured rows as one sequence, without cu_seqlens
+    (fla lays chunks out from them on the host, which a graph would freeze), so no launch depends on the real
+    length; that is read on the device only, where the pad rows after it are made inert (the padded chunks'
+    helpers below). Their conv inputs are zeroed first: they hold whatever the padded forward computed there, and
+    a non-finite one would reach the state through 0 * inf."""
+    from outrider.kernels.delta_rule import heads
+
+    causal_conv1d, chunk_rule = _fla()
+    slot, length = batch.slots[:1], batch.query_start_loc[1:].to(torch.int64)
+    real = real_rows(mixed.qkv.shape[0], length)
+    x = mixed.qkv.where(real, 0)
+    conv_init = state.conv.index_select(0, slot).to(x.dtype)
+    conv_out, _ = causal_conv1d(x[None], conv_weight, initial_state=conv_init, activation="silu")
+    state.conv.index_copy_(0, slot, conv_window_at(conv_init[0], x, length)[None].to(state.conv.dtype))
+    _, dk, dv = state.recurrent.shape[1:]
+    q, k, v, g, beta = heads(conv_out[0], mixed.b, mixed.a, gates.a_log, gates.dt_bias, dk, dv)
+    g, beta = still_gates(g, beta, real)
+    o, final = chunk_rule(q[None], k[None], v[None], g[None], beta[None], scale=1.0,
+                          initial_state=state.recurrent.index_select(0, slot), output_final_state=True)
+    state.recurrent.index_copy_(0, slot, final.to(state.recurrent.dtype))
+    return o[0].float()
+
+
+# --- padded chunks (a prefill graph's: its captured rows, the real length only on the device), in torch ops so
+# that the CPU checks them against the reference (tests/test_gated_deltanet.py) ---------------------------------
+
+
+def real_rows(rows: int, length: torch.Tensor) -> torch.Tensor:
+    """[rows, 1] bool: True before `length` ([1] int64, on the device: a graph's chunk length changes per replay)."""
+    return (torch.arange(rows, device=length.device) < length)[:, None]
+
+
+def still_gates(g: torch.Tensor, beta: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and beta [L, H] with 0 at the pad rows (real_rows False): such a position leaves the recurrent state as it
+    is (S <- exp(0) S + k 0 (v - S^T k)), so the state after a padded chunk is the state after its real rows."""
+    return g.where(real, 0.0), beta.where(real, 0.0)
+
+
+def conv_window_at(state: torch.Tensor, x: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """The conv state [C, K] after the first `length` ([1] int64, on the device) inputs of x [T, C] from the window
+    `state` [C, K]: the last K of the window and those inputs, picked on the device (the conv is causal, so the
+    real rows' outputs ignore the pad rows after them; its state must not)."""
+    k = state.shape[1]
+    seq = torch.cat([state, x.T.to(state.dtype)], dim=1)  # [C, K + T]: input j at column K + j
+    return seq.index_select(1, length + torch.arange(k, device=x.device))

@@ -40,10 +40,23 @@ class StateBatch(NamedTuple):
     slots: torch.Tensor  # [B] int64, on the state's device
     slots_host: list[int]
     verify: bool = False
-    query_start_loc: torch.Tensor | None = None  # [B + 1] on the device (a graph's: its attention metadata's)
+    # [B + 1] on the device, one tensor for every layer of a forward (a graph's: its attention metadata's, or a
+    # prefill graph's real offsets)
+    query_start_loc: torch.Tensor | None = None
     # [B + 1] int64 on the host: fla's varlen kernels read the chunk layout from it instead of syncing on the
     # device copy, and one object for every layer of a forward lets fla compute that layout once
     query_start_loc_cpu: torch.Tensor | None = None
+    # A prefill graph's lone chunk, padded up to the captured rows (query_start_loc_host's end): its real end is
+    # query_start_loc[1], on the device only, and the rows after it must leave the slot's state as it was
+    padded: bool = False
+
+
+def state_batch(qsl: list[int], slots: list[int], device: torch.device, verify: bool = False) -> StateBatch:
+    """A step's StateBatch, its offsets copied to the device once for all its layers (none copies from the
+    host)."""
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int64)
+    return StateBatch(qsl, torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True), slots, verify,
+                      qsl_cpu.to(device, non_blocking=True), qsl_cpu)
 
 
 class Mixed(NamedTuple):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from outrider.layers.gated_deltanet import (QWEN3_5_PROJECTIONS, QWEN3_NEXT_PROJECTIONS, GatedDeltaNet,
-                                            GatedDeltaNetConfig, LayerState, StateBatch)
-from outrider.layers.gated_deltanet_types import Gates
+                                            GatedDeltaNetConfig, LayerState)
+from outrider.layers.gated_deltanet_types import Gates, state_batch
 
 RAW = {"hidden_size": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
        "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6}
@@ -41,7 +41,7 @@ def _step(layer, x, state, lens, slots, verify=False, reference=False):
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
-    batch = StateBatch(qsl, torch.tensor(slots, device=x.device), slots, verify)
+    batch = state_batch(qsl, slots, x.device, verify)
     with torch.no_grad():
         mixed = layer.split(x)
         if reference:

@@ -51,3 +51,29 @@ def test_speculation_on_a_hybrid_target_on_the_gpu_equals_plain_cpu_decoding(tmp
     outs = gpu.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == cpu
     assert sum(o.timing.draft_n_accepted for o in outs) > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_lone_prefill_chunks_of_a_hybrid_target_replay_padded_graphs_and_equal_eager_prefill(tmp_path, arch,
+                                                                                             monkeypatch):
+    """Each prompt runs alone, so its prefill chunks replay prefill graphs (padded up to the next length, the pad
+    rows inert in the linear layers): greedy tokens equal eager prefill's (prefill_graph_tokens 0) for prompts
+    shorter than the smallest graph, across fla's chunk of 64, one chunked by the step budget and a prefix hit that
+    continues a state snapshot."""
+    from outrider.graphs import CudaGraphRunner
+
+    replays: list[int] = []
+    run = CudaGraphRunner.run
+    monkeypatch.setattr(CudaGraphRunner, "run", lambda self, *a: replays.append(self.q) or run(self, *a))
+    path = write_tiny_checkpoint(tmp_path, arch, hidden_size=128, layers=4)
+    long = list(range(100, 400))  # chunks of 128, 128, 32 (up to its snapshot), 12
+    prompts = [[7, 8, 9], [1] + list(range(30, 70)), list(range(200, 300)), long, long + [5, 6, 7]]  # (hit: 288)
+    runs = {}
+    for graph_tokens in (256, 0):
+        llm = LLM(str(path), device="cuda", dtype="float32", block_size=16, max_num_batched_tokens=128,
+                  prefill_graph_tokens=graph_tokens)
+        replays.clear()
+        runs[graph_tokens] = [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+        assert llm.engine.pool.hits > 0
+        assert bool({8, 64, 128} & set(replays)) == bool(graph_tokens)
+    assert runs[256] == runs[0]
