@@ -120,13 +120,13 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int, n: int, k: int, q4k_row: bool):
-    """Configs `--tune` tries: tile rows, K per step, warps and pipeline depth around the default (q4k_row: the
-    one-row Q4_K kernel's tile rows, warps and K splits)."""
-    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config, q4k_row_config
+def _candidates(m: int, block: int, n: int, k: int, one_row: bool):
+    """Configs `--tune` tries: tile rows, K per step, warps and pipeline depth around the default (one_row: the
+    one-row Q4_K/Q6_K kernels' tile rows, warps and K splits)."""
+    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config, row_config
 
-    if q4k_row:
-        base = q4k_row_config(n, k)
+    if one_row:
+        base = row_config(n, k)
         return [base] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
                          for warps in (2, 4, 8) for split in (1, 2, 4, 8)
                          if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != base and block_n * 32 >= 128 * warps]
@@ -170,7 +170,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
-                        for c in _candidates(m, block, n, k, m == 1 and fmt_name == "Q4_K")]
+                        for c in _candidates(m, block, n, k, m == 1 and fmt_name in ("Q4_K", "Q6_K"))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

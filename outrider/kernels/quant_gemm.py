@@ -11,11 +11,12 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (or sub-block), not per value. More rows on Q4_K take _kquant_mma: the raw quants on the tensor cores per 32-value
 sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M] product.
 
-One row on Q4_K (decode) takes a kernel of its own (_q4k_row_kernel), laid out so that nothing crosses threads
-inside the loop: each thread reads four consecutive quant words of a row (one 16-byte load), turns each nibble
-into a float without an int-to-float conversion (q placed in the mantissa of 1.0: 1 + q / 16), multiplies by x
-and keeps per-quarter sums; the sub-block scale and min are applied to those sums once a block. Rows of small
-weights split K over several programs (split_k), whose partial sums the last of them adds in a fixed order.
+One row on Q4_K or Q6_K (decode) takes a kernel of its own (_q4k_row_kernel, _q6k_row_kernel), laid out so that
+nothing crosses threads inside the loop: each thread reads four consecutive quant words (Q6_K: halfwords, its
+blocks being 2-byte aligned) of a row, turns each quant into a float without an int-to-float conversion (q placed
+in the mantissa of 1.0: 1 + q / 16), multiplies by x and keeps per-thread sums; the scales (and mins) are applied
+to those sums once a block. Rows of small weights split K over several programs (split_k), whose partial sums the
+last of them adds in a fixed order.
 
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
@@ -62,17 +63,18 @@ class QuantGemmConfig:
     blocks: int  # quant blocks per loop step
     num_warps: int = 4
     num_stages: int = 2
-    split_k: int = 1  # programs a row's K is split over (one-row Q4_K kernel)
+    split_k: int = 1  # programs a row's K is split over (the one-row kernels)
 
 
-Q4K_ROW_PROGRAMS = 512  # programs the one-row Q4_K kernel aims at: 3-4 a streaming multiprocessor
+ROW_PROGRAMS = 512  # programs the one-row kernels aim at: 3-4 a streaming multiprocessor
 
 
-def q4k_row_config(n: int, k: int) -> QuantGemmConfig:
-    """One row on Q4_K: 32 rows of W a program (two a thread); a weight with fewer tiles than Q4K_ROW_PROGRAMS splits
-    its K over up to 8 programs, so that small projections (o, down, k, v) still keep enough loads in flight."""
+def row_config(n: int, k: int) -> QuantGemmConfig:
+    """One row on Q4_K or Q6_K: 32 rows of W a program (two a thread); a weight with fewer tiles than ROW_PROGRAMS
+    splits its K over up to 8 programs, so that small projections (o, down, k, v) still keep enough loads in
+    flight."""
     tiles = triton.cdiv(n, 32)
-    split = max(1, min(8, k // 256, Q4K_ROW_PROGRAMS // tiles))
+    split = max(1, min(8, k // 256, ROW_PROGRAMS // tiles))
     return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split)
 
 
@@ -303,7 +305,7 @@ def _nibble_floats(words, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _q4k_row_kernel(x_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_w32,
+def _q4k_row_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_row,
                     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on Q4_K, program (pid_n, pid_k) owning W's rows from pid_n * BLOCK_N and the
     pid_k-th of SPLIT runs of K's blocks. Quant word w (of a block's 32) holds in byte j the values 64 (w // 8) +
@@ -313,14 +315,12 @@ def _q4k_row_kernel(x_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, 
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_w32  # [BN, 1] word offsets of the rows
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] word offsets of the rows
     w = tl.arange(0, 32)[None, :]
     xw = 64 * (w // 8) + 4 * (w % 8)  # x of byte 0's low nibble
     chunk = tl.arange(0, 8)[None, :] // 2  # of each quarter
     n_blocks = K // 256
-    per = tl.cdiv(n_blocks, SPLIT)
-    first = pid_k * per
-    last = tl.minimum(first + per, n_blocks)
+    first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 8), tl.float32)
     words = tl.load(w32_ptr + row + 36 * tl.minimum(first, n_blocks - 1) + 4 + w)
     for kb in tl.range(first, last):
@@ -348,11 +348,27 @@ def _q4k_row_kernel(x_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, 
         acc += (d16 * sc_lo) * (fx_lo - x_lo_sum) + (d16 * sc_hi) * (fx_hi - x_hi_sum) \
             - dmin * (m_lo * x_lo_sum + m_hi * x_hi_sum)
         words = nxt
-    y = tl.sum(acc, axis=1)
+    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
+                SPLIT)
+
+
+@triton.jit
+def _k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
+    """The blocks [first, last) of K that program pid_k of SPLIT walks (none for the last ones of an uneven split)."""
+    per = tl.cdiv(n_blocks, SPLIT)
+    first = pid_k * per
+    return first, tl.minimum(first + per, n_blocks)
+
+
+@triton.jit
+def _row_result(y, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS: tl.constexpr,
+                BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """Store a one-row kernel's sums y [BLOCK_N] (+ bias); with K split, the last program of the row tile to finish
+    adds the partial sums instead, in order (deterministic)."""
     mask = offs_n < N
     if SPLIT == 1:
         _store_row(y, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
-    else:  # the last program of the row tile to finish adds the partial sums, in order (deterministic)
+    else:
         tl.store(part_ptr + pid_k * N + offs_n, y, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the ticket is taken
         if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:
@@ -360,6 +376,60 @@ def _q4k_row_kernel(x_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, 
             for s in tl.static_range(SPLIT):
                 total += tl.load(part_ptr + s * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
             _store_row(total, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
+
+
+@triton.jit
+def _q6k_plane(src, qh, LOW: tl.constexpr, HIGH: tl.constexpr, x_at, BLOCK_N: tl.constexpr):
+    """One of a Q6_K half's four 32-value planes over a row tile's halfwords [BN, 32]: the 4 low bits at LOW (+ 8 t)
+    of src and the 2 high bits at HIGH (+ 8 t) of qh, byte t of each, as f = 1 + q / 64 (exact, no conversion),
+    times x (x_at: [1, 32] pointers to byte 0's value) -> sum((f - 1.5) x) over each halfword's two bytes."""
+    acc = tl.zeros((BLOCK_N, 32), tl.float32)
+    for t in tl.static_range(2):
+        q = ((src >> (8 * t + LOW)) & 15) | (((qh >> (8 * t + HIGH)) & 3) << 4)
+        x = tl.load(x_at + t).to(tl.float32)
+        acc += (((q << 17) | 0x3F800000).to(tl.float32, bitcast=True) - 1.5) * x
+    return acc
+
+
+@triton.jit
+def _q6k_row_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_row,
+                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """_q4k_row_kernel for Q6_K. A block is 105 halfwords, 2-byte aligned: ql at 0-63, qh at 64-95, 16 int8 scales,
+    d at 104. Halfword h (of 32: half n = h // 16, j = h % 16) of ql at h + 16 n holds in byte t the low bits of
+    value 128 n + 2 j + t (low nibble) and of the value 64 further (high nibble); the ql halfword 16 further those of
+    + 32 and + 96; qh halfword h their high bits (fields 0, 2, 4, 6 of byte t: + 0, + 32, + 64, + 96). With
+    f = 1 + q / 64 a value's product is 64 d sc (f - 1.5) x. Halfword loads are not vectorised (a thread holds one
+    a row), so the scales meet each halfword's sums, not a thread's."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] halfword offsets of the rows
+    h = tl.arange(0, 32)[None, :]
+    ql = h + 16 * (h // 16)
+    xh = 128 * (h // 16) + 2 * (h % 16)  # x of byte 0's low bits
+    sc_at = 192 + 8 * (h // 16) + (h % 16) // 8  # the byte of halfword h's plane-0 scale (plane r: + 2 r)
+    n_blocks = K // 256
+    first, last = _k_run(n_blocks, pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, 32), tl.float32)
+    for kb in tl.range(first, last):
+        blk = row + 105 * kb
+        a = tl.load(w16_ptr + blk + ql).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        b = tl.load(w16_ptr + blk + ql + 16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        qh = tl.load(w16_ptr + blk + 64 + h).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        x_at = x_ptr + kb * 256 + xh
+        sc = w_ptr + 2 * blk + sc_at
+        part = (_i8(sc) * _q6k_plane(a, qh, 0, 0, x_at, BLOCK_N)
+                + _i8(sc + 2) * _q6k_plane(b, qh, 0, 2, x_at + 32, BLOCK_N)
+                + _i8(sc + 4) * _q6k_plane(a, qh, 4, 4, x_at + 64, BLOCK_N)
+                + _i8(sc + 6) * _q6k_plane(b, qh, 4, 6, x_at + 96, BLOCK_N))
+        acc += (64.0 * tl.load(w16_ptr + blk + 104).to(tl.float32)) * part
+    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
+                SPLIT)
+
+
+@triton.jit
+def _i8(ptr):
+    return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -504,8 +574,8 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     n = part.shape[0]
     lay = _layout(part)
     t = _tensors(part)
-    if m == 1 and lay.code == Q4_K.value:
-        _q4k_row(x, t, bias, y, n, k, config or q4k_row_config(n, k))
+    if m == 1 and lay.code in _ROW_KERNELS:
+        _one_row(x, t, lay.code, bias, y, n, k, config or row_config(n, k))
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -516,17 +586,22 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _q4k_row(x: torch.Tensor, t: _Tensors, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
+def _one_row(x: torch.Tensor, t: _Tensors, code: int, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
              cfg: QuantGemmConfig) -> None:
-    """One row of x on a Q4_K part (_q4k_row_kernel); a split K writes partial sums to a buffer of this call and
-    takes tickets from a zeroed counter per row tile (both graph-safe: fixed sizes)."""
+    """One row of x on a Q4_K or Q6_K part (_ROW_KERNELS); a split K writes partial sums to a buffer of this call
+    and takes tickets from a zeroed counter per row tile (both graph-safe: fixed sizes)."""
+    kernel, unit = _ROW_KERNELS[code]
     tiles = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k
     part = torch.empty((split, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     count = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
-    _q4k_row_kernel[(tiles, split)](x, t.w16, t.w32, bias if bias is not None else x, y, part, count, n, k,
-                                   t.stride_wn // 4, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=split,
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel[(tiles, split)](x, t.w, t.w16, t.w32, bias if bias is not None else x, y, part, count, n, k,
+                           t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=split,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# Format code -> its one-row kernel and the unit (bytes) its row stride is given in
+_ROW_KERNELS = {Q4_K.value: (_q4k_row_kernel, 4), Q6_K.value: (_q6k_row_kernel, 2)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,14 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-def test_one_row_on_q4_k_with_k_split_over_programs_matches_dequantize_then_matmul(split, model_dtype, device):
-    """The decode kernel of Q4_K (quant_gemm._q4k_row_kernel) over 5 blocks of K split 1, 2, 4 and 7 ways (runs
-    of unequal length, programs with none), with a bias: the last program of each row tile adds the partials."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_one_row_with_k_split_over_programs_matches_dequantize_then_matmul(kind, split, model_dtype, device):
+    """The decode kernels of Q4_K and Q6_K (quant_gemm._ROW_KERNELS) over 5 blocks of K split 1, 2, 4 and 7 ways
+    (runs of unequal length, programs with none), with a bias: the last program of each row tile adds the
+    partials."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
 
-    part, _ = random_quantized(GGUF_FORMATS["Q4_K"], 80, 1280, seed=split)
+    part, _ = random_quantized(GGUF_FORMATS[kind], 80, 1280, seed=split)
     weight = QuantizedWeight([part], model_dtype).to(device)
     x = torch.randn(1, 1280, generator=torch.Generator().manual_seed(5)).to(device, model_dtype)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, model_dtype)
@@ -208,13 +210,13 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if (kind, rows) == ("Q4_K", 1):
-        cfg = q.q4k_row_config(n, 4096)
-        signature = {"x_ptr": "*bf16", "w16_ptr": "*fp16", "w32_ptr": "*i32", "b_ptr": "*bf16", "y_ptr": "*bf16",
-                     "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32", "stride_w32": "i32",
+    if kind in ("Q4_K", "Q6_K") and rows == 1:
+        cfg = q.row_config(n, 4096)
+        signature = {"x_ptr": "*bf16", **views, "b_ptr": "*bf16", "y_ptr": "*bf16",
+                     "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32", "stride_row": "i32",
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k}
-        return _ptxas_spills(q._q4k_row_kernel, signature, constants, cfg)
+        return _ptxas_spills(q._q4k_row_kernel if kind == "Q4_K" else q._q6k_row_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
