@@ -126,18 +126,14 @@ CHAIN: dict[str, dict[str, Any]] = {
 WINDOWED = tuple(s for s in CHAIN if any(f.window for f in SUPPORTED if f.sampler == s))  # samplers reading history
 
 
-# Per sampler: its fields with their "off" values, and its window fields (read per row and step: kept as tuples)
-_SWITCHES = {s: (tuple((f.name, f.off) for f in SUPPORTED if f.sampler == s and f.off is not None),
-                 tuple(f.name for f in SUPPORTED if f.sampler == s and f.window))
-             for s in {f.sampler for f in SUPPORTED}}
+_WINDOWS = {s: tuple(f.name for f in SUPPORTED if f.sampler == s and f.window) for s in CHAIN}  # per sampler
 
 
 def sampler_on(params: Any, sampler: str) -> bool:
     """Does `sampler` change anything for these params: some field of it away from its "off" value, and its
-    window (if it reads one) not empty."""
-    offs, windows = _SWITCHES.get(sampler, ((), ()))
-    return any(getattr(params, name) != off for name, off in offs) and all(getattr(params, name) != 0
-                                                                         for name in windows)
+    window (if it reads one) not empty. (Read per row and step: the tables are built once.)"""
+    return (any(getattr(params, name) != off for name, off in CHAIN.get(sampler, {}).items())
+            and all(getattr(params, name) != 0 for name in _WINDOWS.get(sampler, ())))
 
 
 def history_window(params: Any) -> int:

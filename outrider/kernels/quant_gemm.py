@@ -593,14 +593,17 @@ def _one_row(x: torch.Tensor, t: _Tensors, code: int, bias: torch.Tensor | None,
     kernel, unit = _ROW_KERNELS[code]
     tiles = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k
-    part = torch.empty((split, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    count = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
+    part, count = x, x  # (unread without a split: no buffer, no zeroing launch on the decode path)
+    if split > 1:
+        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
+        count = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     kernel[(tiles, split)](x, t.w, t.w16, t.w32, bias if bias is not None else x, y, part, count, n, k,
                            t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=split,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-# Format code -> its one-row kernel and the unit (bytes) its row stride is given in
+# Format code -> its one-row kernel (all take the same arguments, each reading the views of W it needs) and the
+# unit (bytes) its row stride is given in
 _ROW_KERNELS = {Q4_K.value: (_q4k_row_kernel, 4), Q6_K.value: (_q6k_row_kernel, 2)}
 
 
