@@ -1,6 +1,11 @@
-"""Fused MoE experts: the (token, expert) pairs sorted by expert into blocks of BLOCK_M rows, each block padded to
-one expert, and two grouped GEMMs over all blocks, one launch each: gate_up with SiLU-mul (-> [T*k, I]) and down
-scaled by the routing weight (-> [T*k, H]), summed over each token's k experts at the end.
+"""Fused MoE experts, two ways:
+- a few tokens (decode, short verify rows: PAIR_TOKENS or fewer): one GEMV program a (token, expert) pair and
+  column tile for gate_up with SiLU-mul (-> [T*k, I]), then one a token and column tile for down, which weighs and
+  sums the token's k experts itself (-> [T, H]). Two launches, no layout: at one token each block of the sorted
+  path holds one real row, and sorting, scaling and summing were three launches that computed little;
+- more tokens: the (token, expert) pairs sorted by expert into blocks of BLOCK_M rows, each block padded to one
+  expert, and two grouped GEMMs over all blocks, one launch each: gate_up with SiLU-mul (-> [T*k, I]) and down
+  scaled by the routing weight (-> [T*k, H]), summed over each token's k experts at the end.
 
 Every shape depends only on T, k and E (the block list is sized for the worst case, and blocks past the last
 expert's exit at once), and nothing reads back to the host, so a decode step with MoE layers captures into one
@@ -184,18 +189,99 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m:
     return out
 
 
+PAIR_TOKENS = 4  # routings of up to this many tokens take the per-pair GEMVs (each pair reads its expert's rows)
+
+
+class GemvTiles(NamedTuple):
+    """Column and reduction tiles of the per-pair GEMVs (gate_up, then down)."""
+
+    gate_up_n: int = 16
+    down_n: int = 16
+    block_k: int = 256
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:
-    """layers.moe.torch_experts on the grouped GEMMs: x [T, H], gate_up [E, 2I, H], down [E, H, I], each token's
-    experts `ids` [T, k] and their `weights` [T, k] -> [T, H]."""
+    """layers.moe.torch_experts on the GPU: x [T, H], gate_up [E, 2I, H], down [E, H, I], each token's experts
+    `ids` [T, k] and their `weights` [T, k] -> [T, H]."""
+    if ids.numel() == 0:  # (an empty grid is no launch)
+        return torch.zeros_like(x)
+    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    if ids.shape[0] <= PAIR_TOKENS:
+        return pair_experts(x, gate_up, down, ids.contiguous(), weights)
+    return sorted_experts(x, gate_up, down, ids, weights)
+
+
+def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                 weights: torch.Tensor, tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
+    """fused_experts through the per-pair GEMVs (contiguous operands, float32 weights)."""
+    t, top_k = ids.shape
+    inter, hidden = down.shape[2], x.shape[1]
+    act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    _pair_gate_up[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
+        x, gate_up, act, ids, inter, K=hidden, TOP_K=top_k, BLOCK_N=tiles.gate_up_n,
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden)))
+    out = torch.empty_like(x)
+    _pair_down[(t, triton.cdiv(hidden, tiles.down_n))](
+        act, down, out, ids, weights, hidden, K=inter, TOP_K=top_k, BLOCK_N=tiles.down_n,
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter)))
+    return out
+
+
+@triton.jit
+def _pair_gate_up(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """act[p, n] = silu(w[e, n] . x[t]) * (w[e, N + n] . x[t]) for pair p = t * TOP_K + j of expert e = ids[p]:
+    products summed per lane across the K loop, reduced across lanes once at the end."""
+    p, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + p)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    gate_rows = w_ptr + e * (2 * N * K) + offs_n[:, None] * K
+    x_row = x_ptr + (p // TOP_K) * K
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        xk = tl.load(x_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = n_ok[:, None] & k_ok[None, :]
+        acc_gate += tl.load(gate_rows + k0 + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * xk
+        acc_up += tl.load(gate_rows + N * K + k0 + offs_k[None, :], mask=mask, other=0.0).to(tl.float32) * xk
+    gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
+    tl.store(act_ptr + p * N + offs_n, (gate * tl.sigmoid(gate) * up).to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _pair_down(act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, N, K: tl.constexpr, TOP_K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, n] = sum_j weights[t, j] * (w[e_j, n] . act[t * TOP_K + j]) over token t's experts e_j = ids[t, j]."""
+    t, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j in range(TOP_K):
+        p = t * TOP_K + j
+        e = tl.load(ids_ptr + p)
+        scale = tl.load(weights_ptr + p)
+        rows = w_ptr + e * (N * K) + offs_n[:, None] * K
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(act_ptr + p * K + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32) * scale
+            w = tl.load(rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    tl.store(out_ptr + t * N + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """fused_experts through the block layout and the grouped GEMMs (contiguous operands, float32 weights)."""
     t, top_k = ids.shape
     num_pairs = t * top_k
-    if num_pairs == 0:  # (an empty grid is no launch)
-        return torch.zeros_like(x)
     block_m = _block_m(num_pairs)
     layout = block_layout(ids, gate_up.shape[0], block_m)
-    x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
     act = grouped_gemm(x, gate_up, layout, block_m, num_pairs, a_row_div=top_k, gated=True)
-    weights = weights.flatten().to(torch.float32).contiguous()
-    y = grouped_gemm(act, down, layout, block_m, num_pairs, a_row_div=1, gated=False, scale=weights)
+    y = grouped_gemm(act, down, layout, block_m, num_pairs, a_row_div=1, gated=False, scale=weights.flatten())
     return y.view(t, top_k, -1).sum(dim=1)  # (torch accumulates half precision in float32)

@@ -21,17 +21,36 @@ def _problem(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dty
         ids=routing.ids.to(device), weights=routing.weights.to(device))
 
 
+def _check_experts(experts_fn, tokens, experts, top_k, hidden, inter, model_dtype, device):
+    x, gate_up, down, routing = _problem(tokens, experts, top_k, hidden, inter, model_dtype, device)
+    got = experts_fn(x, gate_up, down, routing.ids, routing.weights)
+    ref = torch_experts(x.float(), gate_up.float(), down.float(), routing._replace(
+        weights=routing.weights.float()))
+    tol = 1e-4 if model_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 40, 130])  # decode, verify, prefill-sized (both block sizes)
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 4)])
 def test_fused_experts_match_the_torch_reference(tokens, experts, top_k, model_dtype, device):
     from outrider.kernels.moe import fused_experts
 
-    x, gate_up, down, routing = _problem(tokens, experts, top_k, 48, 40, model_dtype, device)
-    got = fused_experts(x, gate_up, down, routing.ids, routing.weights)
-    ref = torch_experts(x.float(), gate_up.float(), down.float(), routing._replace(
-        weights=routing.weights.float()))
-    tol = 1e-4 if model_dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+    _check_experts(fused_experts, tokens, experts, top_k, 48, 40, model_dtype, device)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 6])  # (pairs sharing an expert from 2 on)
+@pytest.mark.parametrize("hidden,inter,tiles", [(48, 40, None), (96, 136, (16, 32, 64)), (64, 16, (8, 8, 16))])
+def test_both_expert_paths_match_the_torch_reference_for_few_tokens(tokens, hidden, inter, tiles, model_dtype,
+                                                                      device):
+    """The per-pair GEMVs and the sorted grouped GEMMs, each on its own (fused_experts picks one by T), with
+    column and reduction tiles that do and do not divide the sizes."""
+    from outrider.kernels import moe
+
+    pair = moe.pair_experts if tiles is None else (
+        lambda *a: moe.pair_experts(*a, tiles=moe.GemvTiles(*tiles)))
+    for fn in (pair, moe.sorted_experts):
+        _check_experts(lambda x, gu, d, ids, w: fn(x, gu, d, ids, w.float()), tokens, 16, 4, hidden, inter,
+                       model_dtype, device)
 
 
 def test_block_layout_puts_every_pair_once_in_its_experts_block(device):
@@ -86,15 +105,16 @@ def test_one_launch_routing_equals_the_torch_reference(tokens, experts, top_k, n
 
 
 @pytest.mark.cuda_only
-def test_fused_experts_replay_in_a_cuda_graph(device):
+@pytest.mark.parametrize("tokens", [2, 6])  # (each path)
+def test_fused_experts_replay_in_a_cuda_graph(tokens, device):
     from outrider.kernels.moe import fused_experts
 
-    x, gate_up, down, routing = _problem(2, 16, 4, 64, 64, torch.bfloat16, device)
+    x, gate_up, down, routing = _problem(tokens, 16, 4, 64, 64, torch.bfloat16, device)
     out = fused_experts(x, gate_up, down, routing.ids, routing.weights)  # warm-up compiles the kernels
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_experts(x, gate_up, down, routing.ids, routing.weights)
-    x2, *_ = _problem(2, 16, 4, 64, 64, torch.bfloat16, device, seed=1)
+    x2, *_ = _problem(tokens, 16, 4, 64, 64, torch.bfloat16, device, seed=1)
     x.copy_(x2)
     graph.replay()
     torch.testing.assert_close(out, fused_experts(x2, gate_up, down, routing.ids, routing.weights))
