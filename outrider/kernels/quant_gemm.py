@@ -448,18 +448,35 @@ def _mma(q, x, dt: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _in_order(lo, hi, FMT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
-    """_tile's two planes -> the tile [BLOCK_N, NB * BLOCK] in K order, so that a store of it is contiguous."""
-    if FMT == Q6_K:  # low plane (half h, quarter a, j) at 128 h + 32 a + j, the high plane 64 further
-        t = tl.join(tl.reshape(lo, (BLOCK_N, NB, 2, 2, 32)), tl.reshape(hi, (BLOCK_N, NB, 2, 2, 32)))
-        t = tl.permute(t, (0, 1, 2, 5, 3, 4))
-    elif FMT == Q4_K or FMT == Q5_K:  # low plane (chunk c, j) at 64 c + j, the high plane 32 further
-        t = tl.join(tl.reshape(lo, (BLOCK_N, NB, 4, 32)), tl.reshape(hi, (BLOCK_N, NB, 4, 32)))
-        t = tl.permute(t, (0, 1, 2, 4, 3))
-    else:  # low plane value l of a block at l, the high plane BLOCK / 2 further
-        t = tl.join(tl.reshape(lo, (BLOCK_N, NB, BLOCK // 2)), tl.reshape(hi, (BLOCK_N, NB, BLOCK // 2)))
-        t = tl.permute(t, (0, 1, 3, 2))
-    return tl.reshape(t, (BLOCK_N, NB * BLOCK))
+def _in_order(lo, hi, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+    """_tile's two planes of a 32-value-block, INT4 or FP8 format -> the tile [BLOCK_N, NB * BLOCK] in K order, so
+    that a store of it is contiguous (value l of a block's low plane at l, the high plane BLOCK / 2 further)."""
+    t = tl.join(tl.reshape(lo, (BLOCK_N, NB, BLOCK // 2)), tl.reshape(hi, (BLOCK_N, NB, BLOCK // 2)))
+    return tl.reshape(tl.permute(t, (0, 1, 3, 2)), (BLOCK_N, NB * BLOCK))
+
+
+@triton.jit
+def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, FMT: tl.constexpr):
+    """K-quant blocks at byte offsets base [BN, 1, 1] -> their 256 values as [BN, 8, 32] float32, already in K
+    order (sub-block s, value j at 32 s + j): each value's byte read where it lies, so no planes to
+    interleave. Q6_K: sub-block s = half s // 4, quarter q = s % 4; ql byte 64 half + 32 (q % 2) + j, its nibble
+    q // 2, and bits 2q of qh byte 32 half + j. Q4_K/Q5_K: quant byte 32 (s // 2) + j, its nibble s % 2 (Q5_K: bit
+    s of qh byte j on top)."""
+    s = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    if FMT == Q6_K:
+        half, q = s // 4, s % 4
+        ql = tl.load(w_ptr + base + 64 * half + 32 * (q % 2) + j).to(tl.int32)
+        qh = tl.load(w_ptr + base + 128 + 32 * half + j).to(tl.int32)
+        v = (((ql >> (4 * (q // 2))) & 15) | (((qh >> (2 * q)) & 3) << 4)) - 32
+        sc = tl.load(w_ptr + base + 192 + 2 * s + j // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        return (_f16(w16_ptr, base + 208) * sc) * v.to(tl.float32)
+    QS: tl.constexpr = 16 if FMT == Q4_K else 48
+    q = (tl.load(w_ptr + base + QS + 32 * (s // 2) + j).to(tl.int32) >> (4 * (s % 2))) & 15
+    if FMT == Q5_K:
+        q |= ((tl.load(w_ptr + base + 16 + j).to(tl.int32) >> s) & 1) << 4
+    sc, mn = _k_scale_min(w32_ptr, base, s)
+    return (_f16(w16_ptr, base) * sc) * q.to(tl.float32) - _f16(w16_ptr, base + 2) * mn
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -532,14 +549,26 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
     else:
         rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
     n_blocks = K // BLOCK
-    kb = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
-    lo, hi, _, _ = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1), stride_wn,
-                              stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
-    tile = _in_order(lo, hi, FMT, BLOCK, BLOCK_N, NB)
-    cols = tl.program_id(1) * (NB * BLOCK) + tl.arange(0, NB * BLOCK)
-    mask = (offs_n[:, None] < N) & (cols < n_blocks * BLOCK)[None, :]
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + cols[None, :], tile.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    if FMT == Q4_K or FMT == Q5_K or FMT == Q6_K:
+        # A block at a time and no mask along K, so loads and stores run 16 bytes wide (a mask of runtime bound
+        # on the contiguous axis leaves them a value each).
+        row_off = rows.to(tl.int64) * stride_wn
+        at = (out_ptr + offs_n[:, None, None].to(tl.int64) * stride_on + 32 * tl.arange(0, 8)[None, :, None]
+              + tl.arange(0, 32)[None, None, :])
+        keep = (offs_n < N)[:, None, None]
+        for b in tl.static_range(NB):
+            kb = tl.program_id(1) * NB + b
+            if kb < n_blocks:
+                values = _kquant_values(w_ptr, w16_ptr, w32_ptr, row_off + kb * TYPE_SIZE, FMT)
+                tl.store(at + kb * 256, values.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        kb = tl.minimum(tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None], n_blocks - 1)
+        lo, hi, _, _ = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn, FP8_BN, FP8_BK,
+                             FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N, FP8_BITS)
+        cols = tl.program_id(1) * (NB * BLOCK) + tl.arange(0, NB * BLOCK)
+        mask = (offs_n[:, None] < N) & (cols < n_blocks * BLOCK)[None, :]
+        tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + cols[None, :],
+                 _in_order(lo, hi, BLOCK, BLOCK_N, NB).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class _Tensors(NamedTuple):
