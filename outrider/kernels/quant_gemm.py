@@ -8,8 +8,8 @@ for Q8_0 and FP8), and each plane is multiplied by the columns of x it meets (ga
 cached), so the quantized bytes are read once, contiguously, and no value is moved to its place in the row:
 y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
-(or sub-block), not per value. More rows on Q4_K take _kquant_mma: the raw quants on the tensor cores per 32-value
-sub-block, its scale and min applied to the [BLOCK_N, BLOCK_M] product.
+(or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
+(_kquant_values, each value's byte read where it lies) for one product with x's contiguous columns.
 
 One row on Q4_K or Q6_K (decode) takes a kernel of its own (_q4k_row_kernel, _q6k_row_kernel), laid out so that
 nothing crosses threads inside the loop: each thread reads four consecutive quant words (Q6_K: halfwords, its
@@ -21,7 +21,7 @@ last of them adds in a fixed order.
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
-code into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
+code (K-quants: _kquant_values) into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
 
 No host syncs and no allocation that varies per call (the scratch buffer is made once): safe in CUDA graphs.
 """
@@ -265,35 +265,6 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
 
 
 @triton.jit
-def _kquant_mma(w16_ptr, w32_ptr, x_rows, m_mask, rows, kb, n_blocks, stride_wn, acc,
-                TYPE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One 256-value Q4_K block against BLOCK_M rows of x on the tensor cores, the scales factored out: the
-    raw quants (small integers, exact in x's dtype) times x per sub-block on the MMA, then each row's sub-block
-    scale and min applied to that [BLOCK_N, BLOCK_M] product, not to every value. rows [BLOCK_N, 1]; x_rows
-    [1, BLOCK_M] (the rows' pointers); block kb (past n_blocks: x is zero against it) -> acc."""
-    dt = x_rows.dtype.element_ty
-    base = rows.to(tl.int64) * stride_wn + tl.minimum(kb, n_blocks - 1) * TYPE_SIZE  # [BN, 1]
-    # 8 sub-blocks of 32: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
-    d = _f16(w16_ptr, base)
-    dmin = _f16(w16_ptr, base + 2)
-    i = tl.arange(0, 8)[None, :]
-    shifts = 8 * tl.arange(0, 4)[None, None, :]
-    ones = tl.full((BLOCK_N, 32), 1, tl.int32)
-    for c in tl.static_range(4):
-        words = tl.load(w32_ptr + (base + 16) // 4 + 8 * c + i)  # [BN, 8]
-        qs = tl.reshape((words[:, :, None] >> shifts) & 255, (BLOCK_N, 32))
-        pos = kb * 256 + 64 * c + tl.arange(0, 32)
-        for plane in tl.static_range(2):
-            q = (qs >> (4 * plane)) & 15
-            at = pos + 32 * plane
-            x = tl.load(x_rows + at[:, None], mask=m_mask & (at < n_blocks * 256)[:, None], other=0.0)
-            sc, mn = _k_scale_min(w32_ptr, base, 2 * c + plane)  # [BN, 1]
-            # (the sum of x comes from the MMA too: every row of ones @ x is it, with no reduction)
-            acc += (d * sc) * _mma(q, x, dt, IEEE) - (dmin * mn) * _mma(ones, x, dt, IEEE)
-    return acc
-
-
-@triton.jit
 def _nibble_floats(words, SHIFT: tl.constexpr):
     """The 4 bits at SHIFT of each word as the float 1 + q / 16: q put in the mantissa of 1.0, exact and without
     an int-to-float conversion (a quarter-rate instruction)."""
@@ -440,14 +411,6 @@ def _store_row(y, b_ptr, y_ptr, offs_n, mask, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _mma(q, x, dt: tl.constexpr, IEEE: tl.constexpr):
-    """Integer quants [BN, K] times x [K, BM] on the tensor cores (float32 x: full-precision products)."""
-    if IEEE:
-        return tl.dot(q.to(tl.float32), x, input_precision="ieee")
-    return tl.dot(q.to(dt), x)
-
-
-@triton.jit
 def _in_order(lo, hi, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
     """_tile's two planes of a 32-value-block, INT4 or FP8 format -> the tile [BLOCK_N, NB * BLOCK] in K order, so
     that a store of it is contiguous (value l of a block's low plane at l, the high plane BLOCK / 2 further)."""
@@ -497,15 +460,21 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
     acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA else (1, 1, 1), dtype=tl.float32)
-    # More rows on Q4_K (one block a step): the scales factored out on the tensor cores (_kquant_mma)
-    FACTORED_MMA: tl.constexpr = not FMA and FMT == Q4_K
+    # More rows on Q4_K and Q5_K (one block a step): the block's values made in K order (_kquant_values) and one
+    # product with x's contiguous 256 columns, not two planes against gathered columns (Q6_K's planes stay cheaper)
+    KQ_DOT: tl.constexpr = not FMA and (FMT == Q4_K or FMT == Q5_K)
     for k0 in tl.range(0, K, NB * BLOCK):
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
-        if FACTORED_MMA:
+        if KQ_DOT:
             tl.static_assert(NB == 1)
-            acc = _kquant_mma(w16_ptr, w32_ptr, x_rows, m_mask, tl.minimum(offs_n, N - 1)[:, None], kb0, n_blocks,
-                              stride_wn, acc, TYPE_SIZE, BLOCK_N, IEEE)
+            base = rows.to(tl.int64) * stride_wn + kb0 * TYPE_SIZE  # (NB 1: every step a whole block)
+            w = tl.reshape(_kquant_values(w_ptr, w16_ptr, w32_ptr, base, FMT), (BLOCK_N, BLOCK))
+            x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK))[:, None], mask=m_mask, other=0.0)
+            if IEEE:
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w.to(dt), x, acc)
         else:
             lo, hi, p_lo, p_hi = _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, tl.minimum(kb, n_blocks - 1),
                                        stride_wn, stride_sn, FP8_BN, FP8_BK, FMT, BLOCK, TYPE_SIZE, NB, BLOCK_N,
