@@ -248,8 +248,8 @@ def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
 @pytest.mark.parametrize("kind", _SIGNATURES)
 def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
     """Each format's kernel at its default config for `rows` of an n-row weight (rows 0: its dequantization
-    kernel) compiles for sm_90, and ptxas reports no register spills (Q4_K's and Q6_K's 32-row tiles excepted: a few dozen
-    bytes). In a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1 replaces."""
+    kernel) compiles for sm_90, and ptxas reports no register spills (Q4_K's and Q6_K's 32-row tiles excepted: a
+    few dozen bytes). In a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1 replaces."""
     import subprocess
     import sys
 
