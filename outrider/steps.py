@@ -40,6 +40,9 @@ class StepPlan:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
     admitted: list[Request] = field(default_factory=list)  # admissions (first, or a resume after preemption)
+    # Whether a row may feed prompt positions (False: none does, so the prompt log-prob and pooling hooks skip
+    # the step without walking its rows; the scheduler says so, anything else leaves it True)
+    prompt_rows: bool = True
 
     @property
     def num_tokens(self) -> int:

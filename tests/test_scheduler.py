@@ -64,3 +64,45 @@ def test_the_running_list_is_replaced_whenever_a_request_joins_or_leaves_it():
     lists.append(scheduler.running)
     assert b.num_preemptions == 1 and scheduler.running == []
     assert [new is not old for old, new in zip(lists, lists[1:])] == [True, False, True, True]
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompts=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 6)), min_size=1, max_size=6),
+       budget=st.integers(1, 12), blocks=st.integers(6, 16))
+def test_a_step_said_to_feed_no_prompt_positions_feeds_none(prompts, budget, blocks):
+    """StepPlan.prompt_rows False lets the prompt log-prob and pooling hooks skip a step unread, so it must hold
+    whenever no row starts inside its prompt: under chunked prompts, prefix-free admission and preemption (a small
+    pool), with outputs appended as steps commit."""
+    scheduler = Scheduler(BlockPool(blocks, block_size=4), 3, max_num_batched_tokens=budget, max_model_len=64)
+    wants = {}
+    for i, (length, outputs) in enumerate(prompts):
+        req = Request(list(range(1, length + 1)), SamplingParams())
+        wants[req.request_id] = outputs
+        scheduler.add(req)
+    for _ in range(200):
+        if not scheduler.running and not scheduler.waiting:
+            break
+        plan = scheduler.schedule()
+        in_prompt = any(s.start < s.request.num_prompt for s in plan.scheduled)
+        assert plan.prompt_rows or not in_prompt
+        for s in plan.scheduled:
+            s.request.num_computed += s.num_new_tokens
+            if s.samples:
+                s.request.output_ids.append(7)
+                if len(s.request.output_ids) >= wants[s.request.request_id]:
+                    scheduler.remove(s.request)
+
+
+def test_decode_steps_are_said_to_feed_no_prompt_positions():
+    scheduler = Scheduler(BlockPool(8, block_size=4), 2, max_num_batched_tokens=2, max_model_len=64)
+    req = Request([1, 2, 3], SamplingParams())
+    scheduler.add(req)
+    said = []
+    for _ in range(4):  # two prompt chunks (2 + 1 tokens, the second samples), then two decodes
+        plan = scheduler.schedule()
+        said.append(plan.prompt_rows)
+        for s in plan.scheduled:
+            s.request.num_computed += s.num_new_tokens
+            if s.samples:
+                s.request.output_ids.append(7)
+    assert said == [True, True, False, False]

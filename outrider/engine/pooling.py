@@ -21,7 +21,7 @@ MODES = ("mean", "cls", "last", "none")
 
 
 def capture(plan: StepPlan, hidden: torch.Tensor, model: torch.nn.Module) -> list[PendingPool]:
-    if all(s.request.params.pooling is None for s in plan.scheduled):  # (the usual step: nothing to walk)
+    if not plan.prompt_rows or all(s.request.params.pooling is None for s in plan.scheduled):  # (the usual step)
         return []
     pending: list[PendingPool] = []
     row = 0

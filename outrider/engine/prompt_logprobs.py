@@ -31,7 +31,7 @@ def capture(plan: StepPlan, hidden: torch.Tensor, model: torch.nn.Module,
             hidden_rows: HiddenRows) -> list[PendingRows]:
     """Enqueue the prompt log-probs of this step's prefill rows (`hidden`: the step's [T, H] rows, in plan order),
     and of the cached prefix of each asking request the step admits (recomputed through `hidden_rows`)."""
-    if all(s.request.params.prompt_logprobs is None for s in plan.scheduled):  # (the usual step: nothing to walk)
+    if not plan.prompt_rows or all(s.request.params.prompt_logprobs is None for s in plan.scheduled):  # (the usual step)
         return []
     pending: list[PendingRows] = []
     row = 0

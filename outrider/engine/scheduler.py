@@ -63,6 +63,7 @@ class Scheduler:
         preempted: list[Request] = []
         admitted: list[Request] = []
 
+        prompt_rows = False  # (a row whose outputs have begun and that feeds one token is past its prompt)
         queue = deque(self.running)  # served from the front; preemption victims come off the back
         while queue and budget > 0:
             req = queue.popleft()
@@ -83,6 +84,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledRequest(req, req.num_computed, n, n == todo, draft))
                 budget -= n + len(draft)
+                prompt_rows = prompt_rows or todo > 1 or not req.output_ids
 
         passed = 0  # waiting requests passed over because the slot they asked for (id_slot) is busy
         while len(self.waiting) > passed and budget > 0 and self.free_slots and not preempted:
@@ -109,7 +111,7 @@ class Scheduler:
         if self.states is not None and drafts and any(s.num_new_tokens > 1 or not s.samples for s in scheduled):
             for s in scheduled:
                 s.draft_tokens = []
-        return StepPlan(scheduled, preempted, admitted)
+        return StepPlan(scheduled, preempted, admitted, prompt_rows or bool(admitted))
 
     def requeue(self, req: Request) -> bool:
         """Preempt a running request (its blocks and state slot freed) to recompute it; False if it is not running."""
