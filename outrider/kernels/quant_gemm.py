@@ -421,25 +421,32 @@ def _in_order(lo, hi, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constex
 @triton.jit
 def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, FMT: tl.constexpr):
     """K-quant blocks at byte offsets base [BN, 1, 1] -> their 256 values as [BN, 8, 32] float32, already in K
-    order (sub-block s, value j at 32 s + j): each value's byte read where it lies, so no planes to
-    interleave. Q6_K: sub-block s = half s // 4, quarter q = s % 4; ql byte 64 half + 32 (q % 2) + j, its nibble
-    q // 2, and bits 2q of qh byte 32 half + j. Q4_K/Q5_K: quant byte 32 (s // 2) + j, its nibble s % 2 (Q5_K: bit
-    s of qh byte j on top)."""
-    s = tl.arange(0, 8)[None, :, None]
-    j = tl.arange(0, 32)[None, None, :]
+    order (sub-block s, value j at 32 s + j), so no planes to interleave. Q6_K (2-byte aligned blocks): each value's
+    bytes read where they lie; sub-block s = half s // 4, quarter q = s % 4; ql byte 64 half + 32 (q % 2) + j, its
+    nibble q // 2, and bits 2q of qh byte 32 half + j. Q4_K/Q5_K: the quants read once, as words (4-byte aligned
+    blocks): word 8 c + i holds in byte t the values 64 c + 4 i + t (low nibble, sub-block 2 c) and 32 further
+    (high nibble); Q5_K adds bit s of qh byte j, byte t of qh word i for j = 4 i + t."""
     if FMT == Q6_K:
+        s = tl.arange(0, 8)[None, :, None]
+        j = tl.arange(0, 32)[None, None, :]
         half, q = s // 4, s % 4
         ql = tl.load(w_ptr + base + 64 * half + 32 * (q % 2) + j).to(tl.int32)
         qh = tl.load(w_ptr + base + 128 + 32 * half + j).to(tl.int32)
         v = (((ql >> (4 * (q // 2))) & 15) | (((qh >> (2 * q)) & 3) << 4)) - 32
         sc = tl.load(w_ptr + base + 192 + 2 * s + j // 16).to(tl.int8, bitcast=True).to(tl.float32)
         return (_f16(w16_ptr, base + 208) * sc) * v.to(tl.float32)
+    b5 = base[:, :, :, None, None]  # [BN, c 4, h 2, i 8, t 4]: value 64 c + 32 h + 4 i + t = 32 s + j
+    c = tl.arange(0, 4)[None, :, None, None, None]
+    h = tl.arange(0, 2)[None, None, :, None, None]
+    i = tl.arange(0, 8)[None, None, None, :, None]
+    t = tl.arange(0, 4)[None, None, None, None, :]
     QS: tl.constexpr = 16 if FMT == Q4_K else 48
-    q = (tl.load(w_ptr + base + QS + 32 * (s // 2) + j).to(tl.int32) >> (4 * (s % 2))) & 15
+    q = (tl.load(w32_ptr + (b5 + QS) // 4 + 8 * c + i) >> (8 * t + 4 * h)) & 15
     if FMT == Q5_K:
-        q |= ((tl.load(w_ptr + base + 16 + j).to(tl.int32) >> s) & 1) << 4
-    sc, mn = _k_scale_min(w32_ptr, base, s)
-    return (_f16(w16_ptr, base) * sc) * q.to(tl.float32) - _f16(w16_ptr, base + 2) * mn
+        q |= ((tl.load(w32_ptr + (b5 + 16) // 4 + i) >> (8 * t + 2 * c + h)) & 1) << 4
+    sc, mn = _k_scale_min(w32_ptr, b5, 2 * c + h)
+    v = (_f16(w16_ptr, b5) * sc) * q.to(tl.float32) - _f16(w16_ptr, b5 + 2) * mn
+    return tl.reshape(v, (base.shape[0], 8, 32))
 
 
 @triton.jit(do_not_specialize=["M"])
