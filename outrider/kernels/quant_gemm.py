@@ -323,6 +323,94 @@ def _q4k_row_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, coun
                 SPLIT)
 
 
+class RowQ8(NamedTuple):
+    """One row of x quantized as llama.cpp's CUDA decode kernels take it (its q8_1 blocks): int8 values in groups
+    of 32 with a float32 scale each (max |x| / 127), and each 16 values' sum of the int8 values times their
+    scale, for the min terms. The quantized product then costs a byte-wise dot (dp4a) per four weights."""
+
+    q: torch.Tensor  # [K / 4] int32: four int8 values each, in K order
+    scale: torch.Tensor  # [K / 32] float32
+    sums: torch.Tensor  # [K / 16] float32
+
+
+@triton.jit
+def _quantize_row_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr):
+    """A 256-value block of x (program kb) -> its int8 values (rounded half away from zero), 8 scales, 16 sums."""
+    kb = tl.program_id(0)
+    x = tl.reshape(tl.load(x_ptr + kb * 256 + tl.arange(0, 256)).to(tl.float32), (8, 32))
+    amax = tl.max(tl.abs(x), axis=1)
+    y = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
+    q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
+    scale = amax / 127.0
+    tl.store(scale_ptr + kb * 8 + tl.arange(0, 8), scale)
+    sums = tl.sum(tl.reshape(q, (8, 2, 16)), axis=2) * scale[:, None]
+    tl.store(sums_ptr + kb * 16 + tl.reshape(tl.arange(0, 16), (8, 2)), sums)
+    tl.store(q_ptr + kb * 256 + tl.reshape(tl.arange(0, 256), (8, 32)), q.to(tl.int8))
+
+
+def quantize_row(x: torch.Tensor) -> RowQ8:
+    """x [1, K] (K a multiple of 256) -> RowQ8. Fixed-size buffers of this call: safe in CUDA graphs."""
+    k = x.shape[1]
+    q = torch.empty(k // 4, dtype=torch.int32, device=x.device)
+    scale = torch.empty(k // 32, dtype=torch.float32, device=x.device)
+    sums = torch.empty(k // 16, dtype=torch.float32, device=x.device)
+    _quantize_row_kernel[(k // 256,)](x, q.view(torch.int8), scale, sums)
+    return RowQ8(q, scale, sums)
+
+
+@triton.jit
+def _dp4a(a, b, ASM: tl.constexpr):
+    """Sum over the four bytes of each int32: a's unsigned times b's signed (PTX dp4a.u32.s32; the interpreter
+    spells it out)."""
+    if ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    total = tl.zeros(a.shape, tl.int32)
+    for t in tl.static_range(4):
+        total += ((a >> (8 * t)) & 255) * ((b << (24 - 8 * t)) >> 24)
+    return total
+
+
+@triton.jit
+def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
+                       stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       ASM: tl.constexpr):
+    """_q4k_row_kernel on a RowQ8 x: quant word w of a block, masked to its low (high) nibbles, holds four unsigned
+    int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each. A sub-block's product is
+    d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words once a block."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] word offsets of the rows
+    w = tl.arange(0, 32)[None, :]
+    xw = 16 * (w // 8) + w % 8  # x word of a quant word's low nibbles
+    quarter = tl.arange(0, 8)[None, :]  # four words of a chunk: sums xs 2 (2 chunk) + quarter % 2 (+ 2: high)
+    chunk = quarter // 2
+    n_blocks = K // 256
+    first, last = _k_run(n_blocks, pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, 8), tl.float32)
+    words = tl.load(w32_ptr + row + 36 * tl.minimum(first, n_blocks - 1) + 4 + w)
+    for kb in tl.range(first, last):
+        nxt = tl.load(w32_ptr + row + 36 * tl.minimum(kb + 1, last - 1) + 4 + w)  # the next block, issued early
+        lo = _dp4a(words & 0x0F0F0F0F, tl.load(xq_ptr + kb * 64 + xw), ASM)
+        hi = _dp4a((words >> 4) & 0x0F0F0F0F, tl.load(xq_ptr + kb * 64 + xw + 8), ASM)
+        lo = tl.sum(tl.reshape(lo, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)  # [BN, 8 quarters]: within a thread
+        hi = tl.sum(tl.reshape(hi, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)
+        base = 4 * (row + 36 * kb)  # byte offset of the block
+        d = _f16(w16_ptr, base)
+        dmin = _f16(w16_ptr, base + 2)
+        sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * chunk)
+        sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * chunk + 1)
+        dx_lo = tl.load(xd_ptr + kb * 8 + 2 * chunk)
+        dx_hi = tl.load(xd_ptr + kb * 8 + 2 * chunk + 1)
+        xs_lo = tl.load(xs_ptr + kb * 16 + 4 * chunk + quarter % 2)
+        xs_hi = tl.load(xs_ptr + kb * 16 + 4 * chunk + 2 + quarter % 2)
+        acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
+        words = nxt
+    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
+                SPLIT)
+
+
 @triton.jit
 def _k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
     """The blocks [first, last) of K that program pid_k of SPLIT walks (none for the last ones of an uneven split)."""
@@ -572,13 +660,23 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
                     scale.stride(0) if scale.dim() == 2 else 0)
 
 
+def takes_row_q8(x: torch.Tensor, part: QuantizedTensor) -> bool:
+    """Whether x's product with the part goes through a RowQ8 of x: one 16-bit row on Q4_K (float32 rows keep
+    their full precision)."""
+    return x.shape[0] == 1 and x.dtype != torch.float32 and _layout(part).code == Q4_K.value
+
+
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
-                 config: QuantGemmConfig | None = None) -> None:
-    """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel."""
+                 config: QuantGemmConfig | None = None, x8: RowQ8 | None = None) -> None:
+    """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel. x8: x's
+    RowQ8 where takes_row_q8 (made here if not given: a caller with several parts makes it once)."""
     m, k = x.shape
     n = part.shape[0]
     lay = _layout(part)
     t = _tensors(part)
+    if takes_row_q8(x, part):
+        _one_row_q8(x8 or quantize_row(x), t, bias, y, n, k, config or row_config(n, k))
+        return
     if m == 1 and lay.code in _ROW_KERNELS:
         _one_row(x, t, lay.code, bias, y, n, k, config or row_config(n, k))
         return
@@ -598,13 +696,30 @@ def _one_row(x: torch.Tensor, t: _Tensors, code: int, bias: torch.Tensor | None,
     kernel, unit = _ROW_KERNELS[code]
     tiles = triton.cdiv(n, cfg.block_n)
     split = cfg.split_k
-    part, count = x, x  # (unread without a split: no buffer, no zeroing launch on the decode path)
-    if split > 1:
-        part = torch.empty((split, n), dtype=torch.float32, device=x.device)
-        count = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    part, count = _split_buffers(x, split, n, tiles)
     kernel[(tiles, split)](x, t.w, t.w16, t.w32, bias if bias is not None else x, y, part, count, n, k,
                            t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=split,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _one_row_q8(x8: RowQ8, t: _Tensors, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
+                cfg: QuantGemmConfig) -> None:
+    """_one_row for a RowQ8 x on a Q4_K part."""
+    tiles = triton.cdiv(n, cfg.block_n)
+    part, count = _split_buffers(x8.scale, cfg.split_k, n, tiles)
+    _q4k_row_q8_kernel[(tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w16, t.w32, y if bias is None else bias, y,
+                                             part, count, n, k, t.stride_wn // 4, HAS_BIAS=bias is not None,
+                                             BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
+                                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _split_buffers(like: torch.Tensor, split: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split K's partial sums [split, n] and its zeroed tickets per row tile (unread without a split: `like`
+    stands in, and no zeroing launch is made on the decode path)."""
+    if split == 1:
+        return like, like
+    return (torch.empty((split, n), dtype=torch.float32, device=like.device),
+            torch.zeros(tiles, dtype=torch.int32, device=like.device))
 
 
 # Format code -> its one-row kernel (all take the same arguments, each reading the views of W it needs) and the
@@ -651,11 +766,12 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
     n = sum(part.shape[0] for part in parts)
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     row = 0
+    x8 = quantize_row(x) if any(takes_row_q8(x, part) for part in parts) else None
     for part in parts:
         size = part.shape[0]
         part_bias = None if bias is None else bias[row:row + size]
         if m <= FUSED_MAX_ROWS:
-            fused_linear(x, part, part_bias, y[:, row:row + size])
+            fused_linear(x, part, part_bias, y[:, row:row + size], x8=x8)
         else:
             buf = scratch(x.device, x.dtype)
             chunk = max(1, min(size, buf.numel() // k))

@@ -4,7 +4,9 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024)."""
+accumulation over K <= 1024). One 16-bit row on Q4_K reads x as llama.cpp's CUDA decode kernels do, in int8 groups
+of 32 (quant_gemm.RowQ8): its reference takes x quantized so by the torch oracle below, and a test of its own
+bounds what that quantization costs against the exact product."""
 
 from __future__ import annotations
 
@@ -32,6 +34,17 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().t()
 
 
+def _x_as_read(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x as the kernels read it against a part of this kind: one 16-bit row on Q4_K in int8 groups of 32, each
+    scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
+    if x.shape[0] != 1 or x.dtype == torch.float32 or kind != "Q4_K":
+        return x.float()
+    groups = x.float().view(-1, 32)
+    amax = groups.abs().amax(dim=1, keepdim=True)
+    y = groups * torch.where(amax > 0, 127.0 / amax, 0.0)
+    return (y.sign() * (y.abs() + 0.5).floor() * (amax / 127.0)).view_as(x)
+
+
 def _assert_close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     err = (y.float() - ref).abs().max().item()
     assert err <= TOL[dtype] * ref.abs().max().item(), (err, ref.abs().max().item())
@@ -48,7 +61,19 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device, model_dtype)
     y = quantized_linear(x, list(weight.parts))
     assert y.dtype == model_dtype and y.shape == (rows, 96)
-    _assert_close(y, _reference(x, weight.parts[0].dequantize()), model_dtype)
+    _assert_close(y, _reference(_x_as_read(x, fmt.name), weight.parts[0].dequantize()), model_dtype)
+
+
+def test_a_16_bit_row_on_q4_k_reads_x_in_int8_groups_within_a_percent_of_the_exact_product(half, device):
+    """What reading x as int8 groups costs (the other tests check the kernel against that reading exactly)."""
+    from outrider.kernels.quant_gemm import quantized_linear
+
+    part, _ = random_quantized(GGUF_FORMATS["Q4_K"], 96, 1024, seed=3)
+    weight = QuantizedWeight([part], half).to(device)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(4)).to(device, half)
+    ref = _reference(x, weight.parts[0].dequantize())
+    err = (quantized_linear(x, list(weight.parts)).float() - ref).abs().max().item()
+    assert 0 < err <= 1e-2 * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
@@ -65,7 +90,7 @@ def test_one_row_with_k_split_over_programs_matches_dequantize_then_matmul(kind,
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, model_dtype)
     y = torch.empty(1, 80, device=device, dtype=model_dtype)
     fused_linear(x, weight.parts[0], bias, y, QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split))
-    _assert_close(y, _reference(x, weight.parts[0].dequantize()) + bias.float(), model_dtype)
+    _assert_close(y, _reference(_x_as_read(x, kind), weight.parts[0].dequantize()) + bias.float(), model_dtype)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.replace(" ", "_"))
@@ -105,7 +130,8 @@ def test_packed_parts_of_different_formats_with_bias_and_float32_logits(rows, ha
     assert weight.sizes == [96, 32]  # q and k stacked into one part
     bias = torch.randn(128, generator=torch.Generator().manual_seed(2)).to(device, half)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(device, half)
-    ref = _reference(x, weight.dequantize().float()) + bias.float()
+    ref = torch.cat([_reference(_x_as_read(x, part.format.name), part.dequantize()) for part in weight.parts], 1)
+    ref += bias.float()
     y = quantized_linear(x, list(weight.parts), bias, out_dtype=torch.float32)
     assert y.dtype == torch.float32
     _assert_close(y, ref, half)
@@ -210,13 +236,20 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if kind in ("Q4_K", "Q6_K") and rows == 1:
+    if kind == "Q4_K" and rows == 1:  # a 16-bit row: read as RowQ8 (dp4a in the PTX)
+        cfg = q.row_config(n, 4096)
+        signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w16_ptr": "*fp16", "w32_ptr": "*i32",
+                     "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
+                     "K": "i32", "stride_row": "i32", **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
+        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True}
+        return _ptxas_spills(q._q4k_row_q8_kernel, signature, constants, cfg)
+    if kind == "Q6_K" and rows == 1:
         cfg = q.row_config(n, 4096)
         signature = {"x_ptr": "*bf16", **views, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32", "stride_row": "i32",
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k}
-        return _ptxas_spills(q._q4k_row_kernel if kind == "Q4_K" else q._q6k_row_kernel, signature, constants, cfg)
+        return _ptxas_spills(q._q6k_row_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
