@@ -9,14 +9,15 @@ cached), so the quantized bytes are read once, contiguously, and no value is mov
 y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
-(_kquant_values, each value's byte read where it lies) for one product with x's contiguous columns.
+(_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
-One row on Q4_K or Q6_K (decode) takes a kernel of its own (_q4k_row_kernel, _q6k_row_kernel), laid out so that
-nothing crosses threads inside the loop: each thread reads four consecutive quant words (Q6_K: halfwords, its
-blocks being 2-byte aligned) of a row, turns each quant into a float without an int-to-float conversion (q placed
-in the mantissa of 1.0: 1 + q / 16), multiplies by x and keeps per-thread sums; the scales (and mins) are applied
-to those sums once a block. Rows of small weights split K over several programs (split_k), whose partial sums the
-last of them adds in a fixed order.
+One 16-bit row on Q4_K or Q6_K (decode) reads x as llama.cpp's CUDA decode kernels do: quantized once per
+product to int8 groups of 32 (RowQ8, one small launch), so that four quants meet four x values in one byte-wise
+dot (dp4a) and the scales meet the integer sums once a group (_q4k_row_q8_kernel, _q6k_row_q8_kernel). A float32
+row keeps its precision: its kernels (_q4k_row_kernel, _q6k_row_kernel) turn each quant into a float without an
+int-to-float conversion (q placed in the mantissa of 1.0: 1 + q / 16) and apply the scales to per-thread sums once
+a block. In all four nothing crosses threads inside the loop; rows of small weights split K over several programs
+(split_k), whose partial sums the last of them adds in a fixed order.
 
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
@@ -372,7 +373,7 @@ def _dp4a(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
+def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
                        stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr):
     """_q4k_row_kernel on a RowQ8 x: quant word w of a block, masked to its low (high) nibbles, holds four unsigned
@@ -407,6 +408,73 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, p
         xs_hi = tl.load(xs_ptr + kb * 16 + 4 * chunk + 2 + quarter % 2)
         acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
         words = nxt
+    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
+                SPLIT)
+
+
+@triton.jit
+def _funnel(lo, hi, shift, ASM: tl.constexpr):
+    """The 32 bits at `shift` (0 or 16 here) of the 64-bit hi:lo: a word read across a word boundary (PTX shf.r)."""
+    if ASM:
+        return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    return tl.where(shift == 0, lo, ((lo >> 16) & 0xFFFF) | (hi << 16))  # (the interpreter: shifts 0 and 16 only)
+
+
+@triton.jit
+def _q6k_quants(src, h, R: tl.constexpr):
+    """Q6_K's quants of r = R as four unsigned bytes (0..63): src's nibbles (low for r 0 and 1, high for 2 and 3)
+    with bits 2 r of h on top."""
+    return ((src >> (4 * (R // 2))) & 0x0F0F0F0F) | (((h >> (2 * R)) & 0x03030303) << 4)
+
+
+@triton.jit
+def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
+                       stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       ASM: tl.constexpr):
+    """_q4k_row_q8_kernel for Q6_K. A block (210 bytes: ql 0-127, qh 128-191, 16 int8 scales, d) is 2-byte aligned,
+    so its words are read across word boundaries (_funnel). For half n and i < 8, ql words A = 16 n + i and
+    B = A + 8 and qh word H = 32 + 8 n + i hold in byte t the quants of values 128 n + 32 r + 4 i + t, r = 0..3
+    (_q6k_quants): unsigned 0..63, so a scale group's (16 values: n, r, i // 4) product is
+    d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4)] and each walks its
+    group's four words in turn, so no sum crosses threads."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] byte offsets of the rows
+    g = tl.arange(0, 4)[None, :]
+    gn = g // 2  # half
+    gi = g % 2  # i // 4
+    n_blocks = K // 256
+    first, last = _k_run(n_blocks, pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, 4), tl.float32)
+    for kb in tl.range(first, last):
+        blk = row + 210 * kb
+        word = blk // 4
+        shift = (8 * (blk % 4)).to(tl.int32)
+        s0 = tl.zeros((BLOCK_N, 4), tl.int32)
+        s1 = tl.zeros((BLOCK_N, 4), tl.int32)
+        s2 = tl.zeros((BLOCK_N, 4), tl.int32)
+        s3 = tl.zeros((BLOCK_N, 4), tl.int32)
+        for u in tl.static_range(4):
+            wa = word + 16 * gn + 4 * gi + u
+            wh = word + 32 + 8 * gn + 4 * gi + u
+            a = _funnel(tl.load(w32_ptr + wa), tl.load(w32_ptr + wa + 1), shift, ASM)
+            b = _funnel(tl.load(w32_ptr + wa + 8), tl.load(w32_ptr + wa + 9), shift, ASM)
+            h = _funnel(tl.load(w32_ptr + wh), tl.load(w32_ptr + wh + 1), shift, ASM)
+            xw = xq_ptr + kb * 64 + 32 * gn + 4 * gi + u  # + 8 r
+            s0 += _dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM)
+            s1 += _dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM)
+            s2 += _dp4a(_q6k_quants(a, h, 2), tl.load(xw + 16), ASM)
+            s3 += _dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM)
+        sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
+        dx = xd_ptr + kb * 8 + 4 * gn  # + r
+        xs = xs_ptr + kb * 16 + 8 * gn + gi  # + 2 r
+        part = (_i8(sc) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
+                + _i8(sc + 2) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
+                + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
+                + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
+        acc += _f16(w16_ptr, blk + 208) * part
     _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
                 SPLIT)
 
@@ -653,17 +721,19 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
     if isinstance(part.format, FP8Format) and INTERPRET:
         data = data.view(torch.uint8)
     gguf = isinstance(part.format, GGUFFormat)
-    words = gguf and part.format.name in ("Q4_K", "Q5_K")
+    words = gguf and part.format.name in ("Q4_K", "Q5_K", "Q6_K")
     scale = part.scale if part.scale is not None else data
-    return _Tensors(data, data.view(torch.float16) if gguf else data, data.view(torch.int32) if words else data,
+    flat = data.reshape(-1)  # (as words: Q6_K rows may end mid-word; the kernels read no word past a block's end)
+    return _Tensors(data, data.view(torch.float16) if gguf else data,
+                    flat[:flat.numel() // 4 * 4].view(torch.int32) if words else data,
                     scale, part.zero if part.zero is not None else data, data.stride(0),
                     scale.stride(0) if scale.dim() == 2 else 0)
 
 
 def takes_row_q8(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part goes through a RowQ8 of x: one 16-bit row on Q4_K (float32 rows keep
-    their full precision)."""
-    return x.shape[0] == 1 and x.dtype != torch.float32 and _layout(part).code == Q4_K.value
+    """Whether x's product with the part goes through a RowQ8 of x: one 16-bit row on Q4_K or Q6_K (float32 rows
+    keep their full precision)."""
+    return x.shape[0] == 1 and x.dtype != torch.float32 and _layout(part).code in _Q8_ROW_KERNELS
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -675,7 +745,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     lay = _layout(part)
     t = _tensors(part)
     if takes_row_q8(x, part):
-        _one_row_q8(x8 or quantize_row(x), t, bias, y, n, k, config or row_config(n, k))
+        _one_row_q8(x8 or quantize_row(x), t, lay.code, bias, y, n, k, config or row_config(n, k))
         return
     if m == 1 and lay.code in _ROW_KERNELS:
         _one_row(x, t, lay.code, bias, y, n, k, config or row_config(n, k))
@@ -702,15 +772,16 @@ def _one_row(x: torch.Tensor, t: _Tensors, code: int, bias: torch.Tensor | None,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _one_row_q8(x8: RowQ8, t: _Tensors, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
+def _one_row_q8(x8: RowQ8, t: _Tensors, code: int, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
                 cfg: QuantGemmConfig) -> None:
-    """_one_row for a RowQ8 x on a Q4_K part."""
+    """_one_row for a RowQ8 x (_Q8_ROW_KERNELS)."""
+    kernel, unit = _Q8_ROW_KERNELS[code]
     tiles = triton.cdiv(n, cfg.block_n)
     part, count = _split_buffers(x8.scale, cfg.split_k, n, tiles)
-    _q4k_row_q8_kernel[(tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w16, t.w32, y if bias is None else bias, y,
-                                             part, count, n, k, t.stride_wn // 4, HAS_BIAS=bias is not None,
-                                             BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
-                                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel[(tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, y if bias is None else bias, y, part,
+                                 count, n, k, t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+                                 SPLIT=cfg.split_k, ASM=not INTERPRET, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages)
 
 
 def _split_buffers(like: torch.Tensor, split: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -725,6 +796,7 @@ def _split_buffers(like: torch.Tensor, split: int, n: int, tiles: int) -> tuple[
 # Format code -> its one-row kernel (all take the same arguments, each reading the views of W it needs) and the
 # unit (bytes) its row stride is given in
 _ROW_KERNELS = {Q4_K.value: (_q4k_row_kernel, 4), Q6_K.value: (_q6k_row_kernel, 2)}
+_Q8_ROW_KERNELS = {Q4_K.value: (_q4k_row_q8_kernel, 4), Q6_K.value: (_q6k_row_q8_kernel, 1)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). One 16-bit row on Q4_K reads x as llama.cpp's CUDA decode kernels do, in int8 groups
+accumulation over K <= 1024). One 16-bit row on Q4_K or Q6_K reads x as llama.cpp's CUDA decode kernels do, in int8 groups
 of 32 (quant_gemm.RowQ8): its reference takes x quantized so by the torch oracle below, and a test of its own
 bounds what that quantization costs against the exact product."""
 
@@ -35,9 +35,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_as_read(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as the kernels read it against a part of this kind: one 16-bit row on Q4_K in int8 groups of 32, each
+    """x as the kernels read it against a part of this kind: one 16-bit row on Q4_K or Q6_K in int8 groups of 32, each
     scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
-    if x.shape[0] != 1 or x.dtype == torch.float32 or kind != "Q4_K":
+    if x.shape[0] != 1 or x.dtype == torch.float32 or kind not in ("Q4_K", "Q6_K"):
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
@@ -64,11 +64,12 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     _assert_close(y, _reference(_x_as_read(x, fmt.name), weight.parts[0].dequantize()), model_dtype)
 
 
-def test_a_16_bit_row_on_q4_k_reads_x_in_int8_groups_within_a_percent_of_the_exact_product(half, device):
-    """What reading x as int8 groups costs (the other tests check the kernel against that reading exactly)."""
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_16_bit_row_on_k_quants_reads_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, half, device):
+    """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
     from outrider.kernels.quant_gemm import quantized_linear
 
-    part, _ = random_quantized(GGUF_FORMATS["Q4_K"], 96, 1024, seed=3)
+    part, _ = random_quantized(GGUF_FORMATS[kind], 96, 1024, seed=3)
     weight = QuantizedWeight([part], half).to(device)
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(4)).to(device, half)
     ref = _reference(x, weight.parts[0].dequantize())
@@ -236,20 +237,14 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if kind == "Q4_K" and rows == 1:  # a 16-bit row: read as RowQ8 (dp4a in the PTX)
+    if kind in ("Q4_K", "Q6_K") and rows == 1:  # a 16-bit row: read as RowQ8 (dp4a in the PTX)
         cfg = q.row_config(n, 4096)
-        signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", "w16_ptr": "*fp16", "w32_ptr": "*i32",
-                     "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
-                     "K": "i32", "stride_row": "i32", **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
+        signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "b_ptr": "*bf16",
+                     "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32",
+                     "stride_row": "i32", **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True}
-        return _ptxas_spills(q._q4k_row_q8_kernel, signature, constants, cfg)
-    if kind == "Q6_K" and rows == 1:
-        cfg = q.row_config(n, 4096)
-        signature = {"x_ptr": "*bf16", **views, "b_ptr": "*bf16", "y_ptr": "*bf16",
-                     "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32", "stride_row": "i32",
-                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT"], "constexpr")}
-        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k}
-        return _ptxas_spills(q._q6k_row_kernel, signature, constants, cfg)
+        return _ptxas_spills(q._q4k_row_q8_kernel if kind == "Q4_K" else q._q6k_row_q8_kernel, signature, constants,
+                             cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
