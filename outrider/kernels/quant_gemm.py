@@ -14,11 +14,9 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 One 16-bit row on Q4_K, Q6_K or Q8_0 (decode) reads x as llama.cpp's CUDA decode kernels do: quantized once per
 product to int8 groups of 32 (RowQ8, one small launch), so that four quants meet four x values in one byte-wise
 dot (dp4a) and the scales meet the integer sums once a group (_q4k_row_q8_kernel, _q6k_row_q8_kernel,
-_q80_row_q8_kernel). A float32
-row keeps its precision: its kernels (_q4k_row_kernel, _q6k_row_kernel) turn each quant into a float without an
-int-to-float conversion (q placed in the mantissa of 1.0: 1 + q / 16) and apply the scales to per-thread sums once
-a block. In all four nothing crosses threads inside the loop; rows of small weights split K over several programs
-(split_k), whose partial sums the last of them adds in a fixed order.
+_q80_row_q8_kernel). Nothing crosses threads inside their loops; rows of small weights split K over several
+programs (split_k), whose partial sums the last of them adds in a fixed order. A float32 row keeps its precision
+on the CUDA-core path above.
 
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
@@ -72,7 +70,7 @@ ROW_PROGRAMS = 512  # programs the one-row kernels aim at: 3-4 a streaming multi
 
 
 def row_config(n: int, k: int) -> QuantGemmConfig:
-    """One row on Q4_K or Q6_K: 32 rows of W a program (two a thread); a weight with fewer tiles than ROW_PROGRAMS
+    """One row on RowQ8: 32 rows of W a program; a weight with fewer tiles than ROW_PROGRAMS
     splits its K over up to 8 programs, so that small projections (o, down, k, v) still keep enough loads in
     flight."""
     tiles = triton.cdiv(n, 32)
@@ -266,65 +264,6 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
     return lo, hi, tl.reshape(p_lo, (NB * H,)), tl.reshape(p_hi, (NB * H,))
 
 
-@triton.jit
-def _nibble_floats(words, SHIFT: tl.constexpr):
-    """The 4 bits at SHIFT of each word as the float 1 + q / 16: q put in the mantissa of 1.0, exact and without
-    an int-to-float conversion (a quarter-rate instruction)."""
-    if SHIFT <= 19:
-        bits = (words << (19 - SHIFT)) & 0x00780000
-    else:
-        bits = (words >> (SHIFT - 19)) & 0x00780000
-    return (bits | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _q4k_row_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_row,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """y [1, N] = x [1, K] @ W.T on Q4_K, program (pid_n, pid_k) owning W's rows from pid_n * BLOCK_N and the
-    pid_k-th of SPLIT runs of K's blocks. Quant word w (of a block's 32) holds in byte j the values 64 (w // 8) +
-    4 (w % 8) + j (low nibbles: sub-block 2 (w // 8)) and, 32 further, the next sub-block's (high nibbles). With
-    f = 1 + q / 16 a sub-block's product is 16 d sc sum(f x) - (16 d sc + dmin m) sum(x): the scales meet sums of
-    four words (a quarter of a chunk, one thread's), once a block."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] word offsets of the rows
-    w = tl.arange(0, 32)[None, :]
-    xw = 64 * (w // 8) + 4 * (w % 8)  # x of byte 0's low nibble
-    chunk = tl.arange(0, 8)[None, :] // 2  # of each quarter
-    n_blocks = K // 256
-    first, last = _k_run(n_blocks, pid_k, SPLIT)
-    acc = tl.zeros((BLOCK_N, 8), tl.float32)
-    words = tl.load(w32_ptr + row + 36 * tl.minimum(first, n_blocks - 1) + 4 + w)
-    for kb in tl.range(first, last):
-        nxt = tl.load(w32_ptr + row + 36 * tl.minimum(kb + 1, last - 1) + 4 + w)  # the next block, issued early
-        fx_lo = tl.zeros((BLOCK_N, 32), tl.float32)
-        fx_hi = tl.zeros((BLOCK_N, 32), tl.float32)
-        x_lo_sum = tl.zeros((1, 32), tl.float32)
-        x_hi_sum = tl.zeros((1, 32), tl.float32)
-        for j in tl.static_range(4):
-            x_lo = tl.load(x_ptr + kb * 256 + xw + j).to(tl.float32)
-            x_hi = tl.load(x_ptr + kb * 256 + xw + 32 + j).to(tl.float32)
-            fx_lo += _nibble_floats(words, 8 * j) * x_lo
-            fx_hi += _nibble_floats(words, 8 * j + 4) * x_hi
-            x_lo_sum += x_lo
-            x_hi_sum += x_hi
-        fx_lo = tl.sum(tl.reshape(fx_lo, (BLOCK_N, 8, 4)), axis=2)  # [BN, 8 quarters]: within a thread
-        fx_hi = tl.sum(tl.reshape(fx_hi, (BLOCK_N, 8, 4)), axis=2)
-        x_lo_sum = tl.sum(tl.reshape(x_lo_sum, (1, 8, 4)), axis=2)
-        x_hi_sum = tl.sum(tl.reshape(x_hi_sum, (1, 8, 4)), axis=2)
-        base = 4 * (row + 36 * kb)  # byte offset of the block
-        d16 = 16.0 * _f16(w16_ptr, base)
-        dmin = _f16(w16_ptr, base + 2)
-        sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * chunk)
-        sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * chunk + 1)
-        acc += (d16 * sc_lo) * (fx_lo - x_lo_sum) + (d16 * sc_hi) * (fx_hi - x_hi_sum) \
-            - dmin * (m_lo * x_lo_sum + m_hi * x_hi_sum)
-        words = nxt
-    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
-                SPLIT)
-
-
 class RowQ8(NamedTuple):
     """One row of x quantized as llama.cpp's CUDA decode kernels take it (its q8_1 blocks): int8 values in groups
     of 32 with a float32 scale each (max |x| / 127), and each 16 values' sum of the int8 values times their
@@ -377,9 +316,11 @@ def _dp4a(a, b, ASM: tl.constexpr):
 def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
                        stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr):
-    """_q4k_row_kernel on a RowQ8 x: quant word w of a block, masked to its low (high) nibbles, holds four unsigned
-    int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each. A sub-block's product is
-    d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words once a block."""
+    """y [1, N] = x [1, K] @ W.T on Q4_K for a RowQ8 x, program (pid_n, pid_k) owning W's rows from
+    pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's blocks. Quant word w of a block, masked to its low (high)
+    nibbles, holds four unsigned int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each.
+    A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words
+    (a quarter of a chunk) once a block."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -537,55 +478,6 @@ def _row_result(y, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, H
             for s in tl.static_range(SPLIT):
                 total += tl.load(part_ptr + s * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
             _store_row(total, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
-
-
-@triton.jit
-def _q6k_plane(src, qh, LOW: tl.constexpr, HIGH: tl.constexpr, x_at, BLOCK_N: tl.constexpr):
-    """One of a Q6_K half's four 32-value planes over a row tile's halfwords [BN, 32]: the 4 low bits at LOW (+ 8 t)
-    of src and the 2 high bits at HIGH (+ 8 t) of qh, byte t of each, as f = 1 + q / 64 (exact, no conversion),
-    times x (x_at: [1, 32] pointers to byte 0's value) -> sum((f - 1.5) x) over each halfword's two bytes."""
-    acc = tl.zeros((BLOCK_N, 32), tl.float32)
-    for t in tl.static_range(2):
-        q = ((src >> (8 * t + LOW)) & 15) | (((qh >> (8 * t + HIGH)) & 3) << 4)
-        x = tl.load(x_at + t).to(tl.float32)
-        acc += (((q << 17) | 0x3F800000).to(tl.float32, bitcast=True) - 1.5) * x
-    return acc
-
-
-@triton.jit
-def _q6k_row_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K, stride_row,
-                    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """_q4k_row_kernel for Q6_K. A block is 105 halfwords, 2-byte aligned: ql at 0-63, qh at 64-95, 16 int8 scales,
-    d at 104. Halfword h (of 32: half n = h // 16, j = h % 16) of ql at h + 16 n holds in byte t the low bits of
-    value 128 n + 2 j + t (low nibble) and of the value 64 further (high nibble); the ql halfword 16 further those of
-    + 32 and + 96; qh halfword h their high bits (fields 0, 2, 4, 6 of byte t: + 0, + 32, + 64, + 96). With
-    f = 1 + q / 64 a value's product is 64 d sc (f - 1.5) x. Halfword loads are not vectorised (a thread holds one
-    a row), so the scales meet each halfword's sums, not a thread's."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] halfword offsets of the rows
-    h = tl.arange(0, 32)[None, :]
-    ql = h + 16 * (h // 16)
-    xh = 128 * (h // 16) + 2 * (h % 16)  # x of byte 0's low bits
-    sc_at = 192 + 8 * (h // 16) + (h % 16) // 8  # the byte of halfword h's plane-0 scale (plane r: + 2 r)
-    n_blocks = K // 256
-    first, last = _k_run(n_blocks, pid_k, SPLIT)
-    acc = tl.zeros((BLOCK_N, 32), tl.float32)
-    for kb in tl.range(first, last):
-        blk = row + 105 * kb
-        a = tl.load(w16_ptr + blk + ql).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        b = tl.load(w16_ptr + blk + ql + 16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        qh = tl.load(w16_ptr + blk + 64 + h).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        x_at = x_ptr + kb * 256 + xh
-        sc = w_ptr + 2 * blk + sc_at
-        part = (_i8(sc) * _q6k_plane(a, qh, 0, 0, x_at, BLOCK_N)
-                + _i8(sc + 2) * _q6k_plane(b, qh, 0, 2, x_at + 32, BLOCK_N)
-                + _i8(sc + 4) * _q6k_plane(a, qh, 4, 4, x_at + 64, BLOCK_N)
-                + _i8(sc + 6) * _q6k_plane(b, qh, 4, 6, x_at + 96, BLOCK_N))
-        acc += (64.0 * tl.load(w16_ptr + blk + 104).to(tl.float32)) * part
-    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
-                SPLIT)
 
 
 @triton.jit
@@ -782,9 +674,6 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     if takes_row_q8(x, part):
         _one_row_q8(x8 or quantize_row(x), t, lay.code, bias, y, n, k, config or row_config(n, k))
         return
-    if m == 1 and lay.code in _ROW_KERNELS:
-        _one_row(x, t, lay.code, bias, y, n, k, config or row_config(n, k))
-        return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _qgemm_kernel[grid](x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k,
@@ -794,43 +683,24 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _one_row(x: torch.Tensor, t: _Tensors, code: int, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
-             cfg: QuantGemmConfig) -> None:
-    """One row of x on a Q4_K or Q6_K part (_ROW_KERNELS); a split K writes partial sums to a buffer of this call
-    and takes tickets from a zeroed counter per row tile (both graph-safe: fixed sizes)."""
-    kernel, unit = _ROW_KERNELS[code]
-    tiles = triton.cdiv(n, cfg.block_n)
-    split = cfg.split_k
-    part, count = _split_buffers(x, split, n, tiles)
-    kernel[(tiles, split)](x, t.w, t.w16, t.w32, bias if bias is not None else x, y, part, count, n, k,
-                           t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=split,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
 def _one_row_q8(x8: RowQ8, t: _Tensors, code: int, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
                 cfg: QuantGemmConfig) -> None:
-    """_one_row for a RowQ8 x (_Q8_ROW_KERNELS)."""
+    """One row, as RowQ8, on a part of a format of _Q8_ROW_KERNELS; a split K writes partial sums to a buffer of
+    this call and takes tickets from a zeroed counter per row tile (both graph-safe: fixed sizes)."""
     kernel, unit = _Q8_ROW_KERNELS[code]
     tiles = triton.cdiv(n, cfg.block_n)
-    part, count = _split_buffers(x8.scale, cfg.split_k, n, tiles)
+    part, count = y, y  # (unread without a split: no buffer, no zeroing launch on the decode path)
+    if cfg.split_k > 1:
+        part = torch.empty((cfg.split_k, n), dtype=torch.float32, device=y.device)
+        count = torch.zeros(tiles, dtype=torch.int32, device=y.device)
     kernel[(tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, y if bias is None else bias, y, part,
                                  count, n, k, t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
                                  SPLIT=cfg.split_k, ASM=not INTERPRET, num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages)
 
 
-def _split_buffers(like: torch.Tensor, split: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split K's partial sums [split, n] and its zeroed tickets per row tile (unread without a split: `like`
-    stands in, and no zeroing launch is made on the decode path)."""
-    if split == 1:
-        return like, like
-    return (torch.empty((split, n), dtype=torch.float32, device=like.device),
-            torch.zeros(tiles, dtype=torch.int32, device=like.device))
-
-
-# Format code -> its one-row kernel (all take the same arguments, each reading the views of W it needs) and the
-# unit (bytes) its row stride is given in
-_ROW_KERNELS = {Q4_K.value: (_q4k_row_kernel, 4), Q6_K.value: (_q6k_row_kernel, 2)}
+# Format code -> its one-row kernel on a RowQ8 x (all take the same arguments, each reading the views of W it
+# needs) and the unit (bytes) its row stride is given in
 _Q8_ROW_KERNELS = {Q4_K.value: (_q4k_row_q8_kernel, 4), Q6_K.value: (_q6k_row_q8_kernel, 1),
                    Q8_0.value: (_q80_row_q8_kernel, 1)}
 

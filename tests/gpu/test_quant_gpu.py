@@ -80,20 +80,19 @@ def test_a_16_bit_row_on_k_quants_and_q8_0_reads_x_in_int8_groups_within_a_perce
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
-def test_one_row_with_k_split_over_programs_matches_dequantize_then_matmul(kind, split, model_dtype, device):
-    """The decode kernels of Q4_K, Q6_K and Q8_0 (quant_gemm._ROW_KERNELS, _Q8_ROW_KERNELS) over 5 steps of 256
-    columns of K split 1, 2, 4 and 7 ways
-    (runs of unequal length, programs with none), with a bias: the last program of each row tile adds the
-    partials."""
+def test_one_row_with_k_split_over_programs_matches_dequantize_then_matmul(kind, split, half, device):
+    """The decode kernels of a 16-bit row on Q4_K, Q6_K and Q8_0 (quant_gemm._Q8_ROW_KERNELS) over 5 steps of 256
+    columns of K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last
+    program of each row tile adds the partials."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
 
     part, _ = random_quantized(GGUF_FORMATS[kind], 80, 1280, seed=split)
-    weight = QuantizedWeight([part], model_dtype).to(device)
-    x = torch.randn(1, 1280, generator=torch.Generator().manual_seed(5)).to(device, model_dtype)
-    bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, model_dtype)
-    y = torch.empty(1, 80, device=device, dtype=model_dtype)
+    weight = QuantizedWeight([part], half).to(device)
+    x = torch.randn(1, 1280, generator=torch.Generator().manual_seed(5)).to(device, half)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, half)
+    y = torch.empty(1, 80, device=device, dtype=half)
     fused_linear(x, weight.parts[0], bias, y, QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split))
-    _assert_close(y, _reference(_x_as_read(x, kind), weight.parts[0].dequantize()) + bias.float(), model_dtype)
+    _assert_close(y, _reference(_x_as_read(x, kind), weight.parts[0].dequantize()) + bias.float(), half)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.replace(" ", "_"))
