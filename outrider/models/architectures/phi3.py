@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from outrider.layers.rotary import rope_attention_factor
 from outrider.models.architectures.mistral import every_layer_slides
 from outrider.config import ModelConfig
