@@ -11,12 +11,12 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
 (_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
-One 16-bit row on Q4_K, Q6_K or Q8_0 (decode) reads x as llama.cpp's CUDA decode kernels do: quantized once per
+One 16-bit row on Q4_K or Q6_K (decode) reads x as llama.cpp's CUDA decode kernels do: quantized once per
 product to int8 groups of 32 (RowQ8, one small launch), so that four quants meet four x values in one byte-wise
-dot (dp4a) and the scales meet the integer sums once a group (_q4k_row_q8_kernel, _q6k_row_q8_kernel,
-_q80_row_q8_kernel). Nothing crosses threads inside their loops; rows of small weights split K over several
-programs (split_k), whose partial sums the last of them adds in a fixed order. A float32 row keeps its precision
-on the CUDA-core path above.
+dot (dp4a) and the scales meet the integer sums once a group (_q4k_row_q8_kernel, _q6k_row_q8_kernel). Nothing
+crosses threads inside their loops; rows of small weights split K over several programs (split_k), whose partial
+sums the last of them adds in a fixed order. A float32 row keeps its precision on the CUDA-core path above, and so
+does Q8_0 (its dp4a kernel read 0.40-0.54x cuBLAS where this path reads 0.60-0.97x, H100).
 
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
@@ -422,39 +422,6 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y
 
 
 @triton.jit
-def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
-                       stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       ASM: tl.constexpr):
-    """_q4k_row_q8_kernel for Q8_0: a block (d, then 32 int8 quants: 34 bytes, 2-byte aligned) meets x's group of
-    the same 32 columns, d dx sum(q xq), its eight quant words read across word boundaries (_funnel) and each
-    dotted with its x word (signed by signed: the unsigned dp4a of q + 128 less 128 sum(xq), which is
-    128 xs / dx). Tensors are [BLOCK_N, 8 blocks] (256 columns a step), each walking its block's words in turn."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] byte offsets of the rows
-    sub = tl.arange(0, 8)[None, :]
-    n_steps = K // 256
-    first, last = _k_run(n_steps, pid_k, SPLIT)
-    acc = tl.zeros((BLOCK_N, 8), tl.float32)
-    for ks in tl.range(first, last):
-        blk = row + 34 * (8 * ks + sub)  # [BN, 8]
-        quants = blk + 2
-        word = quants // 4
-        shift = (8 * (quants % 4)).to(tl.int32)
-        isum = tl.zeros((BLOCK_N, 8), tl.int32)
-        for u in tl.static_range(8):
-            q = _funnel(tl.load(w32_ptr + word + u), tl.load(w32_ptr + word + u + 1), shift, ASM)
-            q ^= -0x7F7F7F80  # 0x80808080 as an int32: each byte + 128
-            isum += _dp4a(q, tl.load(xq_ptr + 64 * ks + 8 * sub + u), ASM)
-        dx = tl.load(xd_ptr + 8 * ks + sub)
-        xs = tl.load(xs_ptr + 16 * ks + 2 * sub) + tl.load(xs_ptr + 16 * ks + 2 * sub + 1)
-        acc += _f16(w16_ptr, blk) * (dx * isum.to(tl.float32) - 128.0 * xs)
-    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
-                SPLIT)
-
-
-@triton.jit
 def _k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
     """The blocks [first, last) of K that program pid_k of SPLIT walks (none for the last ones of an uneven split)."""
     per = tl.cdiv(n_blocks, SPLIT)
@@ -647,7 +614,7 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
     if isinstance(part.format, FP8Format) and INTERPRET:
         data = data.view(torch.uint8)
     gguf = isinstance(part.format, GGUFFormat)
-    words = gguf and part.format.name in ("Q4_K", "Q5_K", "Q6_K", "Q8_0")
+    words = gguf and part.format.name in ("Q4_K", "Q5_K", "Q6_K")
     scale = part.scale if part.scale is not None else data
     flat = data.reshape(-1)  # (as words: Q6_K rows may end mid-word; the kernels read no word past a block's end)
     return _Tensors(data, data.view(torch.float16) if gguf else data,
@@ -657,10 +624,9 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
 
 
 def takes_row_q8(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part goes through a RowQ8 of x: one 16-bit row on Q4_K, Q6_K or Q8_0 (float32
-    rows keep their full precision; RowQ8 takes whole 256-column blocks)."""
-    return (x.shape[0] == 1 and x.dtype != torch.float32 and x.shape[1] % 256 == 0
-            and _layout(part).code in _Q8_ROW_KERNELS)
+    """Whether x's product with the part goes through a RowQ8 of x: one 16-bit row on Q4_K or Q6_K (float32 rows
+    keep their full precision)."""
+    return x.shape[0] == 1 and x.dtype != torch.float32 and _layout(part).code in _Q8_ROW_KERNELS
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -701,8 +667,7 @@ def _one_row_q8(x8: RowQ8, t: _Tensors, code: int, bias: torch.Tensor | None, y:
 
 # Format code -> its one-row kernel on a RowQ8 x (all take the same arguments, each reading the views of W it
 # needs) and the unit (bytes) its row stride is given in
-_Q8_ROW_KERNELS = {Q4_K.value: (_q4k_row_q8_kernel, 4), Q6_K.value: (_q6k_row_q8_kernel, 1),
-                   Q8_0.value: (_q80_row_q8_kernel, 1)}
+_Q8_ROW_KERNELS = {Q4_K.value: (_q4k_row_q8_kernel, 4), Q6_K.value: (_q6k_row_q8_kernel, 1)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

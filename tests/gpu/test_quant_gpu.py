@@ -4,7 +4,7 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). One 16-bit row on Q4_K, Q6_K or Q8_0 reads x as llama.cpp's CUDA decode kernels do, in int8 groups
+accumulation over K <= 1024). One 16-bit row on Q4_K or Q6_K reads x as llama.cpp's CUDA decode kernels do, in int8 groups
 of 32 (quant_gemm.RowQ8): its reference takes x quantized so by the torch oracle below, and a test of its own
 bounds what that quantization costs against the exact product."""
 
@@ -35,10 +35,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_as_read(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as the kernels read it against a part of this kind: one 16-bit row of whole 256-column blocks on Q4_K, Q6_K
-    or Q8_0 in int8 groups of 32, each
+    """x as the kernels read it against a part of this kind: one 16-bit row on Q4_K or Q6_K in int8 groups of 32, each
     scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
-    if x.shape[0] != 1 or x.dtype == torch.float32 or x.shape[1] % 256 or kind not in ("Q4_K", "Q6_K", "Q8_0"):
+    if x.shape[0] != 1 or x.dtype == torch.float32 or kind not in ("Q4_K", "Q6_K"):
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
@@ -65,8 +64,8 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     _assert_close(y, _reference(_x_as_read(x, fmt.name), weight.parts[0].dequantize()), model_dtype)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
-def test_a_16_bit_row_on_k_quants_and_q8_0_reads_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, half, device):
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_16_bit_row_on_k_quants_reads_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, half, device):
     """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
     from outrider.kernels.quant_gemm import quantized_linear
 
@@ -79,9 +78,9 @@ def test_a_16_bit_row_on_k_quants_and_q8_0_reads_x_in_int8_groups_within_a_perce
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
 def test_one_row_with_k_split_over_programs_matches_dequantize_then_matmul(kind, split, half, device):
-    """The decode kernels of a 16-bit row on Q4_K, Q6_K and Q8_0 (quant_gemm._Q8_ROW_KERNELS) over 5 steps of 256
+    """The decode kernels of a 16-bit row on Q4_K and Q6_K (quant_gemm._Q8_ROW_KERNELS) over 5 blocks of 256
     columns of K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last
     program of each row tile adds the partials."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
@@ -238,7 +237,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if kind in ("Q4_K", "Q6_K", "Q8_0") and rows == 1:  # a 16-bit row: read as RowQ8 (dp4a in the PTX)
+    if kind in ("Q4_K", "Q6_K") and rows == 1:  # a 16-bit row: read as RowQ8 (dp4a in the PTX)
         cfg = q.row_config(n, 4096)
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "b_ptr": "*bf16",
                      "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32",
