@@ -16,7 +16,7 @@ product to int8 groups of 32 (RowQ8, one small launch), so that four quants meet
 dot (dp4a) and the scales meet the integer sums once a group (_q4k_row_q8_kernel, _q6k_row_q8_kernel). Nothing
 crosses threads inside their loops; rows of small weights split K over several programs (split_k), whose partial
 sums the last of them adds in a fixed order. A float32 row keeps its precision on the CUDA-core path above, and so
-does Q8_0 (its dp4a kernel read 0.40-0.54x cuBLAS where this path reads 0.60-0.97x, H100).
+does Q8_0 (a dp4a kernel of this kind read it slower than this path: docs/benchmarks.md).
 
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
