@@ -11,12 +11,13 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
 (_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
-One 16-bit row on Q4_K or Q6_K (decode) reads x as llama.cpp's CUDA decode kernels do: quantized once per
-product to int8 groups of 32 (RowQ8, one small launch), so that four quants meet four x values in one byte-wise
-dot (dp4a) and the scales meet the integer sums once a group (_q4k_row_q8_kernel, _q6k_row_q8_kernel). Nothing
-crosses threads inside their loops; rows of small weights split K over several programs (split_k), whose partial
-sums the last of them adds in a fixed order. A float32 row keeps its precision on the CUDA-core path above, and so
-does Q8_0 (a dp4a kernel of this kind read it slower than this path: docs/benchmarks.md).
+16-bit rows on Q4_K or Q6_K read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups of
+32 (Int8X, one small launch), and the scales meet integer sums once a group. One row (decode): four quants meet
+four x values in one byte-wise dot (dp4a; _q4k_row_q8_kernel, _q6k_row_q8_kernel); nothing crosses threads inside
+their loops, and rows of small weights split K over several programs (split_k), whose partial sums the last of
+them adds in a fixed order. 2-64 rows (verify, batches): each group's quants, as int8, meet x's int8 columns on the
+tensor cores (_q4k_rows_q8_kernel, _q6k_rows_q8_kernel). Float32 rows keep their precision on the path above, and
+so does Q8_0 (a dp4a kernel of this kind read it slower than that path: docs/benchmarks.md).
 
 Configs are explicit (default_config); `bench quant --kernels --tune` times others.
 
@@ -70,12 +71,17 @@ ROW_PROGRAMS = 512  # programs the one-row kernels aim at: 3-4 a streaming multi
 
 
 def row_config(n: int, k: int) -> QuantGemmConfig:
-    """One row on RowQ8: 32 rows of W a program; a weight with fewer tiles than ROW_PROGRAMS
+    """One row as an Int8X: 32 rows of W a program; a weight with fewer tiles than ROW_PROGRAMS
     splits its K over up to 8 programs, so that small projections (o, down, k, v) still keep enough loads in
     flight."""
     tiles = triton.cdiv(n, 32)
     split = max(1, min(8, k // 256, ROW_PROGRAMS // tiles))
     return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split)
+
+
+def rows_config(m: int, n: int) -> QuantGemmConfig:
+    """2-64 rows on an Int8X: 64 rows of W and 16-64 of x a program."""
+    return QuantGemmConfig(block_n=64, block_m=max(16, triton.next_power_of_2(m)), blocks=1)
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
@@ -264,39 +270,42 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
     return lo, hi, tl.reshape(p_lo, (NB * H,)), tl.reshape(p_hi, (NB * H,))
 
 
-class RowQ8(NamedTuple):
-    """One row of x quantized as llama.cpp's CUDA decode kernels take it (its q8_1 blocks): int8 values in groups
-    of 32 with a float32 scale each (max |x| / 127), and each 16 values' sum of the int8 values times their
-    scale, for the min terms. The quantized product then costs a byte-wise dot (dp4a) per four weights."""
+class Int8X(NamedTuple):
+    """x [M, K] quantized per row as llama.cpp's CUDA kernels take it (its q8_1 blocks): int8 values in groups of
+    32 with a float32 scale each (max |x| / 127), and each 16 values' sum of the int8 values times their scale, for
+    the min terms. A quantized product then multiplies bytes: four weights a dp4a (one row) or int8 tensor-core
+    tiles (more rows)."""
 
-    q: torch.Tensor  # [K / 4] int32: four int8 values each, in K order
-    scale: torch.Tensor  # [K / 32] float32
-    sums: torch.Tensor  # [K / 16] float32
+    q: torch.Tensor  # [M, K] int8
+    scale: torch.Tensor  # [M, K / 32] float32
+    sums: torch.Tensor  # [M, K / 16] float32
 
 
 @triton.jit
-def _quantize_row_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr):
-    """A 256-value block of x (program kb) -> its int8 values (rounded half away from zero), 8 scales, 16 sums."""
-    kb = tl.program_id(0)
-    x = tl.reshape(tl.load(x_ptr + kb * 256 + tl.arange(0, 256)).to(tl.float32), (8, 32))
+def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, K, stride_xm):
+    """Row m, 256-value block kb of x (programs m, kb) -> its int8 values (rounded half away from zero), 8 scales,
+    16 sums."""
+    m = tl.program_id(0).to(tl.int64)
+    kb = tl.program_id(1)
+    x = tl.reshape(tl.load(x_ptr + m * stride_xm + kb * 256 + tl.arange(0, 256)).to(tl.float32), (8, 32))
     amax = tl.max(tl.abs(x), axis=1)
     y = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
     q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
     scale = amax / 127.0
-    tl.store(scale_ptr + kb * 8 + tl.arange(0, 8), scale)
+    tl.store(scale_ptr + m * (K // 32) + kb * 8 + tl.arange(0, 8), scale)
     sums = tl.sum(tl.reshape(q, (8, 2, 16)), axis=2) * scale[:, None]
-    tl.store(sums_ptr + kb * 16 + tl.reshape(tl.arange(0, 16), (8, 2)), sums)
-    tl.store(q_ptr + kb * 256 + tl.reshape(tl.arange(0, 256), (8, 32)), q.to(tl.int8))
+    tl.store(sums_ptr + m * (K // 16) + kb * 16 + tl.reshape(tl.arange(0, 16), (8, 2)), sums)
+    tl.store(q_ptr + m * K + kb * 256 + tl.reshape(tl.arange(0, 256), (8, 32)), q.to(tl.int8))
 
 
-def quantize_row(x: torch.Tensor) -> RowQ8:
-    """x [1, K] (K a multiple of 256) -> RowQ8. Fixed-size buffers of this call: safe in CUDA graphs."""
-    k = x.shape[1]
-    q = torch.empty(k // 4, dtype=torch.int32, device=x.device)
-    scale = torch.empty(k // 32, dtype=torch.float32, device=x.device)
-    sums = torch.empty(k // 16, dtype=torch.float32, device=x.device)
-    _quantize_row_kernel[(k // 256,)](x, q.view(torch.int8), scale, sums)
-    return RowQ8(q, scale, sums)
+def quantize_x(x: torch.Tensor) -> Int8X:
+    """x [M, K] (K a multiple of 256) -> Int8X. Fixed-size buffers of this call: safe in CUDA graphs."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
+    sums = torch.empty((m, k // 16), dtype=torch.float32, device=x.device)
+    _quantize_x_kernel[(m, k // 256)](x, q, scale, sums, k, x.stride(0))
+    return Int8X(q, scale, sums)
 
 
 @triton.jit
@@ -316,7 +325,7 @@ def _dp4a(a, b, ASM: tl.constexpr):
 def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
                        stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr):
-    """y [1, N] = x [1, K] @ W.T on Q4_K for a RowQ8 x, program (pid_n, pid_k) owning W's rows from
+    """y [1, N] = x [1, K] @ W.T on Q4_K for an Int8X x of one row, program (pid_n, pid_k) owning W's rows from
     pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's blocks. Quant word w of a block, masked to its low (high)
     nibbles, holds four unsigned int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each.
     A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words
@@ -419,6 +428,106 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y
         acc += _f16(w16_ptr, blk + 208) * part
     _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
                 SPLIT)
+
+
+@triton.jit
+def _nibbles(qb, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Bytes (uint8) -> their low or high nibbles as int8: one and (and a shift) per four bytes in the PTX."""
+    if ASM:
+        if HIGH:
+            return tl.inline_asm_elementwise("{.reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F;}", "=r,r",
+                                             [qb], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [qb], dtype=tl.int8, is_pure=True,
+                                         pack=4)
+    return ((qb >> (4 * HIGH)) & 15).to(tl.int8)
+
+
+@triton.jit
+def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
+                        stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        ASM: tl.constexpr):
+    """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2-64 rows, on the int8 tensor cores: for each sub-block s
+    (chunk c = s // 2's 32 quant bytes, their low or high nibbles: 32 values in K order), an int32 tile
+    [BLOCK_N, BLOCK_M] = quants @ xq's 32 columns, then d sc dx (that tile) - dmin m sum(x) in float32."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1] byte offsets of the rows
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]  # (rows past M read row M - 1; their stores are masked)
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for kb in tl.range(0, K // 256):
+        base = row + 144 * kb
+        d = _f16(w16_ptr, base)
+        dmin = _f16(w16_ptr, base + 2)
+        for c in tl.static_range(4):
+            qb = tl.load(w_ptr + base + 16 + 32 * c + j[None, :])
+            for h in tl.static_range(2):
+                g = kb * 8 + 2 * c + h  # x's group
+                xq = tl.load(xq_ptr + xm * K + 32 * g + j[:, None])
+                dot = tl.dot(_nibbles(qb, h, ASM), xq, out_dtype=tl.int32)
+                sc, mn = _k_scale_min(w32_ptr, base, 2 * c + h)
+                sx = tl.sum(tl.load(xs_ptr + (xm * (K // 16) + 2 * g)[:, :, None] + tl.arange(0, 2)[None, None, :]),
+                            axis=2)
+                acc += (d * sc) * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
+                acc -= (dmin * mn) * sx
+    _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
+                        stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        ASM: tl.constexpr):
+    """_q4k_rows_q8_kernel for Q6_K. Values 128 n + 32 r + l (half n, quarter r): ql byte 64 n + 32 (r % 2) + l,
+    its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top (unsigned 0..63); the scale of 16 values
+    is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns of xq meet the quants twice, as their two halves:
+    d sc (dx (that tile) - 32 sum(x))."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
+    j = tl.arange(0, 32)
+    first = (j < 16)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for kb in tl.range(0, K // 256):
+        base = row + 210 * kb
+        d = _f16(w16_ptr, base + 208)
+        for n in tl.static_range(2):
+            qh = tl.load(w_ptr + base + 128 + 32 * n + j[None, :])
+            for a in tl.static_range(2):
+                ql = tl.load(w_ptr + base + 64 * n + 32 * a + j[None, :])
+                for hi in tl.static_range(2):
+                    r = a + 2 * hi
+                    q = (((ql >> (4 * hi)) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8)
+                    g = kb * 8 + 4 * n + r
+                    xq = tl.load(xq_ptr + xm * K + 32 * g + j[:, None])
+                    dx = tl.load(xd_ptr + xm * (K // 32) + g)
+                    sums = xs_ptr + xm * (K // 16) + 2 * g
+                    scales = w_ptr + base + 192 + 8 * n + 2 * r
+                    x_lo = tl.where(first, xq, 0)
+                    acc = _q6k_half(acc, q, x_lo, dx, d * _i8(scales), tl.load(sums))
+                    acc = _q6k_half(acc, q, xq - x_lo, dx, d * _i8(scales + 1), tl.load(sums + 1))
+    _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _q6k_half(acc, q, x, dx, sc, sx):
+    """acc + one scale group's product: q [BLOCK_N, 32] against x's 32 columns with the other 16 zeroed."""
+    dot = tl.dot(q, x, out_dtype=tl.int32)
+    acc += sc * (dx * dot.to(tl.float32))
+    return acc - (32.0 * sc) * sx
+
+
+@triton.jit
+def _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr):
+    """y^T tile acc [BLOCK_N, BLOCK_M] (+ bias) -> y, rounded once to y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=(offs_n[:, None] < N) & (offs_m[None, :] < M))
 
 
 @triton.jit
@@ -623,22 +732,31 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
                     scale.stride(0) if scale.dim() == 2 else 0)
 
 
-def takes_row_q8(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part goes through a RowQ8 of x: one 16-bit row on Q4_K or Q6_K (float32 rows
-    keep their full precision)."""
-    return x.shape[0] == 1 and x.dtype != torch.float32 and _layout(part).code in _Q8_ROW_KERNELS
+def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
+    """Whether x's product with the part reads x as an Int8X: up to FUSED_MAX_ROWS 16-bit rows on Q4_K or Q6_K
+    (float32 rows keep their full precision)."""
+    return x.shape[0] <= FUSED_MAX_ROWS and x.dtype != torch.float32 and _layout(part).code in _INT8_X_KERNELS
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
-                 config: QuantGemmConfig | None = None, x8: RowQ8 | None = None) -> None:
-    """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel. x8: x's
-    RowQ8 where takes_row_q8 (made here if not given: a caller with several parts makes it once)."""
+                 config: QuantGemmConfig | None = None, x8: Int8X | None = None) -> None:
+    """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel. x8: x as an
+    Int8X where takes_int8_x (made here if not given: a caller with several parts makes it once)."""
     m, k = x.shape
     n = part.shape[0]
     lay = _layout(part)
     t = _tensors(part)
-    if takes_row_q8(x, part):
-        _one_row_q8(x8 or quantize_row(x), t, lay.code, bias, y, n, k, config or row_config(n, k))
+    if takes_int8_x(x, part):
+        x8 = x8 or quantize_x(x)
+        kernels = _INT8_X_KERNELS[lay.code]
+        if m == 1:
+            _one_row_q8(x8, t, kernels, bias, y, n, k, config or row_config(n, k))
+            return
+        cfg = config or rows_config(m, n)
+        kernels.rows[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
+            x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, y if bias is None else bias, y, m, n, k, t.stride_wn,
+            y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, ASM=not INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -649,25 +767,33 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _one_row_q8(x8: RowQ8, t: _Tensors, code: int, bias: torch.Tensor | None, y: torch.Tensor, n: int, k: int,
-                cfg: QuantGemmConfig) -> None:
-    """One row, as RowQ8, on a part of a format of _Q8_ROW_KERNELS; a split K writes partial sums to a buffer of
-    this call and takes tickets from a zeroed counter per row tile (both graph-safe: fixed sizes)."""
-    kernel, unit = _Q8_ROW_KERNELS[code]
+def _one_row_q8(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tensor | None, y: torch.Tensor, n: int,
+                k: int, cfg: QuantGemmConfig) -> None:
+    """One row as an Int8X; a split K writes partial sums to a buffer of this call and takes tickets from a
+    zeroed counter per row tile (both graph-safe: fixed sizes)."""
     tiles = triton.cdiv(n, cfg.block_n)
     part, count = y, y  # (unread without a split: no buffer, no zeroing launch on the decode path)
     if cfg.split_k > 1:
         part = torch.empty((cfg.split_k, n), dtype=torch.float32, device=y.device)
         count = torch.zeros(tiles, dtype=torch.int32, device=y.device)
-    kernel[(tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, y if bias is None else bias, y, part,
-                                 count, n, k, t.stride_wn // unit, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-                                 SPLIT=cfg.split_k, ASM=not INTERPRET, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages)
+    kernels.row[(tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32,
+                                      y if bias is None else bias, y, part, count, n, k,
+                                      t.stride_wn // kernels.row_stride_unit, HAS_BIAS=bias is not None,
+                                      BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
+                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-# Format code -> its one-row kernel on a RowQ8 x (all take the same arguments, each reading the views of W it
-# needs) and the unit (bytes) its row stride is given in
-_Q8_ROW_KERNELS = {Q4_K.value: (_q4k_row_q8_kernel, 4), Q6_K.value: (_q6k_row_q8_kernel, 1)}
+class _Int8Kernels(NamedTuple):
+    """A format's kernels on an Int8X x (each takes the same arguments as the others of its kind, reading the views
+    of W it needs)."""
+
+    row: triton.JITFunction  # one row (dp4a)
+    rows: triton.JITFunction  # 2 to FUSED_MAX_ROWS rows (int8 tensor cores)
+    row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
+
+
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4),
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -709,7 +835,7 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
     n = sum(part.shape[0] for part in parts)
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     row = 0
-    x8 = quantize_row(x) if any(takes_row_q8(x, part) for part in parts) else None
+    x8 = quantize_x(x) if any(takes_int8_x(x, part) for part in parts) else None
     for part in parts:
         size = part.shape[0]
         part_bias = None if bias is None else bias[row:row + size]

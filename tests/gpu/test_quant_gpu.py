@@ -4,9 +4,9 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). One 16-bit row on Q4_K or Q6_K reads x as llama.cpp's CUDA decode kernels do, in int8 groups
-of 32 (quant_gemm.RowQ8): its reference takes x quantized so by the torch oracle below, and a test of its own
-bounds what that quantization costs against the exact product."""
+accumulation over K <= 1024). Up to 64 16-bit rows on Q4_K or Q6_K read x as llama.cpp's CUDA kernels do, in int8
+groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle below, and a test of its
+own bounds what that quantization costs against the exact product."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_as_read(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as the kernels read it against a part of this kind: one 16-bit row on Q4_K or Q6_K in int8 groups of 32, each
-    scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
-    if x.shape[0] != 1 or x.dtype == torch.float32 or kind not in ("Q4_K", "Q6_K"):
+    """x as the kernels read it against a part of this kind: up to 64 16-bit rows on Q4_K or Q6_K in int8 groups of
+    32, each scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
+    if x.shape[0] > 64 or x.dtype == torch.float32 or kind not in ("Q4_K", "Q6_K"):
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
@@ -64,14 +64,16 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     _assert_close(y, _reference(_x_as_read(x, fmt.name), weight.parts[0].dequantize()), model_dtype)
 
 
+@pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
-def test_a_16_bit_row_on_k_quants_reads_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, half, device):
+def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, rows, half,
+                                                                                             device):
     """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
     from outrider.kernels.quant_gemm import quantized_linear
 
     part, _ = random_quantized(GGUF_FORMATS[kind], 96, 1024, seed=3)
     weight = QuantizedWeight([part], half).to(device)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(4)).to(device, half)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(4)).to(device, half)
     ref = _reference(x, weight.parts[0].dequantize())
     err = (quantized_linear(x, list(weight.parts)).float() - ref).abs().max().item()
     assert 0 < err <= 1e-2 * ref.abs().max().item()
@@ -237,13 +239,20 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if kind in ("Q4_K", "Q6_K") and rows == 1:  # a 16-bit row: read as RowQ8 (dp4a in the PTX)
+    if kind in ("Q4_K", "Q6_K") and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
         cfg = q.row_config(n, 4096)
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "b_ptr": "*bf16",
                      "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32",
                      "stride_row": "i32", **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True}
-        return _ptxas_spills(q._Q8_ROW_KERNELS[getattr(q, kind).value][0], signature, constants, cfg)
+        return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].row, signature, constants, cfg)
+    if kind in ("Q4_K", "Q6_K"):  # 16-bit rows as an Int8X (int8 tensor cores)
+        cfg = q.rows_config(rows, n)
+        signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "b_ptr": "*bf16",
+                     "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
+                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "ASM"], "constexpr")}
+        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "ASM": True}
+        return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].rows, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
