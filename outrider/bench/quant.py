@@ -120,16 +120,22 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int, n: int, k: int, one_row: bool):
-    """Configs `--tune` tries: tile rows, K per step, warps and pipeline depth around the default (one_row: the
-    one-row Q4_K/Q6_K kernels' tile rows, warps and K splits)."""
-    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config, row_config
+def _candidates(m: int, block: int, n: int, k: int, int8_x: bool):
+    """Configs `--tune` tries around the default: on an Int8X x (int8_x) one row's tile rows, warps and K splits,
+    more rows' tile rows, x rows and warps; otherwise tile rows, K per step, warps and pipeline depth."""
+    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config, row_config, rows_config
 
-    if one_row:
+    if int8_x and m == 1:
         base = row_config(n, k)
         return [base] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
                          for warps in (2, 4, 8) for split in (1, 2, 4, 8)
                          if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != base and block_n * 32 >= 128 * warps]
+    if int8_x:
+        base = rows_config(m, n)
+        return [base] + [QuantGemmConfig(block_n, block_m, 1, warps) for block_n in (32, 64, 128)
+                         for block_m in (16, 32, 64) for warps in (4, 8)
+                         if base.block_m >= block_m >= min(m, 16) and block_n * block_m <= 8192
+                         and QuantGemmConfig(block_n, block_m, 1, warps) != base]
     base = default_config(m, block, n)
     out = [base]
     for block_n in (16, 32, 64):
@@ -148,7 +154,7 @@ def run_kernels(args, reporter: Reporter) -> None:
     overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows."""
     import triton
 
-    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, fused_linear, quantized_linear
+    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, fused_linear, quantized_linear, takes_int8_x
     from outrider.quant.weight import QuantizedWeight
 
     device = torch.device(args.device)
@@ -170,7 +176,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
-                        for c in _candidates(m, block, n, k, m == 1 and fmt_name in ("Q4_K", "Q6_K"))]
+                        for c in _candidates(m, block, n, k, takes_int8_x(x, weight.parts[0]))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

@@ -80,8 +80,9 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
 
 
 def rows_config(m: int, n: int) -> QuantGemmConfig:
-    """2-64 rows on an Int8X: 64 rows of W and 16-64 of x a program."""
-    return QuantGemmConfig(block_n=64, block_m=max(16, triton.next_power_of_2(m)), blocks=1)
+    """2-64 rows on an Int8X: 64 rows of W and 16-64 of x a program, on 8 warps past 16 rows (4 spill)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=4 if block_m == 16 else 8)
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
@@ -104,7 +105,7 @@ class _Layout:
 
     code: int
     block: int
-    type_size: int  # GGUF bytes per block (0 otherwise)
+    type_size: int  # GGUF bytes a block keeps in the data plane (0 otherwise)
     fp8_block_n: int
     fp8_block_k: int
 
@@ -112,7 +113,7 @@ class _Layout:
 def _layout(part: QuantizedTensor) -> _Layout:
     fmt = part.format
     if isinstance(fmt, GGUFFormat):
-        return _Layout(_GGUF_CODES[fmt.name].value, fmt.block, fmt.type_size, 1, 1)
+        return _Layout(_GGUF_CODES[fmt.name].value, fmt.block, fmt.stored_block, 1, 1)
     if isinstance(fmt, Int4Format):
         return _Layout(INT4.value, fmt.group, 0, 1, 1)
     assert isinstance(fmt, FP8Format)
@@ -194,11 +195,12 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
     if FMT <= Q5_1:  # 32-value blocks: planes are values 0-15 and 16-31
         l = tl.arange(0, 16)[None, None, :]
         base = row_off + kb * TYPE_SIZE
-        d = _f16(w16_ptr, base)
-        if FMT == Q8_0:
-            lo = tl.load(w_ptr + base + 2 + l).to(tl.int8, bitcast=True).to(tl.float32) * d
-            hi = tl.load(w_ptr + base + 18 + l).to(tl.int8, bitcast=True).to(tl.float32) * d
+        if FMT == Q8_0:  # (its d's a plane of their own)
+            d = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + kb).to(tl.float32)
+            lo = tl.load(w_ptr + base + l).to(tl.int8, bitcast=True).to(tl.float32) * d
+            hi = tl.load(w_ptr + base + 16 + l).to(tl.int8, bitcast=True).to(tl.float32) * d
         else:
+            d = _f16(w16_ptr, base)
             QS: tl.constexpr = 2 if FMT == Q4_0 else 4 if FMT == Q4_1 else 6 if FMT == Q5_0 else 8
             qs = tl.load(w_ptr + base + QS + l).to(tl.int32)
             q_lo = qs & 15
@@ -224,8 +226,8 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
         j = tl.arange(0, 32)[None, None, None, :]
         kb4 = kb[:, :, :, None]
         q_lo, q_hi = _k_quants(w_ptr, w32_ptr, base, c, FMT, BLOCK_N, NB)
-        if FMT == Q6_K:  # chunk c = half h (c // 2), quarter a (c % 2)
-            d = _f16(w16_ptr, base + 208)
+        if FMT == Q6_K:  # chunk c = half h (c // 2), quarter a (c % 2); its d's a plane of their own
+            d = tl.load(s_ptr + (rows.to(tl.int64) * stride_sn + kb)[:, :, :, None]).to(tl.float32)
             pos_lo = 128 * (c // 2) + 32 * (c % 2) + j
             sc_lo = tl.load(w_ptr + base + 192 + pos_lo // 16).to(tl.int8, bitcast=True).to(tl.float32)
             sc_hi = tl.load(w_ptr + base + 196 + pos_lo // 16).to(tl.int8, bitcast=True).to(tl.float32)
@@ -283,47 +285,51 @@ class Int8X(NamedTuple):
 
 @triton.jit
 def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, K, stride_xm):
-    """Row m, 256-value block kb of x (programs m, kb) -> its int8 values (rounded half away from zero), 8 scales,
-    16 sums."""
+    """Row m, values 256 kb .. 256 kb + 255 of x (programs m, kb; those past K masked) -> their int8 values (rounded
+    half away from zero), 8 scales, 16 sums."""
     m = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
-    x = tl.reshape(tl.load(x_ptr + m * stride_xm + kb * 256 + tl.arange(0, 256)).to(tl.float32), (8, 32))
+    offs = tl.reshape(kb * 256 + tl.arange(0, 256), (8, 32))
+    x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     y = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
     q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
     scale = amax / 127.0
-    tl.store(scale_ptr + m * (K // 32) + kb * 8 + tl.arange(0, 8), scale)
+    g = kb * 8 + tl.arange(0, 8)
+    tl.store(scale_ptr + m * (K // 32) + g, scale, mask=g < K // 32)
     sums = tl.sum(tl.reshape(q, (8, 2, 16)), axis=2) * scale[:, None]
-    tl.store(sums_ptr + m * (K // 16) + kb * 16 + tl.reshape(tl.arange(0, 16), (8, 2)), sums)
-    tl.store(q_ptr + m * K + kb * 256 + tl.reshape(tl.arange(0, 256), (8, 32)), q.to(tl.int8))
+    h = kb * 16 + tl.reshape(tl.arange(0, 16), (8, 2))
+    tl.store(sums_ptr + m * (K // 16) + h, sums, mask=h < K // 16)
+    tl.store(q_ptr + m * K + offs, q.to(tl.int8), mask=offs < K)
 
 
 def quantize_x(x: torch.Tensor) -> Int8X:
-    """x [M, K] (K a multiple of 256) -> Int8X. Fixed-size buffers of this call: safe in CUDA graphs."""
+    """x [M, K] (K a multiple of 32) -> Int8X. Fixed-size buffers of this call: safe in CUDA graphs."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // 16), dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(m, k // 256)](x, q, scale, sums, k, x.stride(0))
+    _quantize_x_kernel[(m, triton.cdiv(k, 256))](x, q, scale, sums, k, x.stride(0))
     return Int8X(q, scale, sums)
 
 
 @triton.jit
-def _dp4a(a, b, ASM: tl.constexpr):
-    """Sum over the four bytes of each int32: a's unsigned times b's signed (PTX dp4a.u32.s32; the interpreter
-    spells it out)."""
+def _dp4a(a, b, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
+    """Sum over the four bytes of each int32: a's unsigned (SIGNED: signed) times b's signed (PTX dp4a; the
+    interpreter spells it out)."""
     if ASM:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)
+        op: tl.constexpr = "dp4a.s32.s32 $0, $1, $2, 0;" if SIGNED else "dp4a.u32.s32 $0, $1, $2, 0;"
+        return tl.inline_asm_elementwise(op, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
     total = tl.zeros(a.shape, tl.int32)
     for t in tl.static_range(4):
-        total += ((a >> (8 * t)) & 255) * ((b << (24 - 8 * t)) >> 24)
+        wa = (a << (24 - 8 * t)) >> 24 if SIGNED else (a >> (8 * t)) & 255
+        total += wa * ((b << (24 - 8 * t)) >> 24)
     return total
 
 
 @triton.jit
-def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
-                       stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
+                       K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on Q4_K for an Int8X x of one row, program (pid_n, pid_k) owning W's rows from
     pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's blocks. Quant word w of a block, masked to its low (high)
@@ -364,15 +370,6 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y
 
 
 @triton.jit
-def _funnel(lo, hi, shift, ASM: tl.constexpr):
-    """The 32 bits at `shift` (0 or 16 here) of the 64-bit hi:lo: a word read across a word boundary (PTX shf.r)."""
-    if ASM:
-        return tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    return tl.where(shift == 0, lo, ((lo >> 16) & 0xFFFF) | (hi << 16))  # (the interpreter: shifts 0 and 16 only)
-
-
-@triton.jit
 def _q6k_quants(src, h, R: tl.constexpr):
     """Q6_K's quants of r = R as four unsigned bytes (0..63): src's nibbles (low for r 0 and 1, high for 2 and 3)
     with bits 2 r of h on top."""
@@ -380,44 +377,40 @@ def _q6k_quants(src, h, R: tl.constexpr):
 
 
 @triton.jit
-def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N, K,
-                       stride_row, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
+                       K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr):
-    """_q4k_row_q8_kernel for Q6_K. A block (210 bytes: ql 0-127, qh 128-191, 16 int8 scales, d) is 2-byte aligned,
-    so its words are read across word boundaries (_funnel). For half n and i < 8, ql words A = 16 n + i and
-    B = A + 8 and qh word H = 32 + 8 n + i hold in byte t the quants of values 128 n + 32 r + 4 i + t, r = 0..3
-    (_q6k_quants): unsigned 0..63, so a scale group's (16 values: n, r, i // 4) product is
-    d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4)] and each walks its
-    group's four words in turn, so no sum crosses threads."""
+    """_q4k_row_q8_kernel for Q6_K (blocks of 208 bytes: ql 0-127, qh 128-191, 16 int8 scales; d in its plane).
+    For half n and i < 8, ql words A = 16 n + i and B = A + 8 and qh word H = 32 + 8 n + i hold in byte t the quants
+    of values 128 n + 32 r + 4 i + t, r = 0..3 (_q6k_quants): unsigned 0..63, so a scale group's (16 values: n, r,
+    i // 4) product is d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4), 4
+    words], so a thread reads a group's four words at once and no sum crosses threads."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] byte offsets of the rows
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    row = rows * stride_row  # [BN, 1] byte offsets of the rows
     g = tl.arange(0, 4)[None, :]
     gn = g // 2  # half
     gi = g % 2  # i // 4
+    i = (4 * gi)[:, :, None] + tl.arange(0, 4)[None, None, :]  # [1, 4, 4]
+    word_a = 16 * gn[:, :, None] + i
+    word_h = 32 + 8 * gn[:, :, None] + i
+    word_x = 32 * gn[:, :, None] + i  # + 8 r
     n_blocks = K // 256
     first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
     for kb in tl.range(first, last):
-        blk = row + 210 * kb
-        word = blk // 4
-        shift = (8 * (blk % 4)).to(tl.int32)
-        s0 = tl.zeros((BLOCK_N, 4), tl.int32)
-        s1 = tl.zeros((BLOCK_N, 4), tl.int32)
-        s2 = tl.zeros((BLOCK_N, 4), tl.int32)
-        s3 = tl.zeros((BLOCK_N, 4), tl.int32)
-        for u in tl.static_range(4):
-            wa = word + 16 * gn + 4 * gi + u
-            wh = word + 32 + 8 * gn + 4 * gi + u
-            a = _funnel(tl.load(w32_ptr + wa), tl.load(w32_ptr + wa + 1), shift, ASM)
-            b = _funnel(tl.load(w32_ptr + wa + 8), tl.load(w32_ptr + wa + 9), shift, ASM)
-            h = _funnel(tl.load(w32_ptr + wh), tl.load(w32_ptr + wh + 1), shift, ASM)
-            xw = xq_ptr + kb * 64 + 32 * gn + 4 * gi + u  # + 8 r
-            s0 += _dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM)
-            s1 += _dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM)
-            s2 += _dp4a(_q6k_quants(a, h, 2), tl.load(xw + 16), ASM)
-            s3 += _dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM)
+        blk = row + 208 * kb
+        word = (blk // 4)[:, :, None]
+        a = tl.load(w32_ptr + word + word_a)
+        b = tl.load(w32_ptr + word + word_a + 8)
+        h = tl.load(w32_ptr + word + word_h)
+        xw = xq_ptr + kb * 64 + word_x
+        s0 = tl.sum(_dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM), axis=2)
+        s1 = tl.sum(_dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM), axis=2)
+        s2 = tl.sum(_dp4a(_q6k_quants(a, h, 2), tl.load(xw + 16), ASM), axis=2)
+        s3 = tl.sum(_dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM), axis=2)
         sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
         dx = xd_ptr + kb * 8 + 4 * gn  # + r
         xs = xs_ptr + kb * 16 + 8 * gn + gi  # + 2 r
@@ -425,7 +418,33 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y
                 + _i8(sc + 2) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
                 + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
                 + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
-        acc += _f16(w16_ptr, blk + 208) * part
+        acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
+    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
+                SPLIT)
+
+
+@triton.jit
+def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
+                       K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                       ASM: tl.constexpr):
+    """_q4k_row_q8_kernel for Q8_0 (blocks of 32 int8 quants; d in its plane): a step is 256 values, [BLOCK_N, 8
+    groups, 8 words], each word four signed quants against four of x in one dp4a; a group's sum meets d dx once.
+    K need only be a multiple of 32: the groups of a last partial step past K are masked."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    g = tl.arange(0, 8)[None, :]
+    words = (8 * g)[:, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 8, 8]
+    row = (rows * stride_row)[:, :, None]  # word offsets of the rows
+    first, last = _k_run(tl.cdiv(K, 256), pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, 8), tl.float32)
+    for kb in tl.range(first, last):
+        inside = 8 * kb + g < K // 32
+        w = tl.load(w32_ptr + row + 64 * kb + words, mask=inside[:, :, None], other=0)
+        s = tl.sum(_dp4a(w, tl.load(xq_ptr + 64 * kb + words, mask=inside[:, :, None], other=0), ASM, True), axis=2)
+        d = tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
+        acc += d * (tl.load(xd_ptr + 8 * kb + g, mask=inside, other=0.0) * s.to(tl.float32))
     _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
                 SPLIT)
 
@@ -443,8 +462,8 @@ def _nibbles(qb, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
-                        stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
+                        stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                         ASM: tl.constexpr):
     """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2-64 rows, on the int8 tensor cores: for each sub-block s
     (chunk c = s // 2's 32 quant bytes, their low or high nibbles: 32 values in K order), an int32 tile
@@ -476,25 +495,27 @@ def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, 
 
 
 @triton.jit
-def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
-                        stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
+                        stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                         ASM: tl.constexpr):
-    """_q4k_rows_q8_kernel for Q6_K. Values 128 n + 32 r + l (half n, quarter r): ql byte 64 n + 32 (r % 2) + l,
+    """_q4k_rows_q8_kernel for Q6_K (blocks of 208 bytes, d in its plane). Values 128 n + 32 r + l (half n, quarter
+    r): ql byte 64 n + 32 (r % 2) + l,
     its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top (unsigned 0..63); the scale of 16 values
     is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns of xq meet the quants twice, as their two halves:
     d sc (dx (that tile) - 32 sum(x))."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    row = rows * stride_wn
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
     j = tl.arange(0, 32)
     first = (j < 16)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for kb in tl.range(0, K // 256):
-        base = row + 210 * kb
-        d = _f16(w16_ptr, base + 208)
+        base = row + 208 * kb
+        d = tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
         for n in tl.static_range(2):
             qh = tl.load(w_ptr + base + 128 + 32 * n + j[None, :])
             for a in tl.static_range(2):
@@ -510,6 +531,28 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, b_ptr, 
                     x_lo = tl.where(first, xq, 0)
                     acc = _q6k_half(acc, q, x_lo, dx, d * _i8(scales), tl.load(sums))
                     acc = _q6k_half(acc, q, xq - x_lo, dx, d * _i8(scales + 1), tl.load(sums + 1))
+    _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
+                        stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                        ASM: tl.constexpr):
+    """_q4k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
+    as stored; d dx meets its int32 tile."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for g in tl.range(0, K // 32):
+        q = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :]).to(tl.int8, bitcast=True)
+        dot = tl.dot(q, tl.load(xq_ptr + xm * K + 32 * g + j[:, None]), out_dtype=tl.int32)
+        d = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
+        acc += d * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
     _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
 
 
@@ -577,11 +620,11 @@ def _in_order(lo, hi, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constex
 
 
 @triton.jit
-def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, FMT: tl.constexpr):
+def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr):
     """K-quant blocks at byte offsets base [BN, 1, 1] -> their 256 values as [BN, 8, 32] float32, already in K
-    order (sub-block s, value j at 32 s + j), so no planes to interleave. Q6_K (2-byte aligned blocks): each value's
-    bytes read where they lie; sub-block s = half s // 4, quarter q = s % 4; ql byte 64 half + 32 (q % 2) + j, its
-    nibble q // 2, and bits 2q of qh byte 32 half + j. Q4_K/Q5_K: the quants read once, as words (4-byte aligned
+    order (sub-block s, value j at 32 s + j), so no planes to interleave. Q6_K (d at d_ptrs [BN, 1, 1]): each
+    value's bytes read where they lie; sub-block s = half s // 4, quarter q = s % 4; ql byte 64 half + 32 (q % 2) +
+    j, its nibble q // 2, and bits 2q of qh byte 32 half + j. Q4_K/Q5_K: the quants read once, as words (4-byte aligned
     blocks): word 8 c + i holds in byte t the values 64 c + 4 i + t (low nibble, sub-block 2 c) and 32 further
     (high nibble); Q5_K adds bit s of qh byte j, byte t of qh word i for j = 4 i + t."""
     if FMT == Q6_K:
@@ -592,7 +635,7 @@ def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, FMT: tl.constexpr):
         qh = tl.load(w_ptr + base + 128 + 32 * half + j).to(tl.int32)
         v = (((ql >> (4 * (q // 2))) & 15) | (((qh >> (2 * q)) & 3) << 4)) - 32
         sc = tl.load(w_ptr + base + 192 + 2 * s + j // 16).to(tl.int8, bitcast=True).to(tl.float32)
-        return (_f16(w16_ptr, base + 208) * sc) * v.to(tl.float32)
+        return (tl.load(d_ptrs).to(tl.float32) * sc) * v.to(tl.float32)
     b5 = base[:, :, :, None, None]  # [BN, c 4, h 2, i 8, t 4]: value 64 c + 32 h + 4 i + t = 32 s + j
     c = tl.arange(0, 4)[None, :, None, None, None]
     h = tl.arange(0, 2)[None, None, :, None, None]
@@ -634,7 +677,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
         if KQ_DOT:
             tl.static_assert(NB == 1)
             base = rows.to(tl.int64) * stride_wn + kb0 * TYPE_SIZE  # (NB 1: every step a whole block)
-            w = tl.reshape(_kquant_values(w_ptr, w16_ptr, w32_ptr, base, FMT), (BLOCK_N, BLOCK))
+            w = tl.reshape(_kquant_values(w_ptr, w16_ptr, w32_ptr, base, s_ptr, FMT), (BLOCK_N, BLOCK))
             x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK))[:, None], mask=m_mask, other=0.0)
             if IEEE:
                 acc = tl.dot(w, x, acc, input_precision="ieee")
@@ -693,7 +736,8 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
         for b in tl.static_range(NB):
             kb = tl.program_id(1) * NB + b
             if kb < n_blocks:
-                values = _kquant_values(w_ptr, w16_ptr, w32_ptr, row_off + kb * TYPE_SIZE, FMT)
+                values = _kquant_values(w_ptr, w16_ptr, w32_ptr, row_off + kb * TYPE_SIZE,
+                                        s_ptr + rows.to(tl.int64) * stride_sn + kb, FMT)
                 tl.store(at + kb * 256, values.to(out_ptr.dtype.element_ty), mask=keep)
     else:
         kb = tl.minimum(tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None], n_blocks - 1)
@@ -723,9 +767,9 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
     if isinstance(part.format, FP8Format) and INTERPRET:
         data = data.view(torch.uint8)
     gguf = isinstance(part.format, GGUFFormat)
-    words = gguf and part.format.name in ("Q4_K", "Q5_K", "Q6_K")
+    words = gguf and part.format.name in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
     scale = part.scale if part.scale is not None else data
-    flat = data.reshape(-1)  # (as words: Q6_K rows may end mid-word; the kernels read no word past a block's end)
+    flat = data.reshape(-1)
     return _Tensors(data, data.view(torch.float16) if gguf else data,
                     flat[:flat.numel() // 4 * 4].view(torch.int32) if words else data,
                     scale, part.zero if part.zero is not None else data, data.stride(0),
@@ -733,8 +777,8 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
 
 
 def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part reads x as an Int8X: up to FUSED_MAX_ROWS 16-bit rows on Q4_K or Q6_K
-    (float32 rows keep their full precision)."""
+    """Whether x's product with the part reads x as an Int8X: up to FUSED_MAX_ROWS 16-bit rows on Q4_K, Q6_K or
+    Q8_0 (float32 rows keep their full precision)."""
     return x.shape[0] <= FUSED_MAX_ROWS and x.dtype != torch.float32 and _layout(part).code in _INT8_X_KERNELS
 
 
@@ -754,9 +798,9 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
             return
         cfg = config or rows_config(m, n)
         kernels.rows[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
-            x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, y if bias is None else bias, y, m, n, k, t.stride_wn,
-            y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, ASM=not INTERPRET,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, y if bias is None else bias, y, m, n, k, t.stride_wn,
+            t.stride_sn, y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+            ASM=not INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -776,9 +820,9 @@ def _one_row_q8(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tenso
     if cfg.split_k > 1:
         part = torch.empty((cfg.split_k, n), dtype=torch.float32, device=y.device)
         count = torch.zeros(tiles, dtype=torch.int32, device=y.device)
-    kernels.row[(tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32,
+    kernels.row[(tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale,
                                       y if bias is None else bias, y, part, count, n, k,
-                                      t.stride_wn // kernels.row_stride_unit, HAS_BIAS=bias is not None,
+                                      t.stride_wn // kernels.row_stride_unit, t.stride_sn, HAS_BIAS=bias is not None,
                                       BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -793,7 +837,8 @@ class _Int8Kernels(NamedTuple):
 
 
 _INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1)}
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1),
+                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,10 @@ Every format quantizes a weight [N, K] along K, row by row, so a row of the stor
 packed projections (qkv_proj, gate_up_proj) can stack parts by rows.
 
 - GGUF block formats (llama.cpp's): each row is a run of blocks of `block` values in `type_size` bytes, stored as the
-  file stores them (uint8 [N, K / block * type_size]).
+  file stores them (uint8 [N, K / block * type_size]), except that Q8_0's and Q6_K's blocks (34 and 210 bytes: only
+  2-byte aligned) are split once, where the tensor is made (quant/tensor.py), into two planes of the same bytes: the
+  blocks without their float16 d (uint8 [N, K / block * (type_size - 2)]: runs of 32 and 208 bytes, 16-byte
+  aligned, so the kernels read them in wide loads) and the d's (float16 [N, K / block]).
 - FP8: float8_e4m3fn [N, K] and a float32 scale per `block_n` x `block_k` tile ([ceil(N/bn), ceil(K/bk)]); a scale
   per output channel is the tile 1 x K. Hugging Face's fp8 checkpoints (block 128 x 128) and `--quantization fp8`.
 - INT4: AWQ's and GPTQ's 4-bit group-wise weights, repacked once at load into one layout: uint8 [N, K / 2] where the
@@ -23,6 +26,12 @@ class GGUFFormat:
     name: str  # ggml's type name, e.g. "Q4_K"
     block: int  # values per block
     type_size: int  # bytes per block
+    d_at: int | None = None  # the byte of a block its float16 d starts at, where the d's are a plane of their own
+
+    @property
+    def stored_block(self) -> int:
+        """Bytes a block keeps in the (first) plane."""
+        return self.type_size - (2 if self.d_at is not None else 0)
 
     @property
     def kind(self) -> str:
@@ -97,6 +106,6 @@ QuantFormat = GGUFFormat | FP8Format | Int4Format
 
 # ggml's type name -> the format; the types served quantized (others are dequantized at load time).
 GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
-    GGUFFormat("Q8_0", 32, 34), GGUFFormat("Q4_0", 32, 18), GGUFFormat("Q4_1", 32, 20), GGUFFormat("Q5_0", 32, 22),
+    GGUFFormat("Q8_0", 32, 34, d_at=0), GGUFFormat("Q4_0", 32, 18), GGUFFormat("Q4_1", 32, 20), GGUFFormat("Q5_0", 32, 22),
     GGUFFormat("Q5_1", 32, 24), GGUFFormat("Q4_K", 256, 144), GGUFFormat("Q5_K", 256, 176),
-    GGUFFormat("Q6_K", 256, 210))}
+    GGUFFormat("Q6_K", 256, 210, d_at=208))}

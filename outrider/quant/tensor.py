@@ -12,7 +12,8 @@ from outrider.quant.formats import FP8Format, GGUFFormat, QuantFormat
 
 class QuantizedTensor(nn.Module):
     """Rows [N, K] of a weight in one format: `data` (the blocks, or FP8 / packed INT4 values), and for FP8 and
-    INT4 `scale` (and INT4 `zero`) as formats.py describes."""
+    INT4 `scale` (and INT4 `zero`) as formats.py describes. GGUF blocks whose format keeps its d's as a plane
+    (GGUFFormat.d_at) are given whole as `data` and split here (data and scale given: the planes already)."""
 
     def __init__(self, fmt: QuantFormat, shape: tuple[int, int], data: torch.Tensor,
                  scale: torch.Tensor | None = None, zero: torch.Tensor | None = None) -> None:
@@ -20,6 +21,8 @@ class QuantizedTensor(nn.Module):
         n, k = shape
         if not fmt.supports(n, k):
             raise ValueError(f"{fmt.name} cannot store a [{n}, {k}] weight")
+        if isinstance(fmt, GGUFFormat) and fmt.d_at is not None and scale is None:
+            data, scale = _split_d(fmt, data)
         self.format, self.shape = fmt, (n, k)
         self.register_buffer("data", data)
         self.register_buffer("scale", scale)
@@ -32,7 +35,7 @@ class QuantizedTensor(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
         if isinstance(self.format, GGUFFormat):
-            return dequantize_gguf(self.format, self.data)
+            return dequantize_gguf(self.format, self.blocks())
         if isinstance(self.format, FP8Format):
             return dequantize_fp8(self.format, self.data, self.scale)
         return dequantize_int4(self.format, self.data, self.scale, self.zero)
@@ -41,7 +44,20 @@ class QuantizedTensor(nn.Module):
         """float32 [T, K]: the rows `ids` (an embedding lookup), dequantizing only those (GGUF formats)."""
         if not isinstance(self.format, GGUFFormat):
             return self.dequantize().index_select(0, ids)
-        return dequantize_gguf(self.format, self.data.index_select(0, ids))
+        return dequantize_gguf(self.format, self.blocks(ids))
+
+    def blocks(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """GGUF formats: the rows' blocks as the file stores them (all rows, or those of `ids`)."""
+        data, d = self.data, self.scale
+        if ids is not None:
+            data, d = data.index_select(0, ids), None if d is None else d.index_select(0, ids)
+        if d is None:
+            return data
+        fmt = self.format
+        body = data.unflatten(-1, (-1, fmt.stored_block))
+        at = fmt.d_at
+        d = d.contiguous().view(torch.uint8).unflatten(-1, (-1, 2))
+        return torch.cat([body[..., :at], d, body[..., at:]], -1).flatten(-2)
 
     def can_stack(self, other: QuantizedTensor) -> bool:
         """Whether `other`'s rows may follow this one's in a single tensor (same format, scale tiles unbroken)."""
@@ -53,3 +69,12 @@ class QuantizedTensor(nn.Module):
         cat = [None if a is None else torch.cat([a, b]) for a, b in
                ((self.data, other.data), (self.scale, other.scale), (self.zero, other.zero))]
         return QuantizedTensor(self.format, (self.shape[0] + other.shape[0], self.shape[1]), *cat)
+
+
+def _split_d(fmt: GGUFFormat, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 blocks [N, K / block * type_size] -> (the blocks without d [N, K / block * stored_block], d float16
+    [N, K / block])."""
+    b = blocks.unflatten(-1, (-1, fmt.type_size))
+    at = fmt.d_at
+    body = torch.cat([b[..., :at], b[..., at + 2:]], -1).flatten(-2).contiguous()
+    return body, b[..., at:at + 2].contiguous().view(torch.float16).squeeze(-1)

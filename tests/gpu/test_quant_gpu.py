@@ -4,7 +4,7 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). Up to 64 16-bit rows on Q4_K or Q6_K read x as llama.cpp's CUDA kernels do, in int8
+accumulation over K <= 1024). Up to 64 16-bit rows on Q4_K, Q6_K or Q8_0 read x as llama.cpp's CUDA kernels do, in int8
 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle below, and a test of its
 own bounds what that quantization costs against the exact product."""
 
@@ -23,6 +23,7 @@ from outrider.quant.writers import random_quantized
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), Int4Format(128, "AWQ")]
 ROWS = [1, 2, 5, 16, 512]  # 1-2: CUDA-core products; 5, 16: tensor cores; 512: dequantized chunks + cuBLAS
+INT8_X_KINDS = ("Q4_K", "Q6_K", "Q8_0")  # 16-bit rows read x as int8 groups (quant_gemm.takes_int8_x)
 
 
 def _k(fmt) -> int:
@@ -35,9 +36,9 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_as_read(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as the kernels read it against a part of this kind: up to 64 16-bit rows on Q4_K or Q6_K in int8 groups of
-    32, each scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
-    if x.shape[0] > 64 or x.dtype == torch.float32 or kind not in ("Q4_K", "Q6_K"):
+    """x as the kernels read it against a part of this kind: up to 64 16-bit rows on Q4_K, Q6_K or Q8_0 in int8
+    groups of 32, each scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
+    if x.shape[0] > 64 or x.dtype == torch.float32 or kind not in INT8_X_KINDS:
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
@@ -65,7 +66,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", INT8_X_KINDS)
 def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, rows, half,
                                                                                              device):
     """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
@@ -80,9 +81,9 @@ def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_e
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("kind", INT8_X_KINDS)
 def test_one_row_with_k_split_over_programs_matches_dequantize_then_matmul(kind, split, half, device):
-    """The decode kernels of a 16-bit row on Q4_K and Q6_K (quant_gemm._Q8_ROW_KERNELS) over 5 blocks of 256
+    """The decode kernels of a 16-bit row on Q4_K, Q6_K and Q8_0 (quant_gemm._INT8_X_KERNELS) over 5 blocks of 256
     columns of K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last
     program of each row tile adds the partials."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
@@ -239,17 +240,19 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if kind in ("Q4_K", "Q6_K") and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
+    if kind in INT8_X_KINDS and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
         cfg = q.row_config(n, 4096)
-        signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "b_ptr": "*bf16",
-                     "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32", "K": "i32",
-                     "stride_row": "i32", **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
+        signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
+                     "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
+                     "K": "i32", "stride_row": "i32", "stride_d": "i32",
+                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True}
         return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].row, signature, constants, cfg)
-    if kind in ("Q4_K", "Q6_K"):  # 16-bit rows as an Int8X (int8 tensor cores)
+    if kind in INT8_X_KINDS:  # 16-bit rows as an Int8X (int8 tensor cores)
         cfg = q.rows_config(rows, n)
-        signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "b_ptr": "*bf16",
-                     "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
+        signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
+                     "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_wn": "i32",
+                     "stride_d": "i32", "stride_ym": "i32",
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "ASM"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "ASM": True}
         return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].rows, signature, constants, cfg)
