@@ -122,7 +122,7 @@ def _random_part(fmt, n: int, k: int):
 
 def _candidates(m: int, block: int, n: int, k: int, int8_x: bool):
     """Configs `--tune` tries around the default: on an Int8X x (int8_x) one row's tile rows, warps and K splits,
-    more rows' tile rows, x rows and warps; otherwise tile rows, K per step, warps and pipeline depth."""
+    more rows' tile rows, x rows and K splits; otherwise tile rows, K per step, warps and pipeline depth."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config, row_config, rows_config
 
     if int8_x and m == 1:
@@ -131,11 +131,10 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: bool):
                          for warps in (2, 4, 8) for split in (1, 2, 4, 8)
                          if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != base and block_n * 32 >= 128 * warps]
     if int8_x:
-        base = rows_config(m, n)
-        return [base] + [QuantGemmConfig(block_n, block_m, 1, warps) for block_n in (32, 64, 128)
-                         for block_m in (16, 32, 64) for warps in (4, 8)
-                         if base.block_m >= block_m >= min(m, 16) and block_n * block_m <= 8192
-                         and QuantGemmConfig(block_n, block_m, 1, warps) != base]
+        base = rows_config(m, n, k)
+        return [base] + [QuantGemmConfig(block_n, block_m, 1, 4, 2, split) for block_n in (32, 64, 128)
+                         for block_m in (16, 32) for split in (1, 2, 4, 8)
+                         if block_m <= max(16, m) and QuantGemmConfig(block_n, block_m, 1, 4, 2, split) != base]
     base = default_config(m, block, n)
     out = [base]
     for block_n in (16, 32, 64):

@@ -79,10 +79,11 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
     return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split)
 
 
-def rows_config(m: int, n: int) -> QuantGemmConfig:
-    """2-64 rows on an Int8X: 64 rows of W and 16-64 of x a program, on 8 warps past 16 rows (4 spill)."""
-    block_m = max(16, triton.next_power_of_2(m))
-    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=4 if block_m == 16 else 8)
+def rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
+    """2-64 rows on an Int8X: 64 rows of W and 16 of x a program (more rows of x a program read slower: fewer
+    programs), and K split over up to 8 programs where the tiles are fewer than ROW_PROGRAMS."""
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
+    return QuantGemmConfig(block_n=64, block_m=16, blocks=1, split_k=max(1, min(8, k // 256, ROW_PROGRAMS // tiles)))
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
@@ -462,9 +463,9 @@ def _nibbles(qb, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
-                        stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ASM: tl.constexpr):
+def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
+                        N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2-64 rows, on the int8 tensor cores: for each sub-block s
     (chunk c = s // 2's 32 quant bytes, their low or high nibbles: 32 values in K order), an int32 tile
     [BLOCK_N, BLOCK_M] = quants @ xq's 32 columns, then d sc dx (that tile) - dmin m sum(x) in float32."""
@@ -476,7 +477,8 @@ def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]  # (rows past M read row M - 1; their stores are masked)
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for kb in tl.range(0, K // 256):
+    first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
+    for kb in tl.range(first, last):
         base = row + 144 * kb
         d = _f16(w16_ptr, base)
         dmin = _f16(w16_ptr, base + 2)
@@ -491,13 +493,13 @@ def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                             axis=2)
                 acc += (d * sc) * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
                 acc -= (dmin * mn) * sx
-    _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
-                        stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ASM: tl.constexpr):
+def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
+                        N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     """_q4k_rows_q8_kernel for Q6_K (blocks of 208 bytes, d in its plane). Values 128 n + 32 r + l (half n, quarter
     r): ql byte 64 n + 32 (r % 2) + l,
     its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top (unsigned 0..63); the scale of 16 values
@@ -511,9 +513,10 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
     j = tl.arange(0, 32)
-    first = (j < 16)[:, None]
+    lower = (j < 16)[:, None]  # a scale group's half of x's 32 columns
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for kb in tl.range(0, K // 256):
+    first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
+    for kb in tl.range(first, last):
         base = row + 208 * kb
         d = tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
         for n in tl.static_range(2):
@@ -528,16 +531,16 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                     dx = tl.load(xd_ptr + xm * (K // 32) + g)
                     sums = xs_ptr + xm * (K // 16) + 2 * g
                     scales = w_ptr + base + 192 + 8 * n + 2 * r
-                    x_lo = tl.where(first, xq, 0)
+                    x_lo = tl.where(lower, xq, 0)
                     acc = _q6k_half(acc, q, x_lo, dx, d * _i8(scales), tl.load(sums))
                     acc = _q6k_half(acc, q, xq - x_lo, dx, d * _i8(scales + 1), tl.load(sums + 1))
-    _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
-def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, M, N, K, stride_wn,
-                        stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                        ASM: tl.constexpr):
+def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
+                        N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     """_q4k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
     as stored; d dx meets its int32 tile."""
     pid_n = tl.program_id(0)
@@ -548,12 +551,13 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for g in tl.range(0, K // 32):
+    first, last = _k_run(K // 32, tl.program_id(2), SPLIT)
+    for g in tl.range(first, last):
         q = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :]).to(tl.int8, bitcast=True)
         dot = tl.dot(q, tl.load(xq_ptr + xm * K + 32 * g + j[:, None]), out_dtype=tl.int32)
         d = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
         acc += d * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
-    _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -562,6 +566,25 @@ def _q6k_half(acc, q, x, dx, sc, sx):
     dot = tl.dot(q, x, out_dtype=tl.int32)
     acc += sc * (dx * dot.to(tl.float32))
     return acc - (32.0 * sc) * sx
+
+
+@triton.jit
+def _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    """Store a rows kernel's tile (_store_rows); with K split (program axis 2), the last program of the tile to
+    finish adds the partial tiles instead, in order (deterministic)."""
+    if SPLIT == 1:
+        _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
+    else:
+        at = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+        tl.store(part_ptr + tl.program_id(2) * M * N + at, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        if tl.atomic_add(count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), 1) == SPLIT - 1:
+            total = tl.zeros(acc.shape, tl.float32)
+            for s in tl.static_range(SPLIT):
+                total += tl.load(part_ptr + s * M * N + at, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_rows(total, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
 
 
 @triton.jit
@@ -796,11 +819,14 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         if m == 1:
             _one_row_q8(x8, t, kernels, bias, y, n, k, config or row_config(n, k))
             return
-        cfg = config or rows_config(m, n)
-        kernels.rows[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
-            x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, y if bias is None else bias, y, m, n, k, t.stride_wn,
-            t.stride_sn, y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-            ASM=not INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        cfg = config or rows_config(m, n, k)
+        tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+        part, count = _split_buffers(cfg.split_k, (m, n), tiles[0] * tiles[1], y)
+        kernels.rows[(*tiles, cfg.split_k)](
+            x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, y if bias is None else bias, y, part, count, m, n, k,
+            t.stride_wn, t.stride_sn, y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
+            BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -813,18 +839,24 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
 
 def _one_row_q8(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tensor | None, y: torch.Tensor, n: int,
                 k: int, cfg: QuantGemmConfig) -> None:
-    """One row as an Int8X; a split K writes partial sums to a buffer of this call and takes tickets from a
-    zeroed counter per row tile (both graph-safe: fixed sizes)."""
+    """One row as an Int8X."""
     tiles = triton.cdiv(n, cfg.block_n)
-    part, count = y, y  # (unread without a split: no buffer, no zeroing launch on the decode path)
-    if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, n), dtype=torch.float32, device=y.device)
-        count = torch.zeros(tiles, dtype=torch.int32, device=y.device)
+    part, count = _split_buffers(cfg.split_k, (n,), tiles, y)
     kernels.row[(tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale,
                                       y if bias is None else bias, y, part, count, n, k,
                                       t.stride_wn // kernels.row_stride_unit, t.stride_sn, HAS_BIAS=bias is not None,
                                       BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _split_buffers(split: int, shape: tuple[int, ...], tiles: int, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K split over `split` programs: a buffer of this call for their partial sums ([split, *shape] float32) and a
+    zeroed ticket counter per output tile (both graph-safe: fixed sizes). No split: y twice, unread (no buffer,
+    no zeroing launch on the decode path)."""
+    if split == 1:
+        return y, y
+    return (torch.empty((split, *shape), dtype=torch.float32, device=y.device),
+            torch.zeros(tiles, dtype=torch.int32, device=y.device))
 
 
 class _Int8Kernels(NamedTuple):
