@@ -80,10 +80,12 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
 
 
 def rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
-    """2-64 rows on an Int8X: 64 rows of W and 16 of x a program (more rows of x a program read slower: fewer
-    programs), and K split over up to 8 programs where the tiles are fewer than ROW_PROGRAMS."""
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, 16)
-    return QuantGemmConfig(block_n=64, block_m=16, blocks=1, split_k=max(1, min(8, k // 256, ROW_PROGRAMS // tiles)))
+    """2-64 rows on an Int8X: 64 rows of W and 16 of x a program (32 past 16 rows), and K split over up to 8
+    programs where the tiles are fewer than ROW_PROGRAMS: skinny products need many programs in flight."""
+    block_m = 16 if m <= 16 else 32
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
+    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1,
+                           split_k=max(1, min(8, k // 256, ROW_PROGRAMS // tiles)))
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
