@@ -11,20 +11,22 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
 (_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
-16-bit rows on Q4_K or Q6_K read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups of
-32 (Int8X, one small launch), and the scales meet integer sums once a group. One row (decode): four quants meet
-four x values in one byte-wise dot (dp4a; _q4k_row_q8_kernel, _q6k_row_q8_kernel); nothing crosses threads inside
-their loops, and rows of small weights split K over several programs (split_k), whose partial sums the last of
-them adds in a fixed order. 2-64 rows (verify, batches): each group's quants, as int8, meet x's int8 columns on the
-tensor cores (_q4k_rows_q8_kernel, _q6k_rows_q8_kernel). Float32 rows keep their precision on the path above, and
-so does Q8_0 (a dp4a kernel of this kind read it slower than that path: docs/benchmarks.md).
+16-bit rows on Q4_K, Q6_K or Q8_0 read x as llama.cpp's CUDA kernels do: quantized once per product to int8
+groups of 32 (Int8X, one small launch), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row
+(decode): four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops.
+2-64 rows (verify, batches): each group's quants, as int8, meet x's int8 columns on the tensor cores. Both split K
+over several programs where a weight has few output tiles (split_k), the last of them adding the partial sums in
+a fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes (quant/formats.py): the
+blocks without d, read in wide aligned loads, and the d's. Float32 rows keep their precision on the path above.
 
-Configs are explicit (default_config); `bench quant --kernels --tune` times others.
+Configs are explicit (default_config, row_config, rows_config); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
-code (K-quants: _kquant_values) into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer) and multiplied by cuBLAS.
+code (K-quants: _kquant_values) into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer)
+and multiplied by cuBLAS.
 
-No host syncs and no allocation that varies per call (the scratch buffer is made once): safe in CUDA graphs.
+No host syncs; what a call allocates (x as an Int8X, split-K partials) has fixed sizes for its shapes, and the
+scratch buffer is made once: safe in CUDA graphs.
 """
 
 from __future__ import annotations
