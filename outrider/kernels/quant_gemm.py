@@ -804,9 +804,10 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
 
 
 def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part reads x as an Int8X: up to FUSED_MAX_ROWS 16-bit rows on Q4_K, Q6_K or
-    Q8_0 (float32 rows keep their full precision)."""
-    return x.shape[0] <= FUSED_MAX_ROWS and x.dtype != torch.float32 and _layout(part).code in _INT8_X_KERNELS
+    """Whether x's product with the part reads x as an Int8X: 16-bit rows on Q4_K, Q6_K or Q8_0, up to the format's
+    max_rows (float32 rows keep their full precision)."""
+    kernels = _INT8_X_KERNELS.get(_layout(part).code)
+    return kernels is not None and x.shape[0] <= kernels.max_rows and x.dtype != torch.float32
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -868,13 +869,15 @@ class _Int8Kernels(NamedTuple):
     of W it needs)."""
 
     row: triton.JITFunction  # one row (dp4a)
-    rows: triton.JITFunction  # 2 to FUSED_MAX_ROWS rows (int8 tensor cores)
+    rows: triton.JITFunction  # 2 to max_rows rows (int8 tensor cores)
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
+    max_rows: int  # rows up to which x is read as an Int8X; past them the float tile up to FUSED_MAX_ROWS
 
 
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1),
-                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4)}
+# Q4_K past 16 rows: its float tile (_kquant_values) read faster than these at 32 rows (docs/benchmarks.md)
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16),
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS),
+                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:
