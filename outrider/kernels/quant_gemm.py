@@ -11,14 +11,14 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
 (_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
-16-bit rows on Q4_K, Q6_K or Q8_0 read x as llama.cpp's CUDA kernels do: quantized once per product to int8
-groups of 32 (Int8X, one small launch), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row
-(decode): four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops.
-More rows (verify, batches; up to the format's max_rows): each group's quants, as int8, meet x's int8 columns on
-the tensor cores. Both split K
-over several programs where a weight has few output tiles (split_k), the last of them adding the partial sums in
-a fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes (quant/formats.py): the
-blocks without d, read in wide aligned loads, and the d's. Float32 rows keep their precision on the path above.
+16-bit rows on Q4_K, Q6_K or Q8_0 read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups
+of 32 (Int8X, one small launch), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row (decode):
+four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. More rows
+(verify, batches; up to the format's max_rows): each group's quants, as int8, meet x's int8 columns on the tensor
+cores. Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
+partial sums in a fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes
+(quant/formats.py): the blocks without d, read in wide aligned loads, and the d's. Float32 rows keep their precision
+on the path above.
 
 Configs are explicit (default_config, row_config, rows_config); `bench quant --kernels --tune` times others.
 
