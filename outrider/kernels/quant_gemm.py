@@ -67,28 +67,28 @@ class QuantGemmConfig:
     blocks: int  # quant blocks per loop step
     num_warps: int = 4
     num_stages: int = 2
-    split_k: int = 1  # programs a row's K is split over (the one-row kernels)
+    split_k: int = 1  # programs an output tile's K is split over (the Int8X kernels)
 
 
-ROW_PROGRAMS = 512  # programs the one-row kernels aim at: 3-4 a streaming multiprocessor
+ROW_PROGRAMS = 512  # programs the Int8X kernels aim at: 3-4 a streaming multiprocessor
+
+
+def _split_k(k: int, tiles: int) -> int:
+    """K split over up to 8 programs (a 256-value block each at least) where a product has fewer output tiles than
+    ROW_PROGRAMS, so that small projections (o, down, k, v) still keep enough loads in flight."""
+    return max(1, min(8, k // 256, ROW_PROGRAMS // tiles))
 
 
 def row_config(n: int, k: int) -> QuantGemmConfig:
-    """One row as an Int8X: 32 rows of W a program; a weight with fewer tiles than ROW_PROGRAMS
-    splits its K over up to 8 programs, so that small projections (o, down, k, v) still keep enough loads in
-    flight."""
-    tiles = triton.cdiv(n, 32)
-    split = max(1, min(8, k // 256, ROW_PROGRAMS // tiles))
-    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=split)
+    """One row as an Int8X: 32 rows of W a program, K split by _split_k."""
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
 def rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
-    """2-64 rows on an Int8X: 64 rows of W and 16 of x a program (32 past 16 rows), and K split over up to 8
-    programs where the tiles are fewer than ROW_PROGRAMS: skinny products need many programs in flight."""
+    """2 to max_rows rows on an Int8X: 64 rows of W and 16 of x a program (32 past 16 rows), K split by _split_k."""
     block_m = 16 if m <= 16 else 32
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
     return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1,
-                           split_k=max(1, min(8, k // 256, ROW_PROGRAMS // tiles)))
+                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m)))
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
@@ -343,7 +343,7 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words
     (a quarter of a chunk) once a block."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] word offsets of the rows
     w = tl.arange(0, 32)[None, :]
@@ -371,8 +371,8 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         xs_hi = tl.load(xs_ptr + kb * 16 + 4 * chunk + 2 + quarter % 2)
         acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
         words = nxt
-    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
-                SPLIT)
+    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+                 HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -392,7 +392,7 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     i // 4) product is d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4), 4
     words], so a thread reads a group's four words at once and no sum crosses threads."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
     row = rows * stride_row  # [BN, 1] byte offsets of the rows
@@ -425,8 +425,8 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
                 + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
                 + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
         acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
-    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
-                SPLIT)
+    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+                 HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -437,7 +437,7 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     groups, 8 words], each word four signed quants against four of x in one dp4a; a group's sum meets d dx once.
     K need only be a multiple of 32: the groups of a last partial step past K are masked."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
     g = tl.arange(0, 8)[None, :]
@@ -451,8 +451,8 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         s = tl.sum(_dp4a(w, tl.load(xq_ptr + 64 * kb + words, mask=inside[:, :, None], other=0), ASM, True), axis=2)
         d = tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
         acc += d * (tl.load(xd_ptr + 8 * kb + g, mask=inside, other=0.0) * s.to(tl.float32))
-    _row_result(tl.sum(acc, axis=1), b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS, BLOCK_N,
-                SPLIT)
+    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+                 HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -576,8 +576,9 @@ def _q6k_half(acc, q, x, dx, sc, sx):
 @triton.jit
 def _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr):
-    """Store a rows kernel's tile (_store_rows); with K split (program axis 2), the last program of the tile to
-    finish adds the partial tiles instead, in order (deterministic)."""
+    """Store an Int8X kernel's output tile acc [BLOCK_N, BLOCK_M] (_store_rows; one row: BLOCK_M 1); with K split
+    (program axis 2), the last program of the tile to finish adds the partial tiles instead, in order
+    (deterministic)."""
     if SPLIT == 1:
         _store_rows(acc, b_ptr, y_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
     else:
@@ -610,33 +611,8 @@ def _k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _row_result(y, b_ptr, y_ptr, part_ptr, count_ptr, pid_n, pid_k, offs_n, N, HAS_BIAS: tl.constexpr,
-                BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
-    """Store a one-row kernel's sums y [BLOCK_N] (+ bias); with K split, the last program of the row tile to finish
-    adds the partial sums instead, in order (deterministic)."""
-    mask = offs_n < N
-    if SPLIT == 1:
-        _store_row(y, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
-    else:
-        tl.store(part_ptr + pid_k * N + offs_n, y, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
-        if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:
-            total = tl.zeros((BLOCK_N,), tl.float32)
-            for s in tl.static_range(SPLIT):
-                total += tl.load(part_ptr + s * N + offs_n, mask=mask, other=0.0, cache_modifier=".cg")
-            _store_row(total, b_ptr, y_ptr, offs_n, mask, HAS_BIAS)
-
-
-@triton.jit
 def _i8(ptr):
     return tl.load(ptr).to(tl.int8, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _store_row(y, b_ptr, y_ptr, offs_n, mask, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -847,8 +823,8 @@ def _one_row_q8(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tenso
                 k: int, cfg: QuantGemmConfig) -> None:
     """One row as an Int8X."""
     tiles = triton.cdiv(n, cfg.block_n)
-    part, count = _split_buffers(cfg.split_k, (n,), tiles, y)
-    kernels.row[(tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale,
+    part, count = _split_buffers(cfg.split_k, (1, n), tiles, y)
+    kernels.row[(tiles, 1, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale,
                                       y if bias is None else bias, y, part, count, n, k,
                                       t.stride_wn // kernels.row_stride_unit, t.stride_sn, HAS_BIAS=bias is not None,
                                       BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
