@@ -796,19 +796,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     lay = _layout(part)
     t = _tensors(part)
     if takes_int8_x(x, part):
-        x8 = x8 or quantize_x(x)
-        kernels = _INT8_X_KERNELS[lay.code]
-        if m == 1:
-            _one_row_q8(x8, t, kernels, bias, y, n, k, config or row_config(n, k))
-            return
-        cfg = config or rows_config(m, n, k)
-        tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-        part, count = _split_buffers(cfg.split_k, (m, n), tiles[0] * tiles[1], y)
-        kernels.rows[(*tiles, cfg.split_k)](
-            x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, y if bias is None else bias, y, part, count, m, n, k,
-            t.stride_wn, t.stride_sn, y.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n,
-            BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+        _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], bias, y, m, n, k, config)
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -819,26 +807,28 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _one_row_q8(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tensor | None, y: torch.Tensor, n: int,
-                k: int, cfg: QuantGemmConfig) -> None:
-    """One row as an Int8X."""
-    tiles = triton.cdiv(n, cfg.block_n)
-    part, count = _split_buffers(cfg.split_k, (1, n), tiles, y)
-    kernels.row[(tiles, 1, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale,
-                                      y if bias is None else bias, y, part, count, n, k,
-                                      t.stride_wn // kernels.row_stride_unit, t.stride_sn, HAS_BIAS=bias is not None,
-                                      BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
-                                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _split_buffers(split: int, shape: tuple[int, ...], tiles: int, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A K split over `split` programs: a buffer of this call for their partial sums ([split, *shape] float32) and a
-    zeroed ticket counter per output tile (both graph-safe: fixed sizes). No split: y twice, unread (no buffer,
-    no zeroing launch on the decode path)."""
-    if split == 1:
-        return y, y
-    return (torch.empty((split, *shape), dtype=torch.float32, device=y.device),
-            torch.zeros(tiles, dtype=torch.int32, device=y.device))
+def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tensor | None, y: torch.Tensor,
+                    m: int, n: int, k: int, config: QuantGemmConfig | None) -> None:
+    """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
+    split K writes partial sums to a buffer of this call and takes tickets from a zeroed counter per output tile
+    (both graph-safe: fixed sizes; without a split neither is made: no zeroing launch on the decode path)."""
+    cfg = config or (row_config(n, k) if m == 1 else rows_config(m, n, k))
+    tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+    partials, tickets = y, y  # (unread without a split)
+    if cfg.split_k > 1:
+        partials = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=y.device)
+        tickets = torch.zeros(tiles[0] * tiles[1], dtype=torch.int32, device=y.device)
+    b = y if bias is None else bias
+    meta = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if m == 1:
+        kernels.row[(*tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b,
+                                           y, partials, tickets, n, k, t.stride_wn // kernels.row_stride_unit,
+                                           t.stride_sn, **meta)
+    else:
+        kernels.rows[(*tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b, y, partials,
+                                            tickets, m, n, k, t.stride_wn, t.stride_sn, y.stride(0),
+                                            BLOCK_M=cfg.block_m, **meta)
 
 
 class _Int8Kernels(NamedTuple):
