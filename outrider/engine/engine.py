@@ -1,20 +1,14 @@
-"""Engine: the step loop. plan = scheduler.schedule(); launched = runner.launch(plan); runner.sample(launched);
-commit(collect(launched)). Three jobs: that loop, with overlap; fault isolation; commit. engine/builder.py builds it.
-Everything here runs on one thread (the engine thread of AsyncEngine, or the caller's thread offline). Commit is
-where tokens become visible: stop conditions, incremental detokenization, timing stamps and the RequestOutput
-handed to the request's owner happen in one place, once per committed token batch.
+"""Engine: the step loop (plan = scheduler.schedule(); launched = runner.launch(plan); runner.sample(launched);
+commit(collect(launched))), with three jobs: that loop with overlap, fault isolation, and commit, where tokens
+become visible (stops, detokenization, timing stamps, the RequestOutput) once per committed batch. One thread runs
+it (AsyncEngine's, or the caller's offline); engine/builder.py builds it.
 
-Overlap scheduling (CUDA): each step() schedules and launches step n+1 before it collects and commits step n, so
-the host's work for one step runs while the GPU computes the other. Step n+1 feeds each request the token step n
-sampled straight from device memory (Request.num_pending). A request that stops on step n's token wasted one token
-of compute in step n+1, which is discarded; one whose max_tokens or context is reached by its pending token is
-not scheduled again. A step whose sampling reads host state that the step in flight advances (a grammar's
-matcher, a penalty's recent tokens) is enqueued in two phases: its forward, fed from the device as any other;
-then the step in flight is committed; then its sampling, whose masks and penalty windows are computed on the host
-while the device runs the forward.
-
-Speculation (speculative/speculation.py) is one object called at fixed points of a step. A speculative round is
-committed before the next step launches (its positions follow the verdict; docs/speculative.md).
+Overlap scheduling (CUDA): step() launches step n+1 before it commits step n, so the host's work for one step runs
+while the GPU computes the other; step n+1 feeds each request the token step n sampled, from device memory
+(Request.num_pending). A token computed after its request stopped is discarded. A step whose sampling reads host
+state the step in flight advances (a grammar's matcher, a penalty's window) launches its forward, then commits the
+step in flight, then samples. Speculation (speculative/speculation.py) is one object called at fixed points of a
+step; its rounds commit before the next step launches (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -104,6 +98,7 @@ class Engine:
         self.runner = parts.runner
         self.eos_ids, self.grammars, self.weights = parts.eos_ids, parts.grammars, parts.weights
         self.speculation, self.drafter_error = parts.speculation, parts.drafter_error
+        self.drafter_kind = parts.speculation.kind if parts.speculation is not None else None
         self.live: dict[int, _Live] = {}
         # Requests of a step that failed with several in it: each runs alone until it passes or fails alone.
         self.suspects: set[int] = set()
@@ -114,10 +109,6 @@ class Engine:
         self.inflight: LaunchedStep | None = None  # launched, not yet collected (overlap scheduling)
         self.counters = dict.fromkeys(("prompt_tokens", "predicted_tokens", "requests_finished", "steps",
                                        "busy_slots_total"), 0)
-
-    @property
-    def drafter_kind(self) -> str | None:
-        return self.speculation.kind if self.speculation is not None else None
 
     def add_request(self, req: Request, on_output: OutputCallback) -> None:
         if req.params.seed is not None and req.params.seed >= 0:
@@ -189,9 +180,7 @@ class Engine:
         plan = planned.plan
         t = self.clock()  # the step is launched now: its prompts' processing starts (docs/architecture.md)
         for req in plan.preempted:
-            req.timing.mark_preempted(t)
-            if spec is not None:
-                spec.release(req.request_id)
+            self._preempted(req, t)
         if self.suspects:
             plan = self._isolate(plan)
         if not plan.scheduled:
@@ -248,6 +237,11 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["busy_slots_total"] += num_requests
 
+    def _preempted(self, req: Request, t: float) -> None:
+        req.timing.mark_preempted(t)
+        if self.speculation is not None:
+            self.speculation.release(req.request_id)
+
     def _isolate(self, plan: StepPlan) -> StepPlan:
         """The plan cut down to one suspect (the others wait a step: nothing of theirs was advanced)."""
         self.suspects.intersection_update(self.live)
@@ -269,13 +263,9 @@ class Engine:
                       len(plan.scheduled), exc)
             self.suspects.update(s.request.request_id for s in plan.scheduled)
             self.restamp.update(req.request_id for req in plan.admitted)
-            if self.scheduler.states is not None:  # (a linear layer's state may have advanced part way: recompute)
-                t = self.clock()
-                for s in plan.scheduled:
-                    if self.scheduler.requeue(s.request):
-                        s.request.timing.mark_preempted(t)
-                        if self.speculation is not None:
-                            self.speculation.release(s.request.request_id)
+            t = self.clock()
+            for req in self.scheduler.recompute_states([s.request for s in plan.scheduled]):
+                self._preempted(req, t)
             return
         log.error("step failed: %s\n%s", exc, traceback.format_exc())
         for s in plan.scheduled:

@@ -113,12 +113,15 @@ class Scheduler:
                 s.draft_tokens = []
         return StepPlan(scheduled, preempted, admitted, prompt_rows or bool(admitted))
 
-    def requeue(self, req: Request) -> bool:
-        """Preempt a running request (its blocks and state slot freed) to recompute it; False if it is not running."""
-        if req not in self.running:
-            return False
-        self._preempt(req)
-        return True
+    def recompute_states(self, requests: list[Request]) -> list[Request]:
+        """After a failed step: preempt those of `requests` still running to recompute them, if their model keeps
+        linear-attention states (a layer's state may have advanced part way); returns the ones preempted."""
+        if self.states is None:
+            return []
+        requeued = [req for req in requests if req in self.running]
+        for req in requeued:
+            self._preempt(req)
+        return requeued
 
     def _hit_hash(self, req: Request) -> int | None:
         """The hash of the last block of req's prefix hit (None: no hit)."""
