@@ -12,7 +12,8 @@ import torch
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, QUIET_DECISIONS_ASLEEP, DraftPolicy,
-                                         PendingDrafts, Proposals, _Acceptance, expected_tokens, stage_drafts)
+                                         PendingDrafts, Proposals, StepCosts, _Acceptance, expected_tokens,
+                                         stage_drafts)
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make
@@ -461,3 +462,20 @@ def test_the_policy_earns_close_to_the_best_fixed_draft_length(preset):
         earned, _ = sim.simulate(**run)
         best = max(sim.simulate(**run, fixed_k=k)[0] for k in range(n_max + 1))
         assert earned >= (0.97 if alpha == 0 else 0.95) * best, (alpha, earned, best)
+
+
+def test_a_faster_second_measurement_replaces_a_stalled_first_one():
+    """The SmolLM2-shaped DFlash pair at batch 8 (H100): calibration's first round of one draft took 5.0 ms against
+    0.77 ms plain steps (a first use), and averaged in, later rounds of about 1 ms left it priced at twice its cost
+    for many rounds, so k = 0 held the whole run. A second measurement below the first replaces it; from the third
+    on, measurements average as before."""
+    costs = StepCosts()
+    costs.observe(8, 0, 0.77e-3)
+    costs.observe(8, 1, 5.0e-3)
+    assert costs.get(8, 1) == pytest.approx(5.0e-3)
+    costs.observe(8, 1, 1.0e-3)
+    assert costs.get(8, 1) == pytest.approx(1.0e-3)
+    costs.observe(8, 1, 0.6e-3)
+    assert costs.get(8, 1) == pytest.approx(1.0e-3 + costs.weight * (0.6e-3 - 1.0e-3))
+    costs.observe(8, 1, 0.2e-3)  # (a faster third one averages: only a first measurement is provisional)
+    assert costs.get(8, 1) > 0.7e-3

@@ -189,15 +189,24 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m:
     return out
 
 
-PAIR_TOKENS = 4  # routings of up to this many tokens take the per-pair GEMVs (each pair reads its expert's rows)
+# Routings of up to this many tokens take the per-pair GEMVs (each pair reads its expert's rows): at the 30B-A3B
+# and 35B-A3B expert shapes they read faster than the sorted path at 1, 2, 4 and 8 tokens (docs/benchmarks.md).
+PAIR_TOKENS = 8
 
 
 class GemvTiles(NamedTuple):
     """Column and reduction tiles of the per-pair GEMVs (gate_up, then down)."""
 
-    gate_up_n: int = 16
-    down_n: int = 16
-    block_k: int = 256
+    gate_up_n: int
+    down_n: int
+    block_k: int
+
+
+def pair_tiles(inter: int) -> GemvTiles:
+    """The per-pair GEMVs' tiles for experts of intermediate size `inter`: 512 values of K a step where they divide
+    down's K (35B-A3B's 512), else 256, with 8 of down's columns a program (30B-A3B's 768): the fastest of the swept
+    tiles at every token count at each shape."""
+    return GemvTiles(16, 16, 512) if inter % 512 == 0 else GemvTiles(16, 8, 256)
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
@@ -214,10 +223,11 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, id
 
 
 def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                 weights: torch.Tensor, tiles: GemvTiles = GemvTiles()) -> torch.Tensor:
-    """fused_experts through the per-pair GEMVs (contiguous operands, float32 weights)."""
+                 weights: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
+    """fused_experts through the per-pair GEMVs (contiguous operands, float32 weights; tiles: pair_tiles')."""
     t, top_k = ids.shape
     inter, hidden = down.shape[2], x.shape[1]
+    tiles = tiles or pair_tiles(inter)
     act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
     _pair_gate_up[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
         x, gate_up, act, ids, inter, K=hidden, TOP_K=top_k, BLOCK_N=tiles.gate_up_n,

@@ -242,9 +242,10 @@ class StepCosts:
     before anything is measured.
 
     A measurement counts at most `stall_factor` times what the length cost before (a first one: `first_factor`
-    times the plain step): a stall (a kernel compiled on first use, a collection, a busy host) would otherwise
-    price a draft length out of reach until it goes stale, while a real change still moves the average, a bounded
-    step at a time."""
+    times the plain step), and a second one faster than the first replaces it: a stall (a kernel compiled or a
+    graph captured on first use, a collection, a busy host) would otherwise price a draft length out of reach
+    for many rounds (the warm-up's one round of a length at a batch size may be its only measurement for long),
+    while a real change still moves the average, a bounded step at a time."""
 
     weight: float = 0.25  # of a new measurement
     stale_after: int = 256
@@ -258,15 +259,19 @@ class StepCosts:
     def observe(self, batch: int, k: int, seconds: float) -> None:
         bucket = batch_bucket(batch)
         old = self._current(bucket, k)
-        if old is not None:
-            seconds = min(seconds, self.stall_factor * old)
-        elif (plain := self._current(bucket, 0)) is not None:
-            seconds = min(seconds, self.first_factor * plain)
-        self.seconds.setdefault(bucket, {})[k] = seconds if old is None else old + self.weight * (seconds - old)
+        samples = self._samples.setdefault(bucket, {})
+        if old is None:  # measured afresh
+            samples[k] = 0
+            if (plain := self._current(bucket, 0)) is not None:
+                seconds = min(seconds, self.first_factor * plain)
+        elif samples[k] == 1 and seconds < old:
+            pass  # the first measurement may have been a stall: a faster second one replaces it
+        else:
+            seconds = old + self.weight * (min(seconds, self.stall_factor * old) - old)
+        self.seconds.setdefault(bucket, {})[k] = seconds
         self._counts[bucket] = count = self._counts.get(bucket, 0) + 1
         self._measured_at.setdefault(bucket, {})[k] = count
-        samples = self._samples.setdefault(bucket, {})
-        samples[k] = samples.get(k, 0) + 1
+        samples[k] += 1
 
     def get(self, batch: int, k: int) -> float | None:
         return self._current(batch_bucket(batch), k)

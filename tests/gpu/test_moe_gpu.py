@@ -38,8 +38,9 @@ def test_fused_experts_match_the_torch_reference(tokens, experts, top_k, model_d
     _check_experts(fused_experts, tokens, experts, top_k, 48, 40, model_dtype, device)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 4, 6])  # (pairs sharing an expert from 2 on)
-@pytest.mark.parametrize("hidden,inter,tiles", [(48, 40, None), (96, 136, (16, 32, 64)), (64, 16, (8, 8, 16))])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 6, 8])  # (pairs sharing an expert from 2 on)
+@pytest.mark.parametrize("hidden,inter,tiles", [(48, 40, None), (96, 512, None), (96, 136, (16, 32, 64)),
+                                                (64, 16, (8, 8, 16))])
 def test_both_expert_paths_match_the_torch_reference_for_few_tokens(tokens, hidden, inter, tiles, model_dtype,
                                                                       device):
     """The per-pair GEMVs and the sorted grouped GEMMs, each on its own (fused_experts picks one by T), with
