@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from outrider.bench.report import Reporter
 from outrider.bench.shapes import RANDOM_MODELS
 from outrider.models import load_model
 from outrider.quant.writers import GGUF_MIXES, write_random_checkpoint, write_random_gguf
+
+if TYPE_CHECKING:
+    from outrider.kernels.quant_gemm import QuantGemmConfig
 
 def write_checkpoint(name: str, fmt: str, root: Path) -> tuple[Path, int]:
     """The random checkpoint of shape `name` in format `fmt` under `root` (kept: written once), and its tensor
@@ -120,21 +124,20 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int, n: int, k: int, int8_x: bool):
-    """Configs `--tune` tries around the default: on an Int8X x (int8_x) one row's tile rows, warps and K splits,
-    more rows' tile rows, x rows and K splits; otherwise tile rows, K per step, warps and pipeline depth."""
-    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config, row_config, rows_config
+def _candidates(m: int, block: int, n: int, int8_x: QuantGemmConfig | None):
+    """Configs `--tune` tries around the default: on an Int8X x (int8_x: its default config) one row's tile rows,
+    warps and K splits, more rows' tile rows, x rows and K splits; otherwise tile rows, K per step, warps and
+    pipeline depth."""
+    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
 
-    if int8_x and m == 1:
-        base = row_config(n, k)
-        return [base] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
-                         for warps in (2, 4, 8) for split in (1, 2, 4, 8)
-                         if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != base and block_n * 32 >= 128 * warps]
-    if int8_x:
-        base = rows_config(m, n, k)
-        return [base] + [QuantGemmConfig(block_n, block_m, 1, 4, 2, split) for block_n in (32, 64, 128)
-                         for block_m in (16, 32) for split in (1, 2, 4, 8)
-                         if block_m <= max(16, m) and QuantGemmConfig(block_n, block_m, 1, 4, 2, split) != base]
+    if int8_x is not None and m == 1:
+        return [int8_x] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
+                           for warps in (2, 4, 8) for split in (1, 2, 4, 8)
+                           if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != int8_x and block_n * 32 >= 128 * warps]
+    if int8_x is not None:
+        return [int8_x] + [QuantGemmConfig(block_n, block_m, 1, 4, 2, split) for block_n in (32, 64, 128)
+                           for block_m in (16, 32) for split in (1, 2, 4, 8)
+                           if block_m <= max(16, m) and QuantGemmConfig(block_n, block_m, 1, 4, 2, split) != int8_x]
     base = default_config(m, block, n)
     out = [base]
     for block_n in (16, 32, 64):
@@ -153,7 +156,8 @@ def run_kernels(args, reporter: Reporter) -> None:
     overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows."""
     import triton
 
-    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, fused_linear, quantized_linear, takes_int8_x
+    from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, int8_x_config, quantized_linear,
+                                             takes_int8_x)
     from outrider.quant.weight import QuantizedWeight
 
     device = torch.device(args.device)
@@ -175,7 +179,8 @@ def run_kernels(args, reporter: Reporter) -> None:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
-                        for c in _candidates(m, block, n, k, takes_int8_x(x, weight.parts[0]))]
+                        for c in _candidates(m, block, n, int8_x_config(m, weight.parts[0])
+                                             if takes_int8_x(x, weight.parts[0]) else None)]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

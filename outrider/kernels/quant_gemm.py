@@ -84,11 +84,20 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
     return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
-def rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
-    """2 to max_rows rows on an Int8X: 64 rows of W and 16 of x a program (32 past 16 rows), K split by _split_k."""
-    block_m = 16 if m <= 16 else 32
-    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1,
-                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m)))
+def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
+    """2 to max_rows rows on an Int8X: block_n rows of W and 16 of x a program (past 16 rows of x, 64 and 32), K
+    split by _split_k."""
+    block_m, block_n = (16, block_n) if m <= 16 else (32, 64)
+    return QuantGemmConfig(block_n=block_n, block_m=block_m, blocks=1,
+                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m)))
+
+
+def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
+    """The default config of an Int8X product of m rows with `part` (one where takes_int8_x)."""
+    n, k = part.shape
+    if m == 1:
+        return row_config(n, k)
+    return rows_config(m, n, k, _INT8_X_KERNELS[_layout(part).code].rows_block_n)
 
 
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
@@ -796,7 +805,8 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     lay = _layout(part)
     t = _tensors(part)
     if takes_int8_x(x, part):
-        _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], bias, y, m, n, k, config)
+        _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], bias, y, m, n, k,
+                        config or int8_x_config(m, part))
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -808,11 +818,10 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
 
 
 def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tensor | None, y: torch.Tensor,
-                    m: int, n: int, k: int, config: QuantGemmConfig | None) -> None:
+                    m: int, n: int, k: int, cfg: QuantGemmConfig) -> None:
     """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
     split K writes partial sums to a buffer of this call and takes tickets from a zeroed counter per output tile
     (both graph-safe: fixed sizes; without a split neither is made: no zeroing launch on the decode path)."""
-    cfg = config or (row_config(n, k) if m == 1 else rows_config(m, n, k))
     tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     partials, tickets = y, y  # (unread without a split)
     if cfg.split_k > 1:
@@ -839,12 +848,14 @@ class _Int8Kernels(NamedTuple):
     rows: triton.JITFunction  # 2 to max_rows rows (int8 tensor cores)
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
     max_rows: int  # rows up to which x is read as an Int8X; past them the float tile up to FUSED_MAX_ROWS
+    rows_block_n: int  # rows of W a `rows` program takes, up to 16 rows of x (rows_config)
 
 
-# Q4_K past 16 rows: its float tile (_kquant_values) read faster than these at 32 rows (docs/benchmarks.md)
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS),
-                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS)}
+# Q4_K past 16 rows: its float tile (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0 up to 16 rows
+# read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md)
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128),
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64),
+                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

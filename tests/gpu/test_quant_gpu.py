@@ -250,7 +250,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True}
         return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].row, signature, constants, cfg)
     if rows <= INT8_X_ROWS.get(kind, 0):  # 16-bit rows as an Int8X (int8 tensor cores)
-        cfg = q.rows_config(rows, n, 4096)
+        cfg = q.rows_config(rows, n, 4096, q._INT8_X_KERNELS[getattr(q, kind).value].rows_block_n)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                      "N": "i32", "K": "i32", "stride_wn": "i32", "stride_d": "i32", "stride_ym": "i32",
@@ -285,6 +285,11 @@ def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
     return int(re.search(r"(\d+) bytes spill stores", report)[1])
 
 
+# Q4_K's Int8X tile of 128 rows of W (2-16 rows of x) spills a few words (48-68 bytes, to L1); at 16 rows it read
+# 5-10 % faster than the 64-row tile that keeps everything in registers (docs/benchmarks.md).
+SPILLS_ALLOWED = {("Q4_K", 2): 128, ("Q4_K", 16): 128}
+
+
 @pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (16, 4096), (16, 24576), (64, 4096)])
 @pytest.mark.parametrize("kind", _SIGNATURES)
 def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
@@ -298,7 +303,7 @@ def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows
     done = subprocess.run([sys.executable, __file__, kind, str(rows), str(n)], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) == 0
+    assert int(done.stdout.split()[-1]) <= SPILLS_ALLOWED.get((kind, rows), 0)
 
 
 if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: the bytes its kernel spills (see above)
