@@ -11,7 +11,7 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
 (_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
-16-bit rows on Q4_K, Q6_K or Q8_0 read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups
+16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups
 of 32 (Int8X, one small launch), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row (decode):
 four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. More rows
 (verify, batches; up to the format's max_rows): each group's quants, as int8, meet x's int8 columns on the tensor
@@ -575,6 +575,81 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 
 
 @triton.jit
+def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
+                        K, stride_row, stride_d, z_ptr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        SPLIT: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr):
+    """y [1, N] = x [1, K] @ W.T on INT4 (byte l of a group holds its values l and l + GROUP / 2; d_ptr: the scales,
+    z_ptr: the zero points) for an Int8X x of one row. Word w of a group, masked to its low (high) nibbles, holds
+    the four unsigned weights of values 4 w (GROUP / 2 + 4 w) on, whose x word follows: one dp4a each. A group's
+    product is s (the sum over its 16-value quarters of dx q.xq) - s z sum(x)."""
+    W: tl.constexpr = GROUP // 8  # words of a group's bytes
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    w = tl.arange(0, W)[None, :]
+    quarter = tl.arange(0, W // 4)[None, :]  # 16 values: four words of a half
+    n_groups = K // GROUP
+    first, last = _k_run(n_groups, pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, W // 4), tl.float32)
+    words = tl.load(w32_ptr + rows * stride_row + W * tl.minimum(first, n_groups - 1) + w)
+    for g in tl.range(first, last):
+        nxt = tl.load(w32_ptr + rows * stride_row + W * tl.minimum(g + 1, last - 1) + w)  # issued early
+        xw = g * (GROUP // 4) + w  # x word of the low nibbles' values
+        lo = _dp4a(words & 0x0F0F0F0F, tl.load(xq_ptr + xw), ASM)
+        hi = _dp4a((words >> 4) & 0x0F0F0F0F, tl.load(xq_ptr + xw + W), ASM)
+        lo = tl.sum(tl.reshape(lo, (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)  # [BN, quarters]: within a thread
+        hi = tl.sum(tl.reshape(hi, (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)
+        dx = xd_ptr + g * (GROUP // 32) + quarter // 2
+        sums = xs_ptr + g * (GROUP // 16) + quarter
+        scale = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
+        zero = tl.load(z_ptr + rows * stride_d + g).to(tl.float32)
+        acc += scale * (tl.load(dx) * lo + tl.load(dx + GROUP // 64) * hi
+                        - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
+        words = nxt
+    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+                 HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+                         M, N, K, stride_wn, stride_d, stride_ym, z_ptr, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                         GROUP: tl.constexpr):
+    """_q4k_rows_q8_kernel for INT4: each 32 bytes c of a group, their low or high nibbles (values 32 c on, or
+    GROUP / 2 + 32 c on) against x's 32 columns of those values, then s dx (that tile) - s z sum(x)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    row = rows * stride_wn
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
+    j = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    first, last = _k_run(K // GROUP, tl.program_id(2), SPLIT)
+    for g in tl.range(first, last):
+        scale = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
+        scaled_zero = scale * tl.load(z_ptr + rows * stride_d + g).to(tl.float32)
+        for c in tl.static_range(GROUP // 64):
+            qb = tl.load(w_ptr + row + g * (GROUP // 2) + 32 * c + j[None, :])
+            for h in tl.static_range(2):
+                xg = g * (GROUP // 32) + h * (GROUP // 64) + c  # x's group
+                xq = tl.load(xq_ptr + xm * K + 32 * xg + j[:, None])
+                dot = tl.dot(_nibbles(qb, h, ASM), xq, out_dtype=tl.int32)
+                acc += scale * (tl.load(xd_ptr + xm * (K // 32) + xg) * dot.to(tl.float32))
+                acc -= scaled_zero * _x_group_sum(xs_ptr, xm, K, xg)
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _x_group_sum(xs_ptr, xm, K, g):
+    """The sum of x's group g of 32 values [1, BLOCK_M] (rows xm), from its two 16-value sums."""
+    sums = xs_ptr + xm * (K // 16) + 2 * g
+    return tl.load(sums) + tl.load(sums + 1)
+
+
+@triton.jit
 def _q6k_half(acc, q, x, dx, sc, sx):
     """acc + one scale group's product: q [BLOCK_N, 32] against x's 32 columns with the other 16 zeroed."""
     dot = tl.dot(q, x, out_dtype=tl.int32)
@@ -780,7 +855,7 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
     if isinstance(part.format, FP8Format) and INTERPRET:
         data = data.view(torch.uint8)
     gguf = isinstance(part.format, GGUFFormat)
-    words = gguf and part.format.name in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    words = (gguf and part.format.name in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")) or isinstance(part.format, Int4Format)
     scale = part.scale if part.scale is not None else data
     flat = data.reshape(-1)
     return _Tensors(data, data.view(torch.float16) if gguf else data,
@@ -790,10 +865,13 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
 
 
 def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part reads x as an Int8X: 16-bit rows on Q4_K, Q6_K or Q8_0, up to the format's
-    max_rows (float32 rows keep their full precision)."""
-    kernels = _INT8_X_KERNELS.get(_layout(part).code)
-    return kernels is not None and x.shape[0] <= kernels.max_rows and x.dtype != torch.float32
+    """Whether x's product with the part reads x as an Int8X: 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 (groups of a
+    power of two from 64 values), up to the format's max_rows (float32 rows keep their full precision)."""
+    lay = _layout(part)
+    kernels = _INT8_X_KERNELS.get(lay.code)
+    if kernels is None or x.shape[0] > kernels.max_rows or x.dtype == torch.float32:
+        return False
+    return not kernels.grouped or (lay.block >= 64 and lay.block & (lay.block - 1) == 0)
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -805,7 +883,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     lay = _layout(part)
     t = _tensors(part)
     if takes_int8_x(x, part):
-        _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], bias, y, m, n, k,
+        _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
                         config or int8_x_config(m, part))
         return
     cfg = config or default_config(m, lay.block, n)
@@ -817,8 +895,8 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.Tensor | None, y: torch.Tensor,
-                    m: int, n: int, k: int, cfg: QuantGemmConfig) -> None:
+def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, bias: torch.Tensor | None,
+                    y: torch.Tensor, m: int, n: int, k: int, cfg: QuantGemmConfig) -> None:
     """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
     split K writes partial sums to a buffer of this call and takes tickets from a zeroed counter per output tile
     (both graph-safe: fixed sizes; without a split neither is made: no zeroing launch on the decode path)."""
@@ -829,7 +907,8 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, bias: torch.T
         tickets = torch.zeros(tiles[0] * tiles[1], dtype=torch.int32, device=y.device)
     b = y if bias is None else bias
     meta = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                **(dict(z_ptr=t.zero, GROUP=block) if kernels.grouped else {}))
     if m == 1:
         kernels.row[(*tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b,
                                            y, partials, tickets, n, k, t.stride_wn // kernels.row_stride_unit,
@@ -849,13 +928,16 @@ class _Int8Kernels(NamedTuple):
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
     max_rows: int  # rows up to which x is read as an Int8X; past them the float tile up to FUSED_MAX_ROWS
     rows_block_n: int  # rows of W a `rows` program takes, up to 16 rows of x (rows_config)
+    grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
 
 
 # Q4_K past 16 rows: its float tile (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0 up to 16 rows
-# read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md)
+# read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4 (not measured yet) as
+# Q4_K's nibbles, with 64-row tiles.
 _INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128),
                    Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64),
-                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128)}
+                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128),
+                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 16, 64, grouped=True)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). Up to 64 16-bit rows on Q6_K or Q8_0 (16 on Q4_K) read x as llama.cpp's CUDA kernels do, in int8
-groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle below, and a test of its
+accumulation over K <= 1024). Up to 64 16-bit rows on Q6_K or Q8_0 (16 on Q4_K and INT4) read x as llama.cpp's CUDA
+kernels do, in int8 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle below, and a test of its
 own bounds what that quantization costs against the exact product."""
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from outrider.quant.weight import QuantizedWeight
 from outrider.quant.writers import random_quantized
 
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
-FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), Int4Format(128, "AWQ")]
 ROWS = [1, 2, 5, 16, 512]  # 1-2: CUDA-core products; 5, 16: tensor cores; 512: dequantized chunks + cuBLAS
-INT8_X_ROWS = {"Q4_K": 16, "Q6_K": 64, "Q8_0": 64}  # up to which 16-bit rows read x as int8 groups (takes_int8_x)
+INT4 = Int4Format(128, "AWQ")
+FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), INT4]
+# Format name -> rows up to which 16-bit rows read x as int8 groups (takes_int8_x)
+INT8_X_ROWS = {"Q4_K": 16, "Q6_K": 64, "Q8_0": 64, INT4.name: 16}
+_BY_NAME = {f.name: f for f in FORMATS}
 
 
 def _k(fmt) -> int:
@@ -71,7 +74,7 @@ def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_e
     """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
     from outrider.kernels.quant_gemm import quantized_linear
 
-    part, _ = random_quantized(GGUF_FORMATS[kind], 96, 1024, seed=3)
+    part, _ = random_quantized(_BY_NAME[kind], 96, 1024, seed=3)
     weight = QuantizedWeight([part], half).to(device)
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(4)).to(device, half)
     ref = _reference(x, weight.parts[0].dequantize())
@@ -88,7 +91,7 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     none), with a bias: the last program of each output tile adds the partials."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
 
-    part, _ = random_quantized(GGUF_FORMATS[kind], 80, 1280, seed=split)
+    part, _ = random_quantized(_BY_NAME[kind], 80, 1280, seed=split)
     weight = QuantizedWeight([part], half).to(device)
     x = torch.randn(rows, 1280, generator=torch.Generator().manual_seed(5)).to(device, half)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, half)
@@ -241,23 +244,25 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
-    if kind in INT8_X_ROWS and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
+    kernels = q._INT8_X_KERNELS.get(getattr(q, kind).value)
+    grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
+    if kernels and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
         cfg = q.row_config(n, 4096)
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
-                     "K": "i32", "stride_row": "i32", "stride_d": "i32",
+                     "K": "i32", "stride_row": "i32", "stride_d": "i32", **grouped[0],
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
-        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True}
-        return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].row, signature, constants, cfg)
-    if rows <= INT8_X_ROWS.get(kind, 0):  # 16-bit rows as an Int8X (int8 tensor cores)
-        cfg = q.rows_config(rows, n, 4096, q._INT8_X_KERNELS[getattr(q, kind).value].rows_block_n)
+        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, **grouped[1]}
+        return _ptxas_spills(kernels.row, signature, constants, cfg)
+    if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (int8 tensor cores)
+        cfg = q.rows_config(rows, n, 4096, kernels.rows_block_n)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                      "N": "i32", "K": "i32", "stride_wn": "i32", "stride_d": "i32", "stride_ym": "i32",
-                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "SPLIT", "ASM"], "constexpr")}
+                     **grouped[0], **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "SPLIT", "ASM"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
-                     "ASM": True}
-        return _ptxas_spills(q._INT8_X_KERNELS[getattr(q, kind).value].rows, signature, constants, cfg)
+                     "ASM": True, **grouped[1]}
+        return _ptxas_spills(kernels.rows, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
