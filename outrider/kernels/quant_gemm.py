@@ -515,10 +515,9 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     """_q4k_rows_q8_kernel for Q6_K (blocks of 208 bytes, d in its plane). Values 128 n + 32 r + l (half n, quarter
-    r): ql byte 64 n + 32 (r % 2) + l,
-    its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top (unsigned 0..63); the scale of 16 values
-    is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns of xq meet the quants twice, as their two halves:
-    d sc (dx (that tile) - 32 sum(x))."""
+    r): ql byte 64 n + 32 (r % 2) + l, its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top, less 32
+    (signed int8, so no min term); the scale of 16 values is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns
+    of xq meet the quants twice, as their two halves (the other half zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -539,16 +538,44 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                 ql = tl.load(w_ptr + base + 64 * n + 32 * a + j[None, :])
                 for hi in tl.static_range(2):
                     r = a + 2 * hi
-                    q = (((ql >> (4 * hi)) & 15) | (((qh >> (2 * r)) & 3) << 4)).to(tl.int8)
+                    q = _q6k_signed(ql, qh, r, ASM)
                     g = kb * 8 + 4 * n + r
-                    xq = tl.load(xq_ptr + xm * K + 32 * g + j[:, None])
+                    x = xq_ptr + xm * K + 32 * g + j[:, None]
                     dx = tl.load(xd_ptr + xm * (K // 32) + g)
-                    sums = xs_ptr + xm * (K // 16) + 2 * g
                     scales = w_ptr + base + 192 + 8 * n + 2 * r
-                    x_lo = tl.where(lower, xq, 0)
-                    acc = _q6k_half(acc, q, x_lo, dx, d * _i8(scales), tl.load(sums))
-                    acc = _q6k_half(acc, q, xq - x_lo, dx, d * _i8(scales + 1), tl.load(sums + 1))
+                    dot = tl.dot(q, tl.load(x, mask=lower, other=0), out_dtype=tl.int32)
+                    acc += (d * _i8(scales)) * (dx * dot.to(tl.float32))
+                    dot = tl.dot(q, tl.load(x, mask=~lower, other=0), out_dtype=tl.int32)
+                    acc += (d * _i8(scales + 1)) * (dx * dot.to(tl.float32))
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+def _q6k_signed_asm(r: int) -> str:
+    """PTX for four bytes of _q6k_signed's quarter r: a nibble of ql (low for r 0 and 1) with bits 2 r of qh on top
+    (0..63), then bit 5 flipped and copied into bits 6 and 7: the 6-bit value less 32, as int8."""
+    low = f"shr.u32 a, $1, {4 * (r // 2)}; and.b32 a, a, 0x0F0F0F0F;" if r // 2 else "and.b32 a, $1, 0x0F0F0F0F;"
+    top = f"shr.u32 b, $2, {2 * r}; and.b32 b, b, 0x03030303;" if r else "and.b32 b, $2, 0x03030303;"
+    return ("{.reg .b32 a, b, t; " + low + " " + top + " shl.b32 b, b, 4; or.b32 t, a, b; xor.b32 t, t, 0x20202020;"
+            " and.b32 a, t, 0x20202020; shl.b32 b, a, 1; or.b32 t, t, b; shl.b32 b, a, 2; or.b32 $0, t, b;}")
+
+
+_Q6K_SIGNED_0, _Q6K_SIGNED_1, _Q6K_SIGNED_2, _Q6K_SIGNED_3 = (tl.constexpr(_q6k_signed_asm(r)) for r in range(4))
+
+
+@triton.jit
+def _q6k_signed(ql, qh, R: tl.constexpr, ASM: tl.constexpr):
+    """Q6_K's quants of quarter R less 32 (int8, -32..31) from their ql and qh bytes [BLOCK_N, 32]: four bytes an
+    instruction sequence in the PTX."""
+    if ASM:
+        if R == 0:
+            return tl.inline_asm_elementwise(_Q6K_SIGNED_0, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+        if R == 1:
+            return tl.inline_asm_elementwise(_Q6K_SIGNED_1, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+        if R == 2:
+            return tl.inline_asm_elementwise(_Q6K_SIGNED_2, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_Q6K_SIGNED_3, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+    q = ((ql >> (4 * (R // 2))) & 15) | (((qh >> (2 * R)) & 3) << 4)
+    return (q.to(tl.int16) - 32).to(tl.int8)
 
 
 @triton.jit
@@ -647,14 +674,6 @@ def _x_group_sum(xs_ptr, xm, K, g):
     """The sum of x's group g of 32 values [1, BLOCK_M] (rows xm), from its two 16-value sums."""
     sums = xs_ptr + xm * (K // 16) + 2 * g
     return tl.load(sums) + tl.load(sums + 1)
-
-
-@triton.jit
-def _q6k_half(acc, q, x, dx, sc, sx):
-    """acc + one scale group's product: q [BLOCK_N, 32] against x's 32 columns with the other 16 zeroed."""
-    dot = tl.dot(q, x, out_dtype=tl.int32)
-    acc += sc * (dx * dot.to(tl.float32))
-    return acc - (32.0 * sc) * sx
 
 
 @triton.jit
