@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.kernels.fused import pdl_enter
+from outrider.kernels.launch import pdl_args, use_pdl
+
 
 class BlockLayout(NamedTuple):
     """The pairs (index t * k + j into the flattened routing) in expert order, BLOCK_M per block.
@@ -99,15 +102,17 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     if t:
         _route[(t,)](logits, ids, weights, num_experts, logits.stride(0), TOP_K=top_k,
                      KP=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts),
-                     NORMALIZE=normalize)
+                     NORMALIZE=normalize, **pdl_args(use_pdl(logits)))
     return ids, weights
 
 
 @triton.jit
 def _route(logits_ptr, ids_ptr, weights_ptr, num_experts, stride, TOP_K: tl.constexpr, KP: tl.constexpr,
-           BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr):
+           BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
     """One token: softmax over its expert logits in float32, then TOP_K rounds of taking the largest left (the
-    lowest id among equals)."""
+    lowest id among equals). Like the per-pair GEMVs below, a programmatic dependent launch in CUDA graphs
+    (fused.pdl_enter): at decode these three launches a layer would otherwise each wait out a launch gap."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
@@ -229,21 +234,23 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
     inter, hidden = down.shape[2], x.shape[1]
     tiles = tiles or pair_tiles(inter)
     act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    pdl = pdl_args(use_pdl(x))
     _pair_gate_up[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
         x, gate_up, act, ids, inter, K=hidden, TOP_K=top_k, BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden)))
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden)), **pdl)
     out = torch.empty_like(x)
     _pair_down[(t, triton.cdiv(hidden, tiles.down_n))](
         act, down, out, ids, weights, hidden, K=inter, TOP_K=top_k, BLOCK_N=tiles.down_n,
-        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter)))
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter)), **pdl)
     return out
 
 
 @triton.jit
 def _pair_gate_up(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """act[p, n] = silu(w[e, n] . x[t]) * (w[e, N + n] . x[t]) for pair p = t * TOP_K + j of expert e = ids[p]:
     products summed per lane across the K loop, reduced across lanes once at the end."""
+    pdl_enter(USE_PDL)
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + p)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -265,8 +272,9 @@ def _pair_gate_up(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, TOP_K: tl.
 
 @triton.jit
 def _pair_down(act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, N, K: tl.constexpr, TOP_K: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """out[t, n] = sum_j weights[t, j] * (w[e_j, n] . act[t * TOP_K + j]) over token t's experts e_j = ids[t, j]."""
+    pdl_enter(USE_PDL)
     t, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
