@@ -9,6 +9,8 @@ decode or verify step captures into a CUDA graph.
   launch); the same two modes (verify: each position's update of the state, not the state). One program per
   (sequence, value head, block of value dims): the [Dk, BV] state block stays in registers across the positions.
 - `gated_norm`: the output's gated RMSNorm in one launch.
+The three decode kernels launch as programmatic dependent launches in CUDA graphs (fused.pdl_enter first), as the
+projections around them do: a plain launch between them would expose two launch gaps a linear-attention layer.
 - `commit_updates`: after a verify, each sequence's slot takes the state after its accepted drafts, replaying the
   updates its verify row kept (k, u, g a position: a rank-one update each, far smaller than a state).
 
@@ -24,11 +26,16 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.kernels.fused import pdl_enter
+from outrider.kernels.launch import pdl_args, use_pdl
+
 
 @triton.jit
 def _conv_step(x_ptr, w_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr, C, stride_x, stride_out,
-               stride_ss, stride_vr, stride_vp, max_pos, VERIFY: tl.constexpr, BLOCK_C: tl.constexpr):
+               stride_ss, stride_vr, stride_vp, max_pos, VERIFY: tl.constexpr, BLOCK_C: tl.constexpr,
+               USE_PDL: tl.constexpr):
     """Kernel width 4 (every released Qwen3-Next / Qwen3.5): the window is four [BLOCK_C] columns, oldest first."""
+    pdl_enter(USE_PDL)
     b, cb = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(qsl_ptr + b), tl.load(qsl_ptr + b + 1)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -75,7 +82,7 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Te
     grid = (slots.numel(), triton.cdiv(c, block_c))
     _conv_step[grid](x, weight.contiguous(), out, conv_state, target, qsl, slots, c, x.stride(0), out.stride(0),
                      conv_state.stride(0), target.stride(0) if verify else 0, target.stride(1) if verify else 0,
-                     max_pos=max_pos, VERIFY=verify, BLOCK_C=block_c)
+                     max_pos=max_pos, VERIFY=verify, BLOCK_C=block_c, **pdl_args(use_pdl(x)))
     return out
 
 
@@ -149,9 +156,10 @@ def _key_heads(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, hv: int
 def _recurrent_step(x_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, out_ptr, state_ptr, verify_ptr, qsl_ptr, slots_ptr,
                     stride_x, stride_b, stride_a, stride_ss, stride_vr, stride_vp, scale, HK: tl.constexpr,
                     HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
-                    max_pos, VERIFY: tl.constexpr):
+                    max_pos, VERIFY: tl.constexpr, USE_PDL: tl.constexpr):
     """GatedDeltaNet.heads fused in: q, k L2-normalised (q scaled) from the conv output's channels of this value
     head's key head, g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    pdl_enter(USE_PDL)
     seq, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end = tl.load(qsl_ptr + seq), tl.load(qsl_ptr + seq + 1)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -201,13 +209,15 @@ def recurrent_step(conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_l
     _recurrent_step[grid](conv_out, b, a, a_log, dt_bias, out, state, target, qsl, slots, conv_out.stride(0),
                           b.stride(0), a.stride(0), state.stride(0), target.stride(0) if verify else 0,
                           target.stride(1) if verify else 0, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv,
-                          BLOCK_V=block_v, max_pos=max_pos, VERIFY=verify)
+                          BLOCK_V=block_v, max_pos=max_pos, VERIFY=verify, **pdl_args(use_pdl(conv_out)))
     return out
 
 
 @triton.jit
-def _gated_norm(x_ptr, z_ptr, w_ptr, out_ptr, stride_zt, eps, HV: tl.constexpr, DV: tl.constexpr):
+def _gated_norm(x_ptr, z_ptr, w_ptr, out_ptr, stride_zt, eps, HV: tl.constexpr, DV: tl.constexpr,
+                USE_PDL: tl.constexpr):
     """One (token, head) row: GatedRMSNorm's roundings to the output dtype, step by step."""
+    pdl_enter(USE_PDL)
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs = tl.arange(0, DV)
     dtype = out_ptr.dtype.element_ty
@@ -227,7 +237,7 @@ def gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
         raise ValueError("gated_norm reads each row's heads contiguous")
     out = torch.empty(t, hv, dv, dtype=dtype, device=x.device)
     if t:
-        _gated_norm[(t, hv)](x.contiguous(), z, weight, out, z.stride(0), eps, HV=hv, DV=dv)
+        _gated_norm[(t, hv)](x.contiguous(), z, weight, out, z.stride(0), eps, HV=hv, DV=dv, **pdl_args(use_pdl(x)))
     return out
 
 

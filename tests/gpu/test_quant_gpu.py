@@ -4,9 +4,9 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). Up to 64 16-bit rows on Q6_K or Q8_0 (16 on Q4_K and INT4) read x as llama.cpp's CUDA
-kernels do, in int8 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle below, and a test of its
-own bounds what that quantization costs against the exact product."""
+accumulation over K <= 1024). Up to 64 16-bit rows on Q6_K or Q8_0 (16 on Q4_K and INT4) read x as llama.cpp's
+CUDA kernels do, in int8 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle
+below, and a test of its own bounds what that quantization costs against the exact product."""
 
 from __future__ import annotations
 
