@@ -951,8 +951,8 @@ class _Int8Kernels(NamedTuple):
 
 
 # Q4_K past 16 rows: its float tile (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0 up to 16 rows
-# read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4 (not measured yet) as
-# Q4_K's nibbles, with 64-row tiles.
+# read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4: Q4_K's nibbles with a
+# scale and zero point a group, and Q4_K's row limit.
 _INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128),
                    Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64),
                    Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128),
