@@ -116,6 +116,31 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.view(gate.shape)
 
 
+@triton.jit
+def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, stride_gt, HEADS: tl.constexpr, D: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """One token's heads: o * sigmoid(gate), rounded where torch rounds (the sigmoid, then the product)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, D)[None, :]
+    dt = out_ptr.dtype.element_ty
+    gate = tl.load(g_ptr + t * stride_gt + h * (2 * D) + d).to(tl.float32)
+    o = tl.load(o_ptr + (t * HEADS + h) * D + d).to(tl.float32)
+    tl.store(out_ptr + (t * HEADS + h) * D + d, (o * tl.sigmoid(gate).to(dt).to(tl.float32)).to(dt))
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o [T, H, D] (contiguous) * sigmoid(gate) for the gate halves of a [T, H, 2D] = per head [query | gate]
+    projection (gate: its view [..., D:]) -> [T, H, D], in one launch (torch takes two)."""
+    t, heads, d = o.shape
+    out = torch.empty_like(o)
+    if t:
+        _sigmoid_gate_kernel[(t,)](o, gate, out, gate.stride(0), HEADS=heads, D=d, num_warps=4,
+                                   **pdl_args(use_pdl(o)))
+    return out
+
+
 # Argmax and its softmax probability over a row of logits in two passes: the first splits each row into tiles over
 # many programs (one program per row, as torch's softmax runs, left an H200 at 16 busy SMs: 40 us for DFlash's
 # 16 x 151,936 logits, plus 11 us for the max), the second folds each row's tiles.

@@ -59,6 +59,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch_silu_mul(gate, up)
 
 
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o [T, H, D] * sigmoid(gate [T, H, D]), the gate being the second half of each head's [query | gate] (Qwen3.5's
+    and Qwen3-Next's attention output gate)."""
+    fits = gate.stride(-1) == 1 and gate.stride(-2) == 2 * gate.shape[-1] and o.is_contiguous()
+    if _use_triton(o) and fits and _pow2(o.shape[-2]) and _pow2(o.shape[-1]):
+        from outrider.kernels import fused
+
+        return fused.sigmoid_gate(o, gate)
+    return o * torch.sigmoid(gate)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def torch_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                        q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:

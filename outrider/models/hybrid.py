@@ -124,7 +124,7 @@ class GatedAttention(nn.Module):
         o = backend.forward(q, k, v, kv_cache, self.kv_index, meta, self.scale,
                             QKNormRope(positions, inv_freq, self.q_norm.weight, self.k_norm.weight, self.eps,
                                        self.order))
-        return self.o_proj((o * torch.sigmoid(gate)).flatten(1)), residual
+        return self.o_proj(ops.sigmoid_gate(o, gate).flatten(1)), residual
 
 
 class LinearStates(NamedTuple):

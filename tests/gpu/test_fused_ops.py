@@ -39,6 +39,20 @@ def test_silu_mul_on_packed_halves(device, half):
     _close(fused.silu_mul(gate, up), ops.torch_silu_mul(*gu.chunk(2, dim=-1)), half)
 
 
+@pytest.mark.parametrize("t", [1, 5])
+def test_sigmoid_gate_on_the_gate_halves_of_query_gate_heads(t, device, half):
+    """The gated attention's output gate, one launch: o * sigmoid(gate) with gate the second half of each head's
+    [query | gate] in a packed projection (a strided view), as torch computes it from the same view."""
+    from outrider.kernels import fused
+
+    heads, d = 16, 128
+    qkv = torch.randn(t, heads * 2 * d + 512, dtype=half)
+    gate = qkv[:, : heads * 2 * d].view(t, heads, 2 * d)[..., d:]
+    o = torch.randn(t, heads, d, dtype=half)
+    got = fused.sigmoid_gate(o.to(device), qkv.to(device)[:, : heads * 2 * d].view(t, heads, 2 * d)[..., d:])
+    _close(got, o * torch.sigmoid(gate), half)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("t,hq,hk,d", [(6, 12, 4, 64), (1, 32, 8, 128), (3, 6, 3, 80)],
                          ids=["ragged-heads", "qwen3-8b-decode", "odd-head-dim"])
