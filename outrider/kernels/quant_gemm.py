@@ -477,18 +477,25 @@ def _nibbles(qb, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A rows kernel's output tile (program axes 0 and 1): its rows of W offs_n and of x offs_m, and those clamped
+    for loads, as int64 rows [BLOCK_N, 1] and xm [1, BLOCK_M] (rows past N or M read the last one; their stores are
+    masked)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return (offs_n, tl.minimum(offs_n, N - 1).to(tl.int64)[:, None], offs_m,
+            tl.minimum(offs_m, M - 1).to(tl.int64)[None, :])
+
+
+@triton.jit
 def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2-64 rows, on the int8 tensor cores: for each sub-block s
     (chunk c = s // 2's 32 quant bytes, their low or high nibbles: 32 values in K order), an int32 tile
     [BLOCK_N, BLOCK_M] = quants @ xq's 32 columns, then d sc dx (that tile) - dmin m sum(x) in float32."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn  # [BN, 1] byte offsets of the rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]  # (rows past M read row M - 1; their stores are masked)
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    row = rows * stride_wn  # [BN, 1] byte offsets of the rows
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
@@ -518,13 +525,8 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     r): ql byte 64 n + 32 (r % 2) + l, its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top, less 32
     (signed int8, so no min term); the scale of 16 values is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns
     of xq meet the quants twice, as their two halves (the other half zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
     j = tl.arange(0, 32)
     lower = (j < 16)[:, None]  # a scale group's half of x's 32 columns
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -584,12 +586,7 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
     """_q4k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
     as stored; d dx meets its int32 tile."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     first, last = _k_run(K // 32, tl.program_id(2), SPLIT)
@@ -645,13 +642,8 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
                          GROUP: tl.constexpr):
     """_q4k_rows_q8_kernel for INT4: each 32 bytes c of a group, their low or high nibbles (values 32 c on, or
     GROUP / 2 + 32 c on) against x's 32 columns of those values, then s dx (that tile) - s z sum(x)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    xm = tl.minimum(offs_m, M - 1).to(tl.int64)[None, :]
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     first, last = _k_run(K // GROUP, tl.program_id(2), SPLIT)
