@@ -29,7 +29,8 @@ def test_the_demo_is_named_outrider_demo_in_props_models_and_responses(server):
             (model,) = body["data"]
             assert model["id"] == "outrider-demo" and model["aliases"] == []
             assert body["models"][0]["name"] == "outrider-demo"
-        native = client.post("/completion", json={"prompt": "def fibonacci(n):", "n_predict": 4}).json()
+        native = client.post("/completion", json={"prompt": "def fibonacci(n):", "n_predict": 4,
+                                                   "ignore_eos": True}).json()
         assert native["model"] == "outrider-demo" and native["tokens_predicted"] == 4
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     chat = oai.chat.completions.create(model="anything", max_tokens=4,

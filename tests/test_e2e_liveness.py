@@ -95,7 +95,7 @@ def test_a_stalled_engine_loop_turns_health_503_until_it_moves_again(server, cli
     assert client.get("/health").status_code == 200
     result = {}
     stalled = threading.Thread(target=lambda: result.update(r=client.post(
-        "/completion", json={"prompt": [50, STALL, 51], "n_predict": 3})))
+        "/completion", json={"prompt": [50, STALL, 51], "n_predict": 3, **GREEDY})))
     t0 = time.monotonic()
     stalled.start()
     seen = []

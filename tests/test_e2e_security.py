@@ -51,7 +51,7 @@ def test_missing_and_wrong_keys_get_the_same_401(anon):
                                      {"X-Api-Key": "k2"}, {"Authorization": "Bearer key-from-file"},
                                      {"Authorization": "k1"}])  # like llama-server, "Bearer " is optional
 def test_every_configured_key_works(anon, headers):
-    r = anon.post("/completion", json={"prompt": "hi", "n_predict": 2}, headers=headers)
+    r = anon.post("/completion", json={"prompt": "hi", "n_predict": 2, "ignore_eos": True}, headers=headers)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 2
 
 

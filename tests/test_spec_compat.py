@@ -89,7 +89,8 @@ def test_without_an_explicit_request_the_server_serves_without_speculation(famil
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
                 return (await c.get("/props")).json(), await c.post("/completion", json={"prompt": [5, 6],
-                                                                                         "n_predict": 3})
+                                                                                         "n_predict": 3,
+                                                                                         "ignore_eos": True})
 
         props, done = asyncio.run(run())
         assert props["default_generation_settings"]["params"]["speculative.types"] == "none"
