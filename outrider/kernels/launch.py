@@ -57,3 +57,8 @@ def pdl_args(pdl: bool) -> dict:
     """A PDL-aware Triton kernel's launch keywords: its USE_PDL flag (fused.pdl_enter), and launch_pdl only when
     set (older Tritons lack the keyword)."""
     return {"USE_PDL": pdl, "launch_pdl": True} if pdl else {"USE_PDL": False}
+
+
+def is_power_of_two(n: int) -> bool:
+    """Whether n can be a Triton block side (tl.arange takes powers of two only)."""
+    return n > 0 and n & (n - 1) == 0

@@ -13,7 +13,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from outrider.kernels.launch import FOLD_MAX_ROWS, SKINNY_MAX_ROWS, in_graph_capture, use_pdl
+from outrider.kernels.launch import FOLD_MAX_ROWS, SKINNY_MAX_ROWS, in_graph_capture, is_power_of_two, use_pdl
 from outrider.kernels.launch import graph_capture  # noqa: F401  (callers capture through ops.graph_capture)
 
 # Route decode and verify projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
@@ -63,15 +63,11 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """o [T, H, D] * sigmoid(gate [T, H, D]), the gate being the second half of each head's [query | gate] (Qwen3.5's
     and Qwen3-Next's attention output gate)."""
     fits = gate.stride(-1) == 1 and gate.stride(-2) == 2 * gate.shape[-1] and o.is_contiguous()
-    if _use_triton(o) and fits and _pow2(o.shape[-2]) and _pow2(o.shape[-1]):
+    if _use_triton(o) and fits and is_power_of_two(o.shape[-2]) and is_power_of_two(o.shape[-1]):
         from outrider.kernels import fused
 
         return fused.sigmoid_gate(o, gate)
     return o * torch.sigmoid(gate)
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def torch_qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

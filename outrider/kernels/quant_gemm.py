@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.kernels.launch import is_power_of_two
 from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format
 from outrider.quant.tensor import QuantizedTensor
 
@@ -882,7 +883,7 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
     kernels = _INT8_X_KERNELS.get(lay.code)
     if kernels is None or x.shape[0] > kernels.max_rows or x.dtype == torch.float32:
         return False
-    return not kernels.grouped or (lay.block >= 64 and lay.block & (lay.block - 1) == 0)
+    return not kernels.grouped or (lay.block >= 64 and is_power_of_two(lay.block))
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
