@@ -540,12 +540,11 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
             for a in tl.static_range(2):
                 ql = tl.load(w_ptr + base + 64 * n + 32 * a + j[None, :])
                 for hi in tl.static_range(2):
-                    r = a + 2 * hi
-                    q = _q6k_signed(ql, qh, r, ASM)
-                    g = kb * 8 + 4 * n + r
+                    q = _q6k_signed(ql, qh, a + 2 * hi, ASM)  # (not via a local: Triton 3.6 makes it a tensor)
+                    g = kb * 8 + 4 * n + a + 2 * hi
                     x = xq_ptr + xm * K + 32 * g + j[:, None]
                     dx = tl.load(xd_ptr + xm * (K // 32) + g)
-                    scales = w_ptr + base + 192 + 8 * n + 2 * r
+                    scales = w_ptr + base + 192 + 8 * n + 2 * (a + 2 * hi)
                     dot = tl.dot(q, tl.load(x, mask=lower, other=0), out_dtype=tl.int32)
                     acc += (d * _i8(scales)) * (dx * dot.to(tl.float32))
                     dot = tl.dot(q, tl.load(x, mask=~lower, other=0), out_dtype=tl.int32)
@@ -553,6 +552,7 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
+@triton.constexpr_function
 def _q6k_signed_asm(r: int) -> str:
     """PTX for four bytes of _q6k_signed's quarter r: a nibble of ql (low for r 0 and 1) with bits 2 r of qh on top
     (0..63), then bit 5 flipped and copied into bits 6 and 7: the 6-bit value less 32, as int8."""
@@ -562,21 +562,12 @@ def _q6k_signed_asm(r: int) -> str:
             " and.b32 a, t, 0x20202020; shl.b32 b, a, 1; or.b32 t, t, b; shl.b32 b, a, 2; or.b32 $0, t, b;}")
 
 
-_Q6K_SIGNED_0, _Q6K_SIGNED_1, _Q6K_SIGNED_2, _Q6K_SIGNED_3 = (tl.constexpr(_q6k_signed_asm(r)) for r in range(4))
-
-
 @triton.jit
 def _q6k_signed(ql, qh, R: tl.constexpr, ASM: tl.constexpr):
     """Q6_K's quants of quarter R less 32 (int8, -32..31) from their ql and qh bytes [BLOCK_N, 32]: four bytes an
     instruction sequence in the PTX."""
     if ASM:
-        if R == 0:
-            return tl.inline_asm_elementwise(_Q6K_SIGNED_0, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
-        if R == 1:
-            return tl.inline_asm_elementwise(_Q6K_SIGNED_1, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
-        if R == 2:
-            return tl.inline_asm_elementwise(_Q6K_SIGNED_2, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
-        return tl.inline_asm_elementwise(_Q6K_SIGNED_3, "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_q6k_signed_asm(R), "=r,r,r", [ql, qh], dtype=tl.int8, is_pure=True, pack=4)
     q = ((ql >> (4 * (R // 2))) & 15) | (((qh >> (2 * R)) & 3) << 4)
     return (q.to(tl.int16) - 32).to(tl.int8)
 
