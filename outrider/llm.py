@@ -7,7 +7,7 @@ from typing import Callable
 
 from outrider.config import EngineConfig
 from outrider.engine.builder import Seams, build_engine
-from outrider.engine.request import FinishReason, Request, RequestOutput
+from outrider.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from outrider.params import SamplingParams
 from outrider.request_fields import tokenize
 from outrider.timing import RequestTiming, now
@@ -21,6 +21,7 @@ class Completion:
     finish_reason: FinishReason | None
     stop_type: str
     timing: RequestTiming
+    logprobs: list[TokenLogprob]  # one per token when the request asked for n_probs, else empty
 
 
 class LLM:
@@ -54,4 +55,4 @@ class LLM:
         if last.error:
             raise RuntimeError(last.error)
         return Completion(req.prompt_ids, [t for o in outs for t in o.new_token_ids], "".join(o.text for o in outs),
-                          last.finish_reason, last.stop_type, req.timing)
+                          last.finish_reason, last.stop_type, req.timing, [lp for o in outs for lp in o.logprobs or ()])

@@ -106,6 +106,17 @@ def test_preemption_happened(ckpt):
     assert llm.engine.pool.num_used == 0
 
 
+def test_offline_completions_carry_each_tokens_top_logprobs_when_asked(ckpt, reference):
+    outs = LLM(ckpt).generate(PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, n_probs=3))
+    for out, ref in zip(outs, reference):
+        assert out.token_ids == ref
+        assert [lp.token_id for lp in out.logprobs] == ref
+        for lp in out.logprobs:  # greedy: the token is the first of its three, best first
+            assert len(lp.top) == 3 and lp.top[0] == (lp.token_id, lp.logprob)
+            assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+    assert LLM(ckpt).generate(PROMPTS[:1], GREEDY)[0].logprobs == []
+
+
 def test_seeded_sampling_is_batch_invariant(ckpt):
     params = SamplingParams(max_tokens=24, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=1234, ignore_eos=True)
     llm = LLM(ckpt, max_num_seqs=8)

@@ -214,8 +214,9 @@ def test_smollm2_q4_1_served_quantized_on_the_gpu_answers_as_the_dequantized_pat
 @pytest.mark.parametrize("mix", ["q4_k_m", "q8_0"])
 def test_a_quantized_model_decodes_in_cuda_graphs_as_it_does_eagerly(tmp_path, mix):
     """A GGUF in llama.cpp's mix (packed parts of two formats) on the engine: greedy tokens with CUDA graphs (the
-    fused kernels captured, decode and verify-sized batches) equal eager ones, and its weights take no more GPU
-    memory than the file's tensors."""
+    fused kernels captured, decode and verify-sized batches) equal eager ones but at near-ties (a random model's
+    repeated prompt has them, and the two paths round differently), and its weights take no more GPU memory than
+    the file's tensors."""
     import json
 
     from outrider import LLM, SamplingParams
@@ -234,15 +235,31 @@ def test_a_quantized_model_decodes_in_cuda_graphs_as_it_does_eagerly(tmp_path, m
         int(t.n_bytes) for t in open_gguf(path).tensors.values())
     del model
     prompts = [[1, 17, 99, 200, 7], list(range(30, 53)), [5] * 70, list(range(100, 103))]
-    tokens = {}
+    runs = {}
     for eager in (False, True):
         llm = LLM(str(path), tokenizer=str(ck), dtype="bfloat16", max_model_len=256, max_num_seqs=4,
                   enforce_eager=eager)
-        tokens[eager] = [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
-                                                                                   ignore_eos=True))]
+        runs[eager] = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                           n_probs=2))
         del llm
         torch.cuda.empty_cache()
-    assert tokens[False] == tokens[True]
+    for graphed, eager in zip(runs[False], runs[True]):
+        assert_greedy_paths_agree(graphed, eager)
+
+
+def assert_greedy_paths_agree(a, b, near_tie: float = 0.05) -> None:
+    """Two greedy runs of one prompt through differently rounded paths (here, CUDA graphs and eager kernels) give
+    the same tokens, unless they part at a near-tie: there, each run's token is the other's second choice, within
+    `near_tie` nats of its first (after that the runs continue different texts, so nothing more is compared)."""
+    part = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+    if part is None:
+        assert a.token_ids == b.token_ids
+        return
+    for run, other in ((a, b), (b, a)):
+        top = dict(run.logprobs[part].top)
+        token = other.token_ids[part]
+        assert token in top, f"at {part}: {token} is not among {top}"
+        assert top[run.token_ids[part]] - top[token] <= near_tie, f"at {part}: {top} is no near-tie"
 
 
 # Kernel format -> (block, bytes per block, scale, zero and weight pointer types), for compiling without a GPU.
