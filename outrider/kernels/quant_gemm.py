@@ -57,7 +57,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, INT4, FP8 = (tl.constexpr(code) for code in range(10))
 _GGUF_CODES = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q5_0": Q5_0, "Q5_1": Q5_1, "Q4_K": Q4_K, "Q5_K": Q5_K,
                "Q6_K": Q6_K}
-FP8_TILE = 128  # FP8 is walked in blocks of 128 columns (a scale block's width divides by it)
+FP8_TILE = tl.constexpr(128)  # FP8 is walked in blocks of 128 columns (a scale block's width divides by it)
 FMA_MAX_M = tl.constexpr(2)  # rows up to which the products run on the CUDA cores
 
 
@@ -101,6 +101,14 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     return rows_config(m, n, k, _INT8_X_KERNELS[_layout(part).code].rows_block_n)
 
 
+def fp8_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
+    """FP8 past one row: 64 rows of W a program, against x's rows in one tile where they fit 64 (each program
+    then reads its W once), K split by _split_k; three loads in flight."""
+    block_m = max(16, min(64, triton.next_power_of_2(m)))
+    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=8 if block_m == 64 else 4, num_stages=3,
+                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m)))
+
+
 def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
     128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
@@ -133,7 +141,7 @@ def _layout(part: QuantizedTensor) -> _Layout:
     if isinstance(fmt, Int4Format):
         return _Layout(INT4.value, fmt.group, 0, 1, 1)
     assert isinstance(fmt, FP8Format)
-    return _Layout(FP8.value, FP8_TILE, 0, fmt.block_n, fmt.block_k or part.shape[1])
+    return _Layout(FP8.value, FP8_TILE.value, 0, fmt.block_n, fmt.block_k or part.shape[1])
 
 
 @triton.jit
@@ -654,6 +662,32 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
 
 
 @triton.jit
+def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                     stride_ym, FP8_BN, FP8_BK, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+    """y [M, N] = x @ W.T on FP8 for 2 to FUSED_MAX_ROWS rows of x: a step takes 128 columns of W as stored (one
+    scale column of the tile), widened exactly to x's dtype (every float8_e4m3fn value is a bfloat16 and a float16),
+    one tensor-core product with x's columns, then its rows' scale. K split over program axis 2 (_rows_result)."""
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    k = tl.arange(0, FP8_TILE)
+    dt = x_ptr.dtype.element_ty
+    scales = s_ptr + (rows // FP8_BN) * stride_sn  # [BN, 1]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    first, last = _k_run(K // FP8_TILE, tl.program_id(2), SPLIT)
+    for kb in tl.range(first, last):
+        w = tl.load(w_ptr + rows * stride_wn + kb * FP8_TILE + k[None, :])
+        if FP8_BITS:
+            w = _fp8_bits_to_f32(w)
+        x = tl.load(x_ptr + xm * stride_xm + kb * FP8_TILE + k[:, None])
+        if IEEE:
+            dot = tl.dot(w.to(tl.float32), x, input_precision="ieee")
+        else:
+            dot = tl.dot(w.to(dt), x)
+        acc += tl.load(scales + (kb * FP8_TILE) // FP8_BK) * dot
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+@triton.jit
 def _x_group_sum(xs_ptr, xm, K, g):
     """The sum of x's group g of 32 values [1, BLOCK_M] (rows xm), from its two 16-value sums."""
     sums = xs_ptr + xm * (K // 16) + 2 * g
@@ -817,7 +851,38 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
     else:
         rows = (row0 + tl.minimum(offs_n, N - 1))[:, None, None]
     n_blocks = K // BLOCK
-    if FMT == Q4_K or FMT == Q5_K or FMT == Q6_K:
+    if FMT == Q8_0 or FMT == INT4 or FMT == FP8:
+        # A block at a time, no mask along K (as the K-quants' below) and no planes to interleave: Q8_0's and
+        # FP8's values lie in K order, and INT4's two nibble planes are its block's two contiguous halves.
+        H: tl.constexpr = BLOCK // 2
+        rows = tl.reshape(rows, (BLOCK_N, 1))
+        row_off = rows.to(tl.int64) * stride_wn
+        at = out_ptr + offs_n[:, None].to(tl.int64) * stride_on
+        keep = (offs_n < N)[:, None]
+        for b in tl.static_range(NB):
+            kb = tl.program_id(1) * NB + b
+            if kb < n_blocks:
+                if FMT == INT4:
+                    l = tl.arange(0, H)[None, :]
+                    q = tl.load(w_ptr + row_off + kb * H + l).to(tl.int32)
+                    sz = rows.to(tl.int64) * stride_sn + kb
+                    s = tl.load(s_ptr + sz).to(tl.float32)
+                    z = tl.load(z_ptr + sz).to(tl.float32)
+                    tl.store(at + kb * BLOCK + l, (((q & 15).to(tl.float32) - z) * s).to(out_ptr.dtype.element_ty),
+                             mask=keep)
+                    tl.store(at + kb * BLOCK + H + l, (((q >> 4).to(tl.float32) - z) * s).to(out_ptr.dtype.element_ty),
+                             mask=keep)
+                else:
+                    l = tl.arange(0, BLOCK)[None, :]
+                    if FMT == Q8_0:
+                        q = tl.load(w_ptr + row_off + kb * TYPE_SIZE + l).to(tl.int8, bitcast=True).to(tl.float32)
+                        s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + kb).to(tl.float32)
+                    else:
+                        q = tl.load(w_ptr + row_off + kb * BLOCK + l)
+                        q = _fp8_bits_to_f32(q) if FP8_BITS else q.to(tl.float32)
+                        s = tl.load(s_ptr + (rows // FP8_BN).to(tl.int64) * stride_sn + (kb * BLOCK) // FP8_BK)
+                    tl.store(at + kb * BLOCK + l, (q * s).to(out_ptr.dtype.element_ty), mask=keep)
+    elif FMT == Q4_K or FMT == Q5_K or FMT == Q6_K:
         # A block at a time and no mask along K, so loads and stores run 16 bytes wide (a mask of runtime bound
         # on the contiguous axis leaves them a value each).
         row_off = rows.to(tl.int64) * stride_wn
@@ -889,6 +954,16 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
                         config or int8_x_config(m, part))
         return
+    if lay.code == FP8.value and m > 1:
+        cfg = config or fp8_rows_config(m, n, k)
+        tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+        partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y)
+        _fp8_rows_kernel[(*tiles, cfg.split_k)](
+            x, t.w, t.scale, bias if bias is not None else y, y, partials, tickets, m, n, k, x.stride(0), t.stride_wn,
+            t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
+            SPLIT=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     _qgemm_kernel[grid](x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k,
@@ -904,10 +979,7 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
     split K writes partial sums to a buffer of this call and takes tickets from a zeroed counter per output tile
     (both graph-safe: fixed sizes; without a split neither is made: no zeroing launch on the decode path)."""
     tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    partials, tickets = y, y  # (unread without a split)
-    if cfg.split_k > 1:
-        partials = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=y.device)
-        tickets = torch.zeros(tiles[0] * tiles[1], dtype=torch.int32, device=y.device)
+    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y)
     b = y if bias is None else bias
     meta = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -920,6 +992,16 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
         kernels.rows[(*tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b, y, partials,
                                             tickets, m, n, k, t.stride_wn, t.stride_sn, y.stride(0),
                                             BLOCK_M=cfg.block_m, **meta)
+
+
+def _split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int,
+                     y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K product's partial sums and its zeroed ticket per output tile (_rows_result); without a split, y
+    twice (unread): no zeroing launch on the decode path."""
+    if split_k == 1:
+        return y, y
+    return (torch.empty((split_k, m, n), dtype=torch.float32, device=y.device),
+            torch.zeros(tiles[0] * tiles[1], dtype=torch.int32, device=y.device))
 
 
 class _Int8Kernels(NamedTuple):
