@@ -101,8 +101,8 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     return rows_config(m, n, k, _INT8_X_KERNELS[_layout(part).code].rows_block_n)
 
 
-def fp8_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
-    """FP8 past one row: 64 rows of W a program, against x's rows in one tile where they fit 64 (each program
+def wide_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
+    """_wide_rows_kernel's: 64 rows of W a program, against x's rows in one tile where they fit 64 (each program
     then reads its W once), K split by _split_k; three loads in flight."""
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=8 if block_m == 64 else 4, num_stages=3,
@@ -662,28 +662,46 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
 
 
 @triton.jit
-def _fp8_rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                     stride_ym, FP8_BN, FP8_BK, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
-    """y [M, N] = x @ W.T on FP8 for 2 to FUSED_MAX_ROWS rows of x: a step takes 128 columns of W as stored (one
-    scale column of the tile), widened exactly to x's dtype (every float8_e4m3fn value is a bfloat16 and a float16),
-    one tensor-core product with x's columns, then its rows' scale. K split over program axis 2 (_rows_result)."""
+def _wide_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+                      stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+    """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
+    exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
+    its rows' scale) or INT4 (a group a step: its two nibble planes are its two halves, made (q - z) s in x's dtype
+    as the dequantized model has them; a product with each half of x's columns). Wide tiles of W, K split over
+    program axis 2 (_rows_result)."""
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
-    k = tl.arange(0, FP8_TILE)
     dt = x_ptr.dtype.element_ty
-    scales = s_ptr + (rows // FP8_BN) * stride_sn  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // FP8_TILE, tl.program_id(2), SPLIT)
+    first, last = _k_run(K // BLOCK, tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
-        w = tl.load(w_ptr + rows * stride_wn + kb * FP8_TILE + k[None, :])
-        if FP8_BITS:
-            w = _fp8_bits_to_f32(w)
-        x = tl.load(x_ptr + xm * stride_xm + kb * FP8_TILE + k[:, None])
-        if IEEE:
-            dot = tl.dot(w.to(tl.float32), x, input_precision="ieee")
+        if FMT == FP8:
+            k = tl.arange(0, BLOCK)
+            w = tl.load(w_ptr + rows * stride_wn + kb * BLOCK + k[None, :])
+            if FP8_BITS:
+                w = _fp8_bits_to_f32(w)
+            x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + k[:, None])
+            if IEEE:
+                dot = tl.dot(w.to(tl.float32), x, input_precision="ieee")
+            else:
+                dot = tl.dot(w.to(dt), x)
+            acc += tl.load(s_ptr + (rows // FP8_BN) * stride_sn + (kb * BLOCK) // FP8_BK) * dot
         else:
-            dot = tl.dot(w.to(dt), x)
-        acc += tl.load(scales + (kb * FP8_TILE) // FP8_BK) * dot
+            H: tl.constexpr = BLOCK // 2
+            k = tl.arange(0, H)
+            q = tl.load(w_ptr + rows * stride_wn + kb * H + k[None, :]).to(tl.int32)
+            s = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
+            z = tl.load(z_ptr + rows * stride_sn + kb).to(tl.float32)
+            lo = (((q & 15).to(tl.float32) - z) * s).to(dt)
+            hi = (((q >> 4).to(tl.float32) - z) * s).to(dt)
+            x = x_ptr + xm * stride_xm + kb * BLOCK + k[:, None]
+            if IEEE:
+                acc = tl.dot(lo, tl.load(x), acc, input_precision="ieee")
+                acc = tl.dot(hi, tl.load(x + H), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(lo, tl.load(x), acc)
+                acc = tl.dot(hi, tl.load(x + H), acc)
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
@@ -954,15 +972,15 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
                         config or int8_x_config(m, part))
         return
-    if lay.code == FP8.value and m > 1:
-        cfg = config or fp8_rows_config(m, n, k)
+    if lay.code in (FP8.value, INT4.value) and m > 1:  # (INT4: past its Int8X rows)
+        cfg = config or wide_rows_config(m, n, k)
         tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
         partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y)
-        _fp8_rows_kernel[(*tiles, cfg.split_k)](
-            x, t.w, t.scale, bias if bias is not None else y, y, partials, tickets, m, n, k, x.stride(0), t.stride_wn,
-            t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, HAS_BIAS=bias is not None,
-            IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m,
-            SPLIT=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _wide_rows_kernel[(*tiles, cfg.split_k)](
+            x, t.w, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k, x.stride(0),
+            t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
+            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n,
+            BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return
     cfg = config or default_config(m, lay.block, n)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
@@ -1011,7 +1029,7 @@ class _Int8Kernels(NamedTuple):
     row: triton.JITFunction  # one row (dp4a)
     rows: triton.JITFunction  # 2 to max_rows rows (int8 tensor cores)
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
-    max_rows: int  # rows up to which x is read as an Int8X; past them the float tile up to FUSED_MAX_ROWS
+    max_rows: int  # rows up to which x is read as an Int8X; past them the float tile (INT4: the wide one)
     rows_block_n: int  # rows of W a `rows` program takes, up to 16 rows of x (rows_config)
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
 

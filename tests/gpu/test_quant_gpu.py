@@ -302,15 +302,16 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
                      "ASM": True, **grouped[1]}
         return _ptxas_spills(kernels.rows, signature, constants, cfg)
-    if kind == "FP8" and rows > 1:
-        cfg = q.fp8_rows_config(rows, n, 4096)
-        signature = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-                     "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-                     "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
-                     **dict.fromkeys(["HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N", "BLOCK_M", "SPLIT"], "constexpr")}
-        constants = {"HAS_BIAS": True, "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n,
-                     "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k}
-        return _ptxas_spills(q._fp8_rows_kernel, signature, constants, cfg)
+    if kind == "FP8" and rows > 1 or kind == "INT4" and rows > kernels.max_rows:
+        cfg = q.wide_rows_config(rows, n, 4096)
+        signature = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
+                     "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+                     "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
+                     **dict.fromkeys(["FMT", "BLOCK", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N", "BLOCK_M", "SPLIT"],
+                                     "constexpr")}
+        constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "HAS_BIAS": True, "IEEE": False,
+                     "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k}
+        return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
