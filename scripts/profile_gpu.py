@@ -18,6 +18,11 @@ With --spec-type KIND (a drafter preset of bench/drafter_shapes.py, random weigh
 not what a round of k drafts costs), or with --k 0 none: the cost of having the drafter loaded.
 
     python scripts/profile_gpu.py --model qwen3-8b --batch 1 --spec-type dflash --k 0|15
+
+With --weights-format FMT the shape's weights are `bench quant`'s random checkpoint in that format (a GGUF mix,
+fp8 or awq; written to --checkpoint-dir once, or read from there) loaded as that benchmark loads it.
+
+    python scripts/profile_gpu.py --model qwen3-8b --batch 1 --weights-format q4_k_m --checkpoint-dir /tmp/oq
 """
 
 from __future__ import annotations
@@ -54,13 +59,24 @@ def main() -> None:
     ap.add_argument("--spec-type", choices=["draft", "mtp", "dflash", "eagle3"], help="load this drafter preset")
     ap.add_argument("--k", type=int, default=0, help="with --spec-type: drafts per request every decode step")
     ap.add_argument("--prefills", type=int, default=0, metavar="N", help="profile N lone prompts, not decode steps")
+    ap.add_argument("--weights-format", help="bench quant's checkpoint of the shape in this format")
+    ap.add_argument("--checkpoint-dir", default="/tmp/oq", help="where --weights-format's checkpoint is kept")
     a = ap.parse_args()
     args = SimpleNamespace(random_weights=a.model, model=None, device=a.device, eager=a.eager, dtype="auto",
                            gpu_memory_utilization=0.9, no_overlap=a.no_overlap,
                            prefill_graph_tokens=0)
     limits = dict(max_num_seqs=a.batch, max_model_len=a.prompt_len + (4 + a.k) * a.steps + 64,
                   max_num_batched_tokens=max(2048, a.batch * a.prompt_len))
-    engine = drafting_engine(args, a, limits) if a.spec_type else build_engine(args, **limits)
+    if a.spec_type:
+        engine = drafting_engine(args, a, limits)
+    elif a.weights_format:
+        from outrider.bench.quant import write_checkpoint
+        from outrider.models import load_model
+
+        path, _ = write_checkpoint(a.model, a.weights_format, Path(a.checkpoint_dir))
+        engine = build_engine(args, **limits, preloaded=load_model(path, dtype="bfloat16", device=a.device))
+    else:
+        engine = build_engine(args, **limits)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=4 * a.steps, temperature=a.temperature, seed=0, ignore_eos=True)
     for b in range(a.batch):
