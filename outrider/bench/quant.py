@@ -124,12 +124,17 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int, n: int, int8_x: QuantGemmConfig | None):
+def _candidates(m: int, block: int, n: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None):
     """Configs `--tune` tries around the default: on an Int8X x (int8_x: its default config) one row's tile rows,
-    warps and K splits, more rows' tile rows, x rows and K splits; otherwise tile rows, K per step, warps and
-    pipeline depth."""
+    warps and K splits, more rows' tile rows, x rows and K splits; on the wide rows kernel (wide: its default
+    config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps and pipeline
+    depth."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
 
+    if wide is not None:
+        configs = [QuantGemmConfig(block_n, wide.block_m, 1, 8 if block_n * wide.block_m >= 64 * 64 else 4, stages,
+                                   split) for block_n in (32, 64, 128) for split in (1, 2, 4, 8) for stages in (2, 3, 4)]
+        return [wide] + [c for c in configs if c != wide]
     if int8_x is not None and m == 1:
         return [int8_x] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
                            for warps in (2, 4, 8) for split in (1, 2, 4, 8)
@@ -157,7 +162,7 @@ def run_kernels(args, reporter: Reporter) -> None:
     import triton
 
     from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, int8_x_config, quantized_linear,
-                                             takes_int8_x)
+                                             takes_int8_x, takes_wide_rows, wide_rows_config)
     from outrider.quant.weight import QuantizedWeight
 
     device = torch.device(args.device)
@@ -180,7 +185,9 @@ def run_kernels(args, reporter: Reporter) -> None:
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
                         for c in _candidates(m, block, n, int8_x_config(m, weight.parts[0])
-                                             if takes_int8_x(x, weight.parts[0]) else None)]
+                                             if takes_int8_x(x, weight.parts[0]) else None,
+                                             wide_rows_config(m, n, k) if takes_wide_rows(x, weight.parts[0])
+                                             else None)]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

@@ -960,6 +960,11 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
     return not kernels.grouped or (lay.block >= 64 and is_power_of_two(lay.block))
 
 
+def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
+    """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows."""
+    return _layout(part).code in (FP8.value, INT4.value) and x.shape[0] > 1 and not takes_int8_x(x, part)
+
+
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
                  config: QuantGemmConfig | None = None, x8: Int8X | None = None) -> None:
     """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel. x8: x as an
@@ -972,7 +977,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
                         config or int8_x_config(m, part))
         return
-    if lay.code in (FP8.value, INT4.value) and m > 1:  # (INT4: past its Int8X rows)
+    if takes_wide_rows(x, part):
         cfg = config or wide_rows_config(m, n, k)
         tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
         partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y)
