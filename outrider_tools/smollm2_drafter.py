@@ -19,7 +19,7 @@ Mask token: SmolLM2's vocabulary has no mask or reserved token, so the block's m
 (the tokenizer makes it only from its literal spelling), and it is neither BOS nor an end-of-generation token.
 The script checks all of that, and that no training conversation contains it.
 
-Usage (one H200, about 7.5 minutes; the generation and training stages have time caps):
+Usage (one H200, about 7 minutes; the generation and training stages have time caps):
     PYTHONPATH=$PWD python3 scripts/train_smollm2_drafter.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
         --out /tmp/smol-drafter --pack $OUT
 --pack DIR writes smol-drafter.tar (dflash/, metrics.json, eval_prompts.json, train_log.txt), plus plain copies
@@ -89,16 +89,16 @@ class Recipe:
     stage_seconds: dict = field(default_factory=dict)
 
 
-# One H200: ~10 s loading, generation ~60 s, training ~320 s (about 10 steps a second: the schedule's 3,000 steps,
+# One H200: ~10 s loading, generation ~60 s, training ~290 s (about 10 steps a second: the schedule's 2,800 steps,
 # where a 100 s cap once stopped 1,500 at step 960), the engine's tau ~20 s.
 # The drafter is two target-shaped layers (8.1 M parameters, 16.2 MB in bfloat16, under the 16 MiB a returned file
 # may have).
 FULL = Recipe(
     drafter=Shape(576, 2, 9, 3, 64, 1536), n_taps=3, block_size=8, gamma=4.0, anchors=16,
-    train=(3000, 32, 1.5e-3, 100), eval_every=200,
+    train=(2800, 32, 1.5e-3, 100), eval_every=200,
     requests=4096, sampled_fraction=0.25, gen_batch=256, gen_new=256, max_prompt_tokens=384,
     eval_prompts=16, eval_new=128, engine_batch=8,
-    stage_seconds={"generate": 60, "dflash": 330},
+    stage_seconds={"generate": 60, "dflash": 300},
 )
 
 SMOKE = Recipe(

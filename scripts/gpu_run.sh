@@ -48,7 +48,7 @@
 #          The 98 MB file is over a call's 64 MiB: split it here (`split -b 33M -d FILE .smol/part-`) and carry
 #          `.smol` holding ONE part in each of three back-to-back calls (the machine stays warm 30 s after a call,
 #          and every call copies its part to /tmp/smol-parts); the mode runs once the parts add up to the file.
-# smol-drafter: train a DFlash drafter for SmolLM2 (scripts/train_smollm2_drafter.py, ~7.5 min; packed into $OUT),
+# smol-drafter: train a DFlash drafter for SmolLM2 (scripts/train_smollm2_drafter.py, ~7 min; packed into $OUT),
 #          then bench spec with it at batch 1 and 8 on its held-out prompts. Needs SmolLM2's parts as smollm2 does
 #          (in the same call or an earlier one).
 # quant: issue 39's rows: bench quant on the Qwen3-8B shape, bf16 beside each of q4_k_m, q8_0, fp8, awq (one
@@ -283,7 +283,7 @@ JSON
   smol-drafter)
     if smol_ready smol-drafter; then
       rm -rf /tmp/smol-drafter
-      TIMED_CAP=470 timed "$OUT/bench.log" $PY scripts/train_smollm2_drafter.py --model $SMOL --out /tmp/smol-drafter \
+      TIMED_CAP=430 timed "$OUT/bench.log" $PY scripts/train_smollm2_drafter.py --model $SMOL --out /tmp/smol-drafter \
         --seed 0 --pack "$OUT"
       if [ -f /tmp/smol-drafter/dflash/config.json ]; then
         bench spec --model $SMOL --draft-model /tmp/smol-drafter/dflash --prompts /tmp/smol-drafter/eval_prompts.json \
