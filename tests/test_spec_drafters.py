@@ -126,6 +126,9 @@ def ckpts(tmp_path_factory):
         # the newer layout, its sliding window shorter than the prompts: the window changes the drafts
         "dflash_sliding": write_dflash_checkpoint(root / "dflash_sliding", target, layers=3, block_size=5,
                                                   target_layer_ids=[0, 2, 3], sliding_window=6),
+        # taps out of layer order, one layer twice (a 4-layer target's default taps for two layers are [1, 1])
+        "dflash_taps": write_dflash_checkpoint(root / "dflash_taps", target, layers=2, block_size=5,
+                                               target_layer_ids=[2, 0, 2]),
         "eagle3": write_eagle3_checkpoint(root / "eagle3", target, aux_layer_ids=[1, 2, 3], seed=4),
         "eagle3_speculators": write_eagle3_checkpoint(root / "eagle3_speculators", target, aux_layer_ids=[1, 2, 3],
                                                       layout="speculators", seed=4),
@@ -172,6 +175,7 @@ LAYOUTS = [
     ("mtp", "mtp_mimo", None),
     ("dflash", "target", "dflash"),
     ("dflash", "target", "dflash_sliding"),
+    ("dflash", "target", "dflash_taps"),
     ("eagle3", "target", "eagle3"),
     ("eagle3", "target", "eagle3_speculators"),
 ]
@@ -219,6 +223,22 @@ def test_state_after_rollbacks_matches_recomputation(ckpts, kind, target, draft)
     a, b = loop.drafter.propose([req], [3]), fresh.drafter.propose([copy], [3])
     assert a.tokens == b.tokens
     assert a.confidence[0] == pytest.approx(b.confidence[0], abs=1e-4)
+
+
+def test_the_targets_taps_come_in_the_drafters_order_a_layer_listed_twice_twice(ckpts):
+    """aux_hidden is the listed layers' outputs concatenated in the order the drafter lists them (its fc reads
+    them so), whatever the layer order, repeats included."""
+    loop = Loop(ckpts["target"])
+    ids = torch.tensor(PROMPTS[0])
+    meta, pos = build_metadata([(list(range(BLOCKS_PER_SEQ)), 0, len(ids))], BLOCK, "cpu")
+
+    def taps(layers):
+        with torch.inference_mode():
+            return loop.model(ids, pos, loop.kv, meta, loop.backend, layers).aux_hidden
+
+    assert torch.equal(taps((2, 0, 2)), torch.cat([taps((2,)), taps((0,)), taps((2,))], dim=-1))
+    assert not torch.equal(taps((2,)), taps((0,)))
+    assert taps(()) is None
 
 
 def test_dflash_block_attention_is_not_causal(ckpts):

@@ -23,7 +23,7 @@ from outrider.layers.mlp import GatedMLP
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import RotaryEmbedding, rope_attention_factor
 from outrider.models import registry
-from outrider.models.output import ForwardResult
+from outrider.models.output import ForwardResult, concat_taps
 
 
 class Attention(nn.Module):
@@ -146,13 +146,13 @@ class CausalLM(nn.Module):
         those layers' outputs concatenated as aux_hidden (None without). A call argument, not model state: engines
         sharing the weights (a benchmark's plain and speculative ones) tap different layers."""
         h, residual = self.embed(input_ids), None
-        aux = []
+        taps = {}
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward_residual(h, residual, positions, self.model.rotary_emb, kv_cache, meta,
                                                  backend)
             if i in aux_layer_ids:
-                aux.append(h + residual)  # the layer's output, as HF's hidden_states[i + 1]
-        return ForwardResult(h + residual, torch.cat(aux, dim=-1) if aux else None)
+                taps[i] = h + residual  # the layer's output, as HF's hidden_states[i + 1]
+        return ForwardResult(h + residual, concat_taps(taps, aux_layer_ids))
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head -> float32 logits (the LM head's GEMM writes them directly at decode), into

@@ -41,7 +41,7 @@ from outrider.layers.moe import MoeConfig, SparseMoe
 from outrider.layers.norm import RMSNorm
 from outrider.layers.rotary import rope_inv_freq
 from outrider.models.decoder import CausalLM
-from outrider.models.output import ForwardResult
+from outrider.models.output import ForwardResult, concat_taps
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -214,13 +214,13 @@ class HybridCausalLM(CausalLM):
             raise ValueError(f"{self.config.architecture} needs `states` in its forward: the state slots of its "
                              "linear-attention layers (docs/architecture.md, Hybrid models)")
         h, residual = self.embed(input_ids), None
-        aux = []
+        taps = {}
         inv_freq = self.model.rotary_emb.inv_freq
         for i, layer in enumerate(self.model.layers):
             h, residual = layer.forward_residual(h, residual, positions, inv_freq, kv_cache, meta, backend, states)
             if i in aux_layer_ids:
-                aux.append(h + residual)
-        return ForwardResult(h + residual, torch.cat(aux, dim=-1) if aux else None)
+                taps[i] = h + residual
+        return ForwardResult(h + residual, concat_taps(taps, aux_layer_ids))
 
 
 def hybrid_config_fields(raw: dict[str, Any]) -> dict[str, Any]:

@@ -14,3 +14,10 @@ class ForwardResult:
     # [T, V] float32 logits of every row, where the caller computed them with the forward (a captured decode
     # graph runs the final norm and LM head inside it); a model's forward leaves them None.
     logits: torch.Tensor | None = None
+
+
+def concat_taps(outputs: dict[int, torch.Tensor], aux_layer_ids: tuple[int, ...]) -> torch.Tensor | None:
+    """aux_hidden from the tapped layers' outputs (layer -> [T, H]): in the order the drafter lists its taps, a
+    layer listed twice twice (a drafter's fc reads len(aux_layer_ids) x H columns in that order); None without
+    taps."""
+    return torch.cat([outputs[i] for i in aux_layer_ids], dim=-1) if aux_layer_ids else None
