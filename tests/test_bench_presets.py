@@ -22,6 +22,7 @@ PUBLISHED = {
     "qwen3.5-27b": (27e9, None, 0.03),
     "qwen3.5-35b-a3b": (35e9, 3.4e9, 0.03),
     "qwen3-30b-a3b": (30.5e9, 3.3e9, 0.02),  # model card: 30.5B total, 3.3B activated
+    "smollm2-135m": (134.5e6, None, 0.01),  # its embedding tied to the LM head: counted once
 }
 
 

@@ -46,6 +46,10 @@ PRESETS: dict[tuple[str, str], DrafterShape] = {
                                            sliding_window=4096,
                                            config=(("num_attention_heads", 32), ("num_key_value_heads", 8),
                                                    ("head_dim", 128))),
+    # The drafter scripts/train_smollm2_drafter.py trains: two target-shaped layers, block 8, taps 1, 14, 27 (its
+    # mask token, <reponame>, is id 4 in SmolLM2's vocabulary).
+    ("smollm2-135m", "dflash"): DrafterShape("dflash", layers=2, block_size=8, target_layer_ids=(1, 14, 27),
+                                             mask_token_id=4),
     ("tiny-qwen3.5", "mtp"): DrafterShape("mtp"),
     # (its attention shaped unlike the target's, as the 4B drafter's is: twice the heads, half the head size)
     ("tiny-qwen3.5", "dflash"): DrafterShape("dflash", layers=2, block_size=4, target_layer_ids=(1, 2),

@@ -53,6 +53,12 @@ RANDOM_MODELS: dict[str, dict] = {
                       "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
                       "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
                       "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False},
+    # HuggingFaceTB/SmolLM2-135M-Instruct, the one real target the tests have (as a GGUF): its shape with random
+    # weights, for the host-bound regime of a small model with a drafter (the "dflash" preset: the trained one's).
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         hidden_act="silu", attention_bias=False, tie_word_embeddings=True, torch_dtype="bfloat16"),
     # Tiny Qwen3 / Qwen3.5 shapes (no public checkpoint): the benchmarks' code paths in seconds on a CPU.
     "tiny-qwen3": {**_QWEN3, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 2048,
