@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.launch import is_power_of_two
+from outrider.kernels.fused import pdl_enter
+from outrider.kernels.launch import is_power_of_two, pdl_args, use_pdl
 from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format
 from outrider.quant.tensor import QuantizedTensor
 
@@ -308,11 +309,18 @@ class Int8X(NamedTuple):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, K, stride_xm):
+def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, tickets_ptr, K, stride_xm, N_TICKETS,
+                       USE_PDL: tl.constexpr):
     """Row m, values 256 kb .. 256 kb + 255 of x (programs m, kb; those past K masked) -> their int8 values (rounded
-    half away from zero), 8 scales, 16 sums."""
+    half away from zero), 8 scales, 16 sums; and the programs zero the N_TICKETS tickets of the split-K products
+    that will read this x (a memset node between the two kernels would break their chain of dependent launches)."""
+    pdl_enter(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
+    share = tl.arange(0, 256)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    for t in tl.range(tl.program_id(0) * tl.num_programs(1) + kb, tl.cdiv(N_TICKETS, 256), programs):
+        tl.store(tickets_ptr + 256 * t + share, 0, mask=256 * t + share < N_TICKETS)
     offs = tl.reshape(kb * 256 + tl.arange(0, 256), (8, 32))
     x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
@@ -327,13 +335,15 @@ def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, K, stride_xm):
     tl.store(q_ptr + m * K + offs, q.to(tl.int8), mask=offs < K)
 
 
-def quantize_x(x: torch.Tensor) -> Int8X:
-    """x [M, K] (K a multiple of 32) -> Int8X. Fixed-size buffers of this call: safe in CUDA graphs."""
+def quantize_x(x: torch.Tensor, tickets: torch.Tensor | None = None) -> Int8X:
+    """x [M, K] (K a multiple of 32) -> Int8X; `tickets` (int32) zeroed on the way. Fixed-size buffers of this
+    call: safe in CUDA graphs."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // 16), dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(m, triton.cdiv(k, 256))](x, q, scale, sums, k, x.stride(0))
+    _quantize_x_kernel[(m, triton.cdiv(k, 256))](x, q, scale, sums, q if tickets is None else tickets, k, x.stride(0),
+                                                 0 if tickets is None else tickets.numel(), **pdl_args(use_pdl(x)))
     return Int8X(q, scale, sums)
 
 
@@ -354,12 +364,13 @@ def _dp4a(a, b, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 @triton.jit
 def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       ASM: tl.constexpr):
+                       ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on Q4_K for an Int8X x of one row, program (pid_n, pid_k) owning W's rows from
     pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's blocks. Quant word w of a block, masked to its low (high)
     nibbles, holds four unsigned int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each.
     A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words
     (a quarter of a chunk) once a block."""
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -403,12 +414,13 @@ def _q6k_quants(src, h, R: tl.constexpr):
 @triton.jit
 def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       ASM: tl.constexpr):
+                       ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_row_q8_kernel for Q6_K (blocks of 208 bytes: ql 0-127, qh 128-191, 16 int8 scales; d in its plane).
     For half n and i < 8, ql words A = 16 n + i and B = A + 8 and qh word H = 32 + 8 n + i hold in byte t the quants
     of values 128 n + 32 r + 4 i + t, r = 0..3 (_q6k_quants): unsigned 0..63, so a scale group's (16 values: n, r,
     i // 4) product is d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4), 4
     words], so a thread reads a group's four words at once and no sum crosses threads."""
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -450,10 +462,11 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
 @triton.jit
 def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       ASM: tl.constexpr):
+                       ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_row_q8_kernel for Q8_0 (blocks of 32 int8 quants; d in its plane): a step is 256 values, [BLOCK_N, 8
     groups, 8 words], each word four signed quants against four of x in one dp4a; a group's sum meets d dx once.
     K need only be a multiple of 32: the groups of a last partial step past K are masked."""
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -499,10 +512,11 @@ def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit
 def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2-64 rows, on the int8 tensor cores: for each sub-block s
     (chunk c = s // 2's 32 quant bytes, their low or high nibbles: 32 values in K order), an int32 tile
     [BLOCK_N, BLOCK_M] = quants @ xq's 32 columns, then d sc dx (that tile) - dmin m sum(x) in float32."""
+    pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn  # [BN, 1] byte offsets of the rows
     j = tl.arange(0, 32)
@@ -529,11 +543,12 @@ def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 @triton.jit
 def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_rows_q8_kernel for Q6_K (blocks of 208 bytes, d in its plane). Values 128 n + 32 r + l (half n, quarter
     r): ql byte 64 n + 32 (r % 2) + l, its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top, less 32
     (signed int8, so no min term); the scale of 16 values is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns
     of xq meet the quants twice, as their two halves (the other half zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
+    pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn
     j = tl.arange(0, 32)
@@ -583,9 +598,10 @@ def _q6k_signed(ql, qh, R: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr):
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
     as stored; d dx meets its int32 tile."""
+    pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -601,11 +617,12 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 @triton.jit
 def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                         K, stride_row, stride_d, z_ptr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr):
+                        SPLIT: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on INT4 (byte l of a group holds its values l and l + GROUP / 2; d_ptr: the scales,
     z_ptr: the zero points) for an Int8X x of one row. Word w of a group, masked to its low (high) nibbles, holds
     the four unsigned weights of values 4 w (GROUP / 2 + 4 w) on, whose x word follows: one dp4a each. A group's
     product is s (the sum over its 16-value quarters of dx q.xq) - s z sum(x)."""
+    pdl_enter(USE_PDL)
     W: tl.constexpr = GROUP // 8  # words of a group's bytes
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
@@ -639,9 +656,10 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
                          M, N, K, stride_wn, stride_d, stride_ym, z_ptr, HAS_BIAS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                         GROUP: tl.constexpr):
+                         GROUP: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_rows_q8_kernel for INT4: each 32 bytes c of a group, their low or high nibbles (values 32 c on, or
     GROUP / 2 + 32 c on) against x's 32 columns of those values, then s dx (that tile) - s z sum(x)."""
+    pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn
     j = tl.arange(0, 32)
@@ -665,12 +683,13 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
 def _wide_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
                       stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr,
                       HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+                      BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
     its rows' scale) or INT4 (a group a step: its two nibble planes are its two halves, made (q - z) s in x's dtype
     as the dequantized model has them; a product with each half of x's columns). Wide tiles of W, K split over
     program axis 2 (_rows_result)."""
+    pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -797,7 +816,8 @@ def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr):
 def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                   stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -860,9 +880,11 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
 @triton.jit
 def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row0, N, K, stride_wn, stride_sn,
                     stride_on, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                    FP8_BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+                    FP8_BITS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                    USE_PDL: tl.constexpr):
     """Rows row0 .. row0 + N of W (GATHER: rows ids[0 .. N], an embedding lookup) -> out [N, K] in out's
     dtype."""
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if GATHER:
         rows = tl.load(ids_ptr + tl.minimum(offs_n, N - 1))[:, None, None]
@@ -966,46 +988,63 @@ def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
-                 config: QuantGemmConfig | None = None, x8: Int8X | None = None) -> None:
+                 config: QuantGemmConfig | None = None, x8: Int8X | None = None,
+                 tickets: torch.Tensor | None = None) -> None:
     """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel. x8: x as an
-    Int8X where takes_int8_x (made here if not given: a caller with several parts makes it once)."""
+    Int8X where takes_int8_x (made here if not given: a caller with several parts makes it once, zeroing their
+    split-K `tickets` on the way: ticket_count of each)."""
     m, k = x.shape
     n = part.shape[0]
     lay = _layout(part)
     t = _tensors(part)
+    pdl = pdl_args(use_pdl(x))
     if takes_int8_x(x, part):
         _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
-                        config or int8_x_config(m, part))
+                        config or int8_x_config(m, part), tickets, pdl)
         return
     if takes_wide_rows(x, part):
         cfg = config or wide_rows_config(m, n, k)
-        tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-        partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y)
+        tiles = _tiles(cfg, m, n)
+        partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
         _wide_rows_kernel[(*tiles, cfg.split_k)](
             x, t.w, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k, x.stride(0),
             t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
             HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n,
-            BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
         return
     cfg = config or default_config(m, lay.block, n)
-    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    _qgemm_kernel[grid](x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k,
-                        x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k,
-                        FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None,
-                        IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _qgemm_kernel[_tiles(cfg, m, n)](
+        x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k, x.stride(0),
+        t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
+        TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl)
+
+
+def _tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:
+    """A product's output tiles along W's rows and x's rows (program axes 0 and 1)."""
+    return triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
+
+
+def ticket_count(m: int, part: QuantizedTensor, config: QuantGemmConfig) -> int:
+    """The split-K tickets an Int8X product of m rows with the part takes at `config` (0 without a split)."""
+    if config.split_k == 1:
+        return 0
+    tiles = _tiles(config, m, part.shape[0])
+    return tiles[0] * tiles[1]
 
 
 def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, bias: torch.Tensor | None,
-                    y: torch.Tensor, m: int, n: int, k: int, cfg: QuantGemmConfig) -> None:
+                    y: torch.Tensor, m: int, n: int, k: int, cfg: QuantGemmConfig, tickets: torch.Tensor | None,
+                    pdl: dict) -> None:
     """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
-    split K writes partial sums to a buffer of this call and takes tickets from a zeroed counter per output tile
-    (both graph-safe: fixed sizes; without a split neither is made: no zeroing launch on the decode path)."""
-    tiles = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y)
+    split K writes partial sums to a buffer of this call and takes tickets from a counter per output tile, zeroed
+    (`tickets`: by quantize_x; else here), all graph-safe: fixed sizes; without a split neither is made."""
+    tiles = _tiles(cfg, m, n)
+    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
     b = y if bias is None else bias
     meta = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
                 **(dict(z_ptr=t.zero, GROUP=block) if kernels.grouped else {}))
     if m == 1:
         kernels.row[(*tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b,
@@ -1017,14 +1056,15 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
                                             BLOCK_M=cfg.block_m, **meta)
 
 
-def _split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int,
-                     y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-K product's partial sums and its zeroed ticket per output tile (_rows_result); without a split, y
-    twice (unread): no zeroing launch on the decode path."""
+def _split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int, y: torch.Tensor,
+                     tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A split-K product's partial sums and its zeroed ticket per output tile (_rows_result): `tickets` where the
+    caller had them zeroed, else zeros made here; without a split, y twice (unread)."""
     if split_k == 1:
         return y, y
-    return (torch.empty((split_k, m, n), dtype=torch.float32, device=y.device),
-            torch.zeros(tiles[0] * tiles[1], dtype=torch.int32, device=y.device))
+    if tickets is None:
+        tickets = torch.zeros(tiles[0] * tiles[1], dtype=torch.int32, device=y.device)
+    return torch.empty((split_k, m, n), dtype=torch.float32, device=y.device), tickets
 
 
 class _Int8Kernels(NamedTuple):
@@ -1060,7 +1100,7 @@ def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.
     _dequant_kernel[grid](t.w, t.w16, t.w32, t.scale, t.zero, out, rows if gather else t.w, 0 if gather else rows, n,
                           k, t.stride_wn, t.stride_sn, out.stride(0), lay.fp8_block_n, lay.fp8_block_k,
                           FMT=lay.code, BLOCK=lay.block, TYPE_SIZE=lay.type_size, FP8_BITS=INTERPRET, GATHER=gather,
-                          BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps)
+                          BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, **pdl_args(use_pdl(out)))
     return out
 
 
@@ -1087,12 +1127,19 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
     n = sum(part.shape[0] for part in parts)
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     row = 0
-    x8 = quantize_x(x) if any(takes_int8_x(x, part) for part in parts) else None
-    for part in parts:
+    # The parts read one Int8X x where they take one (quantize_x zeroes their split-K tickets, one buffer)
+    configs = [int8_x_config(m, part) if takes_int8_x(x, part) else None for part in parts]
+    counts = [0 if cfg is None else ticket_count(m, part, cfg) for part, cfg in zip(parts, configs)]
+    tickets = torch.empty(sum(counts), dtype=torch.int32, device=x.device) if sum(counts) else None
+    x8 = quantize_x(x, tickets) if any(cfg is not None for cfg in configs) else None
+    first = 0
+    for part, cfg, count in zip(parts, configs, counts):
         size = part.shape[0]
         part_bias = None if bias is None else bias[row:row + size]
         if m <= FUSED_MAX_ROWS:
-            fused_linear(x, part, part_bias, y[:, row:row + size], x8=x8)
+            fused_linear(x, part, part_bias, y[:, row:row + size], cfg, x8, None if tickets is None or not count
+                         else tickets[first:first + count])
+            first += count
         else:
             buf = scratch(x.device, x.dtype)
             chunk = max(1, min(size, buf.numel() // k))

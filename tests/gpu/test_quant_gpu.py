@@ -67,6 +67,17 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     _assert_close(y, _reference(_x_as_read(x, fmt.name), weight.parts[0].dequantize()), model_dtype)
 
 
+@pytest.mark.parametrize("count", [1, 300, 5000])
+def test_quantizing_x_zeroes_the_split_k_tickets_it_is_given(count, device):
+    """quantized_linear hands quantize_x its parts' tickets uninitialised (no memset node in the graphs): every one
+    must be zero afterwards, however many there are against the kernel's programs."""
+    from outrider.kernels.quant_gemm import quantize_x
+
+    tickets = torch.full((count,), 7, dtype=torch.int32, device=device)
+    quantize_x(torch.randn(2, 640).to(device, torch.float16), tickets)
+    assert int(tickets.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("kind", INT8_X_ROWS)
 def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, rows, half,
@@ -269,7 +280,8 @@ _SIGNATURES = {**{name: (f.block, f.type_size, "*u8", "*u8", "*u8") for name, f 
 
 def _spilled_bytes(kind: str, rows: int, n: int) -> int:
     """Compile `kind`'s kernel at its default config for `rows` (0: the dequantization kernel) of an `n`-row
-    weight for sm_90 (Triton's own ptxas: no GPU needed) and return the bytes ptxas reports spilled."""
+    weight for sm_90 (Triton's own ptxas: no GPU needed), as CUDA graphs launch it (with PDL), and return the bytes
+    ptxas reports spilled."""
     from outrider.kernels import quant_gemm as q
 
     block, type_size, s, z, w = _SIGNATURES[kind]
@@ -279,9 +291,10 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         signature = {**views, "s_ptr": s, "z_ptr": z, "out_ptr": "*bf16",
                      "ids_ptr": "*i64", "row0": "i32", "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32",
                      "stride_on": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
-                     **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "FP8_BITS", "GATHER", "BLOCK_N", "NB"], "constexpr")}
+                     **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "FP8_BITS", "GATHER", "BLOCK_N", "NB", "USE_PDL"],
+                                     "constexpr")}
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
-                     "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
+                     "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks, "USE_PDL": True}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
     kernels = q._INT8_X_KERNELS.get(getattr(q, kind).value)
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
@@ -290,35 +303,39 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
                      "K": "i32", "stride_row": "i32", "stride_d": "i32", **grouped[0],
-                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM"], "constexpr")}
-        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, **grouped[1]}
+                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
+        constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
+                     **grouped[1]}
         return _ptxas_spills(kernels.row, signature, constants, cfg)
     if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (int8 tensor cores)
         cfg = q.rows_config(rows, n, 4096, kernels.rows_block_n)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                      "N": "i32", "K": "i32", "stride_wn": "i32", "stride_d": "i32", "stride_ym": "i32",
-                     **grouped[0], **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "SPLIT", "ASM"], "constexpr")}
+                     **grouped[0],
+                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
-                     "ASM": True, **grouped[1]}
+                     "ASM": True, "USE_PDL": True, **grouped[1]}
         return _ptxas_spills(kernels.rows, signature, constants, cfg)
     if kind == "FP8" and rows > 1 or kind == "INT4" and rows > kernels.max_rows:
         cfg = q.wide_rows_config(rows, n, 4096)
         signature = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
-                     **dict.fromkeys(["FMT", "BLOCK", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N", "BLOCK_M", "SPLIT"],
-                                     "constexpr")}
+                     **dict.fromkeys(["FMT", "BLOCK", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N", "BLOCK_M", "SPLIT",
+                                      "USE_PDL"], "constexpr")}
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "HAS_BIAS": True, "IEEE": False,
-                     "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k}
+                     "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
+                     "USE_PDL": True}
         return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                  **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
-                                  "NB"], "constexpr")}
+                                  "NB", "USE_PDL"], "constexpr")}
     constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
-                 "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks}
+                 "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks,
+                 "USE_PDL": True}
     return _ptxas_spills(q._qgemm_kernel, signature, constants, cfg)
 
 
