@@ -984,7 +984,12 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows."""
-    return _layout(part).code in (FP8.value, INT4.value) and x.shape[0] > 1 and not takes_int8_x(x, part)
+    return _wide_format(_layout(part), x.shape[0]) and not takes_int8_x(x, part)
+
+
+def _wide_format(lay: _Layout, m: int) -> bool:
+    """takes_wide_rows for a product that does not take an Int8X x."""
+    return lay.code in (FP8.value, INT4.value) and m > 1
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -1002,7 +1007,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
                         config or int8_x_config(m, part), tickets, pdl)
         return
-    if takes_wide_rows(x, part):
+    if _wide_format(lay, m):
         cfg = config or wide_rows_config(m, n, k)
         tiles = _tiles(cfg, m, n)
         partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
