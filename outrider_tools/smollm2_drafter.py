@@ -89,8 +89,8 @@ class Recipe:
     stage_seconds: dict = field(default_factory=dict)
 
 
-# One H200: ~10 s loading, generation ~60 s, training ~290 s (about 10 steps a second: the schedule's 2,800 steps,
-# where a 100 s cap once stopped 1,500 at step 960), the engine's tau ~20 s.
+# One H200: ~10 s loading, generation ~60 s, training ~290 s (about 10 steps a second: the schedule's 2,800 steps
+# end inside the 300 s cap), the engine's tau ~20 s.
 # The drafter is two target-shaped layers (8.1 M parameters, 16.2 MB in bfloat16, under the 16 MiB a returned file
 # may have).
 FULL = Recipe(
