@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import triton.testing
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 WEIGHT_SETS = 4
@@ -24,29 +25,10 @@ FP8_MAX = torch.finfo(FP8).max
 BLOCK = 128
 
 
-def graph_us(calls: list[Callable[[], torch.Tensor]], rounds: int = 20) -> float:
-    """us a call: the best of five replays of one graph holding `rounds` passes over `calls`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # (warm-up, and library autotuning, outside the capture)
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for call in calls:
-                call()
-    graph.replay()
-    best = float("inf")
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (rounds * len(calls)))
-    return best
+def graph_us(calls: list[Callable[[], torch.Tensor]]) -> float:
+    """us a call: the calls (one per weight set) replayed as one CUDA graph, as `bench quant --kernels` times them
+    (triton's do_bench_cudagraph runs them once before capturing: library autotuning stays outside the graph)."""
+    return 1e3 * triton.testing.do_bench_cudagraph(lambda: [call() for call in calls]) / len(calls)
 
 
 def per_row_fp8(weights: list[torch.Tensor], x: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
