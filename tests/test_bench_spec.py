@@ -41,10 +41,19 @@ def _check_timed(row: dict, clocked: bool = False) -> None:
     assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"])
     ratios = [p / s for p, s in zip(row["plain_pass_s"], row["spec_pass_s"])]  # (the same tokens each pass)
     assert row["paired_speedup"] == pytest.approx(statistics.median(ratios))
-    for side in ("plain_steps", "spec_steps"):
+    for side, passes in (("plain_steps", row["plain_pass_s"]), ("spec_steps", row["spec_pass_s"])):
         steps = row[side]
         assert len(steps["slow"]) == repeats
         assert 0 < steps["median_ms"] <= steps["max_ms"] and 0 < steps["prefill_median_ms"] <= steps["max_ms"]
+        # where a pass went: every step under what it committed (the slow ones under their kind as well), its
+        # steps' time within the pass's
+        kinds = {kind: entry for kind, entry in steps["split"].items() if not kind.startswith("slow ")}
+        assert set(kinds) <= {"prompt", "round", "decode"} and kinds["prompt"][0] >= 1
+        assert ("round" in kinds) == (side == "spec_steps" and row["rounds"] > 0)
+        assert sum(ms for _, ms in kinds.values()) <= 1e3 * statistics.mean(passes)
+        for kind, (n, ms) in steps["split"].items():
+            if kind.startswith("slow "):
+                assert 0 < n <= kinds[kind[5:]][0] and 0 < ms <= kinds[kind[5:]][1]
     if not clocked:
         assert row["plain_clock_mhz"] is None and row["spec_clock_mhz"] is None  # no GPU clock on the CPU
     plain = row["plain_decode_step"]
@@ -156,6 +165,8 @@ def test_a_disturbed_timed_step_is_counted_slow_and_the_best_pass_is_the_undistu
     _check_workload(row)
     assert len(spec_passes) == 2 + REPEATS and len(slept) == 1
     assert row["spec_steps"]["slow"][0] >= 1 and row["spec_steps"]["max_ms"] >= 1e3 * slept[0]
+    slow_ms = sum(ms for kind, (_, ms) in row["spec_steps"]["split"].items() if kind.startswith("slow "))
+    assert slow_ms >= 1e3 * slept[0] / REPEATS  # (a mean over the passes)
     assert row["spec_pass_s"][0] > slept[0]  # the best pass is the other one
     assert row["spec_tok_s"] == pytest.approx(row["tokens"] / row["spec_pass_s"][1])
     printed = capsys.readouterr().out

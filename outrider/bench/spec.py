@@ -29,9 +29,10 @@ the rest) counts as slow (a JIT compile, a GC pause, a graph recapture); on CUDA
 the start and the end of each timed pass. And what a step costs with a drafter loaded that drafts nothing: both
 profiled passes time each pure decode step (no prefill, no drafts in the plan launched) with the same
 synchronising timer as the round split, so the speculative engine's undrafted step is set beside the plain
-engine's decode step measured the same way. (Not from the timed passes: they do not record which steps drafted,
-which would add work to the steps they time, and with overlap scheduling an unsynchronised step's wall time
-holds part of the step before it.)
+engine's decode step measured the same way. (Not from the timed passes: with overlap scheduling an unsynchronised
+step's wall time holds part of the step before it.) The timed passes do say where their time went by what each step
+committed (a prompt's first token, else a verify round, else plain tokens), the slow steps' share beside: read
+from the wave's request timings around each step, the same few additions on both sides.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from outrider.speculative.drafter import expected_tokens
 
 
 SLOW_FACTOR = 20  # a timed step this many times its kind's median was disturbed
+STEP_KINDS = ("prompt", "round", "decode")  # a step committed a prompt's first token, else a verify round, else neither
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Pass:
     steps: int  # engine steps launched
     step_s: list[float]  # the wall time of every Engine.step call
     prefill: list[bool]  # per call: it committed a prompt's first token (the prompt's device time is in it)
+    rounds: list[bool]  # per call: it committed a verify round of some request (and no prompt's first token)
     clock_mhz: tuple[int, int] | None  # the GPU's SM clock at the start and the end; None: not CUDA, or no NVML
 
     @property
@@ -91,13 +94,26 @@ class StepTimes:
     prefill_median_ms: float
     slow: list[int]  # per timed pass
     max_ms: float  # the slowest step of any pass
+    # Where a pass's time went, by what its steps committed (STEP_KINDS), mean of the timed passes: [steps, ms]; the
+    # slow steps' share as well, under "slow KIND"
+    split: dict[str, list[float]]
 
     @classmethod
     def of(cls, passes: Sequence[Pass]) -> StepTimes:
         median = {kind: statistics.median(s for p in passes for s, f in zip(p.step_s, p.prefill) if f == kind)
                   for kind in (False, True)}
         slow = [sum(s > SLOW_FACTOR * median[f] for s, f in zip(p.step_s, p.prefill)) for p in passes]
-        return cls(1e3 * median[False], 1e3 * median[True], slow, 1e3 * max(max(p.step_s) for p in passes))
+        split: dict[str, list[float]] = {}
+        for p in passes:
+            for s, f, r in zip(p.step_s, p.prefill, p.rounds):
+                kind = STEP_KINDS[0 if f else 1 if r else 2]
+                for key in (kind, f"slow {kind}") if s > SLOW_FACTOR * median[f] else (kind,):
+                    entry = split.setdefault(key, [0.0, 0.0])
+                    entry[0] += 1 / len(passes)
+                    entry[1] += 1e3 * s / len(passes)
+        order = [*STEP_KINDS, *(f"slow {kind}" for kind in STEP_KINDS)]
+        return cls(1e3 * median[False], 1e3 * median[True], slow, 1e3 * max(max(p.step_s) for p in passes),
+                   {key: split[key] for key in order if key in split})
 
 
 @dataclass(frozen=True)
@@ -374,29 +390,34 @@ def _decode(engine: Engine, prompts: Sequence[list[int]], batch: int, args,
     counters = engine.counters
     step_s: list[float] = []
     prefill: list[bool] = []
+    rounds: list[bool] = []
+    wave: list[Request] = []
     steps0 = counters["steps"]
     clock0 = _sm_clock(engine.device)
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch):
+        wave.clear()
         for i in range(start, min(start + batch, len(prompts))):
             req = Request(list(prompts[i]), params)
+            wave.append(req)
             ids.append(req.request_id)
             if register is not None:
                 register(i, req)
             engine.add_request(req, lambda out, got=outputs[i]: got.extend(out.new_token_ids))
         while engine.has_work():
-            prompted = counters["prompt_tokens"]
+            prompted, verified = counters["prompt_tokens"], sum(r.timing.draft_rounds for r in wave)
             t = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t)
             prefill.append(counters["prompt_tokens"] != prompted)
+            rounds.append(sum(r.timing.draft_rounds for r in wave) != verified)
     seconds = time.perf_counter() - t0
     clock1 = _sm_clock(engine.device)
     short = [i for i, o in enumerate(outputs) if len(o) != args.gen]
     if short:
         raise SystemExit(f"requests {short[:5]} produced fewer than {args.gen} tokens (see the log above)")
     clock = (clock0, clock1) if clock0 is not None and clock1 is not None else None
-    return Pass(outputs, ids, seconds, counters["steps"] - steps0, step_s, prefill, clock)
+    return Pass(outputs, ids, seconds, counters["steps"] - steps0, step_s, prefill, rounds, clock)
 
 
 def _sm_clock(device: torch.device) -> int | None:
@@ -581,6 +602,9 @@ def report(r: SpecResult) -> str:
             f"speculative {r.spec_steps.median_ms:.3f} ms (those committing a prompt's first token: plain "
             f"{r.plain_steps.prefill_median_ms:.3f} ms, speculative {r.spec_steps.prefill_median_ms:.3f} ms); "
             f"slow steps (> {SLOW_FACTOR}x their kind's median): {slow}{clock}\n"
+            f"  a timed pass by what its steps committed (mean of the passes): "
+            + "; ".join(f"{name}: " + ", ".join(f"{kind} {n:.4g} steps {ms:.1f} ms" for kind, (n, ms) in
+                                                t.split.items()) for name, t, _ in sides) + "\n"
             f"  decode step without drafts (synchronised, profiled passes; mean / median ms): plain "
             f"{plain.mean_ms:.3f} / {plain.median_ms:.3f} over {plain.steps} steps, speculative {undrafted}\n"
             f"  tau {r.tau:.2f}{theory} over {r.rounds} request rounds of mean k {r.mean_k:.2f}, "
