@@ -38,6 +38,26 @@ def test_greedy_with_each_drafter_equals_plain_in_float32(families, kind, batch)
 
 
 @pytest.mark.parametrize("kind", list(SETUPS))
+def test_no_kernel_compiles_after_warm_up_however_the_drafter_sleeps_and_wakes(families, kind, monkeypatch):
+    """The design rule's "no request pays for a compile" on the default path: after the engine's warm-up, served
+    traffic (a lone request, then a batch of 8, of prompts of mixed lengths, long enough for the policy to put the
+    drafter to sleep and wake it for exploratory rounds: each wake recomputes and learns the rows slept through, at
+    row counts no graph has) compiles no Triton kernel variant. A failure names the kernels."""
+    import triton
+
+    arch, served, kwargs, _ = SETUPS[kind]
+    llm = LLM(families[arch][served], device="cuda", max_num_seqs=8, **kwargs(families[arch]))
+    compiled: list[str] = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda *, repr, **_: compiled.append(repr.split("(")[0]))
+    params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + (7 * i + j) % 200 for j in range(3 + 37 * i)] for i in range(8)]
+    llm.generate(prompts[:1], params)
+    llm.generate(prompts, params)
+    assert not compiled, sorted(set(compiled))
+
+
+@pytest.mark.parametrize("kind", list(SETUPS))
 def test_captured_device_rounds_give_plain_greedy_output_in_float32(families, kind, monkeypatch):
     """spec_device_round: a lone greedy request's rounds replay one captured graph each (speculative/device_round.py)
     and its output equals plain decoding's."""
