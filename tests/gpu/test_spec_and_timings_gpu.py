@@ -40,9 +40,9 @@ def test_greedy_with_each_drafter_equals_plain_in_float32(families, kind, batch)
 @pytest.mark.parametrize("kind", list(SETUPS))
 def test_no_kernel_compiles_after_warm_up_however_the_drafter_sleeps_and_wakes(families, kind, monkeypatch):
     """The design rule's "no request pays for a compile" on the default path: after the engine's warm-up, served
-    traffic (a lone request, then a batch of 8, of prompts of mixed lengths, long enough for the policy to put the
-    drafter to sleep and wake it for exploratory rounds: each wake recomputes and learns the rows slept through, at
-    row counts no graph has) compiles no Triton kernel variant. A failure names the kernels."""
+    traffic (a lone request, then a batch of 8, of prompts of mixed lengths, long enough that where drafts miss the
+    policy puts the drafter to sleep and wakes it for exploratory rounds, each wake recomputing and learning the rows
+    slept through at row counts no graph has) compiles no Triton kernel variant. A failure names the kernels."""
     import triton
 
     arch, served, kwargs, _ = SETUPS[kind]
