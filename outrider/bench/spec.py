@@ -404,13 +404,15 @@ def _decode(engine: Engine, prompts: Sequence[list[int]], batch: int, args,
             if register is not None:
                 register(i, req)
             engine.add_request(req, lambda out, got=outputs[i]: got.extend(out.new_token_ids))
+        verified = 0  # (the wave's rounds so far: its requests are new)
         while engine.has_work():
-            prompted, verified = counters["prompt_tokens"], sum(r.timing.draft_rounds for r in wave)
+            prompted = counters["prompt_tokens"]
             t = time.perf_counter()
             engine.step()
             step_s.append(time.perf_counter() - t)
             prefill.append(counters["prompt_tokens"] != prompted)
-            rounds.append(sum(r.timing.draft_rounds for r in wave) != verified)
+            before, verified = verified, sum(r.timing.draft_rounds for r in wave)
+            rounds.append(verified != before)
     seconds = time.perf_counter() - t0
     clock1 = _sm_clock(engine.device)
     short = [i for i, o in enumerate(outputs) if len(o) != args.gen]
