@@ -159,3 +159,18 @@ def test_a_hybrid_step_replays_only_a_graph_of_its_kind():
         states = StateBatch([0, 3], torch.tensor([0]), [0], is_verify)
         assert torch.equal(runner.forward(StepBatch(ids, pos, meta, [], None, states)).hidden, want)
     assert verify.replays == 1 and loaded == [3]
+
+
+def test_warming_the_eager_forwards_writes_nothing_and_leaves_serving_as_it_was(tmp_path):
+    """compile_eager_forwards (warm-up's eager forwards over the null block) writes no K/V, even into block 0, and a
+    request served after it gets the tokens one served before it got (float32, greedy)."""
+    from outrider import LLM
+
+    llm = LLM(write_tiny_checkpoint(tmp_path / "tiny"), device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    before = llm.generate([[5, 9, 100, 13, 7]], params)[0].token_ids
+    cache = llm.engine.kv_cache.k + llm.engine.kv_cache.v
+    kept = [t.clone() for t in cache]
+    llm.engine.runner.compile_eager_forwards(80)
+    assert all(torch.equal(a, b) for a, b in zip(kept, cache))
+    assert llm.generate([[5, 9, 100, 13, 7]], params)[0].token_ids == before

@@ -328,6 +328,7 @@ def warm_up(engine: Engine) -> None:
         q_len *= 2
     # (and each variant an eager step over a longer context than these meets: the split ones)
     engine.runner.backend.compile_eager_variants(engine.kv_cache, mc.num_attention_heads, engine.max_model_len)
+    engine.runner.compile_eager_forwards(min(engine.max_model_len, config.max_num_batched_tokens))
     if engine.speculation is not None:
         policy = engine.speculation.policy
         if policy.measured:

@@ -42,19 +42,41 @@ def test_no_kernel_compiles_after_warm_up_however_the_drafter_sleeps_and_wakes(f
     """The design rule's "no request pays for a compile" on the default path: after the engine's warm-up, served
     traffic (a lone request, then a batch of 8, of prompts of mixed lengths, long enough that where drafts miss the
     policy puts the drafter to sleep and wakes it for exploratory rounds, each wake recomputing and learning the rows
-    slept through at row counts no graph has) compiles no Triton kernel variant. A failure names the kernels."""
-    import triton
-
+    slept through at row counts no graph has) compiles no Triton kernel variant. The context is short, as `bench
+    spec`'s is, so that every warm-up prompt replays a prefill graph. A failure names the kernels."""
     arch, served, kwargs, _ = SETUPS[kind]
-    llm = LLM(families[arch][served], device="cuda", max_num_seqs=8, **kwargs(families[arch]))
-    compiled: list[str] = []
-    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
-                        lambda *, repr, **_: compiled.append(repr.split("(")[0]))
+    llm = LLM(families[arch][served], device="cuda", max_num_seqs=8, max_model_len=512, **kwargs(families[arch]))
+    compiled = _compiles(monkeypatch)
     params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     prompts = [[5 + (7 * i + j) % 200 for j in range(3 + 37 * i)] for i in range(8)]
     llm.generate(prompts[:1], params)
     llm.generate(prompts, params)
     assert not compiled, sorted(set(compiled))
+
+
+def test_no_eager_forward_compiles_after_warm_up_at_any_row_count_or_context(families, monkeypatch):
+    """Eager steps (a catch-up, a prompt joining a running batch, a prompt past the largest prefill graph) run
+    kernel variants that graph replays do not; warm-up compiles them all, even where its own prompts all replay
+    prefill graphs (a short context)."""
+    llm = LLM(families["qwen3"]["target"], device="cuda", max_num_seqs=8, max_model_len=256)
+    compiled = _compiles(monkeypatch)
+    runner = llm.engine.runner
+    with torch.inference_mode():
+        for rows in range(1, 81):
+            for context in (rows, min(256, rows + 150)):
+                llm.engine.model.compute_logits(runner.forward_unwritten(rows, context).hidden)
+    torch.cuda.synchronize()
+    assert not compiled, sorted(set(compiled))
+
+
+def _compiles(monkeypatch) -> list[str]:
+    """The names of the Triton kernels compiled from now on."""
+    import triton
+
+    compiled: list[str] = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda *, repr, **_: compiled.append(repr.split("(")[0]))
+    return compiled
 
 
 @pytest.mark.parametrize("kind", list(SETUPS))
