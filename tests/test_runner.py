@@ -3,6 +3,7 @@
 import types
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -161,16 +162,29 @@ def test_a_hybrid_step_replays_only_a_graph_of_its_kind():
     assert verify.replays == 1 and loaded == [3]
 
 
-def test_warming_the_eager_forwards_writes_nothing_and_leaves_serving_as_it_was(tmp_path):
-    """compile_eager_forwards (warm-up's eager forwards over the null block) writes no K/V, even into block 0, and a
-    request served after it gets the tokens one served before it got (float32, greedy)."""
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_warming_the_eager_forwards_writes_nothing_a_request_owns(tmp_path, arch):
+    """compile_eager_forwards (warm-up's eager forwards over the null block) writes no K/V, even into block 0, nor a
+    hybrid model's linear state outside the slot nobody owns; a request running meanwhile ends as it would have
+    (float32, greedy)."""
     from outrider import LLM
+    from outrider.engine.state_pool import PAD_SLOT
 
-    llm = LLM(write_tiny_checkpoint(tmp_path / "tiny"), device="cpu", dtype="float32")
+    llm = LLM(write_tiny_checkpoint(tmp_path / "tiny", arch, layers=4), device="cpu", dtype="float32")
+    engine = llm.engine
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    before = llm.generate([[5, 9, 100, 13, 7]], params)[0].token_ids
-    cache = llm.engine.kv_cache.k + llm.engine.kv_cache.v
-    kept = [t.clone() for t in cache]
-    llm.engine.runner.compile_eager_forwards(80)
-    assert all(torch.equal(a, b) for a, b in zip(kept, cache))
-    assert llm.generate([[5, 9, 100, 13, 7]], params)[0].token_ids == before
+    want = llm.generate([[5, 9, 100, 13, 7]], params)[0].token_ids
+    req = Request([5, 9, 100, 13, 7], params)
+    engine.add_request(req, lambda out: None)
+    for _ in range(4):
+        engine.step()
+    cache = engine.kv_cache.k + engine.kv_cache.v
+    pool = engine.runner.states.pool if engine.runner.states is not None else None
+    owned = [] if pool is None else [t[:, i] for t in (pool.conv, pool.recurrent) for i in range(t.shape[1])
+                                     if i != PAD_SLOT]
+    kept = [t.clone() for t in cache + owned]
+    engine.runner.compile_eager_forwards(80)
+    assert all(torch.equal(a, b) for a, b in zip(kept, cache + owned))
+    while engine.has_work():
+        engine.step()
+    assert req.output_ids == want

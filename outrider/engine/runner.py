@@ -264,21 +264,22 @@ class ModelRunner:
         rows, attention's tile heights, and past them), LM head included, so that no eager step compiles while
         serving: a catch-up over rows the drafter slept through, a prompt joining a running batch, a prompt past
         the largest prefill graph. Warm-up's prompts replay prefill graphs wherever they fit, and a captured launch
-        is another kernel variant than an eager one (PDL). Not for a hybrid model: an eager forward advances its
-        linear layers' state slots."""
-        if self.states is not None:
-            return
+        is another kernel variant than an eager one (PDL)."""
         for rows in sorted({1, 2, 3, *(2**i for i in range(7)), 65}):
             if rows <= max_rows:
                 self.model.compute_logits(self.forward_unwritten(rows, rows).hidden)
 
     def forward_unwritten(self, rows: int, context: int) -> ForwardResult:
         """An eager forward of `rows` tokens (id 0) ending a `context`-token sequence laid over the null block
-        (block 0: read, never written), writing nothing (slot -1)."""
+        (block 0: read, never written), writing no K/V (slot -1), and a hybrid model's linear state only into the
+        slot nobody owns (LinearStateSlots.scratch)."""
         blocks = [0] * -(-context // self.block_size)
         meta, positions = build_metadata([(blocks, context - rows, rows)], self.block_size, self.device)
         meta = replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
-        return self.forward_eager(torch.zeros(rows, dtype=torch.int64, device=self.device), positions, meta)
+        ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
+        if self.states is None:
+            return self.forward_eager(ids, positions, meta)
+        return self.forward_eager(ids, positions, meta, LinearStateSlots.scratch(self.states.pool, rows))
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        states: LinearStates | None = None) -> ForwardResult:

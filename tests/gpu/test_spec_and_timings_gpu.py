@@ -54,11 +54,14 @@ def test_no_kernel_compiles_after_warm_up_however_the_drafter_sleeps_and_wakes(f
     assert not compiled, sorted(set(compiled))
 
 
-def test_no_eager_forward_compiles_after_warm_up_at_any_row_count_or_context(families, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_no_eager_forward_compiles_after_warm_up_at_any_row_count_or_context(tmp_path, arch, monkeypatch):
     """Eager steps (a catch-up, a prompt joining a running batch, a prompt past the largest prefill graph) run
     kernel variants that graph replays do not; warm-up compiles them all, even where its own prompts all replay
-    prefill graphs (a short context)."""
-    llm = LLM(families["qwen3"]["target"], device="cuda", max_num_seqs=8, max_model_len=256)
+    prefill graphs (a short context), for a hybrid model too."""
+    from outrider.testing.checkpoints import write_tiny_checkpoint
+
+    llm = LLM(write_tiny_checkpoint(tmp_path / arch, arch, layers=4), device="cuda", max_num_seqs=8, max_model_len=256)
     compiled = _compiles(monkeypatch)
     runner = llm.engine.runner
     with torch.inference_mode():
