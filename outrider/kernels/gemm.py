@@ -29,7 +29,6 @@ candidates against cuBLAS to re-tune them.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +41,14 @@ from outrider.kernels.launch import SKINNY_MAX_ROWS as MAX_M  # rows of the tens
 from outrider.kernels.launch import pdl_args
 
 # Under PDL, a skinny GEMM prefetches its whole weight into L2 before waiting on the previous kernel when the
-# weight is at most this big, else its first K tile: OUTRIDER_GEMM_PREFETCH_MB (negative: no prefetch). 16 MB
-# measured best of 16/40 on an H200.
-GEMM_PREFETCH_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_PREFETCH_MB", "16")) * 2**20)
+# weight is at most this big, else its first K tile. 16 MB measured best of 16/40 on an H200.
+GEMM_PREFETCH_BYTES = 16 * 2**20
 # Under PDL, a GEMM whose weight is bigger than this lets the next kernel's blocks be scheduled only after its
-# main loop, not at its start (negative: always at the start): OUTRIDER_GEMM_LATE_RELEASE_MB. Released early,
+# main loop, not at its start. Released early,
 # the next big GEMM's blocks take the SMs this one's blocks vacate first, unevenly, and then stream their
 # weight from fewer SMs (H200, Qwen3-8B: down_proj after gate_up 25 -> 30 us). Late release above 16 MB took
 # the 8B at batch 1 from 221 to 233 tok/s (PDL off: 229) on an H200 and left the 0.6B as it was.
-GEMM_LATE_RELEASE_BYTES = int(float(os.environ.get("OUTRIDER_GEMM_LATE_RELEASE_MB", "16")) * 2**20)
+GEMM_LATE_RELEASE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -279,9 +277,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     # tensor-core kernel's programs own 64 rows each, too many to hold a whole row's addresses: first tile only.
     k_prefetch = k if w_bytes <= GEMM_PREFETCH_BYTES and not on_dot else min(k, cfg.block_k)
     launch = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
-                  PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_prefetch, line))
-                  if pdl and GEMM_PREFETCH_BYTES >= 0 else 0,
-                  LINE=line, LATE_RELEASE=0 <= GEMM_LATE_RELEASE_BYTES < w_bytes, num_warps=cfg.num_warps,
+                  PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(k_prefetch, line)) if pdl else 0,
+                  LINE=line, LATE_RELEASE=GEMM_LATE_RELEASE_BYTES < w_bytes, num_warps=cfg.num_warps,
                   **pdl_args(pdl))
     if on_dot:
         _dot_kernel[grid](x, weight, b, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),

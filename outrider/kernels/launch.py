@@ -6,7 +6,6 @@ they live below all of them. Safe to import anywhere: no Triton here.
 from __future__ import annotations
 
 import functools
-import os
 from contextlib import contextmanager
 
 import torch
@@ -18,8 +17,8 @@ SKINNY_MAX_ROWS = 16
 # Launch Triton kernels captured into CUDA graphs as programmatic dependent launches (Hopper and later): a
 # kernel's blocks are scheduled while the previous kernel finishes and wait on it in-kernel (gdc_wait), to hide
 # the gap between dependent kernels of a decode step, and to prefetch weights and K/V into L2 before the wait
-# (its effect: docs/benchmarks.md). OUTRIDER_PDL=0 turns it off.
-PDL = os.environ.get("OUTRIDER_PDL", "1") == "1"
+# (its effect: docs/benchmarks.md). (A constant so that tests can compare graphs with and without it.)
+PDL = True
 _in_graph_capture = False
 
 

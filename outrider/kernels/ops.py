@@ -8,7 +8,6 @@ Safe to import on CPU: Triton is imported only when a CUDA tensor arrives.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +18,8 @@ from outrider.kernels.launch import graph_capture  # noqa: F401  (callers captur
 # Route decode and verify projections (M <= SKINNY_MAX_ROWS) inside captured CUDA graphs to Triton's skinny GEMM
 # (kernels/gemm.py) instead of cuBLAS. Only there: an eager Triton launch costs 40-140 us of host time, several
 # times cuBLAS's, which short prefills would pay per projection (its effect on decode: docs/benchmarks.md).
-# OUTRIDER_SKINNY_GEMM=0 turns it off.
-SKINNY_GEMM = os.environ.get("OUTRIDER_SKINNY_GEMM", "1") == "1"
+# (A constant so that tests can compare both routes.)
+SKINNY_GEMM = True
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -47,8 +47,8 @@ from outrider.quant.tensor import QuantizedTensor
 
 # Rows up to which the kernels that read the quantized blocks run (decode and verify steps, small batches);
 # beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
-# tensor-core GEMM outruns the fused kernels once the product is compute-bound. OUTRIDER_QUANT_FUSED_ROWS.
-FUSED_MAX_ROWS = int(os.environ.get("OUTRIDER_QUANT_FUSED_ROWS", "64"))
+# tensor-core GEMM outruns the fused kernels once the product is compute-bound.
+FUSED_MAX_ROWS = 64
 
 # Bytes of the per-device dequantization buffer of the prefill path: OUTRIDER_QUANT_SCRATCH_MB.
 SCRATCH_MB = float(os.environ.get("OUTRIDER_QUANT_SCRATCH_MB", "256"))

@@ -42,7 +42,7 @@ def test_graphs_without_pdl_equal_graphs_with_it(tiny, monkeypatch, late_release
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9.0+")
-    monkeypatch.setattr(gemm, "GEMM_LATE_RELEASE_BYTES", 0 if late_release else -1)
+    monkeypatch.setattr(gemm, "GEMM_LATE_RELEASE_BYTES", 0 if late_release else 2**62)
     with_pdl = _greedy(tiny, device="cuda", dtype="bfloat16")
     monkeypatch.setattr(launch, "PDL", False)
     assert _greedy(tiny, device="cuda", dtype="bfloat16") == with_pdl
