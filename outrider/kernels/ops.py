@@ -8,7 +8,6 @@ Safe to import on CPU: Triton is imported only when a CUDA tensor arrives.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
