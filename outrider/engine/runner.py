@@ -251,11 +251,8 @@ class ModelRunner:
         if self.states is not None:
             raise NotImplementedError("a hybrid model cannot recompute committed rows' hidden states")
         ids = [t for c in spans for t in c.request.token_slice(c.start, c.start + c.count)]
-        meta, positions = build_metadata([(c.request.block_ids, c.start, c.count) for c in spans], self.block_size,
-                                         self.device)
-        meta = replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
-        out = self.forward_eager(torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True), positions,
-                                 meta)
+        out = self._forward_reading([(c.request.block_ids, c.start, c.count) for c in spans],
+                                    torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True))
         return out.hidden, out.aux_hidden
 
     @torch.inference_mode()
@@ -274,12 +271,17 @@ class ModelRunner:
         (block 0: read, never written), writing no K/V (slot -1), and a hybrid model's linear state only into the
         slot nobody owns (LinearStateSlots.scratch)."""
         blocks = [0] * -(-context // self.block_size)
-        meta, positions = build_metadata([(blocks, context - rows, rows)], self.block_size, self.device)
+        states = None if self.states is None else LinearStateSlots.scratch(self.states.pool, rows)
+        return self._forward_reading([(blocks, context - rows, rows)],
+                                     torch.zeros(rows, dtype=torch.int64, device=self.device), states)
+
+    def _forward_reading(self, seqs: list[tuple[list[int], int, int]], ids: torch.Tensor,
+                         states: LinearStates | None = None) -> ForwardResult:
+        """An eager forward of `ids` over these (block table, start, count) sequences that reads the cache and
+        writes no K/V (slot -1)."""
+        meta, positions = build_metadata(seqs, self.block_size, self.device)
         meta = replace(meta, slot_mapping=torch.full_like(meta.slot_mapping, -1))
-        ids = torch.zeros(rows, dtype=torch.int64, device=self.device)
-        if self.states is None:
-            return self.forward_eager(ids, positions, meta)
-        return self.forward_eager(ids, positions, meta, LinearStateSlots.scratch(self.states.pool, rows))
+        return self.forward_eager(ids, positions, meta, states)
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        states: LinearStates | None = None) -> ForwardResult:
