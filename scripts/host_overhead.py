@@ -129,6 +129,8 @@ def scenarios() -> dict[str, tuple[int, list[tuple[list[int], SamplingParams]]]]
     return {
         # bench latency: bs=1, in=128, out=256, greedy
         "bs1": (1, [(prompt(128), greedy(256))]),
+        # bench spec's demo rows at batch 8: 16 requests, in=128, out=128, greedy
+        "bs8": (8, [(prompt(128), greedy(128)) for _ in range(16)]),
         # 256 sequences decoding at ~1k context, greedy
         "decode256": (256, [(prompt(1024), greedy(128)) for _ in range(256)]),
         # bench throughput: 256 requests, in/out U[100, 1024], temperature 0.6
