@@ -56,8 +56,8 @@
 #     bf16 checkpoint written to /tmp/oq and reused), then the kernels alone at 1-512 rows.
 # hybrid: issue 38's rows: batch-1 latency (active-weight roofline) of the Qwen3.5-4B and Qwen3-30B-A3B shapes,
 #     batch-64 throughput of 30B-A3B beside the dense 8B.
-# hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: its MTP head (alpha 0.8, k 3) and the DFlash-b16 preset
-#     (alpha 0.86), batch 1 and 32, each without and with a 32k-token map (--spec-token-map).
+# hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: the DFlash-b16 preset (alpha 0.86) and its MTP head (alpha
+#     0.8, k 3), batch 1 and 32, each first with a 32k-token map (--spec-token-map), then without.
 # profile-hybrid: kernel tables (scripts/profile_gpu.py) of the Qwen3.5-4B shape's lone 128-token prompts (where a
 #     hybrid prompt's ~60 ms went), its decode step with the MTP head drafting 3 a round, and the Qwen3-30B-A3B
 #     decode step.
@@ -309,14 +309,15 @@ JSON
     bench throughput --random-weights qwen3-8b --max-num-seqs 64 --num-requests 256 ;;
   hybrid-spec)
     b="spec --random-weights qwen3.5-4b --batch 1 32 --num-requests 16"
-    bench $b --spec-type mtp --acceptance 0.8 0 --draft-n-max 3 --json "$OUT/json/hybrid-mtp.json"
-    bench $b --spec-type dflash --acceptance 0.86 0 --draft-n-max 15 --json "$OUT/json/hybrid-dflash.json"
-    # the same with a 32k-token map (the first 32,768 ids: random weights rank no token above another)
+    # with a 32k-token map first (the first 32,768 ids: random weights rank no token above another): the rows the
+    # docs cite; then the same without one
     $PY -c "import json; json.dump(list(range(32768)), open('/tmp/map32k.json', 'w'))"
+    bench $b --spec-type dflash --acceptance 0.86 0 --draft-n-max 15 --spec-token-map /tmp/map32k.json \
+      --json "$OUT/json/hybrid-dflash-map32k.json"
     bench $b --spec-type mtp --acceptance 0.8 0 --draft-n-max 3 --spec-token-map /tmp/map32k.json \
       --json "$OUT/json/hybrid-mtp-map32k.json"
-    bench $b --spec-type dflash --acceptance 0.86 0 --draft-n-max 15 --spec-token-map /tmp/map32k.json \
-      --json "$OUT/json/hybrid-dflash-map32k.json" ;;
+    bench $b --spec-type dflash --acceptance 0.86 0 --draft-n-max 15 --json "$OUT/json/hybrid-dflash.json"
+    bench $b --spec-type mtp --acceptance 0.8 0 --draft-n-max 3 --json "$OUT/json/hybrid-mtp.json" ;;
   profile-hybrid)
     timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3.5-4b --prefills 8 --timeline 40
     timed "$OUT/bench.log" $PY scripts/profile_gpu.py --model qwen3.5-4b --spec-type mtp --k 3 --timeline 60
