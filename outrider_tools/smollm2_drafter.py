@@ -125,6 +125,8 @@ class TappedTarget:
         self.taps = tuple(taps)
         self.device = next(llama.parameters()).device
         self.backend = get_backend(self.device)
+        head = llama.lm_head.weight  # (dequantized once where the file's stays quantized: F.linear needs a tensor)
+        self.head = head if isinstance(head, torch.Tensor) else head.dequantize()
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, taps: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -146,7 +148,7 @@ class TappedTarget:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over normed hidden states, differentiable in `hidden` (the engine's GEMM is not)."""
-        return F.linear(hidden, self.llama.lm_head.weight).float()
+        return F.linear(hidden, self.head).float()
 
 
 @dataclass(frozen=True)
