@@ -200,6 +200,13 @@ def expected_tokens(alpha, k):
     return float(out) if out.ndim == 0 else out
 
 
+def _rates(alphas, caps, ks: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Expected tokens per second over a batch for every k at once (rows: k; columns: requests at these
+    acceptances, each drafting up to its cap), a round of k costing seconds[k]."""
+    tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
+    return tokens.sum(axis=1) / seconds
+
+
 @dataclass
 class _Acceptance:
     accepted: float  # decayed counts of accepted drafts and of rounds ending in a rejection:
@@ -323,6 +330,7 @@ class _Probe:
     quiet: int = 0
     drafting: int = 0  # the k of the last decision that drafted (KEEP_MARGIN)
     accepted: int = 0  # the policy's count of accepted drafts when the backoff last restarted
+    pooled_pays: bool = False  # where k = 0 stands: would a round pay for requests at the pooled acceptance?
 
 
 # While k = 0 stands for the same requests, this many decisions in a row return it without reading any request: the
@@ -394,8 +402,10 @@ class DraftPolicy:
             return [0] * n
         stats = [self._acceptance(r.request_id) for r in requests]
         pooled = _Acceptance.worth_two_rounds(self._pooled.alpha) if self._pooled is not None else None
-        if probe.quiet and pooled is not None:  # the drift of the decisions taken without looking
-            self._relax(stats, caps, pooled, 1.0 - self.decay ** probe.quiet)
+        if probe.quiet and pooled is not None:  # the drift of the decisions taken without looking, for the requests
+            stood = set(probe.ids)  # they stood for (one that joined since lived through none of them)
+            self._relax(stats, [c if r.request_id in stood else 0 for r, c in zip(requests, caps)], pooled,
+                        1.0 - self.decay ** probe.quiet)
         k = self._batch_length(probe, n, caps, [st.alpha for st in stats], drafter.step_cost, explore)
         # (quiet only where the drift cannot lift an estimate toward drafting: after a few misses a request's
         # estimate climbs back to the pooled one, and the step it pays again should not wait for a full decision)
@@ -466,6 +476,16 @@ class DraftPolicy:
         probe = self._probes.get(batch_bucket(batch))
         return probe is not None and probe.standing is not None
 
+    def lets_sleep(self, batch: int) -> bool:
+        """May a drafter sleep through this batch size's steps (learning nothing until a round catches it up)? Where
+        k = 0 stands (priced_out) for requests at the pooled acceptance too, not only at theirs. After a few misses a
+        request's estimate dips below the pooled one and drifts back within about 1 / (1 - decay) steps; a drafter
+        asleep through that dip would wake for the next round with a catch-up over every row slept through, work
+        the costs compared here leave out (Speculator.one_off). On a small target a catch-up costs tens of plain
+        steps, and such dips come every few rounds."""
+        probe = self._probes.get(batch_bucket(batch))
+        return self.priced_out(batch) and not (probe is not None and probe.pooled_pays)
+
     def _batch_length(self, probe: _Probe, batch: int, caps: list[int], alphas: list[float], step_cost: float,
                       explore: bool) -> int:
         if self.measured and self.costs.get(batch, 0) is None:
@@ -474,11 +494,10 @@ class DraftPolicy:
         # (acceptances rounded: drifting toward the pooled estimate, they settle there only to within rounding)
         inputs = (tuple(caps), tuple(round(a, 3) for a in alphas), step_cost)
         if probe.standing != inputs:
-            # Expected tokens over the batch for every k at once (rows: k; columns: requests, each drafting up to
-            # its cap), then per second: this runs on decode steps, so as one numpy grid, not a loop per cell.
+            # (this runs on decode steps: one numpy grid over k and requests, not a loop per cell)
             ks = np.arange(max(caps) + 1)
-            tokens = expected_tokens(np.asarray(alphas)[None, :], np.minimum(ks[:, None], np.asarray(caps)[None, :]))
-            rates = tokens.sum(axis=1) / self.round_seconds(batch, ks, step_cost)
+            seconds = self.round_seconds(batch, ks, step_cost)
+            rates = _rates(alphas, caps, ks, seconds)
             k = int(np.argmax(rates))  # (the first best, as max() picked)
             if k > 0:
                 kept = probe.drafting
@@ -492,6 +511,8 @@ class DraftPolicy:
                 probe.idle, probe.standing, probe.drafting = 0, None, k
                 return k
             probe.standing = inputs
+            pooled = self._pooled.alpha if self._pooled is not None else self.prior_alpha
+            probe.pooled_pays = int(np.argmax(_rates([pooled] * len(caps), caps, ks, seconds))) > 0
             probe.wait = self._probe_wait(probe.every, batch, max(caps), step_cost)
         probe.idle += 1
         if probe.idle < probe.wait or not explore:

@@ -4,8 +4,9 @@ over in batches), drafting the next round from a verify step's verdict before th
 the policy's bookkeeping (acceptance per request, measured step costs), and forgetting requests whose blocks were
 freed.
 
-While the measured costs price speculation out at the running batch size, the drafter sleeps: it learns nothing, not
-even the prompts joining such a batch, and beside other requests the policy explores no rounds. On a launch-bound
+While the measured costs price speculation out at the running batch size, for requests at the pooled acceptance too
+(DraftPolicy.lets_sleep), the drafter sleeps: it learns nothing, not even the prompts joining such a batch, and
+beside other requests the policy explores no rounds. On a launch-bound
 target learning costs a plain step a good part of its time, for drafts no one makes.
 The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward
 that writes no K/V (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is
@@ -230,7 +231,7 @@ class Speculator:
         ks = self.policy.draft_lengths(decoding, self.drafter,
                                        explore=n == 1 or not (asleep or self.policy.priced_out(n)))
         lengths = {r.request_id: k for r, k, ok in zip(decoding, ks, may) if k and ok}
-        self._sleeping = not lengths and self._may_sleep() and self.policy.priced_out(n)
+        self._sleeping = not lengths and self._may_sleep() and self.policy.lets_sleep(n)
         return lengths
 
     def _may_sleep(self) -> bool:
@@ -368,12 +369,12 @@ class Speculator:
 
     def _skips(self, plan: StepPlan) -> bool:
         """Does the drafter sleep through this step's rows? A decode step's: while k = 0 stands (draft_lengths). A
-        prompt's: where rounds are priced out at the step's batch size beside other requests, as no exploratory
-        round wakes the drafter there (learning a large batch's prompts adds a sizeable part to their step)."""
+        prompt's: where the drafter may sleep at the step's batch size beside other requests, as no exploratory
+        round wakes it there (learning a large batch's prompts adds a sizeable part to their step)."""
         if self._dormant_step(plan):
             return True
         if plan.has_prefill:
-            return self._may_sleep() and len(plan.scheduled) > 1 and self.policy.priced_out(len(plan.scheduled))
+            return self._may_sleep() and len(plan.scheduled) > 1 and self.policy.lets_sleep(len(plan.scheduled))
         return self._sleeping
 
     def keep(self, plan: StepPlan, out: StepOutput) -> None:
