@@ -6,8 +6,8 @@ freed.
 
 While the measured costs price speculation out at the running batch size, for requests at the pooled acceptance too
 (DraftPolicy.lets_sleep), the drafter sleeps: it learns nothing, not even the prompts joining such a batch, and
-beside other requests the policy explores no rounds. On a launch-bound
-target learning costs a plain step a good part of its time, for drafts no one makes.
+beside other requests the policy explores no rounds. On a launch-bound target learning costs a plain step a good
+part of its time, for drafts no one makes.
 The first round after that catches up: the target's hidden states at the rows skipped are recomputed in one forward
 that writes no K/V (`hidden_rows`), and the drafter learns them then. That catch-up, like a device round's start, is
 work paid once: it is timed apart (to the device's end) and left out of the step's measured cost. Charged to the
