@@ -44,10 +44,10 @@ from outrider.kernels.launch import pdl_args
 # weight is at most this big, else its first K tile. 16 MB measured best of 16/40 on an H200.
 GEMM_PREFETCH_BYTES = 16 * 2**20
 # Under PDL, a GEMM whose weight is bigger than this lets the next kernel's blocks be scheduled only after its
-# main loop, not at its start. Released early,
-# the next big GEMM's blocks take the SMs this one's blocks vacate first, unevenly, and then stream their
-# weight from fewer SMs (H200, Qwen3-8B: down_proj after gate_up 25 -> 30 us). Late release above 16 MB took
-# the 8B at batch 1 from 221 to 233 tok/s (PDL off: 229) on an H200 and left the 0.6B as it was.
+# main loop, not at its start. Released early, the next big GEMM's blocks take the SMs this one's blocks vacate
+# first, unevenly, and then stream their weight from fewer SMs (H200, Qwen3-8B: down_proj after gate_up 25 -> 30
+# us). Late release above 16 MB took the 8B at batch 1 from 221 to 233 tok/s (PDL off: 229) on an H200 and left
+# the 0.6B as it was.
 GEMM_LATE_RELEASE_BYTES = 16 * 2**20
 
 
