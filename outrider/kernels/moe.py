@@ -200,11 +200,12 @@ PAIR_TOKENS = 8
 
 
 class GemvTiles(NamedTuple):
-    """Column and reduction tiles of the per-pair GEMVs (gate_up, then down)."""
+    """Column and reduction tiles of the per-pair GEMVs (gate_up, then down), and the warps of each program."""
 
     gate_up_n: int
     down_n: int
     block_k: int
+    warps: int = 4
 
 
 def pair_tiles(inter: int) -> GemvTiles:
@@ -237,11 +238,11 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
     pdl = pdl_args(use_pdl(x))
     _pair_gate_up[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
         x, gate_up, act, ids, inter, K=hidden, TOP_K=top_k, BLOCK_N=tiles.gate_up_n,
-        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden)), **pdl)
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden)), num_warps=tiles.warps, **pdl)
     out = torch.empty_like(x)
     _pair_down[(t, triton.cdiv(hidden, tiles.down_n))](
         act, down, out, ids, weights, hidden, K=inter, TOP_K=top_k, BLOCK_N=tiles.down_n,
-        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter)), **pdl)
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter)), num_warps=tiles.warps, **pdl)
     return out
 
 
