@@ -2,7 +2,8 @@
 
 Rounds cost `base + per_draft * k` ms and a plain step `plain` ms; each draft is accepted with probability alpha until
 the first miss. A round that wakes a sleeping drafter (DraftPolicy.lets_sleep held at an undrafted decision before
-it) pays `wake` ms more, its catch-up, which the policy's measured costs leave out as the engine's do. Requests of
+it) pays `wake` ms more, its catch-up, which the policy's measured costs leave out as the engine's do, and which is
+told to the policy (observe_wake) as the engine tells it. Requests of
 --tokens tokens run one after another at batch 1, each through the policy's own decisions and records, as the engine
 drives it. Prints tokens per second relative to plain decoding, the undrafted decisions, and the best fixed k run
 the same way (the ideal a policy that knew alpha would reach).
@@ -68,7 +69,9 @@ def _serve(policy: DraftPolicy, drafter, cost, alpha: float, requests: int, toke
             if k:
                 accepted = next((j for j in range(k) if rng.random() >= alpha), k)
                 policy.record(req.request_id, k, accepted)
-                seconds += wake / 1e3 if asleep else 0.0
+                if asleep:
+                    seconds += wake / 1e3
+                    policy.observe_wake(1, wake / 1e3)
                 asleep = False
             else:
                 undrafted += 1

@@ -154,12 +154,13 @@ class PricedPolicy(DraftPolicy):
     """The policy's own decisions on injected costs: a round costs `round_factor` times its price, and
     `company_factor` times that beside other requests. `reads`: k = 0 never stands without reading the requests
     (stands is False, so the Speculator reads them at every decision). Each measured step's (batch, k, seconds)
-    is logged in `observed`."""
+    is logged in `observed`, each catch-up's (batch, seconds) in `wakes`."""
 
     round_factor: float = 1.0
     company_factor: float = 1.0
     reads: bool = False
     observed: list[tuple[int, int, float]] = field(default_factory=list)
+    wakes: list[tuple[int, float]] = field(default_factory=list)
 
     def round_seconds(self, batch: int, k, step_cost: float):
         factor = self.round_factor * (self.company_factor if batch > 1 else 1.0)
@@ -171,6 +172,10 @@ class PricedPolicy(DraftPolicy):
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         self.observed.append((batch, k, seconds))
         super().observe_step(batch, k, seconds)
+
+    def observe_wake(self, batch: int, seconds: float) -> None:
+        self.wakes.append((batch, seconds))
+        super().observe_wake(batch, seconds)
 
 
 def priced_beside_company(factor: float = 100.0, **settings) -> Callable[..., DraftPolicy]:
@@ -593,13 +598,17 @@ def test_probes_fire_on_schedule_after_a_dormant_stretch(families, overlap, reco
 def test_a_catch_up_is_left_out_of_the_measured_cost_of_the_round_that_does_it(families):
     """A lone request's exploratory rounds catch up on the rows slept through first, here made slow (0.25 s a
     catch-up): the step costs the policy measures leave that one-off work out, else the round it priced out would
-    stay priced out, re-measured each time with the next catch-up."""
+    stay priced out, re-measured each time with the next catch-up. Each catch-up is timed apart and told to the
+    policy (observe_wake), which prices the next exploratory round with it."""
     llm = spec_llm(families, "mtp", watched(partial(PricedPolicy, round_factor=3.0, probe_every=4),
                                             partial(WatchedSpeculator, catch_up_seconds=0.25)))
     got = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
     observed = [(k, seconds) for _, k, seconds in llm.engine.speculation.policy.observed]
     assert got.timing.draft_rounds >= 2 and len(llm.engine.speculation.speculator.catch_ups) >= 2
     assert any(k > 0 for k, _ in observed) and max(s for _, s in observed) < 0.2
+    wakes = llm.engine.speculation.policy.wakes
+    assert len(wakes) == len(llm.engine.speculation.speculator.catch_ups)
+    assert all(batch == 1 and seconds >= 0.25 for batch, seconds in wakes)
 
 
 def test_a_draft_model_feeds_one_token_per_request_when_it_proposes(families, recorder):

@@ -12,8 +12,8 @@ import torch
 from outrider.engine.request import Request
 from outrider.params import SamplingParams
 from outrider.speculative.drafter import (PENDING, QUIET_DECISIONS, QUIET_DECISIONS_ASLEEP, DraftPolicy,
-                                         PendingDrafts, Proposals, StepCosts, _Acceptance, expected_tokens,
-                                         stage_drafts)
+                                         PendingDrafts, Proposals, StepCosts, _Acceptance, batch_bucket,
+                                         expected_tokens, stage_drafts)
 
 DRAFTER = SimpleNamespace(max_draft=8, step_cost=0.1)
 NGRAM_LIKE = SimpleNamespace(max_draft=8, step_cost=0.01)  # drafts cost next to nothing to make
@@ -551,3 +551,44 @@ def test_nothing_accepted_after_a_well_accepted_run_costs_no_catch_up_per_reques
     *costs, _ = sim.PRESETS["dflash"]
     earned, _ = sim.simulate(0.7, *costs, 30.0, requests=16, tokens=128, seed=0, then=(0.0, 8))
     assert earned >= 0.9
+
+
+def test_where_rounds_barely_pay_a_costly_catch_up_stretches_the_probes_instead_of_costing_a_fifth_of_the_run():
+    """SmolLM2's DFlash pair at the acceptance its trained drafter reaches (about 0.5: tau 2.03) and below: rounds
+    pay little or nothing, the drafter sleeps, and every exploratory round wakes it for a 25 ms catch-up. Probing at
+    the bare round's interval earned 0.80x plain at alpha 0.5 and 0.83x at 0.4; with the measured catch-up in each
+    probe's price the policy stays within 5 % of plain (or of the best fixed k)."""
+    from outrider_tools import policy_sim as sim
+
+    costs = sim.PRESETS["smollm2-dflash"]
+    for alpha in (0.5, 0.4, 0.0):
+        earned, _ = sim.simulate(alpha, *costs, requests=24, tokens=128, seed=0)
+        best = max(sim.simulate(alpha, *costs, requests=24, tokens=128, seed=0, fixed_k=k)[0]
+                   for k in range(costs[0] + 1))
+        assert earned >= 0.95 * best, (alpha, earned, best)
+
+
+def test_a_measured_catch_up_lengthens_the_wait_for_the_next_exploratory_round_only_where_the_drafter_sleeps():
+    """While k = 0 stands, the next probe waits `every` times the extra plain steps it costs: a round of one draft,
+    plus the catch-up it starts where the drafter sleeps (rounds priced out at the pooled acceptance too). Where a
+    round would pay at the pooled acceptance the drafter stays awake, and a catch-up seen earlier adds nothing."""
+
+    def wait_after(earlier_accepted: int, wake: float | None) -> int:
+        policy = DraftPolicy(n_max=4, measured=True)
+        for k, ms in enumerate((1.0, 3.0, 3.1, 3.2, 3.3)):
+            policy.costs.observe(1, k, ms * 1e-3)
+            policy.costs.observe(1, k, ms * 1e-3)
+        for _ in range(100):  # earlier requests' rounds: the pooled acceptance
+            policy.record(-1, proposed=4, accepted=earlier_accepted)
+        if wake is not None:
+            policy.observe_wake(1, wake)
+        r = req()
+        for _ in range(20):  # misses until k = 0 stands for this request
+            if policy.draft_lengths([r], DRAFTER)[0] == 0 and policy.priced_out(1):
+                break
+            policy.record(r.request_id, proposed=4, accepted=0)
+        return policy.probes[batch_bucket(1)].wait
+
+    assert wait_after(0, None) == 32 * 2  # (3.0 / 1.0 - 1) extra plain steps
+    assert wait_after(0, 25e-3) == 32 * 27  # ((3.0 + 25) / 1.0 - 1)
+    assert wait_after(4, 25e-3) == 32 * 2  # the pooled acceptance pays: awake, no catch-up

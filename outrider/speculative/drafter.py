@@ -380,6 +380,8 @@ class DraftPolicy:
     _pooled: _Acceptance | None = field(default=None, repr=False)  # over all requests' rounds
     _probes: dict[int, _Probe] = field(default_factory=dict, repr=False)
     _accepted: int = field(default=0, repr=False)  # drafts accepted, over all requests
+    # batch bucket -> seconds of a sleeping drafter's catch-up before a round (observe_wake; a mean of the last few)
+    _wakes: dict[int, float] = field(default_factory=dict, repr=False)
 
     def draft_lengths(self, requests: Sequence[Request], drafter: Drafter,
                       in_flight: Sequence[int] | None = None, explore: bool = True) -> list[int]:
@@ -513,16 +515,19 @@ class DraftPolicy:
             probe.standing = inputs
             pooled = self._pooled.alpha if self._pooled is not None else self.prior_alpha
             probe.pooled_pays = int(np.argmax(_rates([pooled] * len(caps), caps, ks, seconds))) > 0
-            probe.wait = self._probe_wait(probe.every, batch, max(caps), step_cost)
+            wake = 0.0 if probe.pooled_pays else self._wakes.get(batch_bucket(batch), 0.0)
+            probe.wait = self._probe_wait(probe.every, batch, max(caps), step_cost, wake)
         probe.idle += 1
         if probe.idle < probe.wait or not explore:
             return 0
         probe.idle, probe.every, probe.standing = 0, min(2 * probe.every, self.probe_max), None
         return 1  # the cheapest round re-measures acceptance and cost
 
-    def _probe_wait(self, every: int, batch: int, cap: int, step_cost: float) -> int:
+    def _probe_wait(self, every: int, batch: int, cap: int, step_cost: float, wake: float) -> int:
         """Decisions before the next exploratory round while k = 0 stands: `every`, times the extra plain steps a
-        round of one draft costs (so exploring takes about 1/every of the time, whatever a round costs), and
+        round of one draft costs, with the `wake` seconds of the catch-up it starts where the drafter sleeps (so
+        exploring takes about 1/every of the time, whatever a round costs: on a small target a catch-up costs
+        tens of plain steps, and probing at the bare round's interval cost more than the probes could win), and
         probe_max where no round could pay even with every draft accepted (only its cost could change, not
         whether it pays: at large batches a round of one draft can cost several plain steps), as the costs measured
         more than once say: a length's first measurement may be a stall (a round timed while the warm-up compiled
@@ -531,7 +536,7 @@ class DraftPolicy:
         seconds = self.round_seconds(batch, ks, step_cost)
         if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]) and self.costs.confirmed(batch):
             return self.probe_max
-        return max(every, round(every * (seconds[1] / seconds[0] - 1.0)))
+        return max(every, round(every * ((seconds[1] + wake) / seconds[0] - 1.0)))
 
     def limits(self, req: Request) -> tuple[float, int]:
         """The request's confidence stop p_min and minimum draft length n_min (its own, else the server's)."""
@@ -575,6 +580,14 @@ class DraftPolicy:
         if self.measured:
             self.costs.observe(batch, k, seconds)
 
+    def observe_wake(self, batch: int, seconds: float) -> None:
+        """A sleeping drafter's catch-up before a round at `batch` sequences took `seconds` (Speculator.one_off,
+        left out of observe_step's costs): what an exploratory round costs more while the drafter sleeps."""
+        if self.measured:
+            bucket = batch_bucket(batch)
+            last = self._wakes.get(bucket)
+            self._wakes[bucket] = seconds if last is None else 0.5 * (last + seconds)
+
     def release(self, request_id: int) -> None:
         self._stats.pop(request_id, None)
 
@@ -591,6 +604,7 @@ class DraftPolicy:
         """Drop the measured step costs (steps that compiled their kernels: priced from those, no round would be tried,
         or measured, again for hundreds of decisions)."""
         self.costs.clear()
+        self._wakes.clear()
 
     def _acceptance(self, request_id: int) -> _Acceptance:
         """The request's decayed counts; a new one starts fresh (`_fresh`)."""

@@ -263,9 +263,7 @@ class Speculator:
                 ks.append(k)
         if not decoding:
             return Drafts()
-        if self._asleep:
-            with self.one_off():
-                self._wake(running)
+        self._catch_up(running)
         self.flush()  # drafts follow every committed row
         on_device = self.drafter.stages_on_device and not any(self.policy.trims(r) for r in decoding)
         try:
@@ -333,8 +331,8 @@ class Speculator:
         as the rounds carry it from here (what they commit is never queued for learning). None: the drafter cannot
         draft k tokens now. The caller starts the rounds' clock after this: it is one-off work, done by then."""
         self._ahead = None  # (a round drafted ahead for the engine's own next step: the device round drafts anew)
+        self._catch_up([request])
         with self.one_off():
-            self._wake([request])
             self.flush([request.request_id])
             try:
                 if self.drafter.stages_on_device:
@@ -452,6 +450,16 @@ class Speculator:
                 self._aux.append(out.aux_hidden)
             self._rows = offset + rows
         self.flush(None if now else finished)
+
+    def _catch_up(self, running: Sequence[Request]) -> None:
+        """_wake for these requests as one-off work, its seconds told to the policy (DraftPolicy.observe_wake)
+        where any of them slept."""
+        if not any(r.request_id in self._asleep for r in running):
+            return
+        before = self._one_off
+        with self.one_off():
+            self._wake(running)
+        self.policy.observe_wake(len(running), self._one_off - before)
 
     def _wake(self, running: Sequence[Request]) -> None:
         """Before a round: the drafter learns every row it slept through, of every running request (a round
