@@ -162,15 +162,18 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     On the skinny GEMM the norm (and the residual add) happen as the kernel loads x: at decode a pre-norm
     projection is one launch instead of two (the normed row is then not rounded to x's dtype before the product:
     gemm.RowNorm). LM heads do not use it: every program of a GEMM that wide re-reading x and the norm weight
-    cost Qwen3-8B's 10 us, several times a separate norm kernel (H200). A QuantizedWeight
-    gets the normed x (no fold)."""
-    if (isinstance(weight, torch.Tensor) and _use_skinny_gemm(x, weight, fold=True)
+    cost Qwen3-8B's 10 us, several times a separate norm kernel (H200). A QuantizedWeight whose parts read x as
+    int8 groups makes the normed row as it quantizes it (QuantizedWeight.takes_prologue); others get the normed x."""
+    fold_quantized = not isinstance(weight, torch.Tensor) and weight.takes_prologue(x)
+    if ((fold_quantized or isinstance(weight, torch.Tensor) and _use_skinny_gemm(x, weight, fold=True))
             and (residual is None or residual.is_contiguous())):
         from outrider.kernels import gemm
 
         summed = None if residual is None else torch.empty_like(x)
         norm = gemm.RowNorm(norm_weight, eps, residual, summed)
-        return gemm.skinny_gemm(x, weight, bias, norm=norm, pdl=use_pdl(x)), (x if summed is None else summed)
+        y = (weight.linear(x, bias, norm=norm) if fold_quantized
+             else gemm.skinny_gemm(x, weight, bias, norm=norm, pdl=use_pdl(x)))
+        return y, (x if summed is None else summed)
     normed, summed = rms_norm(x, norm_weight, eps, residual)
     y = linear(normed, weight, bias)
     return y, (summed if summed is not None else x)
@@ -180,8 +183,10 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """linear(silu_mul(gate, up), weight, bias) for the packed gate_up [T, 2I] = [gate | up] (SwiGLU's down_proj).
 
     On the skinny GEMM the kernel forms silu(gate) * up as it loads x, so the activation costs no launch of its
-    own (a kernel boundary is ~1 us of dead time in a batch-1 decode graph). A QuantizedWeight gets silu(gate) * up
-    (no fold)."""
+    own (a kernel boundary is ~1 us of dead time in a batch-1 decode graph). A QuantizedWeight whose parts read x as
+    int8 groups forms it as it quantizes x (QuantizedWeight.takes_prologue); others get silu(gate) * up."""
+    if not isinstance(weight, torch.Tensor) and weight.takes_prologue(gate_up):
+        return weight.linear(gate_up, bias, silu_mul=True)
     if isinstance(weight, torch.Tensor) and _use_skinny_gemm(gate_up, weight, fold=True):
         from outrider.kernels import gemm
 

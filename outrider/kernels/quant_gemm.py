@@ -12,7 +12,8 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 (_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups
-of 32 (Int8X, one small launch), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row (decode):
+of 32 (Int8X, one small launch, which also makes a pre-norm projection's normed input or the down projection's
+SiLU·mul: takes_prologue), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row (decode):
 four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. More rows
 (verify, batches; up to the format's max_rows): each group's quants, as int8, meet x's int8 columns on the tensor
 cores. Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
@@ -40,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fused import pdl_enter
+from outrider.kernels.fused import pdl_enter, silu_mul_tile
+from outrider.kernels.gemm import RowNorm
 from outrider.kernels.launch import is_power_of_two, pdl_args, use_pdl
 from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format
 from outrider.quant.tensor import QuantizedTensor
@@ -309,11 +311,15 @@ class Int8X(NamedTuple):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, tickets_ptr, K, stride_xm, N_TICKETS,
-                       USE_PDL: tl.constexpr):
+def _quantize_x_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, scale_ptr, sums_ptr, tickets_ptr, K, stride_xm,
+                       stride_rm, N_TICKETS, eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
+                       ROW: tl.constexpr, USE_PDL: tl.constexpr):
     """Row m, values 256 kb .. 256 kb + 255 of x (programs m, kb; those past K masked) -> their int8 values (rounded
     half away from zero), 8 scales, 16 sums; and the programs zero the N_TICKETS tickets of the split-K products
-    that will read this x (a memset node between the two kernels would break their chain of dependent launches)."""
+    that will read this x (a memset node between the two kernels would break their chain of dependent launches).
+    The values quantized may first be made from x as ops makes a projection's input, rounded where it rounds:
+    NORM, RMSNorm(x [+ residual (ADD), stored to sum_ptr]) * nw, each program summing the squares of the whole row
+    (ROW values, from L2) for its own 256; SILU, silu(gate) * up of x = [gate | up] (2 K columns)."""
     pdl_enter(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     kb = tl.program_id(1)
@@ -322,7 +328,25 @@ def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, tickets_ptr, K, stride
     for t in tl.range(tl.program_id(0) * tl.num_programs(1) + kb, tl.cdiv(N_TICKETS, 256), programs):
         tl.store(tickets_ptr + 256 * t + share, 0, mask=256 * t + share < N_TICKETS)
     offs = tl.reshape(kb * 256 + tl.arange(0, 256), (8, 32))
-    x = tl.load(x_ptr + m * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    x_row = x_ptr + m * stride_xm
+    if NORM:
+        cols = tl.arange(0, ROW)
+        row = tl.load(x_row + cols, mask=cols < K, other=0.0)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0)
+        if ADD:
+            row = row + tl.load(r_ptr + m * stride_rm + cols, mask=cols < K, other=0.0)  # (rounds as torch's add)
+            x = x + tl.load(r_ptr + m * stride_rm + offs, mask=offs < K, other=0.0)
+            tl.store(sum_ptr + m * K + offs, x, mask=offs < K)
+        rf = row.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(rf * rf, 0) / K + eps)
+        normed = (x.to(tl.float32) * rstd).to(dt).to(tl.float32)
+        x = (tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32) * normed).to(dt).to(tl.float32)
+    elif SILU:
+        g = tl.load(x_row + offs, mask=offs < K, other=0.0)
+        x = silu_mul_tile(g, tl.load(x_row + K + offs, mask=offs < K, other=0.0), dt).to(tl.float32)
+    else:
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     y = x * tl.where(amax > 0, 127.0 / amax, 0.0)[:, None]
     q = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(0.5 - y))
@@ -335,15 +359,25 @@ def _quantize_x_kernel(x_ptr, q_ptr, scale_ptr, sums_ptr, tickets_ptr, K, stride
     tl.store(q_ptr + m * K + offs, q.to(tl.int8), mask=offs < K)
 
 
-def quantize_x(x: torch.Tensor, tickets: torch.Tensor | None = None) -> Int8X:
-    """x [M, K] (K a multiple of 32) -> Int8X; `tickets` (int32) zeroed on the way. Fixed-size buffers of this
-    call: safe in CUDA graphs."""
+def quantize_x(x: torch.Tensor, tickets: torch.Tensor | None = None, norm: RowNorm | None = None,
+               silu_mul: bool = False) -> Int8X:
+    """x [M, K] (K a multiple of 32) -> Int8X; `tickets` (int32) zeroed on the way. What is quantized may be
+    RMSNorm(x [+ residual]) * weight (`norm`: the sum stored to norm.summed) or, for x = [gate | up] [M, 2 K],
+    silu(gate) * up (`silu_mul`): the values ops.rms_norm / ops.silu_mul would hand the product, in the same
+    launch. Fixed-size buffers of this call: safe in CUDA graphs."""
     m, k = x.shape
+    if silu_mul:
+        k //= 2
     q = torch.empty((m, k), dtype=torch.int8, device=x.device)
     scale = torch.empty((m, k // 32), dtype=torch.float32, device=x.device)
     sums = torch.empty((m, k // 16), dtype=torch.float32, device=x.device)
-    _quantize_x_kernel[(m, triton.cdiv(k, 256))](x, q, scale, sums, q if tickets is None else tickets, k, x.stride(0),
-                                                 0 if tickets is None else tickets.numel(), **pdl_args(use_pdl(x)))
+    add = norm is not None and norm.residual is not None
+    residual = norm.residual if add else x
+    _quantize_x_kernel[(m, triton.cdiv(k, 256))](
+        x, residual, x if norm is None else norm.weight, norm.summed if add else x, q, scale, sums,
+        q if tickets is None else tickets, k, x.stride(0), residual.stride(0),
+        0 if tickets is None else tickets.numel(), 0.0 if norm is None else norm.eps, NORM=norm is not None, ADD=add,
+        SILU=silu_mul, ROW=triton.next_power_of_2(k) if norm is not None else 1, **pdl_args(use_pdl(x)))
     return Int8X(q, scale, sums)
 
 
@@ -998,8 +1032,8 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     """y [M, rows] (a column slice of the output is fine) = x @ part.T (+ bias), on the fused kernel. x8: x as an
     Int8X where takes_int8_x (made here if not given: a caller with several parts makes it once, zeroing their
     split-K `tickets` on the way: ticket_count of each)."""
-    m, k = x.shape
-    n = part.shape[0]
+    m = x.shape[0]
+    n, k = part.shape  # (x8 may hold a product's input made from x: quantize_x's norm or silu_mul)
     lay = _layout(part)
     t = _tensors(part)
     pdl = pdl_args(use_pdl(x))
@@ -1121,12 +1155,23 @@ def scratch(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return _scratch[key]
 
 
+def takes_prologue(x: torch.Tensor, parts: list[QuantizedTensor]) -> bool:
+    """Can quantized_linear make its input from x in the launch that quantizes it (a norm, SwiGLU's activation)?
+    Where every part reads x as an Int8X."""
+    return x.shape[0] <= FUSED_MAX_ROWS and all(takes_int8_x(x, part) for part in parts)
+
+
 def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                     norm: RowNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
     """ops.linear for a QuantizedWeight (its `parts`, W's rows in order) on CUDA: fused kernels up to
-    FUSED_MAX_ROWS rows, else dequantized chunks of W (scratch) through cuBLAS."""
+    FUSED_MAX_ROWS rows, else dequantized chunks of W (scratch) through cuBLAS. Where takes_prologue, the input
+    may be RMSNorm(x [+ residual]) * weight (`norm`) or, for x = [gate | up], silu(gate) * up (`silu_mul`), made
+    as x is quantized (quantize_x): at decode a pre-norm projection is then two launches, not three."""
     from outrider.kernels import ops
 
+    if (norm is not None or silu_mul) and not takes_prologue(x, parts):
+        raise ValueError("a norm or activation folds into the product only where every part reads x as an Int8X")
     x = x.contiguous()
     m, k = x.shape
     n = sum(part.shape[0] for part in parts)
@@ -1136,7 +1181,7 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
     configs = [int8_x_config(m, part) if takes_int8_x(x, part) else None for part in parts]
     counts = [0 if cfg is None else ticket_count(m, part, cfg) for part, cfg in zip(parts, configs)]
     tickets = torch.empty(sum(counts), dtype=torch.int32, device=x.device) if sum(counts) else None
-    x8 = quantize_x(x, tickets) if any(cfg is not None for cfg in configs) else None
+    x8 = quantize_x(x, tickets, norm, silu_mul) if any(cfg is not None for cfg in configs) else None
     first = 0
     for part, cfg, count in zip(parts, configs, counts):
         size = part.shape[0]

@@ -8,10 +8,15 @@ A QuantizedWeight stands where a projection's weight tensor stood: outrider.kern
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from outrider.quant.tensor import QuantizedTensor
+
+if TYPE_CHECKING:
+    from outrider.kernels.gemm import RowNorm
 
 class QuantizedWeight(nn.Module):
     """A weight [N, K] as quantized parts stacked by rows (one part unless formats differ), served in `dtype`."""
@@ -55,14 +60,25 @@ class QuantizedWeight(nn.Module):
             return quant_gemm.dequantize_rows(self.parts[0], ids, out)
         return self.parts[0].rows(ids).to(self.dtype)
 
+    def takes_prologue(self, x: torch.Tensor) -> bool:
+        """Can `linear` make its input from x (a norm, SwiGLU's activation) in the launch that reads x?"""
+        if not (x.is_cuda and x.dim() == 2):
+            return False
+        from outrider.kernels import quant_gemm
+
+        return quant_gemm.takes_prologue(x, list(self.parts))
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] @ W.T (+ bias), as ops.linear (out_dtype, out) computes it for a dense W."""
+               out: torch.Tensor | None = None, norm: RowNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias), as ops.linear (out_dtype, out) computes it for a dense W; where takes_prologue,
+        of RMSNorm(x [+ residual]) (`norm`) or of silu(gate) * up for x = [gate | up] (`silu_mul`)."""
         from outrider.kernels import ops
 
         if x.is_cuda and x.dim() == 2:
             from outrider.kernels import quant_gemm
 
-            return quant_gemm.quantized_linear(x, list(self.parts), bias, out_dtype, out)
+            return quant_gemm.quantized_linear(x, list(self.parts), bias, out_dtype, out, norm, silu_mul)
+        if norm is not None or silu_mul:
+            raise ValueError("QuantizedWeight.linear folds a norm or activation only on CUDA (takes_prologue)")
         # Elsewhere the dense weight on the fly, one product as for a dense layer: the same numbers.
         return ops.linear(x, self.dequantize(), bias, out_dtype=out_dtype, out=out)
