@@ -18,6 +18,7 @@ from outrider.quant.tensor import QuantizedTensor
 if TYPE_CHECKING:
     from outrider.kernels.gemm import RowNorm
 
+
 class QuantizedWeight(nn.Module):
     """A weight [N, K] as quantized parts stacked by rows (one part unless formats differ), served in `dtype`."""
 
