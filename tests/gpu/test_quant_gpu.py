@@ -139,6 +139,7 @@ def test_ops_fold_the_norm_and_activation_into_the_quantized_products_where_thei
         y, summed = ops.rms_norm_linear(x, residual, norm_weight, 1e-6, weight)
         z = ops.silu_mul_linear(torch.cat([x, residual], dim=1), weight)
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("quantize_x" in name for name in kernels) == 2, kernels  # (the profiler saw the launches)
     assert not any("rms_norm" in name or "silu_mul" in name for name in kernels), kernels
     normed, expected_sum = ops.rms_norm(x, norm_weight, 1e-6, residual)
     assert torch.equal(summed, expected_sum)
