@@ -18,6 +18,26 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_sp
 HAVE_CUDA = torch.cuda.is_available()
 
 
+def _interpret_one_element_blocks_as_indices() -> None:
+    """Triton 3.6's interpreter turns a tensor into an index with int() of its numpy array, which numpy refuses for
+    the one-element blocks that program ids and values made from them are there: every kernel looping over
+    `tl.range(first, last)` of such bounds (split K, quantize_x's tickets) failed with "only 0-dimensional arrays
+    can be converted to Python scalars". Index through the single element instead."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _interpret_one_element_blocks_as_indices()
+
+
 def pytest_collection_modifyitems(config, items):
     here = os.path.dirname(__file__)
     skip = pytest.mark.skip(reason="needs CUDA (or TRITON_INTERPRET=1 for kernel tests)")
