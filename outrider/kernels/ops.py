@@ -165,7 +165,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     cost Qwen3-8B's 10 us, several times a separate norm kernel (H200). A QuantizedWeight whose parts read x as
     int8 groups makes the normed row as it quantizes it (QuantizedWeight.takes_prologue); others get the normed x."""
     fold_quantized = not isinstance(weight, torch.Tensor) and weight.takes_prologue(x)
-    if ((fold_quantized or isinstance(weight, torch.Tensor) and _use_skinny_gemm(x, weight, fold=True))
+    if ((fold_quantized or (isinstance(weight, torch.Tensor) and _use_skinny_gemm(x, weight, fold=True)))
             and (residual is None or residual.is_contiguous())):
         from outrider.kernels import gemm
 

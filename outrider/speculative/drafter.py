@@ -516,24 +516,24 @@ class DraftPolicy:
             pooled = self._pooled.alpha if self._pooled is not None else self.prior_alpha
             probe.pooled_pays = int(np.argmax(_rates([pooled] * len(caps), caps, ks, seconds))) > 0
             wake = 0.0 if probe.pooled_pays else self._wakes.get(batch_bucket(batch), 0.0)
-            probe.wait = self._probe_wait(probe.every, batch, max(caps), step_cost, wake)
+            probe.wait = self._probe_wait(probe.every, batch, seconds, wake)
         probe.idle += 1
         if probe.idle < probe.wait or not explore:
             return 0
         probe.idle, probe.every, probe.standing = 0, min(2 * probe.every, self.probe_max), None
         return 1  # the cheapest round re-measures acceptance and cost
 
-    def _probe_wait(self, every: int, batch: int, cap: int, step_cost: float, wake: float) -> int:
-        """Decisions before the next exploratory round while k = 0 stands: `every`, times the extra plain steps a
-        round of one draft costs, with the `wake` seconds of the catch-up it starts where the drafter sleeps (so
-        exploring takes about 1/every of the time, whatever a round costs: on a small target a catch-up costs
-        tens of plain steps, and probing at the bare round's interval cost more than the probes could win), and
+    def _probe_wait(self, every: int, batch: int, seconds: np.ndarray, wake: float) -> int:
+        """Decisions before the next exploratory round while k = 0 stands, from the rounds' `seconds` by draft length
+        (the grid the decision priced): `every`, times the extra plain steps a round of one draft costs, with the
+        `wake` seconds of the catch-up it starts where the drafter sleeps (so exploring takes about 1/every of the
+        time, whatever a round costs: on a small target a catch-up costs tens of plain steps, and probing at the
+        bare round's interval cost more than the probes could win), and
         probe_max where no round could pay even with every draft accepted (only its cost could change, not
         whether it pays: at large batches a round of one draft can cost several plain steps), as the costs measured
         more than once say: a length's first measurement may be a stall (a round timed while the warm-up compiled
         costs many times a later one, and priced so would hold k = 0 for thousands of decisions)."""
-        ks = np.arange(cap + 1)
-        seconds = self.round_seconds(batch, ks, step_cost)
+        ks = np.arange(len(seconds))
         if np.all((ks[1:] + 1) / seconds[1:] <= 1.0 / seconds[0]) and self.costs.confirmed(batch):
             return self.probe_max
         return max(every, round(every * ((seconds[1] + wake) / seconds[0] - 1.0)))
