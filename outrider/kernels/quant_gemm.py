@@ -714,15 +714,17 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
 
 
 @triton.jit
-def _wide_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
-                      stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, USE_PDL: tl.constexpr):
+def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
+                      stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
+                      BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                      FP8_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
-    its rows' scale) or INT4 (a group a step: its two nibble planes are its two halves, made (q - z) s in x's dtype
-    as the dequantized model has them; a product with each half of x's columns). Wide tiles of W, K split over
-    program axis 2 (_rows_result)."""
+    its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, made (q - z) s in x's dtype
+    as the dequantized model has them; a product with each half of x's columns) or a K-quant (a block a step, its
+    values made in K order half a block at a time, in x's dtype: a product with x's contiguous 128 columns). Wide
+    tiles of W, K split over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
@@ -740,7 +742,7 @@ def _wide_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_
             else:
                 dot = tl.dot(w.to(dt), x)
             acc += tl.load(s_ptr + (rows // FP8_BN) * stride_sn + (kb * BLOCK) // FP8_BK) * dot
-        else:
+        elif FMT == INT4:
             H: tl.constexpr = BLOCK // 2
             k = tl.arange(0, H)
             q = tl.load(w_ptr + rows * stride_wn + kb * H + k[None, :]).to(tl.int32)
@@ -755,6 +757,18 @@ def _wide_rows_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_
             else:
                 acc = tl.dot(lo, tl.load(x), acc)
                 acc = tl.dot(hi, tl.load(x + H), acc)
+        else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
+            base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
+            k = tl.arange(0, 128)
+            for half in tl.static_range(2):
+                w = _kquant_values(w_ptr, w16_ptr, w32_ptr, base, (s_ptr + rows * stride_sn + kb)[:, :, None], FMT,
+                                   4 * half, 4)
+                w = tl.reshape(w, (BLOCK_N, 128))
+                x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * half + k[:, None])
+                if IEEE:
+                    acc = tl.dot(w, x, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w.to(dt), x, acc)
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
@@ -816,15 +830,17 @@ def _in_order(lo, hi, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constex
 
 
 @triton.jit
-def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr):
-    """K-quant blocks at byte offsets base [BN, 1, 1] -> their 256 values as [BN, 8, 32] float32, already in K
-    order (sub-block s, value j at 32 s + j), so no planes to interleave. Q6_K (d at d_ptrs [BN, 1, 1]): each
+def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr, S0: tl.constexpr = 0,
+                   NS: tl.constexpr = 8):
+    """K-quant blocks at byte offsets base [BN, 1, 1] -> the values of their sub-blocks S0 .. S0 + NS (NS even;
+    by default all 256) as [BN, NS, 32] float32, already in K order (sub-block s, value j at 32 s + j), so no
+    planes to interleave. Q6_K (d at d_ptrs [BN, 1, 1]): each
     value's bytes read where they lie; sub-block s = half s // 4, quarter q = s % 4; ql byte 64 half + 32 (q % 2) +
     j, its nibble q // 2, and bits 2q of qh byte 32 half + j. Q4_K/Q5_K: the quants read once, as words (4-byte aligned
     blocks): word 8 c + i holds in byte t the values 64 c + 4 i + t (low nibble, sub-block 2 c) and 32 further
     (high nibble); Q5_K adds bit s of qh byte j, byte t of qh word i for j = 4 i + t."""
     if FMT == Q6_K:
-        s = tl.arange(0, 8)[None, :, None]
+        s = S0 + tl.arange(0, NS)[None, :, None]
         j = tl.arange(0, 32)[None, None, :]
         half, q = s // 4, s % 4
         ql = tl.load(w_ptr + base + 64 * half + 32 * (q % 2) + j).to(tl.int32)
@@ -833,7 +849,7 @@ def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr):
         sc = tl.load(w_ptr + base + 192 + 2 * s + j // 16).to(tl.int8, bitcast=True).to(tl.float32)
         return (tl.load(d_ptrs).to(tl.float32) * sc) * v.to(tl.float32)
     b5 = base[:, :, :, None, None]  # [BN, c 4, h 2, i 8, t 4]: value 64 c + 32 h + 4 i + t = 32 s + j
-    c = tl.arange(0, 4)[None, :, None, None, None]
+    c = S0 // 2 + tl.arange(0, NS // 2)[None, :, None, None, None]
     h = tl.arange(0, 2)[None, None, :, None, None]
     i = tl.arange(0, 8)[None, None, None, :, None]
     t = tl.arange(0, 4)[None, None, None, None, :]
@@ -843,7 +859,7 @@ def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr):
         q |= ((tl.load(w32_ptr + (b5 + 16) // 4 + i) >> (8 * t + 2 * c + h)) & 1) << 4
     sc, mn = _k_scale_min(w32_ptr, b5, 2 * c + h)
     v = (_f16(w16_ptr, b5) * sc) * q.to(tl.float32) - _f16(w16_ptr, b5 + 2) * mn
-    return tl.reshape(v, (base.shape[0], 8, 32))
+    return tl.reshape(v, (base.shape[0], NS, 32))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -1017,13 +1033,14 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows."""
+    """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows, Q4_K
+    and Q5_K past 16 (the verify rows)."""
     return _wide_format(_layout(part), x.shape[0]) and not takes_int8_x(x, part)
 
 
 def _wide_format(lay: _Layout, m: int) -> bool:
     """takes_wide_rows for a product that does not take an Int8X x."""
-    return lay.code in (FP8.value, INT4.value) and m > 1
+    return lay.code in (FP8.value, INT4.value) and m > 1 or lay.code in (Q4_K.value, Q5_K.value) and m > 16
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -1046,10 +1063,11 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         tiles = _tiles(cfg, m, n)
         partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
         _wide_rows_kernel[(*tiles, cfg.split_k)](
-            x, t.w, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k, x.stride(0),
-            t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
-            HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n,
-            BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+            x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k,
+            x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
+            BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+            FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **pdl)
         return
     cfg = config or default_config(m, lay.block, n)
     _qgemm_kernel[_tiles(cfg, m, n)](
@@ -1118,9 +1136,9 @@ class _Int8Kernels(NamedTuple):
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
 
 
-# Q4_K past 16 rows: its float tile (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0 up to 16 rows
-# read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4: Q4_K's nibbles with a
-# scale and zero point a group, and Q4_K's row limit.
+# Q4_K past 16 rows: a float tile of its values (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0
+# up to 16 rows read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4: Q4_K's
+# nibbles with a scale and zero point a group, and Q4_K's row limit.
 _INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128),
                    Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64),
                    Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128),

@@ -188,6 +188,23 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     _assert_close(y, _reference(_x_as_read(x, kind), weight.parts[0].dequantize()) + bias.float(), half)
 
 
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("kind", ["FP8 (128x128 blocks)", INT4.name, "Q4_K", "Q5_K"])
+def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul(kind, split, half, device):
+    """_wide_rows_kernel (FP8, INT4 past its Int8X rows, Q4_K and Q5_K past 16 rows) at 20 rows of x, 5 blocks of
+    256 columns split 1 and 3 ways, with a bias."""
+    from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear, takes_wide_rows
+
+    part, _ = random_quantized(_BY_NAME[kind], 80, 1280, seed=split)
+    weight = QuantizedWeight([part], half).to(device)
+    x = torch.randn(20, 1280, generator=torch.Generator().manual_seed(7)).to(device, half)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(8)).to(device, half)
+    y = torch.empty(20, 80, device=device, dtype=half)
+    assert takes_wide_rows(x, weight.parts[0])
+    fused_linear(x, weight.parts[0], bias, y, QuantGemmConfig(block_n=64, block_m=32, blocks=1, split_k=split))
+    _assert_close(y, _reference(x.float(), weight.parts[0].dequantize()) + bias.float(), half)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.replace(" ", "_"))
 def test_dequantize_kernel_equals_the_torch_dequantizer(fmt, device):
     from outrider.kernels.quant_gemm import dequantize_rows
@@ -385,16 +402,16 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
                      "ASM": True, "USE_PDL": True, **grouped[1]}
         return _ptxas_spills(kernels.rows, signature, constants, cfg)
-    if kind == "FP8" and rows > 1 or kind == "INT4" and rows > kernels.max_rows:
+    if q._wide_format(SimpleNamespace(code=getattr(q, kind).value), rows):  # (the Int8X rows returned above)
         cfg = q.wide_rows_config(rows, n, 4096)
-        signature = {"x_ptr": "*bf16", "w_ptr": w, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
+        signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
-                     **dict.fromkeys(["FMT", "BLOCK", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N", "BLOCK_M", "SPLIT",
-                                      "USE_PDL"], "constexpr")}
-        constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "HAS_BIAS": True, "IEEE": False,
-                     "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
-                     "USE_PDL": True}
+                     **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N",
+                                      "BLOCK_M", "SPLIT", "USE_PDL"], "constexpr")}
+        constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
+                     "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
+                     "SPLIT": cfg.split_k, "USE_PDL": True}
         return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
                  "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
@@ -431,7 +448,7 @@ def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
 SPILLS_ALLOWED = {("Q4_0", 64): 8}
 
 
-@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (16, 4096), (16, 24576), (64, 4096)])
+@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (16, 4096), (16, 24576), (32, 4096), (64, 4096)])
 @pytest.mark.parametrize("kind", _SIGNATURES)
 def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
     """Each format's kernel at its default config for `rows` of an n-row weight (rows 0: its dequantization
