@@ -199,16 +199,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, layout: BlockLayout, block_m:
 PAIR_TOKENS = 8
 
 
-# Values of W in down's tile of all a token's experts (_pair_down): 4 warps hold 16K in registers without spilling.
-DOWN_TILE = 16384
-
-
 class GemvTiles(NamedTuple):
     """Column and reduction tiles of the per-pair GEMVs (gate_up, then down), and the warps of each program."""
 
     gate_up_n: int
     down_n: int
-    block_k: int  # (down's at most DOWN_TILE / (experts x down_n): its tile spans all a token's experts)
+    block_k: int
     warps: int = 4
 
 
@@ -239,16 +235,14 @@ def pair_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids
     inter, hidden = down.shape[2], x.shape[1]
     tiles = tiles or pair_tiles(inter)
     act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
-    experts = triton.next_power_of_2(top_k)  # down's tile holds every expert of a token at once
     pdl = pdl_args(use_pdl(x))
     _pair_gate_up[(t * top_k, triton.cdiv(inter, tiles.gate_up_n))](
         x, gate_up, act, ids, inter, K=hidden, TOP_K=top_k, BLOCK_N=tiles.gate_up_n,
         BLOCK_K=min(tiles.block_k, triton.next_power_of_2(hidden)), num_warps=tiles.warps, **pdl)
     out = torch.empty_like(x)
     _pair_down[(t, triton.cdiv(hidden, tiles.down_n))](
-        act, down, out, ids, weights, hidden, K=inter, TOP_K=top_k, TOP_K_P=experts, BLOCK_N=tiles.down_n,
-        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter), DOWN_TILE // (experts * tiles.down_n)),
-        num_warps=tiles.warps, **pdl)
+        act, down, out, ids, weights, hidden, K=inter, TOP_K=top_k, BLOCK_N=tiles.down_n,
+        BLOCK_K=min(tiles.block_k, triton.next_power_of_2(inter)), num_warps=tiles.warps, **pdl)
     return out
 
 
@@ -279,28 +273,25 @@ def _pair_gate_up(x_ptr, w_ptr, act_ptr, ids_ptr, N, K: tl.constexpr, TOP_K: tl.
 
 @triton.jit
 def _pair_down(act_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, N, K: tl.constexpr, TOP_K: tl.constexpr,
-               TOP_K_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[t, n] = sum_j weights[t, j] * (w[e_j, n] . act[t * TOP_K + j]) over token t's experts e_j = ids[t, j]:
-    each K step loads the tile of every expert at once ([experts, BLOCK_N, BLOCK_K]), so a program has K / BLOCK_K
-    dependent loads, not TOP_K times as many."""
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t, n] = sum_j weights[t, j] * (w[e_j, n] . act[t * TOP_K + j]) over token t's experts e_j = ids[t, j]."""
     pdl_enter(USE_PDL)
     t, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    j = tl.arange(0, TOP_K_P)  # (TOP_K to a power of two)
-    j_ok = j < TOP_K
-    p = t * TOP_K + j
-    e = tl.load(ids_ptr + p, mask=j_ok, other=0)
-    scale = tl.load(weights_ptr + p, mask=j_ok, other=0.0)
-    rows = w_ptr + e[:, None, None] * (N * K) + offs_n[None, :, None] * K  # [experts, BLOCK_N, 1]
-    row_ok = j_ok[:, None, None] & (offs_n < N)[None, :, None]
+    n_ok = offs_n < N
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(act_ptr + p[:, None] * K + k0 + offs_k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(rows + k0 + offs_k[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * (a.to(tl.float32) * scale[:, None])[:, None, :], axis=0)
-    tl.store(out_ptr + t * N + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    for j in range(TOP_K):
+        p = t * TOP_K + j
+        e = tl.load(ids_ptr + p)
+        scale = tl.load(weights_ptr + p)
+        rows = w_ptr + e * (N * K) + offs_n[:, None] * K
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(act_ptr + p * K + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32) * scale
+            w = tl.load(rows + k0 + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+    tl.store(out_ptr + t * N + offs_n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
