@@ -1034,7 +1034,7 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows, Q4_K
-    and Q5_K past 16 (the verify rows)."""
+    and Q5_K past 16 (more rows than a verify step has)."""
     return _wide_format(_layout(part), x.shape[0]) and not takes_int8_x(x, part)
 
 
