@@ -54,8 +54,8 @@
 #          then bench spec with it at batch 1 and 8 on its held-out prompts. Needs SmolLM2's parts as smollm2 does
 #          (in the same call or an earlier one). A drafter trained before (its smol-drafter.tar unpacked into
 #          .smol-drafter/, 16 MB, carried with the last part) is used instead of training again.
-# quant: issue 39's rows: bench quant on the Qwen3-8B shape, bf16 beside each of q4_k_m, q8_0, fp8, awq (one
-#     bf16 checkpoint written to /tmp/oq and reused), then the kernels alone at 1-512 rows.
+# quant: issue 39's rows: bench quant on the Qwen3-8B shape, bf16 beside q4_k_m and fp8, then beside q8_0 and awq
+#     (one bf16 checkpoint written to /tmp/oq and reused), then the kernels alone at 1-512 rows.
 # hybrid: issue 38's rows: batch-1 latency (active-weight roofline) of the Qwen3.5-4B and Qwen3-30B-A3B shapes,
 #     batch-64 throughput of 30B-A3B beside the dense 8B.
 # hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: the DFlash-b16 preset (alpha 0.86) and its MTP head (alpha
@@ -300,7 +300,7 @@ JSON
   kernels)
     bench kernels ;;
   quant)
-    for f in q4_k_m q8_0 fp8 awq; do
+    for f in "q4_k_m fp8" "q8_0 awq"; do  # (two formats beside bf16 a process: ~260 s on an H200)
       bench quant --random-weights qwen3-8b --checkpoint-dir /tmp/oq --weights-format bf16 $f
     done
     bench quant --random-weights qwen3-8b --kernels --kernel-formats Q4_K Q6_K Q8_0 FP8 INT4 --kernel-rows 1 5 16 32 512 ;;
