@@ -60,8 +60,16 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, 
         tl.store(sum_ptr + row * stride_s + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = rms_normed_tile(xf, w, rstd, x_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_normed_tile(xf, w, rstd, dt: tl.constexpr):
+    """RMSNorm's output in dt for float32 values xf of rows whose 1 / rms is rstd, float32 weights w: rounded where
+    torch rounds (the normed values, then their product with the weight); also used by quantize_x's prologue
+    (kernels/quant_gemm.py)."""
+    return (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fused import pdl_enter, silu_mul_tile
+from outrider.kernels.fused import pdl_enter, rms_normed_tile, silu_mul_tile
 from outrider.kernels.gemm import RowNorm
 from outrider.kernels.launch import is_power_of_two, pdl_args, use_pdl
 from outrider.quant.formats import FP8Format, GGUFFormat, Int4Format
@@ -340,8 +340,8 @@ def _quantize_x_kernel(x_ptr, r_ptr, nw_ptr, sum_ptr, q_ptr, scale_ptr, sums_ptr
             tl.store(sum_ptr + m * K + offs, x, mask=offs < K)
         rf = row.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(rf * rf, 0) / K + eps)
-        normed = (x.to(tl.float32) * rstd).to(dt).to(tl.float32)
-        x = (tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32) * normed).to(dt).to(tl.float32)
+        w = tl.load(nw_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
+        x = rms_normed_tile(x.to(tl.float32), w, rstd, dt).to(tl.float32)
     elif SILU:
         g = tl.load(x_row + offs, mask=offs < K, other=0.0)
         x = silu_mul_tile(g, tl.load(x_row + K + offs, mask=offs < K, other=0.0), dt).to(tl.float32)
