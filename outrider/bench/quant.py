@@ -124,11 +124,11 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int, n: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None):
+def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None):
     """Configs `--tune` tries around the default: on an Int8X x (int8_x: its default config) one row's tile rows,
     warps and K splits, more rows' tile rows, x rows and K splits; on the wide rows kernel (wide: its default
-    config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps and pipeline
-    depth."""
+    config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps, pipeline depth and
+    (rows on the CUDA cores) K splits."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
 
     if wide is not None:
@@ -143,16 +143,18 @@ def _candidates(m: int, block: int, n: int, int8_x: QuantGemmConfig | None, wide
         return [int8_x] + [QuantGemmConfig(block_n, block_m, 1, 4, 2, split) for block_n in (32, 64, 128)
                            for block_m in (16, 32) for split in (1, 2, 4, 8)
                            if block_m <= max(16, m) and QuantGemmConfig(block_n, block_m, 1, 4, 2, split) != int8_x]
-    base = default_config(m, block, n)
+    base = default_config(m, block, n, k)
+    fma = base.block_m <= FMA_MAX_M.value
     out = [base]
     for block_n in (16, 32, 64):
         for steps in (128, 256):
             for warps in (4, 8):
                 for stages in (2, 4):
-                    cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, stages)
-                    fits = block_n * steps * (base.block_m if base.block_m <= FMA_MAX_M.value else 1) <= 64 * 32 * warps
-                    if cfg not in out and fits:
-                        out.append(cfg)
+                    for split in (1, 2, 4) if fma else (1,):
+                        cfg = QuantGemmConfig(block_n, base.block_m, max(1, steps // block), warps, stages, split)
+                        fits = block_n * steps * (base.block_m if fma else 1) <= 64 * 32 * warps
+                        if cfg not in out and fits:
+                            out.append(cfg)
     return out
 
 
@@ -184,7 +186,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
-                        for c in _candidates(m, block, n, int8_x_config(m, weight.parts[0])
+                        for c in _candidates(m, block, n, k, int8_x_config(m, weight.parts[0])
                                              if takes_int8_x(x, weight.parts[0]) else None,
                                              wide_rows_config(m, n, k) if takes_wide_rows(x, weight.parts[0])
                                              else None)]

@@ -112,12 +112,15 @@ def wide_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
                            split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m)))
 
 
-def default_config(m: int, block: int, n: int) -> QuantGemmConfig:
+def default_config(m: int, block: int, n: int, k: int = 0) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
     128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
-    a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores."""
+    a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores; there K (k values;
+    0: unknown) is split by _split_k where the weight has few rows (a [4096, 12288] down_proj: 256 programs, each
+    walking all of K)."""
     if m <= FMA_MAX_M.value:  # 256 values a step for one row, 128 for two (the accumulator doubles)
-        return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block))
+        return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block),
+                               split_k=_split_k(k, triton.cdiv(n, 16)))
     if m <= 16:  # verify rows: 16-row tiles on 4 warps (32/64-row tiles on 8 warps, 4 stages read 15 % slower)
         return QuantGemmConfig(block_n=16, block_m=16, blocks=max(1, 128 // block))
     # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
@@ -863,10 +866,13 @@ def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr, S0:
 
 
 @triton.jit(do_not_specialize=["M"])
-def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                  stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, NB: tl.constexpr, USE_PDL: tl.constexpr):
+def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
+                  stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr, BLOCK: tl.constexpr,
+                  TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, FP8_BITS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
+                  USE_PDL: tl.constexpr):
+    """y [M, N] = x @ W.T on a float tile of W's dequantized values; K's steps split over program axis 2
+    (_rows_result)."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -884,7 +890,9 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
     # More rows on Q4_K and Q5_K (one block a step): the block's values made in K order (_kquant_values) and one
     # product with x's contiguous 256 columns, not two planes against gathered columns (Q6_K's planes stay cheaper)
     KQ_DOT: tl.constexpr = not FMA and (FMT == Q4_K or FMT == Q5_K)
-    for k0 in tl.range(0, K, NB * BLOCK):
+    first, last = _k_run(tl.cdiv(K, NB * BLOCK), tl.program_id(2), SPLIT)
+    for step in tl.range(first, last):
+        k0 = step * (NB * BLOCK)
         kb0 = k0 // BLOCK
         kb = kb0 + tl.arange(0, NB)[None, :, None]
         if KQ_DOT:
@@ -918,13 +926,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M,
                 acc = tl.dot(hi.to(dt), x_hi, acc)
     if FMA:
         acc = tl.sum(acc3, axis=1)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    mask = (offs_n[:, None] < N) & m_mask
-    if y_ptr.dtype.element_ty != tl.float32:  # rounded once to x's dtype, as cuBLAS's epilogue (gemm._store)
-        acc = acc.to(dt)
-    tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=mask)
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -1069,13 +1071,15 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
             FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **pdl)
         return
-    cfg = config or default_config(m, lay.block, n)
-    _qgemm_kernel[_tiles(cfg, m, n)](
-        x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, m, n, k, x.stride(0),
-        t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code, BLOCK=lay.block,
-        TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, FP8_BITS=INTERPRET,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.blocks, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl)
+    cfg = config or default_config(m, lay.block, n, k)
+    tiles = _tiles(cfg, m, n)
+    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
+    _qgemm_kernel[(*tiles, cfg.split_k)](
+        x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, partials, tickets, m, n, k,
+        x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
+        BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.blocks, SPLIT=cfg.split_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
 
 
 def _tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:

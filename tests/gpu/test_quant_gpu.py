@@ -189,6 +189,28 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
 
 
 @pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize(("kind", "rows"), [("FP8 (128x128 blocks)", 1), ("Q4_1", 1), ("Q4_1", 2), ("Q5_K", 1),
+                                            ("Q5_K", 2)])
+def test_rows_on_the_cuda_cores_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half,
+                                                                                     device):
+    """The float tile's one and two rows (products on the CUDA cores; FP8 past one row takes the wide tiles) over
+    1,280 columns of K split 1 and 3 ways (runs of unequal length), with a bias."""
+    import dataclasses
+
+    from outrider.kernels.quant_gemm import default_config, fused_linear
+
+    fmt = _BY_NAME[kind]
+    part, _ = random_quantized(fmt, 80, 1280, seed=split)
+    weight = QuantizedWeight([part], half).to(device)
+    x = torch.randn(rows, 1280, generator=torch.Generator().manual_seed(9)).to(device, half)
+    bias = torch.randn(80, generator=torch.Generator().manual_seed(10)).to(device, half)
+    y = torch.empty(rows, 80, device=device, dtype=half)
+    config = default_config(rows, fmt.block if hasattr(fmt, "block") else 128, 80)
+    fused_linear(x, weight.parts[0], bias, y, dataclasses.replace(config, split_k=split))
+    _assert_close(y, _reference(x.float(), weight.parts[0].dequantize()) + bias.float(), half)
+
+
+@pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("kind", ["FP8 (128x128 blocks)", INT4.name, "Q4_K", "Q5_K"])
 def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul(kind, split, half, device):
     """_wide_rows_kernel (FP8, INT4 past its Int8X rows, Q4_K and Q5_K past 16 rows) at 20 rows of x, 5 blocks of
@@ -370,7 +392,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"NORM": norm, "ADD": add, "SILU": silu, "ROW": n if norm else 1, "USE_PDL": True}
         return _ptxas_spills(q._quantize_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=3))
     block, type_size, s, z, w = _SIGNATURES[kind]
-    cfg = q.default_config(max(rows, 1), block, n)
+    cfg = q.default_config(max(rows, 1), block, n, 4096)
     views = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w}
     if rows == 0:
         signature = {**views, "s_ptr": s, "z_ptr": z, "out_ptr": "*bf16",
@@ -413,14 +435,14 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
                      "SPLIT": cfg.split_k, "USE_PDL": True}
         return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
-    signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z,
-                 "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+    signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
+                 "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                  **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
-                                  "NB", "USE_PDL"], "constexpr")}
+                                  "NB", "SPLIT", "USE_PDL"], "constexpr")}
     constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
                  "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks,
-                 "USE_PDL": True}
+                 "SPLIT": cfg.split_k, "USE_PDL": True}
     return _ptxas_spills(q._qgemm_kernel, signature, constants, cfg)
 
 
