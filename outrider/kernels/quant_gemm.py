@@ -25,7 +25,8 @@ Configs are explicit (default_config, row_config, rows_config); `bench quant --k
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
 code (K-quants: _kquant_values) into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer)
-and multiplied by cuBLAS.
+and multiplied by cuBLAS; FP8 weights of 128 x 128 block or per-channel scales take the FP8 tensor cores instead,
+x quantized to FP8 per token (and 128 columns) as vLLM does (fp8_gemm.py).
 
 No host syncs; what a call allocates (x as an Int8X, split-K partials) has fixed sizes for its shapes, and the
 scratch buffer is made once: safe in CUDA graphs.
@@ -41,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from outrider.kernels.fp8_gemm import fp8_linear, takes_fp8_mm
 from outrider.kernels.fused import pdl_enter, rms_normed_tile, silu_mul_tile
 from outrider.kernels.gemm import RowNorm
 from outrider.kernels.launch import is_power_of_two, pdl_args, use_pdl
@@ -1187,7 +1189,8 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
                      out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                      norm: RowNorm | None = None, silu_mul: bool = False) -> torch.Tensor:
     """ops.linear for a QuantizedWeight (its `parts`, W's rows in order) on CUDA: fused kernels up to
-    FUSED_MAX_ROWS rows, else dequantized chunks of W (scratch) through cuBLAS. Where takes_prologue, the input
+    FUSED_MAX_ROWS rows, else FP8 parts on the FP8 tensor cores where takes_fp8_mm and the other parts'
+    dequantized chunks of W (scratch) through cuBLAS. Where takes_prologue, the input
     may be RMSNorm(x [+ residual]) * weight (`norm`) or, for x = [gate | up], silu(gate) * up (`silu_mul`), made
     as x is quantized (quantize_x): at decode a pre-norm projection is then two launches, not three."""
     from outrider.kernels import ops
@@ -1212,6 +1215,8 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
             fused_linear(x, part, part_bias, y[:, row:row + size], cfg, x8, None if tickets is None or not count
                          else tickets[first:first + count])
             first += count
+        elif takes_fp8_mm(x, part):
+            fp8_linear(x, part, part_bias, y[:, row:row + size])
         else:
             buf = scratch(x.device, x.dtype)
             chunk = max(1, min(size, buf.numel() // k))

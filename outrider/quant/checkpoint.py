@@ -25,7 +25,7 @@ from torch import nn
 
 from outrider.layers.linear import MergedLinear
 from outrider.quant.dequant import fp8_scale_per_value
-from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format, QuantFormat
+from outrider.quant.formats import FP8_MAX, GGUF_FORMATS, FP8Format, Int4Format, QuantFormat
 from outrider.quant.layers import QuantizedEmbedding, QuantizedLinear
 from outrider.quant.tensor import QuantizedTensor
 from outrider.quant.weight import QuantizedWeight
@@ -43,7 +43,6 @@ def serves_dense(quantization: str, device: torch.device) -> bool:
     return quantization == "none" or (quantization == "auto" and device.type != "cuda")
 
 
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's gemm packing: nibble i of a word holds column 8c + AWQ_ORDER[i]
 _DENSE_GGUF = ("F32", "F16", "BF16")
 

@@ -50,6 +50,9 @@ class GGUFFormat:
         return k % self.block == 0
 
 
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
 @dataclass(frozen=True)
 class FP8Format:
     block_n: int  # rows per scale (1: a scale per output channel)

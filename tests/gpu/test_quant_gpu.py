@@ -38,14 +38,27 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.float() @ w.float().t()
 
 
-def _x_as_read(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """x as the kernels read it against a part of this kind: 16-bit rows up to INT8_X_ROWS in int8 groups of 32, each scaled by max |x| / 127 and rounded half away from zero (llama.cpp's q8_1), float32 otherwise."""
-    if x.shape[0] > INT8_X_ROWS.get(kind, 0) or x.dtype == torch.float32:
+def _x_as_read(x: torch.Tensor, part) -> torch.Tensor:
+    """x as the kernels read it against the part: 16-bit rows up to INT8_X_ROWS in int8 groups of 32, each scaled by
+    max |x| / 127 and rounded half away from zero (llama.cpp's q8_1); FP8 prefill rows on the FP8 tensor cores
+    (takes_fp8_mm) in FP8 per token and group (fp8_gemm); float32 otherwise."""
+    from outrider.kernels.fp8_gemm import GROUP, takes_fp8_mm
+
+    if takes_fp8_mm(x, part):
+        return _fp8_as_read(x, GROUP if part.format.block_k else x.shape[1])
+    if x.shape[0] > INT8_X_ROWS.get(part.format.name, 0) or x.dtype == torch.float32:
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
     y = groups * torch.where(amax > 0, 127.0 / amax, 0.0)
     return (y.sign() * (y.abs() + 0.5).floor() * (amax / 127.0)).view_as(x)
+
+
+def _fp8_as_read(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x in float8_e4m3fn per row and `group` columns, each scaled by max |x| / 448 (rounded to nearest even)."""
+    groups = x.float().view(x.shape[0], -1, group)
+    scale = (groups.abs().amax(dim=2, keepdim=True) / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).view_as(x)
 
 
 def _assert_close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -64,7 +77,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(device, model_dtype)
     y = quantized_linear(x, list(weight.parts))
     assert y.dtype == model_dtype and y.shape == (rows, 96)
-    _assert_close(y, _reference(_x_as_read(x, fmt.name), weight.parts[0].dequantize()), model_dtype)
+    _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()), model_dtype)
 
 
 @pytest.mark.parametrize("count", [1, 300, 5000])
@@ -185,7 +198,7 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     y = torch.empty(rows, 80, device=device, dtype=half)
     config = QuantGemmConfig(block_n=32, block_m=1 if rows == 1 else 16, blocks=1, split_k=split)
     fused_linear(x, weight.parts[0], bias, y, config)
-    _assert_close(y, _reference(_x_as_read(x, kind), weight.parts[0].dequantize()) + bias.float(), half)
+    _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
 
 @pytest.mark.parametrize("split", [1, 3])
@@ -227,6 +240,26 @@ def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul
     _assert_close(y, _reference(x.float(), weight.parts[0].dequantize()) + bias.float(), half)
 
 
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("rows", [65, 200])
+@pytest.mark.parametrize("fmt", [FP8Format(128, 128), FP8Format(1, 0)], ids=lambda f: f.name.replace(" ", "_"))
+def test_fp8_prefill_rows_run_on_the_fp8_tensor_cores_with_x_in_fp8_per_token_group(fmt, rows):
+    """Past FUSED_MAX_ROWS on Hopper, bf16 rows on FP8 weights of 128 x 128 block or per-channel scales take
+    scaled_mm: x in FP8 per token and 128 columns (per token against per-channel scales), rows not a multiple of
+    the padding, with a bias; the same x quantized here gives the reference."""
+    from outrider.kernels.fp8_gemm import takes_fp8_mm
+    from outrider.kernels.quant_gemm import quantized_linear
+
+    part, _ = random_quantized(fmt, 384, 640, seed=rows)
+    weight = QuantizedWeight([part], torch.bfloat16).to("cuda")
+    x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(11)).to("cuda", torch.bfloat16)
+    bias = torch.randn(384, generator=torch.Generator().manual_seed(12)).to("cuda", torch.bfloat16)
+    assert takes_fp8_mm(x, weight.parts[0]) == (torch.cuda.get_device_capability() >= (9, 0))
+    y = quantized_linear(x, list(weight.parts), bias)
+    ref = _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float()
+    _assert_close(y, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name.replace(" ", "_"))
 def test_dequantize_kernel_equals_the_torch_dequantizer(fmt, device):
     from outrider.kernels.quant_gemm import dequantize_rows
@@ -264,7 +297,7 @@ def test_packed_parts_of_different_formats_with_bias_and_float32_logits(rows, ha
     assert weight.sizes == [96, 32]  # q and k stacked into one part
     bias = torch.randn(128, generator=torch.Generator().manual_seed(2)).to(device, half)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(1)).to(device, half)
-    ref = torch.cat([_reference(_x_as_read(x, part.format.name), part.dequantize()) for part in weight.parts], 1)
+    ref = torch.cat([_reference(_x_as_read(x, part), part.dequantize()) for part in weight.parts], 1)
     ref += bias.float()
     y = quantized_linear(x, list(weight.parts), bias, out_dtype=torch.float32)
     assert y.dtype == torch.float32
@@ -372,6 +405,7 @@ _SIGNATURES = {**{name: (f.block, f.type_size, "*u8", "*u8", "*u8") for name, f 
 
 
 # quantize_x's kernel with each prologue (NORM, ADD, SILU): none, RMSNorm with the residual add, SwiGLU's activation
+FP8_X = "x to fp8"  # fp8_gemm's quantization of x
 _PROLOGUES = {"x": (False, False, False), "x+norm": (True, True, False), "x+silu": (False, False, True)}
 
 
@@ -391,6 +425,14 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         norm, add, silu = _PROLOGUES[kind]
         constants = {"NORM": norm, "ADD": add, "SILU": silu, "ROW": n if norm else 1, "USE_PDL": True}
         return _ptxas_spills(q._quantize_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=3))
+    if kind == FP8_X:
+        from outrider.kernels import fp8_gemm
+
+        signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32",
+                     "stride_xm": "i32", "stride_sm": "i32", "stride_sg": "i32", "FP8_MAX": "fp32", "TINY": "fp32",
+                     "GROUP": "i32", "BLOCK_M": "constexpr", "CHUNK": "constexpr"}
+        constants = {"BLOCK_M": fp8_gemm.ROW_ALIGN, "CHUNK": fp8_gemm.GROUP}
+        return _ptxas_spills(fp8_gemm._fp8_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=2))
     block, type_size, s, z, w = _SIGNATURES[kind]
     cfg = q.default_config(max(rows, 1), block, n, 4096)
     views = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w}
@@ -485,6 +527,12 @@ def test_x_quantization_compiles_for_hopper_with_each_prologue_and_spills_nothin
     assert _spilled_bytes_apart(kind, 1, 4096) == 0
 
 
+def test_fp8_x_quantization_compiles_for_hopper_and_spills_nothing():
+    """fp8_gemm's x quantization (bf16 in, float8_e4m3fn out, float32 scales) for sm_90; its GROUP is a runtime
+    value (128, or the whole row against per-channel scales), so one compile serves both recipes."""
+    assert _spilled_bytes_apart(FP8_X, 1, 4096) == 0
+
+
 def _spilled_bytes_apart(kind: str, rows: int, n: int) -> int:
     """_spilled_bytes in a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1
     replaces."""
@@ -500,3 +548,4 @@ def _spilled_bytes_apart(kind: str, rows: int, n: int) -> int:
 
 if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: the bytes its kernel spills (see above)
     print(_spilled_bytes(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+
