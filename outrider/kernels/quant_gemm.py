@@ -158,6 +158,12 @@ def _f16(w16_ptr, byte_off):
 
 
 @triton.jit
+def _f16_bits_to_f32(bits):
+    """The float16 in the low 16 bits of int32 bits -> float32."""
+    return (bits & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _fp8_bits_to_f32(u):
     """float8_e4m3fn bits (uint8) -> float32, for Triton's interpreter (numpy has no fp8)."""
     u = u.to(tl.int32)
@@ -173,10 +179,16 @@ def _k_scale_min(w32_ptr, base, s):
     float32. The 12 scale bytes (offset 4) are read as three words; byte t = s % 4 of each holds sub-block s's
     low bits (s < 4) or the high ones beside the next word's."""
     word = base // 4 + 1
+    return _k_scale_min_of(tl.load(w32_ptr + word), tl.load(w32_ptr + word + 1), tl.load(w32_ptr + word + 2), s)
+
+
+@triton.jit
+def _k_scale_min_of(w0, w1, w2, s):
+    """_k_scale_min from the three scale words."""
     t = 8 * (s % 4)
-    b0 = (tl.load(w32_ptr + word) >> t) & 255
-    b1 = (tl.load(w32_ptr + word + 1) >> t) & 255
-    b2 = (tl.load(w32_ptr + word + 2) >> t) & 255
+    b0 = (w0 >> t) & 255
+    b1 = (w1 >> t) & 255
+    b2 = (w2 >> t) & 255
     low = s < 4
     sc = tl.where(low, b0 & 63, (b2 & 15) | ((b0 >> 6) << 4))
     mn = tl.where(low, b1 & 63, (b2 >> 4) | ((b1 >> 6) << 4))
@@ -401,6 +413,14 @@ def _dp4a(a, b, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 
 
 @triton.jit
+def _q4k_block(w32_ptr, row, kb, w):
+    """What _q4k_row_q8_kernel reads of W's block kb (rows at word offsets row [BN, 1]): its quant words [BN, 32]
+    and header words [BN, 1] (d and dmin, then the three scale words)."""
+    at = w32_ptr + row + 36 * kb
+    return tl.load(at + 4 + w), tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
+
+
+@triton.jit
 def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
@@ -408,7 +428,7 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's blocks. Quant word w of a block, masked to its low (high)
     nibbles, holds four unsigned int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each.
     A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words
-    (a quarter of a chunk) once a block."""
+    (a quarter of a chunk) once a block. The next block (quants and header) is in flight while a block is summed."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
@@ -421,24 +441,23 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     n_blocks = K // 256
     first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 8), tl.float32)
-    words = tl.load(w32_ptr + row + 36 * tl.minimum(first, n_blocks - 1) + 4 + w)
+    words, h0, h1, h2, h3 = _q4k_block(w32_ptr, row, tl.minimum(first, n_blocks - 1), w)
     for kb in tl.range(first, last):
-        nxt = tl.load(w32_ptr + row + 36 * tl.minimum(kb + 1, last - 1) + 4 + w)  # the next block, issued early
+        nxt, n0, n1, n2, n3 = _q4k_block(w32_ptr, row, tl.minimum(kb + 1, last - 1), w)  # in flight meanwhile
         lo = _dp4a(words & 0x0F0F0F0F, tl.load(xq_ptr + kb * 64 + xw), ASM)
         hi = _dp4a((words >> 4) & 0x0F0F0F0F, tl.load(xq_ptr + kb * 64 + xw + 8), ASM)
         lo = tl.sum(tl.reshape(lo, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)  # [BN, 8 quarters]: within a thread
         hi = tl.sum(tl.reshape(hi, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)
-        base = 4 * (row + 36 * kb)  # byte offset of the block
-        d = _f16(w16_ptr, base)
-        dmin = _f16(w16_ptr, base + 2)
-        sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * chunk)
-        sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * chunk + 1)
+        d = _f16_bits_to_f32(h0)
+        dmin = _f16_bits_to_f32(h0 >> 16)
+        sc_lo, m_lo = _k_scale_min_of(h1, h2, h3, 2 * chunk)
+        sc_hi, m_hi = _k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
         dx_lo = tl.load(xd_ptr + kb * 8 + 2 * chunk)
         dx_hi = tl.load(xd_ptr + kb * 8 + 2 * chunk + 1)
         xs_lo = tl.load(xs_ptr + kb * 16 + 4 * chunk + quarter % 2)
         xs_hi = tl.load(xs_ptr + kb * 16 + 4 * chunk + 2 + quarter % 2)
         acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
-        words = nxt
+        words, h0, h1, h2, h3 = nxt, n0, n1, n2, n3
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
@@ -451,14 +470,34 @@ def _q6k_quants(src, h, R: tl.constexpr):
 
 
 @triton.jit
+def _q6k_block(w32_ptr, d_ptr, row, rows, stride_d, kb, word_a, word_h, gn):
+    """What _q6k_row_q8_kernel reads of W's block kb: ql words a and b, qh words h [BN, 4, 4], the scale words of
+    r 0-1 and 2-3 [BN, 4] and d [BN, 1] (loaded a step ahead of their use: nothing waits on memory in the step)."""
+    word = (row + 208 * kb) // 4  # [BN, 1]
+    a = tl.load(w32_ptr + word[:, :, None] + word_a)
+    b = tl.load(w32_ptr + word[:, :, None] + word_a + 8)
+    h = tl.load(w32_ptr + word[:, :, None] + word_h)
+    s01 = tl.load(w32_ptr + word + 48 + 2 * gn)
+    s23 = tl.load(w32_ptr + word + 49 + 2 * gn)
+    return a, b, h, s01, s23, tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
+
+
+@triton.jit
+def _q6k_scale(words, R: tl.constexpr, gi):
+    """Scale r = R of the groups [.., 4] as float32: signed byte 2 (R % 2) + gi of their scale word."""
+    return ((words << (24 - 8 * (2 * (R % 2) + gi))) >> 24).to(tl.float32)
+
+
+@triton.jit
 def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_row_q8_kernel for Q6_K (blocks of 208 bytes: ql 0-127, qh 128-191, 16 int8 scales; d in its plane).
     For half n and i < 8, ql words A = 16 n + i and B = A + 8 and qh word H = 32 + 8 n + i hold in byte t the quants
     of values 128 n + 32 r + 4 i + t, r = 0..3 (_q6k_quants): unsigned 0..63, so a scale group's (16 values: n, r,
-    i // 4) product is d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4), 4
-    words], so a thread reads a group's four words at once and no sum crosses threads."""
+    i // 4) product is d sc (dx sum(q xq) - 32 sum(x)); its scale is byte 8 n + 2 r + i // 4. A program's tensors
+    are [BLOCK_N, 4 groups (n, i // 4), 4 words], so a thread reads a group's four words at once and no sum
+    crosses threads; the next block's bytes are in flight while a block is summed (_q6k_block)."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
@@ -475,25 +514,24 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     n_blocks = K // 256
     first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
+    a, b, h, s01, s23, d = _q6k_block(w32_ptr, d_ptr, row, rows, stride_d, tl.minimum(first, n_blocks - 1), word_a,
+                                      word_h, gn)
     for kb in tl.range(first, last):
-        blk = row + 208 * kb
-        word = (blk // 4)[:, :, None]
-        a = tl.load(w32_ptr + word + word_a)
-        b = tl.load(w32_ptr + word + word_a + 8)
-        h = tl.load(w32_ptr + word + word_h)
+        na, nb, nh, ns01, ns23, nd = _q6k_block(w32_ptr, d_ptr, row, rows, stride_d, tl.minimum(kb + 1, last - 1),
+                                                word_a, word_h, gn)
         xw = xq_ptr + kb * 64 + word_x
         s0 = tl.sum(_dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM), axis=2)
         s1 = tl.sum(_dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM), axis=2)
         s2 = tl.sum(_dp4a(_q6k_quants(a, h, 2), tl.load(xw + 16), ASM), axis=2)
         s3 = tl.sum(_dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM), axis=2)
-        sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
         dx = xd_ptr + kb * 8 + 4 * gn  # + r
         xs = xs_ptr + kb * 16 + 8 * gn + gi  # + 2 r
-        part = (_i8(sc) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
-                + _i8(sc + 2) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
-                + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
-                + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
-        acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
+        part = (_q6k_scale(s01, 0, gi) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
+                + _q6k_scale(s01, 1, gi) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
+                + _q6k_scale(s23, 2, gi) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
+                + _q6k_scale(s23, 3, gi) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
+        acc += d * part
+        a, b, h, s01, s23, d = na, nb, nh, ns01, ns23, nd
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
