@@ -537,12 +537,21 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
 
 
 @triton.jit
+def _q80_step(w32_ptr, d_ptr, row, rows, stride_d, kb, K, g, words):
+    """What _q80_row_q8_kernel reads of W's step kb: quant words [BN, 8, 8] and d's [BN, 8] (zero past K)."""
+    inside = 8 * kb + g < K // 32
+    w = tl.load(w32_ptr + row + 64 * kb + words, mask=inside[:, :, None], other=0)
+    return w, tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_row_q8_kernel for Q8_0 (blocks of 32 int8 quants; d in its plane): a step is 256 values, [BLOCK_N, 8
     groups, 8 words], each word four signed quants against four of x in one dp4a; a group's sum meets d dx once.
-    K need only be a multiple of 32: the groups of a last partial step past K are masked."""
+    K need only be a multiple of 32: the groups of a last partial step past K are masked. The next step's quants
+    and d's are in flight while a step is summed."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
@@ -553,12 +562,13 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     row = (rows * stride_row)[:, :, None]  # word offsets of the rows
     first, last = _k_run(tl.cdiv(K, 256), pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 8), tl.float32)
+    w, d = _q80_step(w32_ptr, d_ptr, row, rows, stride_d, first, K, g, words)
     for kb in tl.range(first, last):
+        nw, nd = _q80_step(w32_ptr, d_ptr, row, rows, stride_d, tl.minimum(kb + 1, last - 1), K, g, words)
         inside = 8 * kb + g < K // 32
-        w = tl.load(w32_ptr + row + 64 * kb + words, mask=inside[:, :, None], other=0)
         s = tl.sum(_dp4a(w, tl.load(xq_ptr + 64 * kb + words, mask=inside[:, :, None], other=0), ASM, True), axis=2)
-        d = tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
         acc += d * (tl.load(xd_ptr + 8 * kb + g, mask=inside, other=0.0) * s.to(tl.float32))
+        w, d = nw, nd
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
@@ -692,13 +702,22 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 
 
 @triton.jit
+def _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, g, w):
+    """What _int4_row_q8_kernel reads of W's group g: its words [BN, GROUP / 8], scales and zero points [BN, 1]."""
+    at = rows * stride_d + g
+    return (tl.load(w32_ptr + rows * stride_row + w.shape[1] * g + w), tl.load(d_ptr + at).to(tl.float32),
+            tl.load(z_ptr + at).to(tl.float32))
+
+
+@triton.jit
 def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                         K, stride_row, stride_d, z_ptr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         SPLIT: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on INT4 (byte l of a group holds its values l and l + GROUP / 2; d_ptr: the scales,
     z_ptr: the zero points) for an Int8X x of one row. Word w of a group, masked to its low (high) nibbles, holds
     the four unsigned weights of values 4 w (GROUP / 2 + 4 w) on, whose x word follows: one dp4a each. A group's
-    product is s (the sum over its 16-value quarters of dx q.xq) - s z sum(x)."""
+    product is s (the sum over its 16-value quarters of dx q.xq) - s z sum(x). The next group's words, scales and
+    zero points are in flight while a group is summed."""
     pdl_enter(USE_PDL)
     W: tl.constexpr = GROUP // 8  # words of a group's bytes
     pid_n = tl.program_id(0)
@@ -710,9 +729,11 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     n_groups = K // GROUP
     first, last = _k_run(n_groups, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, W // 4), tl.float32)
-    words = tl.load(w32_ptr + rows * stride_row + W * tl.minimum(first, n_groups - 1) + w)
+    words, scale, zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d,
+                                     tl.minimum(first, n_groups - 1), w)
     for g in tl.range(first, last):
-        nxt = tl.load(w32_ptr + rows * stride_row + W * tl.minimum(g + 1, last - 1) + w)  # issued early
+        nxt, n_scale, n_zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d,
+                                           tl.minimum(g + 1, last - 1), w)  # in flight meanwhile
         xw = g * (GROUP // 4) + w  # x word of the low nibbles' values
         lo = _dp4a(words & 0x0F0F0F0F, tl.load(xq_ptr + xw), ASM)
         hi = _dp4a((words >> 4) & 0x0F0F0F0F, tl.load(xq_ptr + xw + W), ASM)
@@ -720,11 +741,9 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
         hi = tl.sum(tl.reshape(hi, (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)
         dx = xd_ptr + g * (GROUP // 32) + quarter // 2
         sums = xs_ptr + g * (GROUP // 16) + quarter
-        scale = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
-        zero = tl.load(z_ptr + rows * stride_d + g).to(tl.float32)
         acc += scale * (tl.load(dx) * lo + tl.load(dx + GROUP // 64) * hi
                         - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
-        words = nxt
+        words, scale, zero = nxt, n_scale, n_zero
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
