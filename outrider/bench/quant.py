@@ -126,7 +126,7 @@ def _random_part(fmt, n: int, k: int):
 
 def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None):
     """Configs `--tune` tries around the default: on an Int8X x (int8_x: its default config) one row's tile rows,
-    blocks a step, warps and K splits, more rows' tile rows, x rows and K splits; on the wide rows kernel (wide: its default
+    warps and K splits, more rows' tile rows, x rows and K splits; on the wide rows kernel (wide: its default
     config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps, pipeline depth and
     (rows on the CUDA cores) K splits."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
@@ -135,12 +135,10 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
         configs = [QuantGemmConfig(block_n, wide.block_m, 1, 8 if block_n * wide.block_m >= 64 * 64 else 4, stages,
                                    split) for block_n in (32, 64, 128) for split in (1, 2, 4, 8) for stages in (2, 3, 4)]
         return [wide] + [c for c in configs if c != wide]
-    if int8_x is not None and m == 1:  # (blocks a step where the row kernel takes them: its default's above 1)
-        return [int8_x] + [QuantGemmConfig(block_n, 1, blocks, warps, 2, split) for block_n in (16, 32, 64)
-                           for blocks in ((1, 2, 4) if int8_x.blocks > 1 else (1,))
+    if int8_x is not None and m == 1:
+        return [int8_x] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
                            for warps in (2, 4, 8) for split in (1, 2, 4, 8)
-                           if QuantGemmConfig(block_n, 1, blocks, warps, 2, split) != int8_x
-                           and block_n * 32 >= 128 * warps]
+                           if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != int8_x and block_n * 32 >= 128 * warps]
     if int8_x is not None:
         return [int8_x] + [QuantGemmConfig(block_n, block_m, 1, 4, 2, split) for block_n in (32, 64, 128)
                            for block_m in (16, 32) for split in (1, 2, 4, 8)

@@ -85,10 +85,9 @@ def _split_k(k: int, tiles: int) -> int:
     return max(1, min(8, k // 256, ROW_PROGRAMS // tiles))
 
 
-def row_config(n: int, k: int, blocks: int = 1) -> QuantGemmConfig:
-    """One row as an Int8X: 32 rows of W a program, `blocks` 256-value blocks a loop step (the format's
-    _Int8Kernels.row_blocks), K split by _split_k into runs of whole steps."""
-    return QuantGemmConfig(block_n=32, block_m=1, blocks=blocks, split_k=_split_k(k // blocks, triton.cdiv(n, 32)))
+def row_config(n: int, k: int) -> QuantGemmConfig:
+    """One row as an Int8X: 32 rows of W a program, K split by _split_k."""
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
 def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
@@ -102,10 +101,9 @@ def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
 def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     """The default config of an Int8X product of m rows with `part` (one where takes_int8_x)."""
     n, k = part.shape
-    kernels = _INT8_X_KERNELS[_layout(part).code]
     if m == 1:
-        return row_config(n, k, kernels.row_blocks or 1)
-    return rows_config(m, n, k, kernels.rows_block_n)
+        return row_config(n, k)
+    return rows_config(m, n, k, _INT8_X_KERNELS[_layout(part).code].rows_block_n)
 
 
 def wide_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
@@ -415,49 +413,43 @@ def _dp4a(a, b, ASM: tl.constexpr, SIGNED: tl.constexpr = False):
 
 
 @triton.jit
-def _q4k_step(w32_ptr, row, blocks, w):
-    """What _q4k_row_q8_kernel reads of W's blocks [1, NB, 1] (rows at word offsets row [BN, 1, 1]): their quant
-    words [BN, NB, 32] and header words [BN, NB, 1] (d and dmin, then the three scale words)."""
-    at = w32_ptr + row + 36 * blocks
+def _q4k_block(w32_ptr, row, kb, w):
+    """What _q4k_row_q8_kernel reads of W's block kb (rows at word offsets row [BN, 1]): its quant words [BN, 32]
+    and header words [BN, 1] (d and dmin, then the three scale words)."""
+    at = w32_ptr + row + 36 * kb
     return tl.load(at + 4 + w), tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
 
 
 @triton.jit
 def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                       ASM: tl.constexpr, USE_PDL: tl.constexpr, NB: tl.constexpr):
+                       ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on Q4_K for an Int8X x of one row, program (pid_n, pid_k) owning W's rows from
-    pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's steps of NB blocks. Quant word w of a block, masked to its
-    low (high) nibbles, holds four unsigned int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one
-    dp4a each. A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's
-    four words (a quarter of a chunk) once a block. The next step's blocks (quants and headers) are in flight while
-    a step is summed; a last step's blocks past K repeat the last block, their d's zeroed."""
+    pid_n * BLOCK_N and the pid_k-th of SPLIT runs of K's blocks. Quant word w of a block, masked to its low (high)
+    nibbles, holds four unsigned int8 weights whose x values are xq word 16 (w // 8) + w % 8 (+ 8): one dp4a each.
+    A sub-block's product is d sc dx sum(q xq) - dmin m sum(x); the scales meet the sums of a thread's four words
+    (a quarter of a chunk) once a block. The next block (quants and header) is in flight while a block is summed."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None, None] * stride_row  # [BN, 1, 1] word offsets of the rows
-    nb = tl.arange(0, NB)[None, :, None]
-    w = tl.arange(0, 32)[None, None, :]
+    row = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_row  # [BN, 1] word offsets of the rows
+    w = tl.arange(0, 32)[None, :]
     xw = 16 * (w // 8) + w % 8  # x word of a quant word's low nibbles
-    quarter = tl.arange(0, 8)[None, None, :]  # four words of a chunk: sums xs 2 (2 chunk) + quarter % 2 (+ 2: high)
+    quarter = tl.arange(0, 8)[None, :]  # four words of a chunk: sums xs 2 (2 chunk) + quarter % 2 (+ 2: high)
     chunk = quarter // 2
     n_blocks = K // 256
-    first, last = _k_run(tl.cdiv(n_blocks, NB), pid_k, SPLIT)
-    acc = tl.zeros((BLOCK_N, NB, 8), tl.float32)
-    words, h0, h1, h2, h3 = _q4k_step(w32_ptr, row, tl.minimum(first * NB + nb, n_blocks - 1), w)
-    for step in tl.range(first, last):
-        nxt, n0, n1, n2, n3 = _q4k_step(w32_ptr, row, tl.minimum(tl.minimum(step + 1, last - 1) * NB + nb,
-                                                                 n_blocks - 1), w)  # in flight meanwhile
-        kb = step * NB + nb  # [1, NB, 1]
-        inside = kb < n_blocks
-        kb = tl.minimum(kb, n_blocks - 1)
+    first, last = _k_run(n_blocks, pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, 8), tl.float32)
+    words, h0, h1, h2, h3 = _q4k_block(w32_ptr, row, tl.minimum(first, n_blocks - 1), w)
+    for kb in tl.range(first, last):
+        nxt, n0, n1, n2, n3 = _q4k_block(w32_ptr, row, tl.minimum(kb + 1, last - 1), w)  # in flight meanwhile
         lo = _dp4a(words & 0x0F0F0F0F, tl.load(xq_ptr + kb * 64 + xw), ASM)
         hi = _dp4a((words >> 4) & 0x0F0F0F0F, tl.load(xq_ptr + kb * 64 + xw + 8), ASM)
-        lo = tl.sum(tl.reshape(lo, (BLOCK_N, NB, 8, 4)), axis=3).to(tl.float32)  # [BN, NB, 8 quarters]
-        hi = tl.sum(tl.reshape(hi, (BLOCK_N, NB, 8, 4)), axis=3).to(tl.float32)  # (sums within a thread)
-        d = tl.where(inside, _f16_bits_to_f32(h0), 0.0)
-        dmin = tl.where(inside, _f16_bits_to_f32(h0 >> 16), 0.0)
+        lo = tl.sum(tl.reshape(lo, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)  # [BN, 8 quarters]: within a thread
+        hi = tl.sum(tl.reshape(hi, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)
+        d = _f16_bits_to_f32(h0)
+        dmin = _f16_bits_to_f32(h0 >> 16)
         sc_lo, m_lo = _k_scale_min_of(h1, h2, h3, 2 * chunk)
         sc_hi, m_hi = _k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
         dx_lo = tl.load(xd_ptr + kb * 8 + 2 * chunk)
@@ -466,8 +458,8 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         xs_hi = tl.load(xs_ptr + kb * 16 + 4 * chunk + 2 + quarter % 2)
         acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
         words, h0, h1, h2, h3 = nxt, n0, n1, n2, n3
-    _rows_result(tl.sum(tl.sum(acc, axis=2), axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n,
-                 tl.arange(0, 1), 1, N, 0, HAS_BIAS, SPLIT)
+    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+                 HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -1168,8 +1160,6 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
     """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
     split K writes partial sums to a buffer of this call and takes tickets from a counter per output tile, zeroed
     (`tickets`: by quantize_x; else here), all graph-safe: fixed sizes; without a split neither is made."""
-    if cfg.blocks != 1 and not (m == 1 and kernels.row_blocks):
-        raise ValueError(f"{cfg}: this Int8X kernel walks K a fixed step at a time (blocks 1)")
     tiles = _tiles(cfg, m, n)
     partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
     b = y if bias is None else bias
@@ -1179,7 +1169,7 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
     if m == 1:
         kernels.row[(*tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b,
                                            y, partials, tickets, n, k, t.stride_wn // kernels.row_stride_unit,
-                                           t.stride_sn, **meta, **({"NB": cfg.blocks} if kernels.row_blocks else {}))
+                                           t.stride_sn, **meta)
     else:
         kernels.rows[(*tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b, y, partials,
                                             tickets, m, n, k, t.stride_wn, t.stride_sn, y.stride(0),
@@ -1207,13 +1197,12 @@ class _Int8Kernels(NamedTuple):
     max_rows: int  # rows up to which x is read as an Int8X; past them the float tile (INT4: the wide one)
     rows_block_n: int  # rows of W a `rows` program takes, up to 16 rows of x (rows_config)
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
-    row_blocks: int = 0  # where `row` takes NB (blocks a loop step: two have twice the bytes in flight), its default
 
 
 # Q4_K past 16 rows: a float tile of its values (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0
 # up to 16 rows read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4: Q4_K's
 # nibbles with a scale and zero point a group, and Q4_K's row limit.
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128, row_blocks=2),
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128),
                    Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64),
                    Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128),
                    INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 16, 64, grouped=True)}

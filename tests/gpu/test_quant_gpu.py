@@ -183,14 +183,12 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-@pytest.mark.parametrize(("kind", "rows", "blocks"), [(kind, rows, 1) for kind in INT8_X_ROWS for rows in (1, 12, 20)
-                                                      if rows <= INT8_X_ROWS[kind]] + [("Q4_K", 1, 2), ("Q4_K", 1, 4)])
-def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, blocks, split, half,
-                                                                               device):
+@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 12, 20)
+                                            if rows <= INT8_X_ROWS[kind]])
+def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half, device):
     """The kernels of 16-bit rows on an Int8X (quant_gemm._INT8_X_KERNELS: one row, 12 rows as a tile of 16 and
     20 as two) over 5 blocks of 256 columns of K split 1, 2, 4 and 7 ways (runs of unequal length, programs with
-    none), with a bias: the last program of each output tile adds the partials. Q4_K's one row also in steps of
-    2 and 4 blocks (a last step reaching past K)."""
+    none), with a bias: the last program of each output tile adds the partials."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
 
     part, _ = random_quantized(_BY_NAME[kind], 80, 1280, seed=split)
@@ -198,7 +196,7 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     x = torch.randn(rows, 1280, generator=torch.Generator().manual_seed(5)).to(device, half)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, half)
     y = torch.empty(rows, 80, device=device, dtype=half)
-    config = QuantGemmConfig(block_n=32, block_m=1 if rows == 1 else 16, blocks=blocks, split_k=split)
+    config = QuantGemmConfig(block_n=32, block_m=1 if rows == 1 else 16, blocks=1, split_k=split)
     fused_linear(x, weight.parts[0], bias, y, config)
     _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
@@ -450,14 +448,13 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
     kernels = q._INT8_X_KERNELS.get(getattr(q, kind).value)
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
     if kernels and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
-        cfg = q.row_config(n, 4096, kernels.row_blocks or 1)
-        blocks = ({"NB": "constexpr"}, {"NB": cfg.blocks}) if kernels.row_blocks else ({}, {})
+        cfg = q.row_config(n, 4096)
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
                      "K": "i32", "stride_row": "i32", "stride_d": "i32", **grouped[0],
-                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM", "USE_PDL"], "constexpr"), **blocks[0]}
+                     **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
-                     **grouped[1], **blocks[1]}
+                     **grouped[1]}
         return _ptxas_spills(kernels.row, signature, constants, cfg)
     if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (int8 tensor cores)
         cfg = q.rows_config(rows, n, 4096, kernels.rows_block_n)
