@@ -470,34 +470,14 @@ def _q6k_quants(src, h, R: tl.constexpr):
 
 
 @triton.jit
-def _q6k_block(w32_ptr, d_ptr, row, rows, stride_d, kb, word_a, word_h, gn):
-    """What _q6k_row_q8_kernel reads of W's block kb: ql words a and b, qh words h [BN, 4, 4], the scale words of
-    r 0-1 and 2-3 [BN, 4] and d [BN, 1] (loaded a step ahead of their use: nothing waits on memory in the step)."""
-    word = (row + 208 * kb) // 4  # [BN, 1]
-    a = tl.load(w32_ptr + word[:, :, None] + word_a)
-    b = tl.load(w32_ptr + word[:, :, None] + word_a + 8)
-    h = tl.load(w32_ptr + word[:, :, None] + word_h)
-    s01 = tl.load(w32_ptr + word + 48 + 2 * gn)
-    s23 = tl.load(w32_ptr + word + 49 + 2 * gn)
-    return a, b, h, s01, s23, tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
-
-
-@triton.jit
-def _q6k_scale(words, R: tl.constexpr, gi):
-    """Scale r = R of the groups [.., 4] as float32: signed byte 2 (R % 2) + gi of their scale word."""
-    return ((words << (24 - 8 * (2 * (R % 2) + gi))) >> 24).to(tl.float32)
-
-
-@triton.jit
 def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_row_q8_kernel for Q6_K (blocks of 208 bytes: ql 0-127, qh 128-191, 16 int8 scales; d in its plane).
     For half n and i < 8, ql words A = 16 n + i and B = A + 8 and qh word H = 32 + 8 n + i hold in byte t the quants
     of values 128 n + 32 r + 4 i + t, r = 0..3 (_q6k_quants): unsigned 0..63, so a scale group's (16 values: n, r,
-    i // 4) product is d sc (dx sum(q xq) - 32 sum(x)); its scale is byte 8 n + 2 r + i // 4. A program's tensors
-    are [BLOCK_N, 4 groups (n, i // 4), 4 words], so a thread reads a group's four words at once and no sum
-    crosses threads; the next block's bytes are in flight while a block is summed (_q6k_block)."""
+    i // 4) product is d sc (dx sum(q xq) - 32 sum(x)). A program's tensors are [BLOCK_N, 4 groups (n, i // 4), 4
+    words], so a thread reads a group's four words at once and no sum crosses threads."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
@@ -514,34 +494,27 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     n_blocks = K // 256
     first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
-    a, b, h, s01, s23, d = _q6k_block(w32_ptr, d_ptr, row, rows, stride_d, tl.minimum(first, n_blocks - 1), word_a,
-                                      word_h, gn)
     for kb in tl.range(first, last):
-        na, nb, nh, ns01, ns23, nd = _q6k_block(w32_ptr, d_ptr, row, rows, stride_d, tl.minimum(kb + 1, last - 1),
-                                                word_a, word_h, gn)
+        blk = row + 208 * kb
+        word = (blk // 4)[:, :, None]
+        a = tl.load(w32_ptr + word + word_a)
+        b = tl.load(w32_ptr + word + word_a + 8)
+        h = tl.load(w32_ptr + word + word_h)
         xw = xq_ptr + kb * 64 + word_x
         s0 = tl.sum(_dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM), axis=2)
         s1 = tl.sum(_dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM), axis=2)
         s2 = tl.sum(_dp4a(_q6k_quants(a, h, 2), tl.load(xw + 16), ASM), axis=2)
         s3 = tl.sum(_dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM), axis=2)
+        sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
         dx = xd_ptr + kb * 8 + 4 * gn  # + r
         xs = xs_ptr + kb * 16 + 8 * gn + gi  # + 2 r
-        part = (_q6k_scale(s01, 0, gi) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
-                + _q6k_scale(s01, 1, gi) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
-                + _q6k_scale(s23, 2, gi) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
-                + _q6k_scale(s23, 3, gi) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
-        acc += d * part
-        a, b, h, s01, s23, d = na, nb, nh, ns01, ns23, nd
+        part = (_i8(sc) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
+                + _i8(sc + 2) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
+                + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
+                + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
+        acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
-
-
-@triton.jit
-def _q80_step(w32_ptr, d_ptr, row, rows, stride_d, kb, K, g, words):
-    """What _q80_row_q8_kernel reads of W's step kb: quant words [BN, 8, 8] and d's [BN, 8] (zero past K)."""
-    inside = 8 * kb + g < K // 32
-    w = tl.load(w32_ptr + row + 64 * kb + words, mask=inside[:, :, None], other=0)
-    return w, tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -550,8 +523,7 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """_q4k_row_q8_kernel for Q8_0 (blocks of 32 int8 quants; d in its plane): a step is 256 values, [BLOCK_N, 8
     groups, 8 words], each word four signed quants against four of x in one dp4a; a group's sum meets d dx once.
-    K need only be a multiple of 32: the groups of a last partial step past K are masked. The next step's quants
-    and d's are in flight while a step is summed."""
+    K need only be a multiple of 32: the groups of a last partial step past K are masked."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
@@ -562,13 +534,12 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     row = (rows * stride_row)[:, :, None]  # word offsets of the rows
     first, last = _k_run(tl.cdiv(K, 256), pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 8), tl.float32)
-    w, d = _q80_step(w32_ptr, d_ptr, row, rows, stride_d, first, K, g, words)
     for kb in tl.range(first, last):
-        nw, nd = _q80_step(w32_ptr, d_ptr, row, rows, stride_d, tl.minimum(kb + 1, last - 1), K, g, words)
         inside = 8 * kb + g < K // 32
+        w = tl.load(w32_ptr + row + 64 * kb + words, mask=inside[:, :, None], other=0)
         s = tl.sum(_dp4a(w, tl.load(xq_ptr + 64 * kb + words, mask=inside[:, :, None], other=0), ASM, True), axis=2)
+        d = tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
         acc += d * (tl.load(xd_ptr + 8 * kb + g, mask=inside, other=0.0) * s.to(tl.float32))
-        w, d = nw, nd
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
