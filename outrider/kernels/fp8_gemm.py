@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 FP8 = torch.float8_e4m3fn
 GROUP = 128  # x's values a scale (block-wise recipe): W's scale blocks' width
 ROW_ALIGN = 16  # x's rows are padded to this: its scales lie with M's stride 1, 16-byte aligned per column
+SCALE_ALIGN = 4  # cuBLAS wants W's block scales [K / 128, N / 128] (K's stride 1) with K / 128 a multiple of this
 
 _works: dict[tuple[int, bool], bool] = {}
 
@@ -96,8 +97,8 @@ def _try_recipe(device: torch.device, block_wise: bool) -> bool:
 
     fmt = FP8Format(GROUP, GROUP) if block_wise else FP8Format(1, 0)
     gen = torch.Generator().manual_seed(0)
-    part = quantize_fp8(torch.randn(256, 256, generator=gen), fmt).to(device)
-    x = torch.randn(20, 256, generator=gen).to(device, torch.bfloat16)
+    part = quantize_fp8(torch.randn(256, 512, generator=gen), fmt).to(device)
+    x = torch.randn(20, 512, generator=gen).to(device, torch.bfloat16)
     try:
         q, s = quantize_x_fp8(x, block_wise)
         y = _scaled_mm(q, s, part, block_wise)[:20].float()
@@ -115,13 +116,14 @@ def _try_recipe(device: torch.device, block_wise: bool) -> bool:
 
 def takes_fp8_mm(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part runs on the FP8 tensor cores: bf16 x on CUDA, compute capability 8.9+,
-    an FP8 part of 128 x 128 block scales (N a multiple of 128) or per-channel ones (N a multiple of 16), a recipe
-    that works here."""
+    an FP8 part of 128 x 128 block scales (N a multiple of 128, K of 512) or per-channel ones (N a multiple of 16),
+    a recipe that works here."""
     fmt = part.format
     if not (isinstance(fmt, FP8Format) and x.is_cuda and x.dtype == torch.bfloat16):
         return False
     block_wise = _recipe(fmt)
-    if block_wise is None or part.shape[0] % (GROUP if block_wise else 16):
+    n, k = part.shape
+    if block_wise is None or n % (GROUP if block_wise else 16) or block_wise and k % (SCALE_ALIGN * GROUP):
         return False
     props = cuda_properties(x.device)
     return (props.major, props.minor) >= (8, 9) and _fp8_mm_works(x.device, block_wise)

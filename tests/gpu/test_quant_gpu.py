@@ -43,8 +43,9 @@ def _x_as_read(x: torch.Tensor, part) -> torch.Tensor:
     max |x| / 127 and rounded half away from zero (llama.cpp's q8_1); FP8 prefill rows on the FP8 tensor cores
     (takes_fp8_mm) in FP8 per token and group (fp8_gemm); float32 otherwise."""
     from outrider.kernels.fp8_gemm import GROUP, takes_fp8_mm
+    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS
 
-    if takes_fp8_mm(x, part):
+    if x.shape[0] > FUSED_MAX_ROWS and takes_fp8_mm(x, part):
         return _fp8_as_read(x, GROUP if part.format.block_k else x.shape[1])
     if x.shape[0] > INT8_X_ROWS.get(part.format.name, 0) or x.dtype == torch.float32:
         return x.float()
@@ -250,9 +251,9 @@ def test_fp8_prefill_rows_run_on_the_fp8_tensor_cores_with_x_in_fp8_per_token_gr
     from outrider.kernels.fp8_gemm import takes_fp8_mm
     from outrider.kernels.quant_gemm import quantized_linear
 
-    part, _ = random_quantized(fmt, 384, 640, seed=rows)
+    part, _ = random_quantized(fmt, 384, 1024, seed=rows)
     weight = QuantizedWeight([part], torch.bfloat16).to("cuda")
-    x = torch.randn(rows, 640, generator=torch.Generator().manual_seed(11)).to("cuda", torch.bfloat16)
+    x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(11)).to("cuda", torch.bfloat16)
     bias = torch.randn(384, generator=torch.Generator().manual_seed(12)).to("cuda", torch.bfloat16)
     assert takes_fp8_mm(x, weight.parts[0]) == (torch.cuda.get_device_capability() >= (9, 0))
     y = quantized_linear(x, list(weight.parts), bias)
