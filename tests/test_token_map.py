@@ -12,7 +12,7 @@ import torch
 from outrider import LLM, SamplingParams, cli
 from outrider.config import EngineConfig
 from outrider.layers.linear import Linear
-from outrider.quant.checkpoint import quantize_fp8
+from outrider.quant.tensor import quantize_fp8
 from outrider.quant.layers import QuantizedLinear
 from outrider.quant.weight import QuantizedWeight
 from outrider.speculative.drafter import TargetView

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from outrider.kernels.launch import cuda_properties
 from outrider.quant.formats import FP8_MAX, FP8Format
-from outrider.quant.tensor import QuantizedTensor
+from outrider.quant.tensor import QuantizedTensor, quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ def _fp8_mm_works(device: torch.device, block_wise: bool) -> bool:
 
 
 def _try_recipe(device: torch.device, block_wise: bool) -> bool:
-    from outrider.quant.checkpoint import quantize_fp8
-
     fmt = FP8Format(GROUP, GROUP) if block_wise else FP8Format(1, 0)
     gen = torch.Generator().manual_seed(0)
     part = quantize_fp8(torch.randn(256, 512, generator=gen), fmt).to(device)

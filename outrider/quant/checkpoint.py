@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from outrider.layers.linear import MergedLinear
-from outrider.quant.dequant import fp8_scale_per_value
-from outrider.quant.formats import FP8_MAX, GGUF_FORMATS, FP8Format, Int4Format, QuantFormat
+from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format, QuantFormat
 from outrider.quant.layers import QuantizedEmbedding, QuantizedLinear
-from outrider.quant.tensor import QuantizedTensor
+from outrider.quant.tensor import QuantizedTensor, quantize_fp8
 from outrider.quant.weight import QuantizedWeight
 
 log = logging.getLogger("outrider.models")
@@ -234,19 +233,6 @@ def pack_int4(fmt: Int4Format, q: torch.Tensor, zero: torch.Tensor, scale: torch
     halves = q.to(torch.uint8).view(n, k // fmt.group, 2, fmt.group // 2)
     data = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
     return QuantizedTensor(fmt, (n, k), data.contiguous(), scale.contiguous(), zero.contiguous())
-
-
-def quantize_fp8(w: torch.Tensor, fmt: FP8Format = FP8Format(1, 0)) -> QuantizedTensor:
-    """A dense weight [N, K] -> FP8 with a float32 scale per fmt's tile (default: per output channel), each tile's
-    largest magnitude at FP8_MAX."""
-    n, k = w.shape
-    rows, cols = fmt.scale_shape(n, k)
-    bk = fmt.block_k or k
-    tiles = torch.nn.functional.pad(w.float(), (0, cols * bk - k, 0, rows * fmt.block_n - n)).view(
-        rows, fmt.block_n, cols, bk)
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    data = (w.float() / fp8_scale_per_value(fmt, scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return QuantizedTensor(fmt, (n, k), data, scale)
 
 
 def dequantize_modules(model: nn.Module) -> None:

@@ -1,13 +1,14 @@
 """QuantizedTensor: one format's tensors for some rows of a weight (the part a QuantizedWeight, quant/weight.py,
-stacks; what the CUDA kernels, kernels/quant_gemm.py, read)."""
+stacks; what the CUDA kernels, kernels/quant_gemm.py, read), and quantize_fp8, which makes one from a dense weight
+(--quantization fp8, test and benchmark checkpoints)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from outrider.quant.dequant import dequantize_fp8, dequantize_gguf, dequantize_int4
-from outrider.quant.formats import FP8Format, GGUFFormat, QuantFormat
+from outrider.quant.dequant import dequantize_fp8, dequantize_gguf, dequantize_int4, fp8_scale_per_value
+from outrider.quant.formats import FP8_MAX, FP8Format, GGUFFormat, QuantFormat
 
 
 class QuantizedTensor(nn.Module):
@@ -78,3 +79,16 @@ def _split_d(fmt: GGUFFormat, blocks: torch.Tensor) -> tuple[torch.Tensor, torch
     at = fmt.d_at
     body = torch.cat([b[..., :at], b[..., at + 2:]], -1).flatten(-2).contiguous()
     return body, b[..., at:at + 2].contiguous().view(torch.float16).squeeze(-1)
+
+
+def quantize_fp8(w: torch.Tensor, fmt: FP8Format = FP8Format(1, 0)) -> QuantizedTensor:
+    """A dense weight [N, K] -> FP8 with a float32 scale per fmt's tile (default: per output channel), each tile's
+    largest magnitude at FP8_MAX."""
+    n, k = w.shape
+    rows, cols = fmt.scale_shape(n, k)
+    bk = fmt.block_k or k
+    tiles = torch.nn.functional.pad(w.float(), (0, cols * bk - k, 0, rows * fmt.block_n - n)).view(
+        rows, fmt.block_n, cols, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    data = (w.float() / fp8_scale_per_value(fmt, scale, n, k)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedTensor(fmt, (n, k), data, scale)

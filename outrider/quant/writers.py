@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from outrider.quant.checkpoint import AWQ_ORDER, pack_int4, quantize_fp8
+from outrider.quant.checkpoint import AWQ_ORDER, pack_int4
 from outrider.quant.formats import GGUF_FORMATS, FP8Format, Int4Format
-from outrider.quant.tensor import QuantizedTensor
+from outrider.quant.tensor import QuantizedTensor, quantize_fp8
 
 
 
