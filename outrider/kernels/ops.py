@@ -149,6 +149,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             y += bias
         return y if out is None else out.copy_(y)
+    if out is not None and out.dtype == x.dtype and x.dim() == 2 and out.stride(1) == 1:
+        # cuBLAS writes a row-major out whose rows are wider (a column slice of a packed output) in place
+        return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     y = F.linear(x, weight, bias)
     if out is not None:
         return out.copy_(y)  # (the cast to out's dtype is this copy: no extra kernel)
