@@ -127,11 +127,10 @@ def takes_fp8_mm(x: torch.Tensor, part: QuantizedTensor) -> bool:
     return (props.major, props.minor) >= (8, 9) and _fp8_mm_works(x.device, block_wise)
 
 
-def fp8_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
-    """y [M, N] (a column slice of the output is fine) = x @ part.T (+ bias), where takes_fp8_mm."""
+def fp8_mm(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bf16 [M, N] = x @ part.T (+ bias), where takes_fp8_mm (the first M rows of scaled_mm's padded output: a
+    contiguous view)."""
     block_wise = bool(_recipe(part.format))
     q, scale = quantize_x_fp8(x, block_wise)
-    out = _scaled_mm(q, scale, part, block_wise)[:x.shape[0]]
-    if bias is not None:
-        out = out + bias
-    y.copy_(out)
+    y = _scaled_mm(q, scale, part, block_wise)[:x.shape[0]]
+    return y if bias is None else y.add_(bias)

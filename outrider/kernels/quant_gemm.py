@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from outrider.kernels.fp8_gemm import fp8_linear, takes_fp8_mm
+from outrider.kernels.fp8_gemm import fp8_mm, takes_fp8_mm
 from outrider.kernels.fused import pdl_enter, rms_normed_tile, silu_mul_tile
 from outrider.kernels.gemm import RowNorm
 from outrider.kernels.launch import is_power_of_two, pdl_args, use_pdl
@@ -1227,6 +1227,9 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
         raise ValueError("a norm or activation folds into the product only where every part reads x as an Int8X")
     x = x.contiguous()
     m, k = x.shape
+    if (m > FUSED_MAX_ROWS and out is None and len(parts) == 1 and out_dtype in (None, x.dtype)
+            and takes_fp8_mm(x, parts[0])):
+        return fp8_mm(x, parts[0], bias)  # (its own output: no copy into one made here)
     n = sum(part.shape[0] for part in parts)
     y = out if out is not None else torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     row = 0
@@ -1244,7 +1247,7 @@ def quantized_linear(x: torch.Tensor, parts: list[QuantizedTensor], bias: torch.
                          else tickets[first:first + count])
             first += count
         elif takes_fp8_mm(x, part):
-            fp8_linear(x, part, part_bias, y[:, row:row + size])
+            y[:, row:row + size] = fp8_mm(x, part, part_bias)
         else:
             buf = scratch(x.device, x.dtype)
             chunk = max(1, min(size, buf.numel() // k))
