@@ -142,7 +142,9 @@ def test_a_stage_that_reaches_its_time_cap_ends_its_schedule_there(monkeypatch):
                         lambda: {"val": layer.weight.abs().sum().item()}, 5, training.Ctx(torch.device("cpu")),
                         max_seconds=0.1)
     assert res["stopped_by_time"] and 2 <= res["steps_run"] < 100 and len(progress) == res["steps_run"]
-    assert progress == sorted(progress) and progress[-1] > 0.7  # step progress alone would be below 0.01
+    # Each step sleeps 10 ms of the 100: from the second step on, time's progress is >= 0.1, where step progress
+    # alone would be below 0.01 (a busy machine runs fewer, slower steps; the bound holds)
+    assert progress == sorted(progress) and progress[-1] >= 0.1
     assert res["history"][-1]["step"] == res["steps_run"]  # the last step is evaluated
 
 
