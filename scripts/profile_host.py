@@ -138,7 +138,8 @@ def main() -> None:
     spec = build_engine(EngineConfig(args.model, draft_model=args.draft_model, spec_type=args.spec_type,
                                spec_ngram=NgramConfig(size_n=3, min_hits=args.ngram_min_hits), **limits))
     if args.k is not None:
-        spec.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [args.k] * len(requests)
+        spec.speculation.policy.draft_lengths = lambda requests, drafter, in_flight=None, explore=True: [args.k] * len(
+            requests)
     profile(f"speculative ({spec.drafter_kind})", spec, prompts, args)
 
 
