@@ -90,6 +90,19 @@ class NgramConfig:
             raise ValueError("need 1 <= ngram size n <= 1024, ngram size m >= 1 and ngram min hits >= 1")
 
 
+# EngineConfig.prefill_graph_tokens by default. Past a few hundred tokens a 16-bit model's eager prefill is
+# GPU-bound and a graph gains little against its padding; a quantized model's stays host-bound (each projection
+# launches a dequantization and a GEMM, or an FP8 quantization and a scaled GEMM) to 1,024 tokens and beyond
+# (docs/benchmarks.md, "Quantized weights").
+PREFILL_GRAPH_TOKENS = 256
+QUANTIZED_PREFILL_GRAPH_TOKENS = 1024
+
+
+def default_prefill_graph_tokens(quantized: bool) -> int:
+    """EngineConfig.prefill_graph_tokens where it is None: for a model whose weights are (partly) quantized, or not."""
+    return QUANTIZED_PREFILL_GRAPH_TOKENS if quantized else PREFILL_GRAPH_TOKENS
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits and knobs of one engine instance. Built from the CLI in one place (cli.py)."""
@@ -115,8 +128,9 @@ class EngineConfig:
     overlap_schedule: bool | None = None
     # GPU: a prefill chunk that runs alone (no other sequence in its step) and has at most this many tokens
     # replays a CUDA graph captured for the next power of two, padded, instead of an eager forward: a short
-    # prompt's eager forward is launch-bound (several times the graph's time to first token). 0: eager.
-    prefill_graph_tokens: int = 256
+    # prompt's eager forward is launch-bound (several times the graph's time to first token). 0: eager. None:
+    # default_prefill_graph_tokens.
+    prefill_graph_tokens: int | None = None
     # Speculative decoding
     draft_model: str | None = None
     spec_type: str | None = None  # None = detect: draft | mtp | dflash | eagle3; comma-separated kinds combine
@@ -147,7 +161,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.prefill_graph_tokens < 0:
+        if self.prefill_graph_tokens is not None and self.prefill_graph_tokens < 0:
             raise ValueError("prefill_graph_tokens must be >= 0")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError("block_size must be a power of two")

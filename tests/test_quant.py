@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from outrider import LLM, SamplingParams
+from outrider.config import PREFILL_GRAPH_TOKENS, QUANTIZED_PREFILL_GRAPH_TOKENS
 from outrider.layers.linear import MergedLinear
 from outrider.models import load_model
 from outrider.models.loader import read_tensors
@@ -211,6 +212,14 @@ def test_quantization_fp8_quantizes_a_dense_checkpoint_per_channel_at_load(tiny)
     assert isinstance(model.lm_head, torch.nn.Linear) and isinstance(model.model.embed_tokens, torch.nn.Embedding)
     want = ref.model.layers[0].mlp.gate_up_proj.weight
     torch.testing.assert_close(gate_up.weight.dequantize(), want, rtol=0.07, atol=1e-6)
+
+
+def test_lone_prefill_graphs_reach_further_by_default_where_weights_stay_quantized(tiny):
+    """A quantized model's eager prefill is host-bound well past the 16-bit default's graph lengths, so the engine
+    resolves the unset prefill_graph_tokens by the weights it loaded; a value given is kept."""
+    resolved = {q: LLM(str(tiny["llama"]), quantization=q, **extra).engine.config.prefill_graph_tokens
+                for q, extra in (("fp8", {}), ("none", {}), ("keep", {"prefill_graph_tokens": 64}))}
+    assert resolved == {"fp8": QUANTIZED_PREFILL_GRAPH_TOKENS, "none": PREFILL_GRAPH_TOKENS, "keep": 64}
 
 
 def test_quantization_is_refused_where_it_does_not_apply(tiny, tmp_path):

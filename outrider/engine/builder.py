@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from outrider.attention import KVCache
-from outrider.config import EngineConfig, ModelConfig
+from outrider.config import EngineConfig, ModelConfig, default_prefill_graph_tokens
 from outrider.engine.cuda_graphs import StepGraphs, prefill_graph_lens
 from outrider.engine.engine import Engine, EngineParts
 from outrider.engine.kv_cache import BlockPool
@@ -85,6 +85,8 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
                                         quantization=config.quantization)
     weights = summarize_weights(model)  # formats and bytes, for the log and /props
     log.info("weights: %s, %.2f GiB on %s", weights.describe(), weights.nbytes / 2**30, device)
+    if config.prefill_graph_tokens is None:
+        config = replace(config, prefill_graph_tokens=default_prefill_graph_tokens(weights.quantized))
     target = _Target(model, mc, str(path), next(model.parameters()).dtype, device,
                      config.max_model_len or mc.max_position_embeddings)
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or path)

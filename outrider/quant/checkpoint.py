@@ -279,6 +279,7 @@ class WeightsSummary:
 
     formats: dict[str, int]  # format name -> number of weights (whole tensors) in it
     nbytes: int  # bytes of all parameters and quantized weights (a shared tensor once)
+    quantized: bool  # some weights stay quantized (QuantizedWeight)
 
     def describe(self) -> str:
         return ", ".join(f"{f} ({n})" for f, n in self.formats.items())
@@ -286,9 +287,9 @@ class WeightsSummary:
 
 def summarize(model: nn.Module) -> WeightsSummary:
     kinds: Counter[str] = Counter()
-    for m in model.modules():  # a shared module (a tied head's weight) is listed once
-        if isinstance(m, QuantizedWeight):
-            kinds.update(m.format_names())
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedWeight)]  # a shared one (a tied head) once
+    for m in quantized:
+        kinds.update(m.format_names())
     kinds.update(str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dim() == 2)
     nbytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return WeightsSummary(dict(kinds), nbytes)
+    return WeightsSummary(dict(kinds), nbytes, bool(quantized))
