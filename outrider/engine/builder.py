@@ -257,6 +257,9 @@ def _num_kv_blocks(config: EngineConfig, target: _Target, drafted: bool, taps: t
     log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
     graphs = graph_reserve(config.max_num_seqs, target.config.vocab_size, drafted=drafted,
                            eager=config.enforce_eager)
+    if not config.enforce_eager:  # the largest prefill graph's intermediates stay in the graphs' pool
+        graphs += reserve * min(1.0, max(prefill_graph_lens(config.prefill_graph_tokens, target.max_model_len),
+                                         default=0) / tokens)
     # (the free memory cuda_budget reads is what the state pool, allocated already, left)
     return num_kv_blocks(per_block, wanted, cuda_budget(target.device, config.gpu_memory_utilization,
                                                         reserve + graphs))
