@@ -124,9 +124,11 @@ def _random_part(fmt, n: int, k: int):
     return random_quantized(fmt, n, k)[0]
 
 
-def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None):
+def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None,
+                dp4a: bool = False):
     """Configs `--tune` tries around the default: on an Int8X x (int8_x: its default config) one row's tile rows,
-    warps and K splits, more rows' tile rows, x rows and K splits; on the wide rows kernel (wide: its default
+    warps and K splits, more rows' tile rows, x rows and K splits (dp4a: a dp4a rows kernel's tile rows, warps and
+    K splits); on the wide rows kernel (wide: its default
     config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps, pipeline depth and
     (rows on the CUDA cores) K splits."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
@@ -139,6 +141,10 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
         return [int8_x] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
                            for warps in (2, 4, 8) for split in (1, 2, 4, 8)
                            if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != int8_x and block_n * 32 >= 128 * warps]
+    if int8_x is not None and dp4a:  # x's rows in one tile (few_rows_config)
+        return [int8_x] + [QuantGemmConfig(block_n, int8_x.block_m, 1, warps, 2, split) for block_n in (16, 32, 64)
+                           for warps in (4, 8) for split in (1, 2, 4, 8)
+                           if QuantGemmConfig(block_n, int8_x.block_m, 1, warps, 2, split) != int8_x]
     if int8_x is not None:
         return [int8_x] + [QuantGemmConfig(block_n, block_m, 1, 4, 2, split) for block_n in (32, 64, 128)
                            for block_m in (16, 32) for split in (1, 2, 4, 8)
@@ -164,7 +170,7 @@ def run_kernels(args, reporter: Reporter) -> None:
     import triton
 
     from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, int8_x_config, quantized_linear,
-                                             takes_int8_x, takes_wide_rows, wide_rows_config)
+                                             takes_few_rows, takes_int8_x, takes_wide_rows, wide_rows_config)
     from outrider.quant.weight import QuantizedWeight
 
     device = torch.device(args.device)
@@ -188,8 +194,8 @@ def run_kernels(args, reporter: Reporter) -> None:
                         lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
                         for c in _candidates(m, block, n, k, int8_x_config(m, weight.parts[0])
                                              if takes_int8_x(x, weight.parts[0]) else None,
-                                             wide_rows_config(m, n, k) if takes_wide_rows(x, weight.parts[0])
-                                             else None)]
+                                             wide_rows_config(m, weight.parts[0]) if takes_wide_rows(x, weight.parts[0])
+                                             else None, takes_few_rows(x, weight.parts[0]))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

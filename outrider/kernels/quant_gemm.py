@@ -77,12 +77,16 @@ class QuantGemmConfig:
 
 
 ROW_PROGRAMS = 512  # programs the Int8X kernels aim at: 3-4 a streaming multiprocessor
+# Past a verify step's 16 rows of x, K is split over at most this many programs: each split's partial tile
+# (x's rows by the program's rows of W, float32) is written and summed by the last program, and at 32 rows that
+# outweighed the loads a further split keeps in flight (bench quant --kernels --tune).
+WIDE_SPLIT = 4
 
 
-def _split_k(k: int, tiles: int) -> int:
-    """K split over up to 8 programs (a 256-value block each at least) where a product has fewer output tiles than
-    ROW_PROGRAMS, so that small projections (o, down, k, v) still keep enough loads in flight."""
-    return max(1, min(8, k // 256, ROW_PROGRAMS // tiles))
+def _split_k(k: int, tiles: int, most: int = 8) -> int:
+    """K split over up to `most` programs (a 256-value block each at least) where a product has fewer output tiles
+    than ROW_PROGRAMS, so that small projections (o, down, k, v) still keep enough loads in flight."""
+    return max(1, min(most, k // 256, ROW_PROGRAMS // tiles))
 
 
 def row_config(n: int, k: int) -> QuantGemmConfig:
@@ -91,27 +95,43 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
 
 
 def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
-    """2 to max_rows rows on an Int8X: block_n rows of W and 16 of x a program (past 16 rows of x, 64 and 32), K
-    split by _split_k."""
-    block_m, block_n = (16, block_n) if m <= 16 else (32, 64)
+    """2 to max_rows rows on an Int8X: block_n rows of W and 16 of x a program (past 16 rows of x, 32), K split by
+    _split_k (past 16 rows, over WIDE_SPLIT programs at most)."""
+    block_m = 16 if m <= 16 else 32
     return QuantGemmConfig(block_n=block_n, block_m=block_m, blocks=1,
-                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m)))
+                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m),
+                                            8 if m <= 16 else WIDE_SPLIT))
+
+
+def few_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
+    """2 to few_rows rows on a dp4a kernel (_Int8Kernels.few): all of x's rows in one tile (each program reads its
+    rows of W once), 32 rows of W a program as for one row, K split by _split_k."""
+    return QuantGemmConfig(block_n=32, block_m=max(2, triton.next_power_of_2(m)), blocks=1,
+                           split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
 def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     """The default config of an Int8X product of m rows with `part` (one where takes_int8_x)."""
     n, k = part.shape
+    kernels = _INT8_X_KERNELS[_layout(part).code]
     if m == 1:
         return row_config(n, k)
-    return rows_config(m, n, k, _INT8_X_KERNELS[_layout(part).code].rows_block_n)
+    if kernels.takes_few(m):
+        return few_rows_config(m, n, k)
+    return rows_config(m, n, k, kernels.rows_block_n)
 
 
-def wide_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
-    """_wide_rows_kernel's: 64 rows of W a program, against x's rows in one tile where they fit 64 (each program
-    then reads its W once), K split by _split_k; three loads in flight."""
+def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
+    """_wide_rows_kernel's for m rows of x: 64 rows of W a program, against x's rows in one tile where they fit 64
+    (each program then reads its W once), K split by _split_k; three loads in flight for FP8 and INT4, two and
+    K split over WIDE_SPLIT programs at most for the K-quants, whose values tile takes more registers (at 32 rows
+    Q4_K read 10-25 % faster so)."""
+    n, k = part.shape
     block_m = max(16, min(64, triton.next_power_of_2(m)))
-    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=8 if block_m == 64 else 4, num_stages=3,
-                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m)))
+    k_quant = _layout(part).code in (Q4_K.value, Q5_K.value)
+    return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=8 if block_m == 64 else 4,
+                           num_stages=2 if k_quant else 3,
+                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m), WIDE_SPLIT if k_quant else 8))
 
 
 def default_config(m: int, block: int, n: int, k: int = 0) -> QuantGemmConfig:
@@ -470,6 +490,17 @@ def _q6k_quants(src, h, R: tl.constexpr):
 
 
 @triton.jit
+def _q6k_words():
+    """The Q6_K dp4a kernels' group indices [1, 4] (half gn, i // 4 gi of the groups (n, i // 4)) and word offsets
+    [1, 4, 4] in a block: ql words A (B = A + 8), qh words H, and x's words (+ 8 r)."""
+    g = tl.arange(0, 4)[None, :]
+    gn = g // 2
+    gi = g % 2
+    i = (4 * gi)[:, :, None] + tl.arange(0, 4)[None, None, :]
+    return gn, gi, 16 * gn[:, :, None] + i, 32 + 8 * gn[:, :, None] + i, 32 * gn[:, :, None] + i
+
+
+@triton.jit
 def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
@@ -484,13 +515,7 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
     row = rows * stride_row  # [BN, 1] byte offsets of the rows
-    g = tl.arange(0, 4)[None, :]
-    gn = g // 2  # half
-    gi = g % 2  # i // 4
-    i = (4 * gi)[:, :, None] + tl.arange(0, 4)[None, None, :]  # [1, 4, 4]
-    word_a = 16 * gn[:, :, None] + i
-    word_h = 32 + 8 * gn[:, :, None] + i
-    word_x = 32 * gn[:, :, None] + i  # + 8 r
+    gn, gi, word_a, word_h, word_x = _q6k_words()
     n_blocks = K // 256
     first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
@@ -568,6 +593,49 @@ def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
+                        N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2 to few_rows rows (_Int8Kernels): _q4k_row_q8_kernel's dp4a products, W's
+    block (read once, the next in flight) meeting x's rows one after another, each row's sum placed in the output
+    tile [BLOCK_N, BLOCK_M]; no tile changes layout (int8 tensor-core tiles of a sub-block's 32 columns each did,
+    eight a block)."""
+    pdl_enter(USE_PDL)
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    row = rows * (stride_wn // 4)  # [BN, 1] word offsets of the rows
+    xw_ptr = xq_ptr.to(tl.pointer_type(tl.int32))  # x's rows as words, K / 4 a row
+    w = tl.arange(0, 32)[None, :]
+    xw = 16 * (w // 8) + w % 8  # x word of a quant word's low nibbles
+    quarter = tl.arange(0, 8)[None, :]  # four words of a chunk: sums xs 2 (2 chunk) + quarter % 2 (+ 2: high)
+    chunk = quarter // 2
+    column = tl.arange(0, BLOCK_M)[None, :]
+    n_blocks = K // 256
+    first, last = _k_run(n_blocks, tl.program_id(2), SPLIT)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    words, h0, h1, h2, h3 = _q4k_block(w32_ptr, row, tl.minimum(first, n_blocks - 1), w)
+    for kb in tl.range(first, last):
+        nxt, n0, n1, n2, n3 = _q4k_block(w32_ptr, row, tl.minimum(kb + 1, last - 1), w)  # in flight meanwhile
+        q_lo = words & 0x0F0F0F0F
+        q_hi = (words >> 4) & 0x0F0F0F0F
+        d = _f16_bits_to_f32(h0)
+        dmin = _f16_bits_to_f32(h0 >> 16)
+        sc_lo, m_lo = _k_scale_min_of(h1, h2, h3, 2 * chunk)  # [BN, 8]
+        sc_hi, m_hi = _k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
+        for i in tl.static_range(BLOCK_M):
+            xr = tl.minimum(tl.program_id(1) * BLOCK_M + i, M - 1).to(tl.int64)
+            x = xw_ptr + xr * (K // 4) + kb * 64 + xw
+            lo = tl.sum(tl.reshape(_dp4a(q_lo, tl.load(x), ASM), (BLOCK_N, 8, 4)), axis=2).to(tl.float32)
+            hi = tl.sum(tl.reshape(_dp4a(q_hi, tl.load(x + 8), ASM), (BLOCK_N, 8, 4)), axis=2).to(tl.float32)
+            xd = xd_ptr + xr * (K // 32) + kb * 8 + 2 * chunk
+            xs = xs_ptr + xr * (K // 16) + kb * 16 + 4 * chunk + quarter % 2
+            part = (d * (sc_lo * tl.load(xd) * lo + sc_hi * tl.load(xd + 1) * hi)
+                    - dmin * (m_lo * tl.load(xs) + m_hi * tl.load(xs + 2)))
+            acc += tl.where(column == i, tl.sum(part, axis=1)[:, None], 0.0)
+        words, h0, h1, h2, h3 = nxt, n0, n1, n2, n3
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+@triton.jit
 def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
@@ -595,6 +663,50 @@ def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                             axis=2)
                 acc += (d * sc) * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
                 acc -= (dmin * mn) * sx
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
+                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+    """_q6k_row_q8_kernel's dp4a products for an Int8X x of 2 to few_rows rows, as _q4k_few_rows_kernel: a block's
+    quants and scales made once, then met by x's rows one after another, each row's sum placed in the output tile."""
+    pdl_enter(USE_PDL)
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    row = rows * stride_wn  # [BN, 1] byte offsets of the rows
+    xw_ptr = xq_ptr.to(tl.pointer_type(tl.int32))  # x's rows as words, K / 4 a row
+    gn, gi, word_a, word_h, word_x = _q6k_words()
+    column = tl.arange(0, BLOCK_M)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
+    for kb in tl.range(first, last):
+        blk = row + 208 * kb
+        word = (blk // 4)[:, :, None]
+        a = tl.load(w32_ptr + word + word_a)
+        b = tl.load(w32_ptr + word + word_a + 8)
+        h = tl.load(w32_ptr + word + word_h)
+        q0 = _q6k_quants(a, h, 0)
+        q1 = _q6k_quants(b, h, 1)
+        q2 = _q6k_quants(a, h, 2)
+        q3 = _q6k_quants(b, h, 3)
+        sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
+        sc0, sc1, sc2, sc3 = _i8(sc), _i8(sc + 2), _i8(sc + 4), _i8(sc + 6)
+        d = tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            xr = tl.minimum(tl.program_id(1) * BLOCK_M + i, M - 1).to(tl.int64)
+            xw = xw_ptr + xr * (K // 4) + kb * 64 + word_x
+            dx = xd_ptr + xr * (K // 32) + kb * 8 + 4 * gn  # + r
+            xs = xs_ptr + xr * (K // 16) + kb * 16 + 8 * gn + gi  # + 2 r
+            part = (sc0 * (tl.load(dx) * tl.sum(_dp4a(q0, tl.load(xw), ASM), axis=2).to(tl.float32)
+                           - 32.0 * tl.load(xs))
+                    + sc1 * (tl.load(dx + 1) * tl.sum(_dp4a(q1, tl.load(xw + 8), ASM), axis=2).to(tl.float32)
+                             - 32.0 * tl.load(xs + 2))
+                    + sc2 * (tl.load(dx + 2) * tl.sum(_dp4a(q2, tl.load(xw + 16), ASM), axis=2).to(tl.float32)
+                             - 32.0 * tl.load(xs + 4))
+                    + sc3 * (tl.load(dx + 3) * tl.sum(_dp4a(q3, tl.load(xw + 24), ASM), axis=2).to(tl.float32)
+                             - 32.0 * tl.load(xs + 6)))
+            acc += tl.where(column == i, tl.sum(d * part, axis=1)[:, None], 0.0)
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
@@ -717,6 +829,45 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
         words, scale, zero = nxt, n_scale, n_zero
     _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
+                         M, N, K, stride_wn, stride_d, stride_ym, z_ptr, HAS_BIAS: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                         GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    """_int4_row_q8_kernel's dp4a products for an Int8X x of 2 to few_rows rows, as _q4k_few_rows_kernel: a group of
+    W (read once, the next in flight) met by x's rows one after another, each row's sum placed in the output
+    tile."""
+    pdl_enter(USE_PDL)
+    W: tl.constexpr = GROUP // 8  # words of a group's bytes
+    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    xw_ptr = xq_ptr.to(tl.pointer_type(tl.int32))  # x's rows as words, K / 4 a row
+    w = tl.arange(0, W)[None, :]
+    quarter = tl.arange(0, W // 4)[None, :]  # 16 values: four words of a half
+    column = tl.arange(0, BLOCK_M)[None, :]
+    n_groups = K // GROUP
+    first, last = _k_run(n_groups, tl.program_id(2), SPLIT)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    words, scale, zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_wn // 4, stride_d,
+                                     tl.minimum(first, n_groups - 1), w)
+    for g in tl.range(first, last):
+        nxt, n_scale, n_zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_wn // 4, stride_d,
+                                           tl.minimum(g + 1, last - 1), w)  # in flight meanwhile
+        q_lo = words & 0x0F0F0F0F
+        q_hi = (words >> 4) & 0x0F0F0F0F
+        for i in tl.static_range(BLOCK_M):
+            xr = tl.minimum(tl.program_id(1) * BLOCK_M + i, M - 1).to(tl.int64)
+            x = xw_ptr + xr * (K // 4) + g * (GROUP // 4) + w  # x word of the low nibbles' values
+            lo = tl.sum(tl.reshape(_dp4a(q_lo, tl.load(x), ASM), (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)
+            hi = tl.sum(tl.reshape(_dp4a(q_hi, tl.load(x + W), ASM), (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)
+            dx = xd_ptr + xr * (K // 32) + g * (GROUP // 32) + quarter // 2
+            sums = xs_ptr + xr * (K // 16) + g * (GROUP // 16) + quarter
+            part = scale * (tl.load(dx) * lo + tl.load(dx + GROUP // 64) * hi
+                            - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
+            acc += tl.where(column == i, tl.sum(part, axis=1)[:, None], 0.0)
+        words, scale, zero = nxt, n_scale, n_zero
+    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -1064,6 +1215,11 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
     return not kernels.grouped or (lay.block >= 64 and is_power_of_two(lay.block))
 
 
+def takes_few_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
+    """Whether x's product with the part runs a format's dp4a kernel of 2 to few_rows rows (_Int8Kernels.few)."""
+    return takes_int8_x(x, part) and _INT8_X_KERNELS[_layout(part).code].takes_few(x.shape[0])
+
+
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows, Q4_K
     and Q5_K past 16 (more rows than a verify step has)."""
@@ -1091,7 +1247,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         config or int8_x_config(m, part), tickets, pdl)
         return
     if _wide_format(lay, m):
-        cfg = config or wide_rows_config(m, n, k)
+        cfg = config or wide_rows_config(m, part)
         tiles = _tiles(cfg, m, n)
         partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
         _wide_rows_kernel[(*tiles, cfg.split_k)](
@@ -1142,9 +1298,9 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
                                            y, partials, tickets, n, k, t.stride_wn // kernels.row_stride_unit,
                                            t.stride_sn, **meta)
     else:
-        kernels.rows[(*tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b, y, partials,
-                                            tickets, m, n, k, t.stride_wn, t.stride_sn, y.stride(0),
-                                            BLOCK_M=cfg.block_m, **meta)
+        kernel = kernels.few if kernels.takes_few(m) else kernels.rows
+        kernel[(*tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b, y, partials, tickets,
+                                      m, n, k, t.stride_wn, t.stride_sn, y.stride(0), BLOCK_M=cfg.block_m, **meta)
 
 
 def _split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int, y: torch.Tensor,
@@ -1168,15 +1324,25 @@ class _Int8Kernels(NamedTuple):
     max_rows: int  # rows up to which x is read as an Int8X; past them the float tile (INT4: the wide one)
     rows_block_n: int  # rows of W a `rows` program takes, up to 16 rows of x (rows_config)
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
+    few: triton.JITFunction | None = None  # 2 to few_rows rows: `row`'s dp4a products, W read once for all of x
+    few_rows: int = 0
+
+    def takes_few(self, m: int) -> bool:
+        return self.few is not None and 1 < m <= self.few_rows
 
 
 # Q4_K past 16 rows: a float tile of its values (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0
 # up to 16 rows read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4: Q4_K's
-# nibbles with a scale and zero point a group, and Q4_K's row limit.
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64),
+# nibbles with a scale and zero point a group, and Q4_K's row limit. The dp4a kernels (few) compute x's rows one
+# after another: they outrun the int8 tensor-core tiles, which change layout at every 32 columns, at two rows
+# (Q4_K: four) and fall behind past that.
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128,
+                                            few=_q4k_few_rows_kernel, few_rows=4),
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64,
+                                            few=_q6k_few_rows_kernel, few_rows=2),
                    Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128),
-                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 16, 64, grouped=True)}
+                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 16, 64, grouped=True,
+                                            few=_int4_few_rows_kernel, few_rows=2)}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -184,20 +184,24 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 12, 20)
+@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 2, 4, 12, 20)
                                             if rows <= INT8_X_ROWS[kind]])
 def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half, device):
-    """The kernels of 16-bit rows on an Int8X (quant_gemm._INT8_X_KERNELS: one row, 12 rows as a tile of 16 and
-    20 as two) over 5 blocks of 256 columns of K split 1, 2, 4 and 7 ways (runs of unequal length, programs with
-    none), with a bias: the last program of each output tile adds the partials."""
-    from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear
+    """The kernels of 16-bit rows on an Int8X (quant_gemm._INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
+    kernels where a format takes them there; 12 rows as a tile of 16 and 20 as two) over 5 blocks of 256 columns of
+    K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last program of each
+    output tile adds the partials."""
+    from dataclasses import replace
+
+    from outrider.kernels.quant_gemm import fused_linear, int8_x_config
 
     part, _ = random_quantized(_BY_NAME[kind], 80, 1280, seed=split)
     weight = QuantizedWeight([part], half).to(device)
     x = torch.randn(rows, 1280, generator=torch.Generator().manual_seed(5)).to(device, half)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, half)
     y = torch.empty(rows, 80, device=device, dtype=half)
-    config = QuantGemmConfig(block_n=32, block_m=1 if rows == 1 else 16, blocks=1, split_k=split)
+    config = replace(int8_x_config(rows, weight.parts[0]), block_n=32, split_k=split)
+    config = replace(config, block_m=16) if rows > 4 else config  # 20 rows: two tiles of x's rows
     fused_linear(x, weight.parts[0], bias, y, config)
     _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
@@ -457,8 +461,9 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
                      **grouped[1]}
         return _ptxas_spills(kernels.row, signature, constants, cfg)
-    if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (int8 tensor cores)
-        cfg = q.rows_config(rows, n, 4096, kernels.rows_block_n)
+    if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
+        few = kernels.takes_few(rows)
+        cfg = q.few_rows_config(rows, n, 4096) if few else q.rows_config(rows, n, 4096, kernels.rows_block_n)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                      "N": "i32", "K": "i32", "stride_wn": "i32", "stride_d": "i32", "stride_ym": "i32",
@@ -466,9 +471,10 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
                      "ASM": True, "USE_PDL": True, **grouped[1]}
-        return _ptxas_spills(kernels.rows, signature, constants, cfg)
+        return _ptxas_spills(kernels.few if few else kernels.rows, signature, constants, cfg)
     if q._wide_format(SimpleNamespace(code=getattr(q, kind).value), rows):  # (the Int8X rows returned above)
-        cfg = q.wide_rows_config(rows, n, 4096)
+        fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
+        cfg = q.wide_rows_config(rows, SimpleNamespace(shape=(n, 4096), format=fmt))
         signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
@@ -513,7 +519,8 @@ def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
 SPILLS_ALLOWED = {("Q4_0", 64): 8}
 
 
-@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (16, 4096), (16, 24576), (32, 4096), (64, 4096)])
+@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (4, 4096), (16, 4096), (16, 24576), (32, 4096),
+                                       (64, 4096)])
 @pytest.mark.parametrize("kind", _SIGNATURES)
 def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
     """Each format's kernel at its default config for `rows` of an n-row weight (rows 0: its dequantization
