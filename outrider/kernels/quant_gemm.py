@@ -77,9 +77,10 @@ class QuantGemmConfig:
 
 
 ROW_PROGRAMS = 512  # programs the Int8X kernels aim at: 3-4 a streaming multiprocessor
-# Past a verify step's 16 rows of x, K is split over at most this many programs: each split's partial tile
-# (x's rows by the program's rows of W, float32) is written and summed by the last program, and at 32 rows that
-# outweighed the loads a further split keeps in flight (bench quant --kernels --tune).
+# Past a verify step's 16 rows of x, the K-quants' K is split over at most this many programs: each split's
+# partial tile (x's rows by the program's rows of W, float32) is written and summed by the last program, and with
+# their register-heavy value tiles that outweighed the loads a further split keeps in flight (bench quant --kernels
+# --tune at 32 rows; Q8_0 and FP8 read best at up to 8).
 WIDE_SPLIT = 4
 
 
@@ -94,13 +95,12 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
     return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
-def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
-    """2 to max_rows rows on an Int8X: block_n rows of W and 16 of x a program (past 16 rows of x, 32), K split by
-    _split_k (past 16 rows, over WIDE_SPLIT programs at most)."""
-    block_m = 16 if m <= 16 else 32
+def rows_config(m: int, n: int, k: int, block_n: int = 64, most: int = 8) -> QuantGemmConfig:
+    """2 to max_rows rows on an Int8X: block_n rows of W and 16 of x a program (past 16 rows of x, 64 and 32), K
+    split by _split_k over `most` programs at most."""
+    block_m, block_n = (16, block_n) if m <= 16 else (32, 64)
     return QuantGemmConfig(block_n=block_n, block_m=block_m, blocks=1,
-                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m),
-                                            8 if m <= 16 else WIDE_SPLIT))
+                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m), most))
 
 
 def few_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
@@ -118,7 +118,11 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
         return row_config(n, k)
     if kernels.takes_few(m):
         return few_rows_config(m, n, k)
-    return rows_config(m, n, k, kernels.rows_block_n)
+    return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and _k_quant(part) else 8)
+
+
+def _k_quant(part: QuantizedTensor) -> bool:
+    return _layout(part).code in (Q4_K.value, Q5_K.value, Q6_K.value)
 
 
 def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
@@ -128,10 +132,11 @@ def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     Q4_K read 10-25 % faster so)."""
     n, k = part.shape
     block_m = max(16, min(64, triton.next_power_of_2(m)))
-    k_quant = _layout(part).code in (Q4_K.value, Q5_K.value)
+    k_quant = _k_quant(part)
     return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=8 if block_m == 64 else 4,
                            num_stages=2 if k_quant else 3,
-                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m), WIDE_SPLIT if k_quant else 8))
+                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m),
+                                            WIDE_SPLIT if k_quant else 8))
 
 
 def default_config(m: int, block: int, n: int, k: int = 0) -> QuantGemmConfig:
@@ -596,10 +601,10 @@ def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2 to few_rows rows (_Int8Kernels): _q4k_row_q8_kernel's dp4a products, W's
-    block (read once, the next in flight) meeting x's rows one after another, each row's sum placed in the output
-    tile [BLOCK_N, BLOCK_M]; no tile changes layout (int8 tensor-core tiles of a sub-block's 32 columns each did,
-    eight a block)."""
+    """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2 to few_rows rows (_Int8Kernels): _q4k_row_q8_kernel's dp4a
+    products, W's block (read once, the next in flight) meeting x's rows one after another, each row's sum placed in
+    the output tile [BLOCK_N, BLOCK_M]; no tile changes layout (int8 tensor-core tiles of a sub-block's 32 columns
+    each do, eight a block)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * (stride_wn // 4)  # [BN, 1] word offsets of the rows

@@ -451,6 +451,8 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks, "USE_PDL": True}
         return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
     kernels = q._INT8_X_KERNELS.get(getattr(q, kind).value)
+    fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
+    part = SimpleNamespace(shape=(n, 4096), format=fmt)  # as the configs read a part
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
     if kernels and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
         cfg = q.row_config(n, 4096)
@@ -463,7 +465,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         return _ptxas_spills(kernels.row, signature, constants, cfg)
     if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
         few = kernels.takes_few(rows)
-        cfg = q.few_rows_config(rows, n, 4096) if few else q.rows_config(rows, n, 4096, kernels.rows_block_n)
+        cfg = q.int8_x_config(rows, part)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                      "N": "i32", "K": "i32", "stride_wn": "i32", "stride_d": "i32", "stride_ym": "i32",
@@ -473,8 +475,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "ASM": True, "USE_PDL": True, **grouped[1]}
         return _ptxas_spills(kernels.few if few else kernels.rows, signature, constants, cfg)
     if q._wide_format(SimpleNamespace(code=getattr(q, kind).value), rows):  # (the Int8X rows returned above)
-        fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
-        cfg = q.wide_rows_config(rows, SimpleNamespace(shape=(n, 4096), format=fmt))
+        cfg = q.wide_rows_config(rows, part)
         signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
@@ -519,8 +520,8 @@ def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
 SPILLS_ALLOWED = {("Q4_0", 64): 8}
 
 
-@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (4, 4096), (16, 4096), (16, 24576), (32, 4096),
-                                       (64, 4096)])
+@pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (4, 4096), (16, 4096), (16, 24576),
+                                       (32, 4096), (64, 4096)])
 @pytest.mark.parametrize("kind", _SIGNATURES)
 def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
     """Each format's kernel at its default config for `rows` of an n-row weight (rows 0: its dequantization
