@@ -506,6 +506,15 @@ def _q6k_words():
 
 
 @triton.jit
+def _q6k_block(w_ptr, w32_ptr, blk, word_a, word_h, gn, gi):
+    """The Q6_K blocks at byte offsets blk [BN, 1]: their ql words A and B (= A + 8) and qh words H ([BN, 4, 4], as
+    _q6k_words places them), and the pointers to the int8 scales of the groups (gn, gi) (+ 2 r for quarter r)."""
+    word = (blk // 4)[:, :, None]
+    return (tl.load(w32_ptr + word + word_a), tl.load(w32_ptr + word + word_a + 8), tl.load(w32_ptr + word + word_h),
+            w_ptr + blk + 192 + 8 * gn + gi)
+
+
+@triton.jit
 def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                        K, stride_row, stride_d, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                        ASM: tl.constexpr, USE_PDL: tl.constexpr):
@@ -525,17 +534,12 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     first, last = _k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
     for kb in tl.range(first, last):
-        blk = row + 208 * kb
-        word = (blk // 4)[:, :, None]
-        a = tl.load(w32_ptr + word + word_a)
-        b = tl.load(w32_ptr + word + word_a + 8)
-        h = tl.load(w32_ptr + word + word_h)
+        a, b, h, sc = _q6k_block(w_ptr, w32_ptr, row + 208 * kb, word_a, word_h, gn, gi)
         xw = xq_ptr + kb * 64 + word_x
         s0 = tl.sum(_dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM), axis=2)
         s1 = tl.sum(_dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM), axis=2)
         s2 = tl.sum(_dp4a(_q6k_quants(a, h, 2), tl.load(xw + 16), ASM), axis=2)
         s3 = tl.sum(_dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM), axis=2)
-        sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
         dx = xd_ptr + kb * 8 + 4 * gn  # + r
         xs = xs_ptr + kb * 16 + 8 * gn + gi  # + 2 r
         part = (_i8(sc) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
@@ -686,16 +690,11 @@ def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
-        blk = row + 208 * kb
-        word = (blk // 4)[:, :, None]
-        a = tl.load(w32_ptr + word + word_a)
-        b = tl.load(w32_ptr + word + word_a + 8)
-        h = tl.load(w32_ptr + word + word_h)
+        a, b, h, sc = _q6k_block(w_ptr, w32_ptr, row + 208 * kb, word_a, word_h, gn, gi)
         q0 = _q6k_quants(a, h, 0)
         q1 = _q6k_quants(b, h, 1)
         q2 = _q6k_quants(a, h, 2)
         q3 = _q6k_quants(b, h, 3)
-        sc = w_ptr + blk + 192 + 8 * gn + gi  # + 2 r
         sc0, sc1, sc2, sc3 = _i8(sc), _i8(sc + 2), _i8(sc + 4), _i8(sc + 6)
         d = tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
         for i in tl.static_range(BLOCK_M):
