@@ -24,6 +24,7 @@ import time
 import httpx
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -112,7 +113,13 @@ class Page:
                                           "return r.querySelector('.text').textContent")
 
     def stat(self, name: str) -> list[str]:
-        return [e.text for e in self.reply().find_elements(By.CSS_SELECTOR, f'[data-stat="{name}"]')]
+        """The texts of the last reply's `name` stats, read again where the page replaced the reply's element
+        meanwhile (it does as a reply finishes)."""
+        def read(_):
+            return ([e.text for e in self.reply().find_elements(By.CSS_SELECTOR, f'[data-stat="{name}"]')],)
+
+        return WebDriverWait(self.driver, 10, poll_frequency=0.05,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(read)[0]
 
     def requests(self) -> list[dict]:
         """The network requests the page made since it opened (DevTools' Network.requestWillBeSent)."""
