@@ -255,11 +255,9 @@ def _num_kv_blocks(config: EngineConfig, target: _Target, drafted: bool, taps: t
                                    aux_layer_ids=taps,
                                    states=None if states is None else partial(LinearStateSlots.scratch, states))
     log.info("a step takes up to %.2f GiB beside the weights (measured)", reserve / 2**30)
+    prefill = max(prefill_graph_lens(config.prefill_graph_tokens, target.max_model_len), default=0)
     graphs = graph_reserve(config.max_num_seqs, target.config.vocab_size, drafted=drafted,
-                           eager=config.enforce_eager)
-    if not config.enforce_eager:  # the largest prefill graph's intermediates stay in the graphs' pool
-        graphs += reserve * min(1.0, max(prefill_graph_lens(config.prefill_graph_tokens, target.max_model_len),
-                                         default=0) / tokens)
+                           eager=config.enforce_eager, prefill_share=prefill / tokens, step_reserve=reserve)
     # (the free memory cuda_budget reads is what the state pool, allocated already, left)
     return num_kv_blocks(per_block, wanted, cuda_budget(target.device, config.gpu_memory_utilization,
                                                         reserve + graphs))

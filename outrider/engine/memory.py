@@ -38,13 +38,16 @@ def num_kv_blocks(per_block: int, wanted: int, budget: float) -> int:
     return max(2, min(wanted, int(budget // per_block)))
 
 
-def graph_reserve(max_num_seqs: int, vocab_size: int, drafted: bool, eager: bool) -> int:
-    """Bytes the CUDA graphs captured after the KV pools take: their pool, and the float32 logits buffers of the
-    decode graphs (one row per sequence) and of a draft model's (an upper bound: the target's vocabulary)."""
+def graph_reserve(max_num_seqs: int, vocab_size: int, drafted: bool, eager: bool, prefill_share: float = 0.0,
+                  step_reserve: int = 0) -> int:
+    """Bytes the CUDA graphs captured after the KV pools take: their pool, the float32 logits buffers of the
+    decode graphs (one row per sequence) and of a draft model's (an upper bound: the target's vocabulary), and the
+    intermediates of the largest prefill graph, which stay in the pool: prefill_share (its tokens over the measured
+    step's) of the measured step's bytes (step_reserve)."""
     if eager:
         return 0
     rows = max_num_seqs + (min(max_num_seqs, DRAFT_GRAPH_BATCH) if drafted else 0)
-    return GRAPH_RESERVE + rows * vocab_size * 4
+    return GRAPH_RESERVE + rows * vocab_size * 4 + int(min(1.0, prefill_share) * step_reserve)
 
 
 def cuda_budget(device: torch.device, utilization: float, reserve: int) -> float:

@@ -128,8 +128,7 @@ def _k_quant(part: QuantizedTensor) -> bool:
 def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     """_wide_rows_kernel's for m rows of x: 64 rows of W a program, against x's rows in one tile where they fit 64
     (each program then reads its W once), K split by _split_k; three loads in flight for FP8 and INT4, two and
-    K split over WIDE_SPLIT programs at most for the K-quants, whose values tile takes more registers (at 32 rows
-    Q4_K read 10-25 % faster so)."""
+    K split over WIDE_SPLIT programs at most for the K-quants, whose values tile takes more registers."""
     n, k = part.shape
     block_m = max(16, min(64, triton.next_power_of_2(m)))
     k_quant = _k_quant(part)
