@@ -125,10 +125,10 @@ def _random_part(fmt, n: int, k: int):
 
 
 def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | None, wide: QuantGemmConfig | None,
-                dp4a: bool = False):
+                dp4a: bool = False, group_steps: tuple[int, ...] = (1,)):
     """Configs `--tune` tries around the default: on an Int8X x (int8_x: its default config) one row's tile rows,
-    warps and K splits, more rows' tile rows, x rows and K splits (dp4a: a dp4a rows kernel's tile rows, warps and
-    K splits); on the wide rows kernel (wide: its default
+    warps, K splits and (group_steps: INT4's) groups a step, more rows' tile rows, x rows and K splits (dp4a: a
+    dp4a rows kernel's tile rows, warps and K splits); on the wide rows kernel (wide: its default
     config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps, pipeline depth and
     (rows on the CUDA cores) K splits."""
     from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
@@ -138,9 +138,10 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
                                    split) for block_n in (32, 64, 128) for split in (1, 2, 4, 8) for stages in (2, 3, 4)]
         return [wide] + [c for c in configs if c != wide]
     if int8_x is not None and m == 1:
-        return [int8_x] + [QuantGemmConfig(block_n, 1, 1, warps, 2, split) for block_n in (16, 32, 64)
-                           for warps in (2, 4, 8) for split in (1, 2, 4, 8)
-                           if QuantGemmConfig(block_n, 1, 1, warps, 2, split) != int8_x and block_n * 32 >= 128 * warps]
+        return [int8_x] + [QuantGemmConfig(block_n, 1, nb, warps, 2, split) for block_n in (16, 32, 64)
+                           for warps in (2, 4, 8) for split in (1, 2, 4, 8) for nb in group_steps
+                           if QuantGemmConfig(block_n, 1, nb, warps, 2, split) != int8_x
+                           and block_n * 32 * nb >= 128 * warps]
     if int8_x is not None and dp4a:  # x's rows in one tile (few_rows_config)
         return [int8_x] + [QuantGemmConfig(block_n, int8_x.block_m, 1, warps, 2, split) for block_n in (16, 32, 64)
                            for warps in (4, 8) for split in (1, 2, 4, 8)
@@ -195,7 +196,8 @@ def run_kernels(args, reporter: Reporter) -> None:
                         for c in _candidates(m, block, n, k, int8_x_config(m, weight.parts[0])
                                              if takes_int8_x(x, weight.parts[0]) else None,
                                              wide_rows_config(m, weight.parts[0]) if takes_wide_rows(x, weight.parts[0])
-                                             else None, takes_few_rows(x, weight.parts[0]))]
+                                             else None, takes_few_rows(x, weight.parts[0]),
+                                             (1, 2, 4) if fmt_name == "INT4" else (1,))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9

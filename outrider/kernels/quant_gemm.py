@@ -90,9 +90,10 @@ def _split_k(k: int, tiles: int, most: int = 8) -> int:
     return max(1, min(most, k // 256, ROW_PROGRAMS // tiles))
 
 
-def row_config(n: int, k: int) -> QuantGemmConfig:
-    """One row as an Int8X: 32 rows of W a program, K split by _split_k."""
-    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
+def row_config(n: int, k: int, blocks: int = 1) -> QuantGemmConfig:
+    """One row as an Int8X: 32 rows of W a program, K split by _split_k; `blocks` quant blocks a step (the grouped
+    INT4 kernel's: 256 values a step, as a K-quant block)."""
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=blocks, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
 def rows_config(m: int, n: int, k: int, block_n: int = 64, most: int = 8) -> QuantGemmConfig:
@@ -115,7 +116,7 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     n, k = part.shape
     kernels = _INT8_X_KERNELS[_layout(part).code]
     if m == 1:
-        return row_config(n, k)
+        return row_config(n, k, max(1, 256 // _layout(part).block) if kernels.grouped else 1)
     if kernels.takes_few(m):
         return few_rows_config(m, n, k)
     return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and _k_quant(part) else 8)
@@ -789,49 +790,65 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 
 @triton.jit
 def _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, g, w):
-    """What _int4_row_q8_kernel reads of W's group g: its words [BN, GROUP / 8], scales and zero points [BN, 1]."""
+    """What _int4_few_rows_kernel reads of W's group g: its words [BN, GROUP / 8], scales and zero points [BN, 1]."""
     at = rows * stride_d + g
     return (tl.load(w32_ptr + rows * stride_row + w.shape[1] * g + w), tl.load(d_ptr + at).to(tl.float32),
             tl.load(z_ptr + at).to(tl.float32))
 
 
 @triton.jit
+def _int4_groups(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, g0, n_groups, gi, w):
+    """What _int4_row_q8_kernel reads of W's groups g0 .. g0 + NB - 1 (gi [1, NB, 1]; those from n_groups on read
+    as the last with a zero scale): their words [BN, NB, GROUP / 8], contiguous in a row, scales and zero points
+    [BN, NB, 1]."""
+    g = g0 + gi
+    inside = g < n_groups
+    g = tl.minimum(g, n_groups - 1)
+    at = rows[:, :, None] * stride_d + g
+    return (tl.load(w32_ptr + rows[:, :, None] * stride_row + w.shape[2] * g + w),
+            tl.load(d_ptr + at, mask=inside, other=0.0).to(tl.float32), tl.load(z_ptr + at).to(tl.float32))
+
+
+@triton.jit
 def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, N,
                         K, stride_row, stride_d, z_ptr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        SPLIT: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+                        SPLIT: tl.constexpr, ASM: tl.constexpr, GROUP: tl.constexpr, NB: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """y [1, N] = x [1, K] @ W.T on INT4 (byte l of a group holds its values l and l + GROUP / 2; d_ptr: the scales,
-    z_ptr: the zero points) for an Int8X x of one row. Word w of a group, masked to its low (high) nibbles, holds
-    the four unsigned weights of values 4 w (GROUP / 2 + 4 w) on, whose x word follows: one dp4a each. A group's
-    product is s (the sum over its 16-value quarters of dx q.xq) - s z sum(x). The next group's words, scales and
-    zero points are in flight while a group is summed."""
+    z_ptr: the zero points) for an Int8X x of one row, NB groups a step (a row's NB GROUP / 2 bytes in one load).
+    Word w of a group, masked to its low (high) nibbles, holds the four unsigned weights of values 4 w (GROUP / 2 +
+    4 w) on, whose x word follows: one dp4a each. A group's product is s (the sum over its 16-value quarters of dx
+    q.xq) - s z sum(x). The next step's words, scales and zero points are in flight while a step is summed."""
     pdl_enter(USE_PDL)
     W: tl.constexpr = GROUP // 8  # words of a group's bytes
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)  # (axis 1: the row tiles of x, one here)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)[:, None]
-    w = tl.arange(0, W)[None, :]
-    quarter = tl.arange(0, W // 4)[None, :]  # 16 values: four words of a half
+    gi = tl.arange(0, NB)[None, :, None]
+    w = tl.arange(0, W)[None, None, :]
+    quarter = tl.arange(0, W // 4)[None, None, :]  # 16 values: four words of a half
     n_groups = K // GROUP
-    first, last = _k_run(n_groups, pid_k, SPLIT)
-    acc = tl.zeros((BLOCK_N, W // 4), tl.float32)
-    words, scale, zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d,
-                                     tl.minimum(first, n_groups - 1), w)
-    for g in tl.range(first, last):
-        nxt, n_scale, n_zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d,
-                                           tl.minimum(g + 1, last - 1), w)  # in flight meanwhile
+    first, last = _k_run(tl.cdiv(n_groups, NB), pid_k, SPLIT)
+    acc = tl.zeros((BLOCK_N, NB, W // 4), tl.float32)
+    words, scale, zero = _int4_groups(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, first * NB, n_groups, gi,
+                                      w)
+    for step in tl.range(first, last):
+        nxt, n_scale, n_zero = _int4_groups(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d,
+                                            tl.minimum(step + 1, last - 1) * NB, n_groups, gi, w)  # in flight
+        g = tl.minimum(step * NB + gi, n_groups - 1)
         xw = g * (GROUP // 4) + w  # x word of the low nibbles' values
         lo = _dp4a(words & 0x0F0F0F0F, tl.load(xq_ptr + xw), ASM)
         hi = _dp4a((words >> 4) & 0x0F0F0F0F, tl.load(xq_ptr + xw + W), ASM)
-        lo = tl.sum(tl.reshape(lo, (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)  # [BN, quarters]: within a thread
-        hi = tl.sum(tl.reshape(hi, (BLOCK_N, W // 4, 4)), axis=2).to(tl.float32)
+        lo = tl.sum(tl.reshape(lo, (BLOCK_N, NB, W // 4, 4)), axis=3).to(tl.float32)  # [BN, NB, quarters]
+        hi = tl.sum(tl.reshape(hi, (BLOCK_N, NB, W // 4, 4)), axis=3).to(tl.float32)
         dx = xd_ptr + g * (GROUP // 32) + quarter // 2
         sums = xs_ptr + g * (GROUP // 16) + quarter
         acc += scale * (tl.load(dx) * lo + tl.load(dx + GROUP // 64) * hi
                         - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
         words, scale, zero = nxt, n_scale, n_zero
-    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
-                 HAS_BIAS, SPLIT)
+    _rows_result(tl.sum(tl.sum(acc, axis=2), axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n,
+                 tl.arange(0, 1), 1, N, 0, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -1297,6 +1314,8 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
                 **(dict(z_ptr=t.zero, GROUP=block) if kernels.grouped else {}))
     if m == 1:
+        if kernels.grouped:
+            meta["NB"] = cfg.blocks
         kernels.row[(*tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b,
                                            y, partials, tickets, n, k, t.stride_wn // kernels.row_stride_unit,
                                            t.stride_sn, **meta)

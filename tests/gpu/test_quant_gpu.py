@@ -206,6 +206,24 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
 
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_int4_one_row_reading_several_groups_a_step_masks_the_groups_past_k(groups, split, half, device):
+    """INT4's one-row kernel at 1, 2 and 4 groups a loop step over 5 groups of K (a last step of 1 or 3 groups
+    past K, read as the last group with a zero scale), K split 1 and 2 ways, with a bias."""
+    from dataclasses import replace
+
+    from outrider.kernels.quant_gemm import fused_linear, int8_x_config
+
+    part, _ = random_quantized(INT4, 96, 640, seed=groups)
+    weight = QuantizedWeight([part], half).to(device)
+    x = torch.randn(1, 640, generator=torch.Generator().manual_seed(7)).to(device, half)
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(8)).to(device, half)
+    y = torch.empty(1, 96, device=device, dtype=half)
+    fused_linear(x, weight.parts[0], bias, y, replace(int8_x_config(1, weight.parts[0]), blocks=groups, split_k=split))
+    _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
+
+
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize(("kind", "rows"), [("FP8 (128x128 blocks)", 1), ("Q4_1", 1), ("Q4_1", 2), ("Q5_K", 1),
                                             ("Q5_K", 2)])
@@ -455,13 +473,14 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
     part = SimpleNamespace(shape=(n, 4096), format=fmt)  # as the configs read a part
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
     if kernels and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
-        cfg = q.row_config(n, 4096)
+        cfg = q.int8_x_config(1, part)
+        steps = ({"NB": "constexpr"}, {"NB": cfg.blocks}) if kernels.grouped else ({}, {})  # groups a step
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
-                     "K": "i32", "stride_row": "i32", "stride_d": "i32", **grouped[0],
+                     "K": "i32", "stride_row": "i32", "stride_d": "i32", **grouped[0], **steps[0],
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
-                     **grouped[1]}
+                     **grouped[1], **steps[1]}
         return _ptxas_spills(kernels.row, signature, constants, cfg)
     if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
         few = kernels.takes_few(rows)
