@@ -917,16 +917,52 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
+def _int4_less_zero_asm(magic: int, fma: str, one: int) -> str:
+    """PTX of _int4_less_zero for one 16-bit type: `magic` its bits of 2^7 (bf16) or 2^10 (f16), whose last
+    mantissa bit is worth 1, so that OR-ing a nibble q into it makes magic + q exactly."""
+    pair = f"{magic * 0x10001:#x}"
+    steps = [f"prmt.b32 t, {src}, z, {sel}; or.b32 t, t, {pair}; {fma} ${out}, t, one, ${nz};"
+             for out, (src, sel, nz) in enumerate([("l", "0x4140", 5), ("l", "0x4342", 6), ("h", "0x4140", 5),
+                                                   ("h", "0x4342", 6)])]
+    return (f"{{.reg .b32 l, h, t, z, one; mov.b32 z, 0; mov.b32 one, {one:#x}; and.b32 l, $4, 0x0F0F0F0F; "
+            "shr.u32 h, $4, 4; and.b32 h, h, 0x0F0F0F0F; " + " ".join(steps) + "}")
+
+
+_INT4_BF16_ASM = tl.constexpr(_int4_less_zero_asm(0x4300, "fma.rn.bf16x2", 0x3F803F80))
+_INT4_F16_ASM = tl.constexpr(_int4_less_zero_asm(0x6400, "fma.rn.f16x2", 0x3C003C00))
+
+
+@triton.jit
+def _int4_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
+    """Bytes qb (uint8 [BN, H]: a group's values l and l + H in byte l's low and high nibbles) and zero points z
+    (uint8 [BN, 1]) -> q - z of the low and of the high nibbles, [BN, H] each, exact in dt (bf16 or fp16). In the
+    PTX with no conversion instruction: four nibbles go into the low bits of four 16-bit magic numbers (prmt, or),
+    and an fma.rn of each pair subtracts magic + z (_int4_less_zero_asm), where converting every value to float32
+    and back runs at a quarter of the FMA rate."""
+    if ASM:
+        if dt == tl.bfloat16:
+            asm: tl.constexpr = _INT4_BF16_ASM
+            nz = (z.to(tl.int32) | 0xC300).to(tl.uint16).to(dt, bitcast=True)  # -(128 + z)
+        else:
+            asm: tl.constexpr = _INT4_F16_ASM
+            nz = (z.to(tl.int32) | 0xE400).to(tl.uint16).to(dt, bitcast=True)  # -(1024 + z)
+        return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [qb, nz], dtype=(nz.dtype, nz.dtype),
+                                         is_pure=True, pack=4)
+    q = qb.to(tl.int32)
+    zf = z.to(tl.float32)
+    return ((q & 15).to(tl.float32) - zf).to(dt), ((q >> 4).to(tl.float32) - zf).to(dt)
+
+
 @triton.jit
 def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
                       BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                       FP8_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
-    its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, made (q - z) s in x's dtype
-    as the dequantized model has them; a product with each half of x's columns) or a K-quant (a block a step, its
+    its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
+    (_int4_less_zero); a product with each half of x's columns, then the rows' scale) or a K-quant (a block a step, its
     values made in K order half a block at a time, in x's dtype: a product with x's contiguous 128 columns). Wide
     tiles of W, K split over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
@@ -949,18 +985,19 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
         elif FMT == INT4:
             H: tl.constexpr = BLOCK // 2
             k = tl.arange(0, H)
-            q = tl.load(w_ptr + rows * stride_wn + kb * H + k[None, :]).to(tl.int32)
+            qb = tl.load(w_ptr + rows * stride_wn + kb * H + k[None, :])
             s = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
-            z = tl.load(z_ptr + rows * stride_sn + kb).to(tl.float32)
-            lo = (((q & 15).to(tl.float32) - z) * s).to(dt)
-            hi = (((q >> 4).to(tl.float32) - z) * s).to(dt)
+            z = tl.load(z_ptr + rows * stride_sn + kb)
             x = x_ptr + xm * stride_xm + kb * BLOCK + k[:, None]
             if IEEE:
+                q = qb.to(tl.int32)
+                lo = ((q & 15).to(tl.float32) - z.to(tl.float32)) * s
+                hi = ((q >> 4).to(tl.float32) - z.to(tl.float32)) * s
                 acc = tl.dot(lo, tl.load(x), acc, input_precision="ieee")
                 acc = tl.dot(hi, tl.load(x + H), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(lo, tl.load(x), acc)
-                acc = tl.dot(hi, tl.load(x + H), acc)
+            else:  # q - z exactly in x's dtype, the group's scale on the product
+                lo, hi = _int4_less_zero(qb, z, dt, ASM)
+                acc += s * tl.dot(hi, tl.load(x + H), tl.dot(lo, tl.load(x)))
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)
@@ -1274,8 +1311,8 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
             x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k,
             x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
             BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-            FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **pdl)
+            FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
         return
     cfg = config or default_config(m, lay.block, n, k)
     tiles = _tiles(cfg, m, n)

@@ -183,6 +183,47 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
     assert torch.equal(got, (q - 32).to(torch.int8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_ptx_makes_each_nibble_less_its_zero_point_exactly_in_16_bits(dtype):
+    """The PTX that makes INT4's q - z for the wide tiles (run only on a GPU; the interpreter takes the torch-level
+    expression), executed instruction by instruction on random bytes and zero points: four bytes in, their low
+    nibbles less their zero points as two 16-bit pairs, then their high nibbles."""
+    from outrider.kernels.quant_gemm import _int4_less_zero_asm
+
+    magic, fma, one = (0x4300, "fma.rn.bf16x2", 0x3F803F80) if dtype == torch.bfloat16 else (0x6400, "fma.rn.f16x2",
+                                                                                              0x3C003C00)
+
+    def halves(r):  # a register's two 16-bit lanes as float32
+        return torch.stack([r & 0xFFFF, r >> 16], -1).to(torch.int16).view(dtype).float()
+
+    def pair_fma(a, b, c):
+        bits = (halves(a) * halves(b) + halves(c)).to(dtype).view(torch.int16).long() & 0xFFFF
+        return bits[..., 0] | (bits[..., 1] << 16)
+
+    def prmt(a, b, sel):  # (the selector an immediate)
+        pool = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+        return sum(pool[(int(sel[0]) >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    ops = {"shr.u32": lambda a, b: a >> b, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
+           "prmt.b32": prmt, fma: pair_fma}
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 256, (4096, 4), generator=gen)  # a word's four bytes
+    z = torch.randint(0, 16, (4096, 4), generator=gen)  # each value's zero point
+    word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
+    nz = z | (magic | 0x8000)  # -(magic + z)
+    regs = {"$4": word, "$5": nz[:, 0] | (nz[:, 1] << 16), "$6": nz[:, 2] | (nz[:, 3] << 16)}
+    for instruction in _int4_less_zero_asm(magic, fma, one).strip("{}").split(";"):
+        op, _, args = instruction.strip().partition(" ")
+        if not op or op == ".reg":
+            continue
+        dst, *srcs = (arg.strip() for arg in args.split(","))
+        values = [regs[a] if a in regs else torch.full_like(word, int(a, 0)) for a in srcs]
+        regs[dst] = values[0] if op == "mov.b32" else ops[op](*values)
+    got = torch.stack([halves(regs[f"${i}"]) for i in range(4)], 1).flatten(1)  # [low 0..3, high 0..3]
+    expected = torch.cat([(q & 15) - z, (q >> 4) - z], 1).float()
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
 @pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 2, 4, 12, 20)
                                             if rows <= INT8_X_ROWS[kind]])
@@ -499,10 +540,10 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N",
-                                      "BLOCK_M", "SPLIT", "USE_PDL"], "constexpr")}
+                                      "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
                      "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
-                     "SPLIT": cfg.split_k, "USE_PDL": True}
+                     "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True}
         return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
