@@ -90,10 +90,20 @@ def _split_k(k: int, tiles: int, most: int = 8) -> int:
     return max(1, min(most, k // 256, ROW_PROGRAMS // tiles))
 
 
-def row_config(n: int, k: int, blocks: int = 1) -> QuantGemmConfig:
-    """One row as an Int8X: 32 rows of W a program, K split by _split_k; `blocks` quant blocks a step (the grouped
-    INT4 kernel's: 256 values a step, as a K-quant block)."""
-    return QuantGemmConfig(block_n=32, block_m=1, blocks=blocks, split_k=_split_k(k, triton.cdiv(n, 32)))
+def row_config(n: int, k: int) -> QuantGemmConfig:
+    """One row as an Int8X: 32 rows of W a program, K split by _split_k."""
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
+
+
+def grouped_row_config(n: int, k: int) -> QuantGemmConfig:
+    """One row on INT4's kernel (bench quant --kernels --tune at Qwen3-8B's shapes): a long row (down_proj) 64 rows
+    of W a program, a group a step, K split by _split_k; a weight of up to 16 ROW_PROGRAMS rows (qkv, o) 16 rows a
+    program on 8 warps, 4 groups a step, whole rows; taller ones (gate_up) 32 rows, 2 groups a step."""
+    if k > 4096:
+        return QuantGemmConfig(block_n=64, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 64)))
+    if n <= 16 * ROW_PROGRAMS:
+        return QuantGemmConfig(block_n=16, block_m=1, blocks=4, num_warps=8)
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=2, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
 def rows_config(m: int, n: int, k: int, block_n: int = 64, most: int = 8) -> QuantGemmConfig:
@@ -116,7 +126,7 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     n, k = part.shape
     kernels = _INT8_X_KERNELS[_layout(part).code]
     if m == 1:
-        return row_config(n, k, max(1, 256 // _layout(part).block) if kernels.grouped else 1)
+        return grouped_row_config(n, k) if kernels.grouped else row_config(n, k)
     if kernels.takes_few(m):
         return few_rows_config(m, n, k)
     return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and _k_quant(part) else 8)
