@@ -135,7 +135,8 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
 
     if wide is not None:
         configs = [QuantGemmConfig(block_n, wide.block_m, 1, 8 if block_n * wide.block_m >= 64 * 64 else 4, stages,
-                                   split) for block_n in (32, 64, 128) for split in (1, 2, 4, 8) for stages in (2, 3, 4)]
+                                   split)
+                   for block_n in (32, 64, 128) for split in (1, 2, 4, 8) for stages in (2, 3, 4)]
         return [wide] + [c for c in configs if c != wide]
     if int8_x is not None and m == 1:
         return [int8_x] + [QuantGemmConfig(block_n, 1, nb, warps, 2, split) for block_n in (16, 32, 64)
@@ -167,11 +168,13 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
 
 def run_kernels(args, reporter: Reporter) -> None:
     """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
-    overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows."""
+    overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows; where an
+    Int8X product's format has wide tiles too, also the fastest of those (which kernel should take these rows)."""
     import triton
 
-    from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, int8_x_config, quantized_linear,
-                                             takes_few_rows, takes_int8_x, takes_wide_rows, wide_rows_config)
+    from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, has_wide_tiles, int8_x_config,
+                                             quantized_linear, takes_few_rows, takes_int8_x, takes_wide_rows,
+                                             wide_linear, wide_rows_config)
     from outrider.quant.weight import QuantizedWeight
 
     device = torch.device(args.device)
@@ -200,6 +203,12 @@ def run_kernels(args, reporter: Reporter) -> None:
                                              (1, 2, 4) if fmt_name == "INT4" else (1,))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best = f"; best {t:.1f} us with {cfg}"
+                    if takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
+                        wide = [(1e3 * triton.testing.do_bench_cudagraph(
+                            lambda c=c: wide_linear(x, weight.parts[0], None, y, c)), c)
+                            for c in _candidates(m, block, n, k, None, wide_rows_config(m, weight.parts[0]))]
+                        t, cfg = min(wide, key=lambda tc: tc[0])
+                        best += f"; wide tiles best {t:.1f} us with {cfg}"
                 gbs = weight.nbytes / (us * 1e-6) / 1e9
                 reporter.note(f"quant-kernel {fmt_name} {shape_name} m={m}",
                               f"{us:.1f} us ({base_us / us:.2f}x bf16, {gbs:.0f} GB/s of quantized weight){best}",

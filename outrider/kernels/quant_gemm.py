@@ -1298,6 +1298,11 @@ def _wide_format(lay: _Layout, m: int) -> bool:
     return lay.code in (FP8.value, INT4.value) and m > 1 or lay.code in (Q4_K.value, Q5_K.value) and m > 16
 
 
+def has_wide_tiles(part: QuantizedTensor) -> bool:
+    """Whether _wide_rows_kernel reads the part's format (wide_linear), at whatever rows its products take it."""
+    return _layout(part).code in (FP8.value, INT4.value, Q4_K.value, Q5_K.value)
+
+
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
                  config: QuantGemmConfig | None = None, x8: Int8X | None = None,
                  tickets: torch.Tensor | None = None) -> None:
@@ -1314,15 +1319,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
                         config or int8_x_config(m, part), tickets, pdl)
         return
     if _wide_format(lay, m):
-        cfg = config or wide_rows_config(m, part)
-        tiles = _tiles(cfg, m, n)
-        partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
-        _wide_rows_kernel[(*tiles, cfg.split_k)](
-            x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k,
-            x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
-            BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-            FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+        wide_linear(x, part, bias, y, config, tickets)
         return
     cfg = config or default_config(m, lay.block, n, k)
     tiles = _tiles(cfg, m, n)
@@ -1333,6 +1330,25 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
         BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         FP8_BITS=INTERPRET, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.blocks, SPLIT=cfg.split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+
+
+def wide_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
+                config: QuantGemmConfig | None = None, tickets: torch.Tensor | None = None) -> None:
+    """fused_linear on _wide_rows_kernel (a part where has_wide_tiles): what takes_wide_rows products run, and what
+    bench quant --tune times beside the Int8X kernels at fewer rows."""
+    m = x.shape[0]
+    n, k = part.shape
+    lay = _layout(part)
+    t = _tensors(part)
+    cfg = config or wide_rows_config(m, part)
+    tiles = _tiles(cfg, m, n)
+    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
+    _wide_rows_kernel[(*tiles, cfg.split_k)](
+        x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k,
+        x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
+        BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(use_pdl(x)))
 
 
 def _tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:
