@@ -927,8 +927,8 @@ def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
-def _int4_less_zero_asm(magic: int, fma: str, one: int) -> str:
-    """PTX of _int4_less_zero for one 16-bit type: `magic` its bits of 2^7 (bf16) or 2^10 (f16), whose last
+def _nibbles_less_zero_asm(magic: int, fma: str, one: int) -> str:
+    """PTX of _nibbles_less_zero for one 16-bit type: `magic` its bits of 2^7 (bf16) or 2^10 (f16), whose last
     mantissa bit is worth 1, so that OR-ing a nibble q into it makes magic + q exactly."""
     pair = f"{magic * 0x10001:#x}"
     steps = [f"prmt.b32 t, {src}, z, {sel}; or.b32 t, t, {pair}; {fma} ${out}, t, one, ${nz};"
@@ -938,23 +938,23 @@ def _int4_less_zero_asm(magic: int, fma: str, one: int) -> str:
             "shr.u32 h, $4, 4; and.b32 h, h, 0x0F0F0F0F; " + " ".join(steps) + "}")
 
 
-_INT4_BF16_ASM = tl.constexpr(_int4_less_zero_asm(0x4300, "fma.rn.bf16x2", 0x3F803F80))
-_INT4_F16_ASM = tl.constexpr(_int4_less_zero_asm(0x6400, "fma.rn.f16x2", 0x3C003C00))
+_NIBBLES_BF16_ASM = tl.constexpr(_nibbles_less_zero_asm(0x4300, "fma.rn.bf16x2", 0x3F803F80))
+_NIBBLES_F16_ASM = tl.constexpr(_nibbles_less_zero_asm(0x6400, "fma.rn.f16x2", 0x3C003C00))
 
 
 @triton.jit
-def _int4_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
-    """Bytes qb (uint8 [BN, H]: a group's values l and l + H in byte l's low and high nibbles) and zero points z
-    (uint8 [BN, 1]) -> q - z of the low and of the high nibbles, [BN, H] each, exact in dt (bf16 or fp16). In the
-    PTX with no conversion instruction: four nibbles go into the low bits of four 16-bit magic numbers (prmt, or),
-    and an fma.rn of each pair subtracts magic + z (_int4_less_zero_asm), where converting every value to float32
-    and back runs at a quarter of the FMA rate."""
+def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
+    """Bytes qb (uint8 [BN, H]; INT4's group: values l and l + H in byte l's low and high nibbles) and zero points z
+    (uint8 [BN, 1]; Q4_K's unsigned quants: 0) -> q - z of the low and of the high nibbles, [BN, H] each, exact in
+    dt (bf16 or fp16). In the PTX with no conversion instruction: four nibbles go into the low bits of four 16-bit
+    magic numbers (prmt, or), and an fma.rn of each pair subtracts magic + z (_nibbles_less_zero_asm), where
+    converting every value to float32 and back runs at a quarter of the FMA rate."""
     if ASM:
         if dt == tl.bfloat16:
-            asm: tl.constexpr = _INT4_BF16_ASM
+            asm: tl.constexpr = _NIBBLES_BF16_ASM
             nz = (z.to(tl.int32) | 0xC300).to(tl.uint16).to(dt, bitcast=True)  # -(128 + z)
         else:
-            asm: tl.constexpr = _INT4_F16_ASM
+            asm: tl.constexpr = _NIBBLES_F16_ASM
             nz = (z.to(tl.int32) | 0xE400).to(tl.uint16).to(dt, bitcast=True)  # -(1024 + z)
         return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [qb, nz], dtype=(nz.dtype, nz.dtype),
                                          is_pure=True, pack=4)
@@ -972,9 +972,11 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
-    (_int4_less_zero); a product with each half of x's columns, then the rows' scale) or a K-quant (a block a step, its
-    values made in K order half a block at a time, in x's dtype: a product with x's contiguous 128 columns). Wide
-    tiles of W, K split over program axis 2 (_rows_result)."""
+    (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K (a block a step: each
+    sub-block's quants exactly in x's dtype, a product with its 32 columns of x, then d sc on it less dmin m times
+    the columns' sum) or another K-quant (a block a step, its values made in K order half a block at a time, in x's
+    dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide tiles of W, K split
+    over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
@@ -1006,8 +1008,25 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 acc = tl.dot(lo, tl.load(x), acc, input_precision="ieee")
                 acc = tl.dot(hi, tl.load(x + H), acc, input_precision="ieee")
             else:  # q - z exactly in x's dtype, the group's scale on the product
-                lo, hi = _int4_less_zero(qb, z, dt, ASM)
+                lo, hi = _nibbles_less_zero(qb, z, dt, ASM)
                 acc += s * tl.dot(hi, tl.load(x + H), tl.dot(lo, tl.load(x)))
+        elif FMT == Q4_K and not IEEE:  # q exactly in x's dtype, each sub-block's scale and min on its product
+            base = rows * stride_wn + kb * TYPE_SIZE
+            d = _f16(w16_ptr, base)
+            dmin = _f16(w16_ptr, base + 2)
+            w0 = tl.load(w32_ptr + base // 4 + 1)
+            w1 = tl.load(w32_ptr + base // 4 + 2)
+            w2 = tl.load(w32_ptr + base // 4 + 3)
+            j = tl.arange(0, 32)
+            unsigned = tl.zeros((BLOCK_N, 1), tl.uint8)
+            for c in tl.static_range(4):  # chunk c: sub-blocks 2 c (low nibbles) and 2 c + 1 (high)
+                lo, hi = _nibbles_less_zero(tl.load(w_ptr + base + 16 + 32 * c + j[None, :]), unsigned, dt, ASM)
+                x = x_ptr + xm * stride_xm + kb * BLOCK + 64 * c + j[:, None]
+                for h in tl.static_range(2):
+                    xs = tl.load(x + 32 * h)
+                    sc, mn = _k_scale_min_of(w0, w1, w2, 2 * c + h)
+                    acc += (d * sc) * tl.dot(hi if h else lo, xs)
+                    acc -= (dmin * mn) * tl.sum(xs.to(tl.float32), 0)[None, :]
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)

@@ -188,7 +188,7 @@ def test_int4_ptx_makes_each_nibble_less_its_zero_point_exactly_in_16_bits(dtype
     """The PTX that makes INT4's q - z for the wide tiles (run only on a GPU; the interpreter takes the torch-level
     expression), executed instruction by instruction on random bytes and zero points: four bytes in, their low
     nibbles less their zero points as two 16-bit pairs, then their high nibbles."""
-    from outrider.kernels.quant_gemm import _int4_less_zero_asm
+    from outrider.kernels.quant_gemm import _nibbles_less_zero_asm
 
     magic, fma, one = (0x4300, "fma.rn.bf16x2", 0x3F803F80) if dtype == torch.bfloat16 else (0x6400, "fma.rn.f16x2",
                                                                                               0x3C003C00)
@@ -212,7 +212,7 @@ def test_int4_ptx_makes_each_nibble_less_its_zero_point_exactly_in_16_bits(dtype
     word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
     nz = z | (magic | 0x8000)  # -(magic + z)
     regs = {"$4": word, "$5": nz[:, 0] | (nz[:, 1] << 16), "$6": nz[:, 2] | (nz[:, 3] << 16)}
-    for instruction in _int4_less_zero_asm(magic, fma, one).strip("{}").split(";"):
+    for instruction in _nibbles_less_zero_asm(magic, fma, one).strip("{}").split(";"):
         op, _, args = instruction.strip().partition(" ")
         if not op or op == ".reg":
             continue
