@@ -1396,11 +1396,9 @@ def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, b
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
                 **(dict(z_ptr=t.zero, GROUP=block) if kernels.grouped else {}))
     if m == 1:
-        if kernels.grouped:
-            meta["NB"] = cfg.blocks
         kernels.row[(*tiles, cfg.split_k)](x8.q.view(torch.int32), x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b,
                                            y, partials, tickets, n, k, t.stride_wn // kernels.row_stride_unit,
-                                           t.stride_sn, **meta)
+                                           t.stride_sn, **meta, **({"NB": cfg.blocks} if kernels.grouped else {}))
     else:
         kernel = kernels.few if kernels.takes_few(m) else kernels.rows
         kernel[(*tiles, cfg.split_k)](x8.q, x8.scale, x8.sums, t.w, t.w16, t.w32, t.scale, b, y, partials, tickets,
