@@ -97,11 +97,12 @@ def row_config(n: int, k: int) -> QuantGemmConfig:
 
 def grouped_row_config(n: int, k: int) -> QuantGemmConfig:
     """One row on INT4's kernel (bench quant --kernels --tune at Qwen3-8B's shapes): a long row (down_proj) 64 rows
-    of W a program, a group a step, K split by _split_k; a weight of up to 16 ROW_PROGRAMS rows (qkv, o) 16 rows a
-    program on 8 warps, 4 groups a step, whole rows; taller ones (gate_up) 32 rows, 2 groups a step."""
+    of W a program, a group a step, K split by _split_k; a weight whose 16-row tiles are a half to a whole
+    ROW_PROGRAMS (qkv, o) 16 rows a program on 8 warps, 4 groups a step, whole rows; others (gate_up, and weights
+    too small to fill the GPU that way) 32 rows, 2 groups a step, K split by _split_k."""
     if k > 4096:
         return QuantGemmConfig(block_n=64, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 64)))
-    if n <= 16 * ROW_PROGRAMS:
+    if ROW_PROGRAMS // 2 <= triton.cdiv(n, 16) <= ROW_PROGRAMS:
         return QuantGemmConfig(block_n=16, block_m=1, blocks=4, num_warps=8)
     return QuantGemmConfig(block_n=32, block_m=1, blocks=2, split_k=_split_k(k, triton.cdiv(n, 32)))
 
