@@ -155,7 +155,7 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
     fma = base.block_m <= FMA_MAX_M.value
     out = [base]
     for block_n in (16, 32, 64):
-        for steps in (128, 256):
+        for steps in (128, 256, 512):
             for warps in (4, 8):
                 for stages in (2, 4):
                     for split in (1, 2, 4) if fma else (1,):
