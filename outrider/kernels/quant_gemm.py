@@ -800,11 +800,12 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
 
 
 @triton.jit
-def _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, g, w):
-    """What _int4_few_rows_kernel reads of W's group g: its words [BN, GROUP / 8], scales and zero points [BN, 1]."""
-    at = rows * stride_d + g
-    return (tl.load(w32_ptr + rows * stride_row + w.shape[1] * g + w), tl.load(d_ptr + at).to(tl.float32),
-            tl.load(z_ptr + at).to(tl.float32))
+def _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, g, n_groups, W: tl.constexpr):
+    """What _int4_few_rows_kernel reads of W's group g (_int4_groups' one group): its words [BN, W], scales and zero
+    points [BN, 1]."""
+    words, scale, zero = _int4_groups(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, g, n_groups,
+                                      tl.arange(0, 1)[None, :, None], tl.arange(0, W)[None, None, :])
+    return tl.reshape(words, (rows.shape[0], W)), tl.reshape(scale, rows.shape), tl.reshape(zero, rows.shape)
 
 
 @triton.jit
@@ -881,10 +882,10 @@ def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr
     first, last = _k_run(n_groups, tl.program_id(2), SPLIT)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     words, scale, zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_wn // 4, stride_d,
-                                     tl.minimum(first, n_groups - 1), w)
+                                     tl.minimum(first, n_groups - 1), n_groups, W)
     for g in tl.range(first, last):
         nxt, n_scale, n_zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_wn // 4, stride_d,
-                                           tl.minimum(g + 1, last - 1), w)  # in flight meanwhile
+                                           tl.minimum(g + 1, last - 1), n_groups, W)  # in flight meanwhile
         q_lo = words & 0x0F0F0F0F
         q_hi = (words >> 4) & 0x0F0F0F0F
         for i in tl.static_range(BLOCK_M):
