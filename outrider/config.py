@@ -98,6 +98,10 @@ PREFILL_GRAPH_TOKENS = 256
 QUANTIZED_PREFILL_GRAPH_TOKENS = 1024
 
 
+# The flags' words for that default (the server's and the benchmarks' --prefill-graph-tokens)
+PREFILL_GRAPH_TOKENS_DEFAULT = f"{PREFILL_GRAPH_TOKENS}, {QUANTIZED_PREFILL_GRAPH_TOKENS} where weights stay quantized"
+
+
 def default_prefill_graph_tokens(quantized: bool) -> int:
     """EngineConfig.prefill_graph_tokens where it is None: for a model whose weights are (partly) quantized, or not."""
     return QUANTIZED_PREFILL_GRAPH_TOKENS if quantized else PREFILL_GRAPH_TOKENS

@@ -9,7 +9,7 @@ from outrider.bench.hf import CONFIGS as HF_CONFIGS
 from outrider.bench.shapes import RANDOM_MODELS
 from outrider.quant.writers import BENCH_FORMATS as QUANT_FORMATS
 from outrider.quant.writers import GGUF_MIXES
-from outrider.config import PREFILL_GRAPH_TOKENS, QUANTIZED_PREFILL_GRAPH_TOKENS
+from outrider.config import PREFILL_GRAPH_TOKENS_DEFAULT
 from outrider.speculative.kinds import NAMES as KINDS
 
 
@@ -26,8 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     engine_opts.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
     engine_opts.add_argument("--prefill-graph-tokens", type=int, metavar="N",
                              help="lone prefill chunks of up to N tokens replay CUDA graphs (default "
-                             f"{PREFILL_GRAPH_TOKENS}, {QUANTIZED_PREFILL_GRAPH_TOKENS} where weights stay quantized; "
-                             "0: eager)")
+                             f"{PREFILL_GRAPH_TOKENS_DEFAULT}; 0: eager)")
     engine_opts.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine_opts.add_argument("--seed", type=int, default=0)
     engine_opts.add_argument("--json", help="also write the results to this JSON file")

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from outrider.config import PREFILL_GRAPH_TOKENS, QUANTIZED_PREFILL_GRAPH_TOKENS
+from outrider.config import PREFILL_GRAPH_TOKENS_DEFAULT
 from outrider.request_fields import CHAIN, SUPPORTED, Field
 from outrider.sampler_chain import LETTERS
 from outrider.speculative.kinds import KINDS as DRAFTER_KINDS
@@ -125,7 +125,7 @@ MODEL = [
         "GPU: wait for each step's tokens before launching the next"),
     Opt(("--prefill-graph-tokens",), "prefill_graph_tokens", None, int, None,
         "GPU: a lone prefill chunk of up to N tokens replays a CUDA graph (padded) instead of running eager "
-        f"(default {PREFILL_GRAPH_TOKENS}, {QUANTIZED_PREFILL_GRAPH_TOKENS} where weights stay quantized; 0: eager)"),
+        f"(default {PREFILL_GRAPH_TOKENS_DEFAULT}; 0: eager)"),
 ]
 
 def _field_opt(field: Field) -> Opt:
