@@ -15,8 +15,7 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 of 32 (Int8X, one small launch, which also makes a pre-norm projection's normed input or the down projection's
 SiLU·mul: takes_prologue), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row (decode):
 four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. More rows
-(verify, batches; up to the format's max_rows): each group's quants, as int8, meet x's int8 columns on the tensor
-cores. Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
+(verify; up to VERIFY_ROWS): each group's quants, as int8, meet x's int8 columns on the tensor cores. Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
 partial sums in a fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes
 (quant/formats.py): the blocks without d, read in wide aligned loads, and the d's. Float32 rows keep their precision
 on the path above.
@@ -53,6 +52,7 @@ from outrider.quant.tensor import QuantizedTensor
 # beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
 # tensor-core GEMM outruns the fused kernels once the product is compute-bound.
 FUSED_MAX_ROWS = 64
+VERIFY_ROWS = 16  # 16-bit rows up to which a product reads x as an Int8X (a verify step's); past them wide tiles
 
 # Bytes of the per-device dequantization buffer of the prefill path: OUTRIDER_QUANT_SCRATCH_MB.
 SCRATCH_MB = float(os.environ.get("OUTRIDER_QUANT_SCRATCH_MB", "256"))
@@ -82,6 +82,7 @@ ROW_PROGRAMS = 512  # programs the Int8X kernels aim at: 3-4 a streaming multipr
 # their register-heavy value tiles that outweighed the loads a further split keeps in flight (bench quant --kernels
 # --tune at 32 rows; Q8_0 and FP8 read best at up to 8).
 WIDE_SPLIT = 4
+WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks: one per product, each with its d)
 
 
 def _split_k(k: int, tiles: int, most: int = 8) -> int:
@@ -107,12 +108,9 @@ def grouped_row_config(n: int, k: int) -> QuantGemmConfig:
     return QuantGemmConfig(block_n=32, block_m=1, blocks=2, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
-def rows_config(m: int, n: int, k: int, block_n: int = 64, most: int = 8) -> QuantGemmConfig:
-    """2 to max_rows rows on an Int8X: block_n rows of W and 16 of x a program (past 16 rows of x, 64 and 32), K
-    split by _split_k over `most` programs at most."""
-    block_m, block_n = (16, block_n) if m <= 16 else (32, 64)
-    return QuantGemmConfig(block_n=block_n, block_m=block_m, blocks=1,
-                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m), most))
+def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
+    """2 to VERIFY_ROWS rows on an Int8X: block_n rows of W and 16 of x a program, K split by _split_k."""
+    return QuantGemmConfig(block_n=block_n, block_m=16, blocks=1, split_k=_split_k(k, triton.cdiv(n, block_n)))
 
 
 def few_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
@@ -130,7 +128,7 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
         return grouped_row_config(n, k) if kernels.grouped else row_config(n, k)
     if kernels.takes_few(m):
         return few_rows_config(m, n, k)
-    return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and _k_quant(part) else 8)
+    return rows_config(m, n, k, kernels.rows_block_n)
 
 
 def _k_quant(part: QuantizedTensor) -> bool:
@@ -965,6 +963,70 @@ def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
     return ((q & 15).to(tl.float32) - zf).to(dt), ((q >> 4).to(tl.float32) - zf).to(dt)
 
 
+@triton.constexpr_function
+def _magic_pairs(magic: int, fma: str, nz: int) -> str:
+    """PTX steps that put bytes 0-1 and 2-3 of register u (values below 2^7 in bf16's `magic` 2^7, 2^10 in f16's)
+    into the low bits of two 16-bit magic numbers a register (prmt, or), then add nz to each pair (one fma.rn: exact,
+    as the results are small integers): outputs $0 and $1 (needs registers p, t, n, z = 0, one = 1.0 a pair)."""
+    return " ".join(f"prmt.b32 p, u, z, {sel}; or.b32 t, p, {magic * 0x10001:#x}; mov.b32 n, {nz * 0x10001:#x}; "
+                    f"{fma} ${out}, t, one, n;" for out, sel in enumerate(["0x4140", "0x4342"]))
+
+
+@triton.constexpr_function
+def _magic_asm(body: str, bf16: bool) -> str:
+    """A magic-number conversion's PTX: its registers, then `body` (which sets u and runs _magic_pairs)."""
+    one = 0x3F803F80 if bf16 else 0x3C003C00
+    return f"{{.reg .b32 u, a, b, p, t, n, z, one; mov.b32 z, 0; mov.b32 one, {one:#x}; {body}}}"
+
+
+def _signed_bytes_asm(bf16: bool) -> str:
+    """PTX of _signed_bytes for one 16-bit type. bf16 (8 significant bits): a byte's low 7 bits go into 2^7's
+    mantissa (128 + r), and its sign bit picks what the fma subtracts, 128 or 256 (its bit 7 is the sum's). f16 (11
+    bits): the byte plus 128 goes into 2^10's mantissa, and the fma subtracts 1,152."""
+    if not bf16:
+        return _magic_asm("xor.b32 u, $2, 0x80808080; " + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480), False)
+    steps = [f"prmt.b32 p, $2, z, {sel}; and.b32 t, p, 0x007F007F; or.b32 t, t, 0x43004300; and.b32 n, p, 0x00800080;"
+             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 ${out}, t, one, n;"
+             for out, sel in enumerate(["0x4140", "0x4342"])]
+    return _magic_asm(" ".join(steps), True)
+
+
+@triton.constexpr_function
+def _q6k_exact_asm(r: int, bf16: bool) -> str:
+    """PTX of _q6k_exact for quarter r: four bytes' 6-bit values (0..63: a nibble of ql $2, two bits of qh $3 on
+    top), each put into a 16-bit magic number, less the magic and 32 (one fma a pair)."""
+    low = f"shr.u32 a, $2, {4 * (r // 2)}; and.b32 a, a, 0x0F0F0F0F;" if r // 2 else "and.b32 a, $2, 0x0F0F0F0F;"
+    top = f"shr.u32 b, $3, {2 * r}; and.b32 b, b, 0x03030303;" if r else "and.b32 b, $3, 0x03030303;"
+    pairs = _magic_pairs(0x4300, "fma.rn.bf16x2", 0xC320) if bf16 else _magic_pairs(0x6400, "fma.rn.f16x2", 0xE420)
+    return _magic_asm(f"{low} {top} shl.b32 b, b, 4; or.b32 u, a, b; {pairs}", bf16)
+
+
+_SIGNED_BF16_ASM = tl.constexpr(_signed_bytes_asm(True))
+_SIGNED_F16_ASM = tl.constexpr(_signed_bytes_asm(False))
+
+
+@triton.jit
+def _signed_bytes(qb, dt: tl.constexpr, ASM: tl.constexpr):
+    """Signed bytes qb (int8 or their uint8 bits) -> their values in dt (bf16 or fp16), exact: in the PTX two
+    16-bit magic numbers and an fma a pair (_signed_bytes_asm), where an int-to-float conversion of each runs at a
+    quarter of the FMA rate."""
+    if ASM:
+        asm: tl.constexpr = _SIGNED_BF16_ASM if dt == tl.bfloat16 else _SIGNED_F16_ASM
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [qb], dtype=tl.int16, is_pure=True, pack=4).to(dt,
+                                                                                                       bitcast=True)
+    return qb.to(tl.int8, bitcast=True).to(dt)
+
+
+@triton.jit
+def _q6k_exact(ql, qh, R: tl.constexpr, dt: tl.constexpr, ASM: tl.constexpr):
+    """_q6k_signed's quants of quarter R, exactly in dt (bf16 or fp16), from magic numbers in the PTX
+    (_q6k_exact_asm: no int-to-float conversion)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_q6k_exact_asm(R, dt == tl.bfloat16), "=r,=r,r,r", [ql, qh],
+                                         dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
+    return _q6k_signed(ql, qh, R, False).to(dt)
+
+
 @triton.jit
 def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
@@ -976,14 +1038,15 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
     (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K (a block a step: each
     sub-block's quants exactly in x's dtype, a product with its 32 columns of x, then d sc on it less dmin m times
-    the columns' sum) or another K-quant (a block a step, its values made in K order half a block at a time, in x's
-    dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide tiles of W, K split
-    over program axis 2 (_rows_result)."""
+    the columns' sum), Q8_0 (WIDE_Q8_0_STEP values a step: each block's quants exactly in x's dtype, a product with
+    its 32 columns of x, then its d) or another K-quant (a block a step, its values made in K order half a block at
+    a time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide
+    tiles of W, K split over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // BLOCK, tl.program_id(2), SPLIT)
+    first, last = _k_run(tl.cdiv(K, BLOCK), tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
         if FMT == FP8:
             k = tl.arange(0, BLOCK)
@@ -1029,6 +1092,31 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                     sc, mn = _k_scale_min_of(w0, w1, w2, 2 * c + h)
                     acc += (d * sc) * tl.dot(hi if h else lo, xs)
                     acc -= (dmin * mn) * tl.sum(xs.to(tl.float32), 0)[None, :]
+        elif FMT == Q6_K and not IEEE:  # each 16 values' quants exactly in x's dtype, d sc on their product
+            base = rows * stride_wn + kb * TYPE_SIZE
+            d = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
+            j = tl.arange(0, 16)
+            for n in tl.static_range(2):  # (value 128 n + 32 r + 16 h + j: _q6k_rows_q8_kernel's layout)
+                for h in tl.static_range(2):
+                    qh = tl.load(w_ptr + base + 128 + 32 * n + 16 * h + j[None, :])
+                    for a in tl.static_range(2):
+                        ql = tl.load(w_ptr + base + 64 * n + 32 * a + 16 * h + j[None, :])
+                        for r in tl.static_range(a, 4, 2):
+                            x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * n + 32 * r + 16 * h + j[:, None])
+                            sc = _i8(w_ptr + base + 192 + 8 * n + 2 * r + h)
+                            acc += (d * sc) * tl.dot(_q6k_exact(ql, qh, r, dt, ASM), x)
+        elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each d on its product
+            j = tl.arange(0, 32)
+            for c in tl.static_range(BLOCK // 32):
+                g = kb * (BLOCK // 32) + c
+                inside = g < K // 32
+                qb = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :], mask=inside, other=0)
+                x = tl.load(x_ptr + xm * stride_xm + 32 * g + j[:, None], mask=inside, other=0.0)
+                if IEEE:
+                    dot = tl.dot(_signed_bytes(qb, tl.float32, False), x, input_precision="ieee")
+                else:
+                    dot = tl.dot(_signed_bytes(qb, dt, ASM), x)
+                acc += tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0).to(tl.float32) * dot
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)
@@ -1295,10 +1383,10 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
 
 def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part reads x as an Int8X: 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 (groups of a
-    power of two from 64 values), up to the format's max_rows (float32 rows keep their full precision)."""
+    power of two from 64 values), up to VERIFY_ROWS (float32 rows keep their full precision)."""
     lay = _layout(part)
     kernels = _INT8_X_KERNELS.get(lay.code)
-    if kernels is None or x.shape[0] > kernels.max_rows or x.dtype == torch.float32:
+    if kernels is None or x.shape[0] > VERIFY_ROWS or x.dtype == torch.float32:
         return False
     return not kernels.grouped or (lay.block >= 64 and is_power_of_two(lay.block))
 
@@ -1309,19 +1397,23 @@ def takes_few_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows, Q4_K
-    and Q5_K past 16 (more rows than a verify step has)."""
+    """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows, the
+    K-quants and Q8_0 past VERIFY_ROWS."""
     return _wide_format(_layout(part), x.shape[0]) and not takes_int8_x(x, part)
+
+
+_WIDE_PAST_ONE = (FP8.value, INT4.value)  # formats on wide tiles past one row (INT4's Int8X rows aside)
+_WIDE_PAST_VERIFY = (Q4_K.value, Q5_K.value, Q6_K.value, Q8_0.value)  # ... past VERIFY_ROWS
 
 
 def _wide_format(lay: _Layout, m: int) -> bool:
     """takes_wide_rows for a product that does not take an Int8X x."""
-    return lay.code in (FP8.value, INT4.value) and m > 1 or lay.code in (Q4_K.value, Q5_K.value) and m > 16
+    return lay.code in _WIDE_PAST_ONE and m > 1 or lay.code in _WIDE_PAST_VERIFY and m > VERIFY_ROWS
 
 
 def has_wide_tiles(part: QuantizedTensor) -> bool:
     """Whether _wide_rows_kernel reads the part's format (wide_linear), at whatever rows its products take it."""
-    return _layout(part).code in (FP8.value, INT4.value, Q4_K.value, Q5_K.value)
+    return _layout(part).code in _WIDE_PAST_ONE + _WIDE_PAST_VERIFY
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -1367,9 +1459,14 @@ def wide_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | Non
     _wide_rows_kernel[(*tiles, cfg.split_k)](
         x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k,
         x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
-        BLOCK=lay.block, TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK=wide_step(lay), TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(use_pdl(x)))
+
+
+def wide_step(lay: _Layout) -> int:
+    """The values of K a wide tile's loop step takes (its BLOCK): a block, or WIDE_Q8_0_STEP of Q8_0's."""
+    return WIDE_Q8_0_STEP if lay.code == Q8_0.value else lay.block
 
 
 def _tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:
@@ -1423,10 +1520,9 @@ class _Int8Kernels(NamedTuple):
     of W it needs)."""
 
     row: triton.JITFunction  # one row (dp4a)
-    rows: triton.JITFunction  # 2 to max_rows rows (int8 tensor cores)
+    rows: triton.JITFunction  # 2 to VERIFY_ROWS rows (int8 tensor cores)
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
-    max_rows: int  # rows up to which x is read as an Int8X; past them the float tile (INT4: the wide one)
-    rows_block_n: int  # rows of W a `rows` program takes, up to 16 rows of x (rows_config)
+    rows_block_n: int  # rows of W a `rows` program takes (rows_config)
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
     few: triton.JITFunction | None = None  # 2 to few_rows rows: `row`'s dp4a products, W read once for all of x
     few_rows: int = 0
@@ -1435,17 +1531,16 @@ class _Int8Kernels(NamedTuple):
         return self.few is not None and 1 < m <= self.few_rows
 
 
-# Q4_K past 16 rows: a float tile of its values (_kquant_values) read faster than these at 32 rows; Q4_K and Q8_0
-# up to 16 rows read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md). INT4: Q4_K's
-# nibbles with a scale and zero point a group, and Q4_K's row limit. The dp4a kernels (few) compute x's rows one
-# after another: they outrun the int8 tensor-core tiles, which change layout at every 32 columns, at two rows
-# (Q4_K: four) and fall behind past that.
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 16, 128,
+# Q4_K and Q8_0 up to 16 rows read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md).
+# INT4: Q4_K's nibbles with a scale and zero point a group. The dp4a kernels (few) compute x's rows one after
+# another: they outrun the int8 tensor-core tiles, which change layout at every 32 columns, at two rows (Q4_K:
+# four) and fall behind past that.
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 128,
                                             few=_q4k_few_rows_kernel, few_rows=4),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, FUSED_MAX_ROWS, 64,
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, 64,
                                             few=_q6k_few_rows_kernel, few_rows=2),
-                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, FUSED_MAX_ROWS, 128),
-                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 16, 64, grouped=True,
+                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, 128),
+                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 64, grouped=True,
                                             few=_int4_few_rows_kernel, few_rows=2)}
 
 

@@ -4,7 +4,7 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). Up to 64 16-bit rows on Q6_K or Q8_0 (16 on Q4_K and INT4) read x as llama.cpp's
+accumulation over K <= 1024). Up to 16 16-bit rows on Q4_K, Q6_K, Q8_0 and INT4 read x as llama.cpp's
 CUDA kernels do, in int8 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle
 below, and a test of its own bounds what that quantization costs against the exact product."""
 
@@ -24,8 +24,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 ROWS = [1, 2, 5, 16, 40, 512]  # 1-2: CUDA-core products; 5-40: tensor cores; 512: dequantized chunks + cuBLAS
 INT4 = Int4Format(128, "AWQ")
 FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), INT4]
-# Format name -> rows up to which 16-bit rows read x as int8 groups (takes_int8_x)
-INT8_X_ROWS = {"Q4_K": 16, "Q6_K": 64, "Q8_0": 64, INT4.name: 16}
+INT8_X_KINDS = ["Q4_K", "Q6_K", "Q8_0", INT4.name]  # formats whose 16-bit rows up to VERIFY_ROWS take an Int8X
 _BY_NAME = {f.name: f for f in FORMATS}
 
 
@@ -39,15 +38,15 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_as_read(x: torch.Tensor, part) -> torch.Tensor:
-    """x as the kernels read it against the part: 16-bit rows up to INT8_X_ROWS in int8 groups of 32, each scaled by
+    """x as the kernels read it against the part: 16-bit rows up to VERIFY_ROWS on INT8_X_KINDS in int8 groups of 32, each scaled by
     max |x| / 127 and rounded half away from zero (llama.cpp's q8_1); FP8 prefill rows on the FP8 tensor cores
     (takes_fp8_mm) in FP8 per token and group (fp8_gemm); float32 otherwise."""
     from outrider.kernels.fp8_gemm import GROUP, takes_fp8_mm
-    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS
+    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, VERIFY_ROWS
 
     if x.shape[0] > FUSED_MAX_ROWS and takes_fp8_mm(x, part):
         return _fp8_as_read(x, GROUP if part.format.block_k else x.shape[1])
-    if x.shape[0] > INT8_X_ROWS.get(part.format.name, 0) or x.dtype == torch.float32:
+    if part.format.name not in INT8_X_KINDS or x.shape[0] > VERIFY_ROWS or x.dtype == torch.float32:
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
@@ -93,7 +92,7 @@ def test_quantizing_x_zeroes_the_split_k_tickets_it_is_given(count, device):
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("kind", INT8_X_ROWS)
+@pytest.mark.parametrize("kind", INT8_X_KINDS)
 def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, rows, half,
                                                                                              device):
     """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
@@ -108,7 +107,7 @@ def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_e
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("kind", INT8_X_ROWS)
+@pytest.mark.parametrize("kind", INT8_X_KINDS)
 def test_a_norm_or_swiglu_made_as_x_is_quantized_gives_the_products_of_the_unfolded_path(kind, rows, half, device):
     """A pre-norm projection and SwiGLU's down projection on parts that read x as int8 groups make their input in
     the launch that quantizes x (quantize_x's prologue): the products of ops' norm / activation followed by the
@@ -137,7 +136,7 @@ def test_a_norm_or_swiglu_made_as_x_is_quantized_gives_the_products_of_the_unfol
 
 
 @pytest.mark.cuda_only
-@pytest.mark.parametrize("kind", INT8_X_ROWS)
+@pytest.mark.parametrize("kind", INT8_X_KINDS)
 def test_ops_fold_the_norm_and_activation_into_the_quantized_products_where_their_parts_read_int8_x(kind):
     """ops.rms_norm_linear and ops.silu_mul_linear on a QuantizedWeight take the folded path at decode rows (one
     launch fewer each: no rms_norm or silu_mul kernel) and give the unfolded path's products."""
@@ -161,26 +160,36 @@ def test_ops_fold_the_norm_and_activation_into_the_quantized_products_where_thei
     _assert_close(z, weight.linear(ops.silu_mul(x, residual)).float(), torch.bfloat16)
 
 
-@pytest.mark.parametrize("quarter", range(4))
-def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
-    """The PTX that makes Q6_K's signed quants four bytes at a time (run only on a GPU; the interpreter takes the
-    torch-level expression), executed instruction by instruction on random words, gives each byte's 6-bit value
-    (a nibble of ql with two bits of qh on top) less 32."""
-    from outrider.kernels.quant_gemm import _q6k_signed_asm
+def _halves(r: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A register's two 16-bit lanes (int64 words [W]) as float32 values of dtype [W, 2]."""
+    return torch.stack([r & 0xFFFF, r >> 16], -1).to(torch.int16).view(dtype).float()
 
+
+def _run_ptx(asm: str, regs: dict, dtype: torch.dtype) -> dict:
+    """Run straight-line PTX (the instructions the wide tiles' inline asm uses) on int64 words [W] of 32 bits, each
+    operand a register or an immediate; the 16-bit pair fma in dtype, rounded to nearest. Returns the registers."""
+
+    def pair_fma(a, b, c):
+        bits = (_halves(a, dtype) * _halves(b, dtype) + _halves(c, dtype)).to(dtype).view(torch.int16).long() & 0xFFFF
+        return bits[..., 0] | (bits[..., 1] << 16)
+
+    def prmt(a, b, sel):  # (the selector an immediate)
+        pool = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+        return sum(pool[(int(sel[0]) >> (4 * i)) & 7] << (8 * i) for i in range(4))
+
+    fma = "fma.rn.bf16x2" if dtype == torch.bfloat16 else "fma.rn.f16x2"
     ops = {"shr.u32": lambda a, b: a >> b, "shl.b32": lambda a, b: (a << b) & 0xFFFFFFFF,
-           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "xor.b32": lambda a, b: a ^ b}
-    gen = torch.Generator().manual_seed(quarter)
-    ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen, dtype=torch.uint8) for _ in range(2))
-    regs = {"$1": ql.view(torch.int32).long() & 0xFFFFFFFF, "$2": qh.view(torch.int32).long() & 0xFFFFFFFF}
-    for instruction in _q6k_signed_asm(quarter).strip("{}").split(";"):
-        if instruction.strip() and not instruction.strip().startswith(".reg"):
-            op, args = instruction.split(None, 1)
-            dst, a, b = (arg.strip() for arg in args.split(","))
-            regs[dst] = ops[op](regs[a], regs[b] if b in regs else int(b, 0))
-    got = regs["$0"].to(torch.int32).view(torch.int8).view(-1, 4)
-    q = ((ql.int() >> (4 * (quarter // 2))) & 15) | (((qh.int() >> (2 * quarter)) & 3) << 4)
-    assert torch.equal(got, (q - 32).to(torch.int8))
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "xor.b32": lambda a, b: a ^ b,
+           "prmt.b32": prmt, fma: pair_fma}
+    word = next(iter(regs.values()))
+    for instruction in asm.strip("{}").split(";"):
+        op, _, args = instruction.strip().partition(" ")
+        if not op or op == ".reg":
+            continue
+        dst, *srcs = (arg.strip() for arg in args.split(","))
+        values = [regs[a] if a in regs else torch.full_like(word, int(a, 0)) for a in srcs]
+        regs[dst] = values[0] if op == "mov.b32" else ops[op](*values)
+    return regs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -192,44 +201,70 @@ def test_int4_ptx_makes_each_nibble_less_its_zero_point_exactly_in_16_bits(dtype
 
     magic, fma, one = (0x4300, "fma.rn.bf16x2", 0x3F803F80) if dtype == torch.bfloat16 else (0x6400, "fma.rn.f16x2",
                                                                                               0x3C003C00)
-
-    def halves(r):  # a register's two 16-bit lanes as float32
-        return torch.stack([r & 0xFFFF, r >> 16], -1).to(torch.int16).view(dtype).float()
-
-    def pair_fma(a, b, c):
-        bits = (halves(a) * halves(b) + halves(c)).to(dtype).view(torch.int16).long() & 0xFFFF
-        return bits[..., 0] | (bits[..., 1] << 16)
-
-    def prmt(a, b, sel):  # (the selector an immediate)
-        pool = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
-        return sum(pool[(int(sel[0]) >> (4 * i)) & 7] << (8 * i) for i in range(4))
-
-    ops = {"shr.u32": lambda a, b: a >> b, "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b,
-           "prmt.b32": prmt, fma: pair_fma}
     gen = torch.Generator().manual_seed(0)
     q = torch.randint(0, 256, (4096, 4), generator=gen)  # a word's four bytes
     z = torch.randint(0, 16, (4096, 4), generator=gen)  # each value's zero point
     word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
     nz = z | (magic | 0x8000)  # -(magic + z)
-    regs = {"$4": word, "$5": nz[:, 0] | (nz[:, 1] << 16), "$6": nz[:, 2] | (nz[:, 3] << 16)}
-    for instruction in _nibbles_less_zero_asm(magic, fma, one).strip("{}").split(";"):
-        op, _, args = instruction.strip().partition(" ")
-        if not op or op == ".reg":
-            continue
-        dst, *srcs = (arg.strip() for arg in args.split(","))
-        values = [regs[a] if a in regs else torch.full_like(word, int(a, 0)) for a in srcs]
-        regs[dst] = values[0] if op == "mov.b32" else ops[op](*values)
-    got = torch.stack([halves(regs[f"${i}"]) for i in range(4)], 1).flatten(1)  # [low 0..3, high 0..3]
+    regs = _run_ptx(_nibbles_less_zero_asm(magic, fma, one),
+                    {"$4": word, "$5": nz[:, 0] | (nz[:, 1] << 16), "$6": nz[:, 2] | (nz[:, 3] << 16)}, dtype)
+    got = torch.stack([_halves(regs[f"${i}"], dtype) for i in range(4)], 1).flatten(1)  # [low 0..3, high 0..3]
     expected = torch.cat([(q & 15) - z, (q >> 4) - z], 1).float()
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_signed_bytes_ptx_makes_every_int8_value_exactly_in_16_bits(dtype):
+    """The PTX that makes Q8_0's quants for the wide tiles (run only on a GPU), executed instruction by instruction
+    on every byte in each of a word's four places: the int8 values, as two 16-bit pairs."""
+    from outrider.kernels.quant_gemm import _signed_bytes_asm
+
+    q = torch.arange(256).repeat_interleave(4).view(-1, 4).roll(1, 0)  # bytes 0..255, in every place
+    q[:, 1:] = q[:, 1:].roll(17, 0)  # (places not all equal)
+    word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
+    regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word}, dtype)
+    got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
+    assert torch.equal(got, q.to(torch.uint8).view(torch.int8).float())
+
+
+@pytest.mark.parametrize("quarter", range(4))
+def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
+    """The PTX that makes Q6_K's signed quants four bytes at a time (run only on a GPU; the interpreter takes the
+    torch-level expression), executed instruction by instruction on random words, gives each byte's 6-bit value
+    (a nibble of ql with two bits of qh on top) less 32."""
+    from outrider.kernels.quant_gemm import _q6k_signed_asm
+
+    gen = torch.Generator().manual_seed(quarter)
+    ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen, dtype=torch.uint8) for _ in range(2))
+    regs = _run_ptx(_q6k_signed_asm(quarter), {"$1": ql.view(torch.int32).long() & 0xFFFFFFFF,
+                                               "$2": qh.view(torch.int32).long() & 0xFFFFFFFF}, torch.bfloat16)
+    got = regs["$0"].to(torch.int32).view(torch.int8).view(-1, 4)
+    q = ((ql.int() >> (4 * (quarter // 2))) & 15) | (((qh.int() >> (2 * quarter)) & 3) << 4)
+    assert torch.equal(got, (q - 32).to(torch.int8))
+
+
+@pytest.mark.parametrize("quarter", range(4))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q6k_exact_quants_ptx_makes_each_6_bit_value_less_32_exactly_in_16_bits(dtype, quarter):
+    """The PTX that makes Q6_K's quants for the wide tiles (run only on a GPU), executed instruction by instruction
+    on random ql and qh words: each byte's 6-bit value of the quarter less 32, as two 16-bit pairs."""
+    from outrider.kernels.quant_gemm import _q6k_exact_asm
+
+    gen = torch.Generator().manual_seed(quarter)
+    ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen) for _ in range(2))
+    words = [b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24) for b in (ql, qh)]
+    regs = _run_ptx(_q6k_exact_asm(quarter, dtype == torch.bfloat16), {"$2": words[0], "$3": words[1]}, dtype)
+    got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
+    q = ((ql >> (4 * (quarter // 2))) & 15) | (((qh >> (2 * quarter)) & 3) << 4)
+    assert torch.equal(got, (q - 32).float())
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 2, 4, 12, 20)
-                                            if rows <= INT8_X_ROWS[kind]])
+@pytest.mark.parametrize("rows", [1, 2, 4, 12, 16])
+@pytest.mark.parametrize("kind", INT8_X_KINDS)
 def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half, device):
     """The kernels of 16-bit rows on an Int8X (quant_gemm._INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
-    kernels where a format takes them there; 12 rows as a tile of 16 and 20 as two) over 5 blocks of 256 columns of
+    kernels where a format takes them there; 12 and 16 rows as a tile of 16) over 5 blocks of 256 columns of
     K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last program of each
     output tile adds the partials."""
     from dataclasses import replace
@@ -242,7 +277,6 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, half)
     y = torch.empty(rows, 80, device=device, dtype=half)
     config = replace(int8_x_config(rows, weight.parts[0]), block_n=32, split_k=split)
-    config = replace(config, block_m=16) if rows > 4 else config  # 20 rows: two tiles of x's rows
     fused_linear(x, weight.parts[0], bias, y, config)
     _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
@@ -288,19 +322,20 @@ def test_rows_on_the_cuda_cores_with_k_split_over_programs_match_dequantize_then
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("kind", ["FP8 (128x128 blocks)", INT4.name, "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["FP8 (128x128 blocks)", INT4.name, "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul(kind, split, half, device):
-    """_wide_rows_kernel (FP8, INT4 past its Int8X rows, Q4_K and Q5_K past 16 rows) at 20 rows of x, 5 blocks of
-    256 columns split 1 and 3 ways, with a bias."""
-    from outrider.kernels.quant_gemm import QuantGemmConfig, fused_linear, takes_wide_rows
+    """_wide_rows_kernel (wide_linear: FP8, INT4, Q4_K, Q5_K, Q6_K, Q8_0) at 20 rows of x, 5 blocks of 256 columns (Q8_0:
+    41 blocks of 32, the last of its steps of four blocks partial) split 1 and 3 ways, with a bias."""
+    from outrider.kernels.quant_gemm import QuantGemmConfig, has_wide_tiles, wide_linear
 
-    part, _ = random_quantized(_BY_NAME[kind], 80, 1280, seed=split)
+    k = 1312 if kind == "Q8_0" else 1280
+    part, _ = random_quantized(_BY_NAME[kind], 80, k, seed=split)
     weight = QuantizedWeight([part], half).to(device)
-    x = torch.randn(20, 1280, generator=torch.Generator().manual_seed(7)).to(device, half)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(7)).to(device, half)
     bias = torch.randn(80, generator=torch.Generator().manual_seed(8)).to(device, half)
     y = torch.empty(20, 80, device=device, dtype=half)
-    assert takes_wide_rows(x, weight.parts[0])
-    fused_linear(x, weight.parts[0], bias, y, QuantGemmConfig(block_n=64, block_m=32, blocks=1, split_k=split))
+    assert has_wide_tiles(weight.parts[0])
+    wide_linear(x, weight.parts[0], bias, y, QuantGemmConfig(block_n=64, block_m=32, blocks=1, split_k=split))
     _assert_close(y, _reference(x.float(), weight.parts[0].dequantize()) + bias.float(), half)
 
 
@@ -523,7 +558,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
                      **grouped[1], **steps[1]}
         return _ptxas_spills(kernels.row, signature, constants, cfg)
-    if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
+    if kernels and 0 < rows <= q.VERIFY_ROWS:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
         few = kernels.takes_few(rows)
         cfg = q.int8_x_config(rows, part)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
@@ -541,7 +576,9 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N",
                                       "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
-        constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
+        constants = {"FMT": getattr(q, kind).value, "BLOCK": q.wide_step(SimpleNamespace(code=getattr(q, kind).value,
+                                                                                          block=block)),
+                     "TYPE_SIZE": type_size, "HAS_BIAS": True,
                      "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
                      "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True}
         return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
