@@ -169,7 +169,8 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
 def run_kernels(args, reporter: Reporter) -> None:
     """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
     overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows; where an
-    Int8X product's format has wide tiles too, also the fastest of those (which kernel should take these rows)."""
+    Int8X product of several rows has wide tiles too, also those at their default config and, with --tune, the
+    fastest of them (which kernel should take these rows)."""
     import triton
 
     from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, has_wide_tiles, int8_x_config,
@@ -192,6 +193,9 @@ def run_kernels(args, reporter: Reporter) -> None:
                 y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
                 us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, list(weight.parts), out=y))
                 best = ""
+                if m > 1 and takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
+                    wide_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: wide_linear(x, weight.parts[0], None, y))
+                    best = f"; wide tiles {wide_us:.1f} us"
                 if args.tune and m <= FUSED_MAX_ROWS:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
@@ -202,7 +206,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                                              else None, takes_few_rows(x, weight.parts[0]),
                                              (1, 2, 4) if fmt_name == "INT4" else (1,))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
-                    best = f"; best {t:.1f} us with {cfg}"
+                    best += f"; best {t:.1f} us with {cfg}"
                     if takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
                         wide = [(1e3 * triton.testing.do_bench_cudagraph(
                             lambda c=c: wide_linear(x, weight.parts[0], None, y, c)), c)

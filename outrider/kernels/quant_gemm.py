@@ -945,7 +945,7 @@ _NIBBLES_F16_ASM = tl.constexpr(_nibbles_less_zero_asm(0x6400, "fma.rn.f16x2", 0
 @triton.jit
 def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
     """Bytes qb (uint8 [BN, H]; INT4's group: values l and l + H in byte l's low and high nibbles) and zero points z
-    (uint8 [BN, 1]; Q4_K's unsigned quants: 0) -> q - z of the low and of the high nibbles, [BN, H] each, exact in
+    (uint8 [BN, 1]) -> q - z of the low and of the high nibbles, [BN, H] each, exact in
     dt (bf16 or fp16). In the PTX with no conversion instruction: four nibbles go into the low bits of four 16-bit
     magic numbers (prmt, or), and an fma.rn of each pair subtracts magic + z (_nibbles_less_zero_asm), where
     converting every value to float32 and back runs at a quarter of the FMA rate."""
@@ -963,68 +963,106 @@ def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
     return ((q & 15).to(tl.float32) - zf).to(dt), ((q >> 4).to(tl.float32) - zf).to(dt)
 
 
-@triton.constexpr_function
-def _magic_pairs(magic: int, fma: str, nz: int) -> str:
-    """PTX steps that put bytes 0-1 and 2-3 of register u (values below 2^7 in bf16's `magic` 2^7, 2^10 in f16's)
-    into the low bits of two 16-bit magic numbers a register (prmt, or), then add nz to each pair (one fma.rn: exact,
-    as the results are small integers): outputs $0 and $1 (needs registers p, t, n, z = 0, one = 1.0 a pair)."""
-    return " ".join(f"prmt.b32 p, u, z, {sel}; or.b32 t, p, {magic * 0x10001:#x}; mov.b32 n, {nz * 0x10001:#x}; "
-                    f"{fma} ${out}, t, one, n;" for out, sel in enumerate(["0x4140", "0x4342"]))
+# The wide tiles' quants: each made exactly in the 16-bit type from a magic number (a power of two whose mantissa's
+# last bit is worth 1: OR-ing a small integer into it adds the integer; one fma.rn a pair then takes the magic away,
+# exactly), then scaled in a second fma.rn a pair, q s + m rounded once, as no int-to-float conversion (a quarter
+# of the FMA rate) runs. PTX registers: z = 0, one = 1.0 a pair, mz = -0.0 a pair (m of a format without a min).
+_SEL = ("0x4140", "0x4342")  # prmt selectors: bytes 0 and 1, 2 and 3 of a word into a register's 16-bit lanes
 
 
 @triton.constexpr_function
 def _magic_asm(body: str, bf16: bool) -> str:
-    """A magic-number conversion's PTX: its registers, then `body` (which sets u and runs _magic_pairs)."""
+    """A magic-number conversion's PTX: its registers, then `body`."""
     one = 0x3F803F80 if bf16 else 0x3C003C00
-    return f"{{.reg .b32 u, a, b, p, t, n, z, one; mov.b32 z, 0; mov.b32 one, {one:#x}; {body}}}"
+    return (f"{{.reg .b32 u, a, b, p, t, n, z, one, mz; mov.b32 z, 0; mov.b32 one, {one:#x}; "
+            f"mov.b32 mz, 0x80008000; {body}}}")
 
 
+@triton.constexpr_function
+def _magic_pairs(magic: int, fma: str, nz: int, scales, outs=("$0", "$1")) -> str:
+    """PTX steps that put bytes 0-1 and 2-3 of register u (values below 2^7 in bf16's `magic` 2^7, 2^10 in f16's)
+    into the low bits of two magic numbers a register (prmt, or), add nz to each pair (exact, as the results are
+    small integers), then take each pair times its scale register plus its m register into its output (scales:
+    (s, m) of each of outs)."""
+    return " ".join(f"prmt.b32 p, u, z, {sel}; or.b32 t, p, {magic * 0x10001:#x}; mov.b32 n, {nz * 0x10001:#x}; "
+                    f"{fma} t, t, one, n; {fma} {out}, t, {sm[0]}, {sm[1]};"
+                    for out, sel, sm in zip(outs, _SEL, scales))
+
+
+@triton.constexpr_function
+def _nibbles_scaled_asm(bf16: bool) -> str:
+    """PTX of _nibbles_scaled: four bytes $4 in; their low nibbles times s_lo ($5, $6) plus m_lo ($7, $8) out as two
+    16-bit pairs ($0, $1), then their high nibbles with s_hi ($9, $10) and m_hi ($11, $12) ($2, $3)."""
+    magic, fma = (0x4300, "fma.rn.bf16x2") if bf16 else (0x6400, "fma.rn.f16x2")
+    pairs = [_magic_pairs(magic, fma, magic | 0x8000, scales, (f"${2 * h}", f"${2 * h + 1}"))
+             for h, scales in enumerate([(("$5", "$7"), ("$6", "$8")), (("$9", "$11"), ("$10", "$12"))])]
+    return _magic_asm(f"and.b32 u, $4, 0x0F0F0F0F; {pairs[0]} shr.u32 u, $4, 4; and.b32 u, u, 0x0F0F0F0F; "
+                      f"{pairs[1]}", bf16)
+
+
+@triton.constexpr_function
 def _signed_bytes_asm(bf16: bool) -> str:
-    """PTX of _signed_bytes for one 16-bit type. bf16 (8 significant bits): a byte's low 7 bits go into 2^7's
-    mantissa (128 + r), and its sign bit picks what the fma subtracts, 128 or 256 (its bit 7 is the sum's). f16 (11
-    bits): the byte plus 128 goes into 2^10's mantissa, and the fma subtracts 1,152."""
+    """PTX of _signed_bytes: four bytes $2 in, times s ($3, $4) out as two 16-bit pairs ($0, $1). bf16 (8
+    significant bits): a byte's low 7 bits go into 2^7's mantissa (128 + r), and its sign bit picks what the fma
+    subtracts, 128 or 256 (its bit 7 is the sum's). f16 (11 bits): the byte plus 128 goes into 2^10's mantissa, and
+    the fma subtracts 1,152."""
+    scales = (("$3", "mz"), ("$4", "mz"))
     if not bf16:
-        return _magic_asm("xor.b32 u, $2, 0x80808080; " + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480), False)
+        return _magic_asm("xor.b32 u, $2, 0x80808080; " + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480, scales), False)
     steps = [f"prmt.b32 p, $2, z, {sel}; and.b32 t, p, 0x007F007F; or.b32 t, t, 0x43004300; and.b32 n, p, 0x00800080;"
-             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 ${out}, t, one, n;"
-             for out, sel in enumerate(["0x4140", "0x4342"])]
+             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 t, t, one, n; fma.rn.bf16x2 ${out}, t, {sm[0]}, {sm[1]};"
+             for out, (sel, sm) in enumerate(zip(_SEL, scales))]
     return _magic_asm(" ".join(steps), True)
 
 
 @triton.constexpr_function
-def _q6k_exact_asm(r: int, bf16: bool) -> str:
-    """PTX of _q6k_exact for quarter r: four bytes' 6-bit values (0..63: a nibble of ql $2, two bits of qh $3 on
-    top), each put into a 16-bit magic number, less the magic and 32 (one fma a pair)."""
+def _q6k_scaled_asm(r: int, bf16: bool) -> str:
+    """PTX of _q6k_scaled for quarter r: four bytes' 6-bit values (0..63: a nibble of ql $2, two bits of qh $3 on
+    top) less 32, times s ($4, $5), as two 16-bit pairs ($0, $1)."""
     low = f"shr.u32 a, $2, {4 * (r // 2)}; and.b32 a, a, 0x0F0F0F0F;" if r // 2 else "and.b32 a, $2, 0x0F0F0F0F;"
     top = f"shr.u32 b, $3, {2 * r}; and.b32 b, b, 0x03030303;" if r else "and.b32 b, $3, 0x03030303;"
-    pairs = _magic_pairs(0x4300, "fma.rn.bf16x2", 0xC320) if bf16 else _magic_pairs(0x6400, "fma.rn.f16x2", 0xE420)
+    scales = (("$4", "mz"), ("$5", "mz"))
+    pairs = (_magic_pairs(0x4300, "fma.rn.bf16x2", 0xC320, scales) if bf16
+             else _magic_pairs(0x6400, "fma.rn.f16x2", 0xE420, scales))
     return _magic_asm(f"{low} {top} shl.b32 b, b, 4; or.b32 u, a, b; {pairs}", bf16)
 
 
-_SIGNED_BF16_ASM = tl.constexpr(_signed_bytes_asm(True))
-_SIGNED_F16_ASM = tl.constexpr(_signed_bytes_asm(False))
+@triton.jit
+def _scaled_values(q, s, m, dt: tl.constexpr):
+    """The torch-level form of the scaled quants (the interpreter's; the PTX's fma.rn rounds q s + m once too):
+    small integers q times s plus m (each [BN, 1], in dt), rounded to dt."""
+    return (q.to(tl.float32) * s.to(tl.float32) + m.to(tl.float32)).to(dt)
 
 
 @triton.jit
-def _signed_bytes(qb, dt: tl.constexpr, ASM: tl.constexpr):
-    """Signed bytes qb (int8 or their uint8 bits) -> their values in dt (bf16 or fp16), exact: in the PTX two
-    16-bit magic numbers and an fma a pair (_signed_bytes_asm), where an int-to-float conversion of each runs at a
-    quarter of the FMA rate."""
+def _nibbles_scaled(qb, s_lo, m_lo, s_hi, m_hi, dt: tl.constexpr, ASM: tl.constexpr):
+    """Bytes qb (uint8 [BN, H]) -> their low nibbles times s_lo plus m_lo and their high nibbles times s_hi plus
+    m_hi ([BN, H] each in dt, rounded once; the scales [BN, 1] in dt): Q4_K's sub-blocks' values."""
     if ASM:
-        asm: tl.constexpr = _SIGNED_BF16_ASM if dt == tl.bfloat16 else _SIGNED_F16_ASM
-        return tl.inline_asm_elementwise(asm, "=r,=r,r", [qb], dtype=tl.int16, is_pure=True, pack=4).to(dt,
-                                                                                                       bitcast=True)
-    return qb.to(tl.int8, bitcast=True).to(dt)
+        lo, hi = tl.inline_asm_elementwise(_nibbles_scaled_asm(dt == tl.bfloat16), "=r,=r,=r,=r" + ",r" * 9,
+                                           [qb, s_lo, m_lo, s_hi, m_hi], dtype=(tl.int16, tl.int16), is_pure=True,
+                                           pack=4)
+        return lo.to(dt, bitcast=True), hi.to(dt, bitcast=True)
+    q = qb.to(tl.int32)
+    return _scaled_values(q & 15, s_lo, m_lo, dt), _scaled_values(q >> 4, s_hi, m_hi, dt)
 
 
 @triton.jit
-def _q6k_exact(ql, qh, R: tl.constexpr, dt: tl.constexpr, ASM: tl.constexpr):
-    """_q6k_signed's quants of quarter R, exactly in dt (bf16 or fp16), from magic numbers in the PTX
-    (_q6k_exact_asm: no int-to-float conversion)."""
+def _signed_bytes(qb, s, dt: tl.constexpr, ASM: tl.constexpr):
+    """Signed bytes qb (their uint8 bits [BN, H]) times s ([BN, 1] in dt), rounded once to dt (_signed_bytes_asm)."""
     if ASM:
-        return tl.inline_asm_elementwise(_q6k_exact_asm(R, dt == tl.bfloat16), "=r,=r,r,r", [ql, qh],
+        return tl.inline_asm_elementwise(_signed_bytes_asm(dt == tl.bfloat16), "=r,=r,r,r,r", [qb, s],
                                          dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
-    return _q6k_signed(ql, qh, R, False).to(dt)
+    return _scaled_values(qb.to(tl.int8, bitcast=True), s, tl.zeros_like(s), dt)
+
+
+@triton.jit
+def _q6k_scaled(ql, qh, R: tl.constexpr, s, dt: tl.constexpr, ASM: tl.constexpr):
+    """_q6k_signed's quants of quarter R times s ([BN, 1] in dt), rounded once to dt (_q6k_scaled_asm)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_q6k_scaled_asm(R, dt == tl.bfloat16), "=r,=r,r,r,r,r", [ql, qh, s],
+                                         dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
+    return _scaled_values(_q6k_signed(ql, qh, R, False), s, tl.zeros_like(s), dt)
 
 
 @triton.jit
@@ -1036,12 +1074,12 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
-    (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K (a block a step: each
-    sub-block's quants exactly in x's dtype, a product with its 32 columns of x, then d sc on it less dmin m times
-    the columns' sum), Q8_0 (WIDE_Q8_0_STEP values a step: each block's quants exactly in x's dtype, a product with
-    its 32 columns of x, then its d) or another K-quant (a block a step, its values made in K order half a block at
-    a time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide
-    tiles of W, K split over program axis 2 (_rows_result)."""
+    (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K, Q6_K (a block a
+    step) and Q8_0 (WIDE_Q8_0_STEP values a step): each sub-block's values made in x's dtype from its quants and
+    scales, rounded once (q d sc - dmin m, (q - 32) d sc, q d: _nibbles_scaled, _q6k_scaled, _signed_bytes), each
+    product accumulated in place, or another K-quant (a block a step, its values made in K order half a block at a
+    time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K and Q6_K too).
+    Wide tiles of W, K split over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
@@ -1075,24 +1113,23 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             else:  # q - z exactly in x's dtype, the group's scale on the product
                 lo, hi = _nibbles_less_zero(qb, z, dt, ASM)
                 acc += s * tl.dot(hi, tl.load(x + H), tl.dot(lo, tl.load(x)))
-        elif FMT == Q4_K and not IEEE:  # q exactly in x's dtype, each sub-block's scale and min on its product
+        elif FMT == Q4_K and not IEEE:  # each sub-block's values q d sc - dmin m in x's dtype (_nibbles_scaled)
             base = rows * stride_wn + kb * TYPE_SIZE
             d = _f16(w16_ptr, base)
-            dmin = _f16(w16_ptr, base + 2)
+            dmin = -_f16(w16_ptr, base + 2)
             w0 = tl.load(w32_ptr + base // 4 + 1)
             w1 = tl.load(w32_ptr + base // 4 + 2)
             w2 = tl.load(w32_ptr + base // 4 + 3)
             j = tl.arange(0, 32)
-            unsigned = tl.zeros((BLOCK_N, 1), tl.uint8)
             for c in tl.static_range(4):  # chunk c: sub-blocks 2 c (low nibbles) and 2 c + 1 (high)
-                lo, hi = _nibbles_less_zero(tl.load(w_ptr + base + 16 + 32 * c + j[None, :]), unsigned, dt, ASM)
+                sc_lo, m_lo = _k_scale_min_of(w0, w1, w2, 2 * c)
+                sc_hi, m_hi = _k_scale_min_of(w0, w1, w2, 2 * c + 1)
+                lo, hi = _nibbles_scaled(tl.load(w_ptr + base + 16 + 32 * c + j[None, :]), (d * sc_lo).to(dt),
+                                         (dmin * m_lo).to(dt), (d * sc_hi).to(dt), (dmin * m_hi).to(dt), dt, ASM)
                 x = x_ptr + xm * stride_xm + kb * BLOCK + 64 * c + j[:, None]
-                for h in tl.static_range(2):
-                    xs = tl.load(x + 32 * h)
-                    sc, mn = _k_scale_min_of(w0, w1, w2, 2 * c + h)
-                    acc += (d * sc) * tl.dot(hi if h else lo, xs)
-                    acc -= (dmin * mn) * tl.sum(xs.to(tl.float32), 0)[None, :]
-        elif FMT == Q6_K and not IEEE:  # each 16 values' quants exactly in x's dtype, d sc on their product
+                acc = tl.dot(lo, tl.load(x), acc)
+                acc = tl.dot(hi, tl.load(x + 32), acc)
+        elif FMT == Q6_K and not IEEE:  # each 16 values' (q - 32) d sc in x's dtype (_q6k_scaled)
             base = rows * stride_wn + kb * TYPE_SIZE
             d = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
             j = tl.arange(0, 16)
@@ -1103,20 +1140,21 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                         ql = tl.load(w_ptr + base + 64 * n + 32 * a + 16 * h + j[None, :])
                         for r in tl.static_range(a, 4, 2):
                             x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * n + 32 * r + 16 * h + j[:, None])
-                            sc = _i8(w_ptr + base + 192 + 8 * n + 2 * r + h)
-                            acc += (d * sc) * tl.dot(_q6k_exact(ql, qh, r, dt, ASM), x)
-        elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each d on its product
+                            s = (d * _i8(w_ptr + base + 192 + 8 * n + 2 * r + h)).to(dt)
+                            acc = tl.dot(_q6k_scaled(ql, qh, r, s, dt, ASM), x, acc)
+        elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each's values q d (_signed_bytes)
             j = tl.arange(0, 32)
             for c in tl.static_range(BLOCK // 32):
                 g = kb * (BLOCK // 32) + c
                 inside = g < K // 32
                 qb = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :], mask=inside, other=0)
                 x = tl.load(x_ptr + xm * stride_xm + 32 * g + j[:, None], mask=inside, other=0.0)
+                d = tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0)
                 if IEEE:
-                    dot = tl.dot(_signed_bytes(qb, tl.float32, False), x, input_precision="ieee")
+                    w = qb.to(tl.int8, bitcast=True).to(tl.float32) * d.to(tl.float32)
+                    acc = tl.dot(w, x, acc, input_precision="ieee")
                 else:
-                    dot = tl.dot(_signed_bytes(qb, dt, ASM), x)
-                acc += tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0).to(tl.float32) * dot
+                    acc = tl.dot(_signed_bytes(qb, d.to(dt), dt, ASM), x, acc)
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)

@@ -213,18 +213,39 @@ def test_int4_ptx_makes_each_nibble_less_its_zero_point_exactly_in_16_bits(dtype
     assert torch.equal(got, expected)
 
 
+def _pairs(values: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Values [W, 4] as two registers of 16-bit pairs in dtype (lanes 0-1, 2-3)."""
+    bits = values.to(dtype).view(torch.int16).long() & 0xFFFF
+    return [bits[:, 2 * i] | (bits[:, 2 * i + 1] << 16) for i in range(2)]
+
+
+def _scales(gen: torch.Generator, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random scales [n, 4] (one a value: a register mixed up shows), exact in dtype, over a wide range of
+    magnitudes and both signs."""
+    return (torch.randn(n, 4, generator=gen) * 2.0 ** torch.randint(-12, 4, (n, 4), generator=gen)).to(dtype).float()
+
+
+def _scaled(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * s + m).to(dtype).float()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_signed_bytes_ptx_makes_every_int8_value_exactly_in_16_bits(dtype):
-    """The PTX that makes Q8_0's quants for the wide tiles (run only on a GPU), executed instruction by instruction
-    on every byte in each of a word's four places: the int8 values, as two 16-bit pairs."""
+def test_signed_bytes_ptx_makes_each_int8_value_times_its_scale_rounded_once(dtype):
+    """The PTX that makes Q8_0's values for the wide tiles (run only on a GPU), executed instruction by instruction
+    on every byte in each of a word's four places, each word with a scale: the int8 values times it, as two 16-bit
+    pairs rounded once (scale 1: the values themselves, exactly)."""
     from outrider.kernels.quant_gemm import _signed_bytes_asm
 
     q = torch.arange(256).repeat_interleave(4).view(-1, 4).roll(1, 0)  # bytes 0..255, in every place
     q[:, 1:] = q[:, 1:].roll(17, 0)  # (places not all equal)
     word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
-    regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word}, dtype)
-    got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
-    assert torch.equal(got, q.to(torch.uint8).view(torch.int8).float())
+    values = q.to(torch.uint8).view(torch.int8).float()
+    for s in (torch.ones(256, 4), _scales(torch.Generator().manual_seed(1), 256, dtype)):
+        s_regs = _pairs(s, dtype)
+        regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word, "$3": s_regs[0], "$4": s_regs[1]},
+                        dtype)
+        got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
+        assert torch.equal(got, _scaled(values, s, torch.zeros(1), dtype))
 
 
 @pytest.mark.parametrize("quarter", range(4))
@@ -245,18 +266,41 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
 
 @pytest.mark.parametrize("quarter", range(4))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_q6k_exact_quants_ptx_makes_each_6_bit_value_less_32_exactly_in_16_bits(dtype, quarter):
-    """The PTX that makes Q6_K's quants for the wide tiles (run only on a GPU), executed instruction by instruction
-    on random ql and qh words: each byte's 6-bit value of the quarter less 32, as two 16-bit pairs."""
-    from outrider.kernels.quant_gemm import _q6k_exact_asm
+def test_q6k_scaled_quants_ptx_makes_each_6_bit_value_less_32_times_its_scale(dtype, quarter):
+    """The PTX that makes Q6_K's values for the wide tiles (run only on a GPU), executed instruction by instruction
+    on random ql and qh words with random scales: each byte's 6-bit value of the quarter less 32, times the scale,
+    rounded once, as two 16-bit pairs."""
+    from outrider.kernels.quant_gemm import _q6k_scaled_asm
 
     gen = torch.Generator().manual_seed(quarter)
     ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen) for _ in range(2))
+    s = _scales(gen, 4096, dtype)
     words = [b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24) for b in (ql, qh)]
-    regs = _run_ptx(_q6k_exact_asm(quarter, dtype == torch.bfloat16), {"$2": words[0], "$3": words[1]}, dtype)
+    s_regs = _pairs(s, dtype)
+    regs = _run_ptx(_q6k_scaled_asm(quarter, dtype == torch.bfloat16),
+                    {"$2": words[0], "$3": words[1], "$4": s_regs[0], "$5": s_regs[1]}, dtype)
     got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
     q = ((ql >> (4 * (quarter // 2))) & 15) | (((qh >> (2 * quarter)) & 3) << 4)
-    assert torch.equal(got, (q - 32).float())
+    assert torch.equal(got, _scaled(q - 32, s, torch.zeros(1), dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_q4k_nibbles_ptx_makes_each_value_times_its_scale_plus_its_min_rounded_once(dtype):
+    """The PTX that makes Q4_K's values for the wide tiles (run only on a GPU), executed instruction by instruction
+    on random bytes with random scales and mins for the low and the high nibbles: q s + m rounded once, the low
+    nibbles as two 16-bit pairs, then the high ones."""
+    from outrider.kernels.quant_gemm import _nibbles_scaled_asm
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(0, 256, (4096, 4), generator=gen)
+    word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
+    s_lo, m_lo, s_hi, m_hi = (_scales(gen, 4096, dtype) for _ in range(4))
+    regs = {"$4": word}
+    for first, t in zip((5, 7, 9, 11), (s_lo, m_lo, s_hi, m_hi)):
+        regs[f"${first}"], regs[f"${first + 1}"] = _pairs(t, dtype)
+    regs = _run_ptx(_nibbles_scaled_asm(dtype == torch.bfloat16), regs, dtype)
+    got = torch.stack([_halves(regs[f"${i}"], dtype) for i in range(4)], 1).flatten(1)  # [low 0..3, high 0..3]
+    assert torch.equal(got, torch.cat([_scaled(q & 15, s_lo, m_lo, dtype), _scaled(q >> 4, s_hi, m_hi, dtype)], 1))
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
