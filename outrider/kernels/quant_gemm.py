@@ -14,8 +14,10 @@ rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop
 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 read x as llama.cpp's CUDA kernels do: quantized once per product to int8 groups
 of 32 (Int8X, one small launch, which also makes a pre-norm projection's normed input or the down projection's
 SiLU·mul: takes_prologue), and the scales meet integer sums once a group (_INT8_X_KERNELS). One row (decode):
-four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. More rows
-(verify; up to VERIFY_ROWS): each group's quants, as int8, meet x's int8 columns on the tensor cores. Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
+four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. A few rows:
+the same dp4a products, W read once for all of them. More rows (verify, batches; Q6_K and Q8_0 up to their
+max_rows): each group's quants, as int8, meet x's int8 columns on the tensor cores; past a format's Int8X rows,
+its wide tiles (_wide_rows_kernel: the quants made exactly in x's 16-bit type, _WIDE_PAST). Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
 partial sums in a fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes
 (quant/formats.py): the blocks without d, read in wide aligned loads, and the d's. Float32 rows keep their precision
 on the path above.
@@ -52,7 +54,6 @@ from outrider.quant.tensor import QuantizedTensor
 # beyond, a chunk of the weight is dequantized into a scratch buffer and multiplied by cuBLAS (prefill), whose
 # tensor-core GEMM outruns the fused kernels once the product is compute-bound.
 FUSED_MAX_ROWS = 64
-VERIFY_ROWS = 16  # 16-bit rows up to which a product reads x as an Int8X (a verify step's); past them wide tiles
 
 # Bytes of the per-device dequantization buffer of the prefill path: OUTRIDER_QUANT_SCRATCH_MB.
 SCRATCH_MB = float(os.environ.get("OUTRIDER_QUANT_SCRATCH_MB", "256"))
@@ -108,9 +109,12 @@ def grouped_row_config(n: int, k: int) -> QuantGemmConfig:
     return QuantGemmConfig(block_n=32, block_m=1, blocks=2, split_k=_split_k(k, triton.cdiv(n, 32)))
 
 
-def rows_config(m: int, n: int, k: int, block_n: int = 64) -> QuantGemmConfig:
-    """2 to VERIFY_ROWS rows on an Int8X: block_n rows of W and 16 of x a program, K split by _split_k."""
-    return QuantGemmConfig(block_n=block_n, block_m=16, blocks=1, split_k=_split_k(k, triton.cdiv(n, block_n)))
+def rows_config(m: int, n: int, k: int, block_n: int = 64, most: int = 8) -> QuantGemmConfig:
+    """More rows on an Int8X (_Int8Kernels.rows): block_n rows of W and 16 of x a program (past 16 rows of x, 64
+    and 32), K split by _split_k over `most` programs at most."""
+    block_m, block_n = (16, block_n) if m <= 16 else (32, 64)
+    return QuantGemmConfig(block_n=block_n, block_m=block_m, blocks=1,
+                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m), most))
 
 
 def few_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
@@ -128,7 +132,7 @@ def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
         return grouped_row_config(n, k) if kernels.grouped else row_config(n, k)
     if kernels.takes_few(m):
         return few_rows_config(m, n, k)
-    return rows_config(m, n, k, kernels.rows_block_n)
+    return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and _k_quant(part) else 8)
 
 
 def _k_quant(part: QuantizedTensor) -> bool:
@@ -588,18 +592,6 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
 
 
 @triton.jit
-def _nibbles(qb, HIGH: tl.constexpr, ASM: tl.constexpr):
-    """Bytes (uint8) -> their low or high nibbles as int8: one and (and a shift) per four bytes in the PTX."""
-    if ASM:
-        if HIGH:
-            return tl.inline_asm_elementwise("{.reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F;}", "=r,r",
-                                             [qb], dtype=tl.int8, is_pure=True, pack=4)
-        return tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [qb], dtype=tl.int8, is_pure=True,
-                                         pack=4)
-    return ((qb >> (4 * HIGH)) & 15).to(tl.int8)
-
-
-@triton.jit
 def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """A rows kernel's output tile (program axes 0 and 1): its rows of W offs_n and of x offs_m, and those clamped
     for loads, as int64 rows [BLOCK_N, 1] and xm [1, BLOCK_M] (rows past N or M read the last one; their stores are
@@ -654,37 +646,6 @@ def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
 
 
 @triton.jit
-def _q4k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
-                        N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2-64 rows, on the int8 tensor cores: for each sub-block s
-    (chunk c = s // 2's 32 quant bytes, their low or high nibbles: 32 values in K order), an int32 tile
-    [BLOCK_N, BLOCK_M] = quants @ xq's 32 columns, then d sc dx (that tile) - dmin m sum(x) in float32."""
-    pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
-    row = rows * stride_wn  # [BN, 1] byte offsets of the rows
-    j = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
-    for kb in tl.range(first, last):
-        base = row + 144 * kb
-        d = _f16(w16_ptr, base)
-        dmin = _f16(w16_ptr, base + 2)
-        for c in tl.static_range(4):
-            qb = tl.load(w_ptr + base + 16 + 32 * c + j[None, :])
-            for h in tl.static_range(2):
-                g = kb * 8 + 2 * c + h  # x's group
-                xq = tl.load(xq_ptr + xm * K + 32 * g + j[:, None])
-                dot = tl.dot(_nibbles(qb, h, ASM), xq, out_dtype=tl.int32)
-                sc, mn = _k_scale_min(w32_ptr, base, 2 * c + h)
-                sx = tl.sum(tl.load(xs_ptr + (xm * (K // 16) + 2 * g)[:, :, None] + tl.arange(0, 2)[None, None, :]),
-                            axis=2)
-                acc += (d * sc) * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
-                acc -= (dmin * mn) * sx
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
-
-
-@triton.jit
 def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                          N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
@@ -727,7 +688,8 @@ def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
 def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    """_q4k_rows_q8_kernel for Q6_K (blocks of 208 bytes, d in its plane). Values 128 n + 32 r + l (half n, quarter
+    """y [M, N] = x @ W.T on Q6_K (blocks of 208 bytes, d in its plane) for an Int8X x of 2 to max_rows rows, on
+    the int8 tensor cores: int32 tiles [BLOCK_N, BLOCK_M] = quants @ xq's columns, scaled in float32. Values 128 n + 32 r + l (half n, quarter
     r): ql byte 64 n + 32 (r % 2) + l, its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top, less 32
     (signed int8, so no min term); the scale of 16 values is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns
     of xq meet the quants twice, as their two halves (the other half zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
@@ -782,7 +744,7 @@ def _q6k_signed(ql, qh, R: tl.constexpr, ASM: tl.constexpr):
 def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
-    """_q4k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
+    """_q6k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
     as stored; d dx meets its int32 tile."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
@@ -900,33 +862,6 @@ def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
-@triton.jit
-def _int4_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
-                         M, N, K, stride_wn, stride_d, stride_ym, z_ptr, HAS_BIAS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                         GROUP: tl.constexpr, USE_PDL: tl.constexpr):
-    """_q4k_rows_q8_kernel for INT4: each 32 bytes c of a group, their low or high nibbles (values 32 c on, or
-    GROUP / 2 + 32 c on) against x's 32 columns of those values, then s dx (that tile) - s z sum(x)."""
-    pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
-    row = rows * stride_wn
-    j = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // GROUP, tl.program_id(2), SPLIT)
-    for g in tl.range(first, last):
-        scale = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
-        scaled_zero = scale * tl.load(z_ptr + rows * stride_d + g).to(tl.float32)
-        for c in tl.static_range(GROUP // 64):
-            qb = tl.load(w_ptr + row + g * (GROUP // 2) + 32 * c + j[None, :])
-            for h in tl.static_range(2):
-                xg = g * (GROUP // 32) + h * (GROUP // 64) + c  # x's group
-                xq = tl.load(xq_ptr + xm * K + 32 * xg + j[:, None])
-                dot = tl.dot(_nibbles(qb, h, ASM), xq, out_dtype=tl.int32)
-                acc += scale * (tl.load(xd_ptr + xm * (K // 32) + xg) * dot.to(tl.float32))
-                acc -= scaled_zero * _x_group_sum(xs_ptr, xm, K, xg)
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
-
-
 def _nibbles_less_zero_asm(magic: int, fma: str, one: int) -> str:
     """PTX of _nibbles_less_zero for one 16-bit type: `magic` its bits of 2^7 (bf16) or 2^10 (f16), whose last
     mantissa bit is worth 1, so that OR-ing a nibble q into it makes magic + q exactly."""
@@ -965,8 +900,8 @@ def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
 
 # The wide tiles' quants: each made exactly in the 16-bit type from a magic number (a power of two whose mantissa's
 # last bit is worth 1: OR-ing a small integer into it adds the integer; one fma.rn a pair then takes the magic away,
-# exactly), then scaled in a second fma.rn a pair, q s + m rounded once, as no int-to-float conversion (a quarter
-# of the FMA rate) runs. PTX registers: z = 0, one = 1.0 a pair, mz = -0.0 a pair (m of a format without a min).
+# exactly), and for Q4_K then scaled in a second fma.rn a pair, q s + m rounded once, as no int-to-float
+# conversion (a quarter of the FMA rate) runs. PTX registers: z = 0, one = 1.0 a pair.
 _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes 0 and 1, 2 and 3 of a word into a register's 16-bit lanes
 
 
@@ -974,19 +909,18 @@ _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes 0 and 1, 2 and 3 of a word 
 def _magic_asm(body: str, bf16: bool) -> str:
     """A magic-number conversion's PTX: its registers, then `body`."""
     one = 0x3F803F80 if bf16 else 0x3C003C00
-    return (f"{{.reg .b32 u, a, b, p, t, n, z, one, mz; mov.b32 z, 0; mov.b32 one, {one:#x}; "
-            f"mov.b32 mz, 0x80008000; {body}}}")
+    return f"{{.reg .b32 u, p, t, n, z, one; mov.b32 z, 0; mov.b32 one, {one:#x}; {body}}}"
 
 
 @triton.constexpr_function
-def _magic_pairs(magic: int, fma: str, nz: int, scales, outs=("$0", "$1")) -> str:
+def _magic_pairs(magic: int, fma: str, nz: int, scales=None, outs=("$0", "$1")) -> str:
     """PTX steps that put bytes 0-1 and 2-3 of register u (values below 2^7 in bf16's `magic` 2^7, 2^10 in f16's)
-    into the low bits of two magic numbers a register (prmt, or), add nz to each pair (exact, as the results are
-    small integers), then take each pair times its scale register plus its m register into its output (scales:
-    (s, m) of each of outs)."""
+    into the low bits of two magic numbers a register (prmt, or) and add nz to each pair (exact, as the results are
+    small integers) into outs; with scales ((s, m) registers of each of outs), each pair then times s plus m."""
     return " ".join(f"prmt.b32 p, u, z, {sel}; or.b32 t, p, {magic * 0x10001:#x}; mov.b32 n, {nz * 0x10001:#x}; "
-                    f"{fma} t, t, one, n; {fma} {out}, t, {sm[0]}, {sm[1]};"
-                    for out, sel, sm in zip(outs, _SEL, scales))
+                    + (f"{fma} {out}, t, one, n;" if scales is None
+                       else f"{fma} t, t, one, n; {fma} {out}, t, {scales[i][0]}, {scales[i][1]};")
+                    for i, (out, sel) in enumerate(zip(outs, _SEL)))
 
 
 @triton.constexpr_function
@@ -1002,29 +936,15 @@ def _nibbles_scaled_asm(bf16: bool) -> str:
 
 @triton.constexpr_function
 def _signed_bytes_asm(bf16: bool) -> str:
-    """PTX of _signed_bytes: four bytes $2 in, times s ($3, $4) out as two 16-bit pairs ($0, $1). bf16 (8
-    significant bits): a byte's low 7 bits go into 2^7's mantissa (128 + r), and its sign bit picks what the fma
-    subtracts, 128 or 256 (its bit 7 is the sum's). f16 (11 bits): the byte plus 128 goes into 2^10's mantissa, and
-    the fma subtracts 1,152."""
-    scales = (("$3", "mz"), ("$4", "mz"))
+    """PTX of _signed_bytes: four bytes $2 in, their values out as two 16-bit pairs ($0, $1). bf16 (8 significant
+    bits): a byte's low 7 bits go into 2^7's mantissa (128 + r), and its sign bit picks what the fma subtracts, 128
+    or 256 (its bit 7 is the sum's). f16 (11 bits): the byte plus 128 goes into 2^10's mantissa, and the fma
+    subtracts 1,152."""
     if not bf16:
-        return _magic_asm("xor.b32 u, $2, 0x80808080; " + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480, scales), False)
+        return _magic_asm("xor.b32 u, $2, 0x80808080; " + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480), False)
     steps = [f"prmt.b32 p, $2, z, {sel}; and.b32 t, p, 0x007F007F; or.b32 t, t, 0x43004300; and.b32 n, p, 0x00800080;"
-             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 t, t, one, n; fma.rn.bf16x2 ${out}, t, {sm[0]}, {sm[1]};"
-             for out, (sel, sm) in enumerate(zip(_SEL, scales))]
+             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 ${out}, t, one, n;" for out, sel in enumerate(_SEL)]
     return _magic_asm(" ".join(steps), True)
-
-
-@triton.constexpr_function
-def _q6k_scaled_asm(r: int, bf16: bool) -> str:
-    """PTX of _q6k_scaled for quarter r: four bytes' 6-bit values (0..63: a nibble of ql $2, two bits of qh $3 on
-    top) less 32, times s ($4, $5), as two 16-bit pairs ($0, $1)."""
-    low = f"shr.u32 a, $2, {4 * (r // 2)}; and.b32 a, a, 0x0F0F0F0F;" if r // 2 else "and.b32 a, $2, 0x0F0F0F0F;"
-    top = f"shr.u32 b, $3, {2 * r}; and.b32 b, b, 0x03030303;" if r else "and.b32 b, $3, 0x03030303;"
-    scales = (("$4", "mz"), ("$5", "mz"))
-    pairs = (_magic_pairs(0x4300, "fma.rn.bf16x2", 0xC320, scales) if bf16
-             else _magic_pairs(0x6400, "fma.rn.f16x2", 0xE420, scales))
-    return _magic_asm(f"{low} {top} shl.b32 b, b, 4; or.b32 u, a, b; {pairs}", bf16)
 
 
 @triton.jit
@@ -1048,21 +968,12 @@ def _nibbles_scaled(qb, s_lo, m_lo, s_hi, m_hi, dt: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
-def _signed_bytes(qb, s, dt: tl.constexpr, ASM: tl.constexpr):
-    """Signed bytes qb (their uint8 bits [BN, H]) times s ([BN, 1] in dt), rounded once to dt (_signed_bytes_asm)."""
+def _signed_bytes(qb, dt: tl.constexpr, ASM: tl.constexpr):
+    """Signed bytes qb (their uint8 bits [BN, H]) -> their values in dt (bf16 or fp16), exact (_signed_bytes_asm)."""
     if ASM:
-        return tl.inline_asm_elementwise(_signed_bytes_asm(dt == tl.bfloat16), "=r,=r,r,r,r", [qb, s],
-                                         dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
-    return _scaled_values(qb.to(tl.int8, bitcast=True), s, tl.zeros_like(s), dt)
-
-
-@triton.jit
-def _q6k_scaled(ql, qh, R: tl.constexpr, s, dt: tl.constexpr, ASM: tl.constexpr):
-    """_q6k_signed's quants of quarter R times s ([BN, 1] in dt), rounded once to dt (_q6k_scaled_asm)."""
-    if ASM:
-        return tl.inline_asm_elementwise(_q6k_scaled_asm(R, dt == tl.bfloat16), "=r,=r,r,r,r,r", [ql, qh, s],
-                                         dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
-    return _scaled_values(_q6k_signed(ql, qh, R, False), s, tl.zeros_like(s), dt)
+        return tl.inline_asm_elementwise(_signed_bytes_asm(dt == tl.bfloat16), "=r,=r,r", [qb], dtype=tl.int16,
+                                         is_pure=True, pack=4).to(dt, bitcast=True)
+    return qb.to(tl.int8, bitcast=True).to(dt)
 
 
 @triton.jit
@@ -1074,12 +985,12 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
-    (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K, Q6_K (a block a
-    step) and Q8_0 (WIDE_Q8_0_STEP values a step): each sub-block's values made in x's dtype from its quants and
-    scales, rounded once (q d sc - dmin m, (q - 32) d sc, q d: _nibbles_scaled, _q6k_scaled, _signed_bytes), each
-    product accumulated in place, or another K-quant (a block a step, its values made in K order half a block at a
-    time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K and Q6_K too).
-    Wide tiles of W, K split over program axis 2 (_rows_result)."""
+    (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K (a block a step: each
+    sub-block's values q d sc - dmin m made in x's dtype, rounded once (_nibbles_scaled), each product accumulated
+    in place), Q8_0 (WIDE_Q8_0_STEP values a step: each block's quants exactly in x's dtype (_signed_bytes), a
+    product with its 32 columns of x, then its d) or another K-quant (a block a step, its values made in K order half
+    a block at a time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K
+    too). Wide tiles of W, K split over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
@@ -1129,32 +1040,18 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 x = x_ptr + xm * stride_xm + kb * BLOCK + 64 * c + j[:, None]
                 acc = tl.dot(lo, tl.load(x), acc)
                 acc = tl.dot(hi, tl.load(x + 32), acc)
-        elif FMT == Q6_K and not IEEE:  # each 16 values' (q - 32) d sc in x's dtype (_q6k_scaled)
-            base = rows * stride_wn + kb * TYPE_SIZE
-            d = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
-            j = tl.arange(0, 16)
-            for n in tl.static_range(2):  # (value 128 n + 32 r + 16 h + j: _q6k_rows_q8_kernel's layout)
-                for h in tl.static_range(2):
-                    qh = tl.load(w_ptr + base + 128 + 32 * n + 16 * h + j[None, :])
-                    for a in tl.static_range(2):
-                        ql = tl.load(w_ptr + base + 64 * n + 32 * a + 16 * h + j[None, :])
-                        for r in tl.static_range(a, 4, 2):
-                            x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * n + 32 * r + 16 * h + j[:, None])
-                            s = (d * _i8(w_ptr + base + 192 + 8 * n + 2 * r + h)).to(dt)
-                            acc = tl.dot(_q6k_scaled(ql, qh, r, s, dt, ASM), x, acc)
-        elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each's values q d (_signed_bytes)
+        elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each d on its product
             j = tl.arange(0, 32)
             for c in tl.static_range(BLOCK // 32):
                 g = kb * (BLOCK // 32) + c
                 inside = g < K // 32
                 qb = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :], mask=inside, other=0)
                 x = tl.load(x_ptr + xm * stride_xm + 32 * g + j[:, None], mask=inside, other=0.0)
-                d = tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0)
                 if IEEE:
-                    w = qb.to(tl.int8, bitcast=True).to(tl.float32) * d.to(tl.float32)
-                    acc = tl.dot(w, x, acc, input_precision="ieee")
+                    dot = tl.dot(qb.to(tl.int8, bitcast=True).to(tl.float32), x, input_precision="ieee")
                 else:
-                    acc = tl.dot(_signed_bytes(qb, d.to(dt), dt, ASM), x, acc)
+                    dot = tl.dot(_signed_bytes(qb, dt, ASM), x)
+                acc += tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0).to(tl.float32) * dot
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)
@@ -1168,13 +1065,6 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 else:
                     acc = tl.dot(w.to(dt), x, acc)
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
-
-
-@triton.jit
-def _x_group_sum(xs_ptr, xm, K, g):
-    """The sum of x's group g of 32 values [1, BLOCK_M] (rows xm), from its two 16-value sums."""
-    sums = xs_ptr + xm * (K // 16) + 2 * g
-    return tl.load(sums) + tl.load(sums + 1)
 
 
 @triton.jit
@@ -1421,10 +1311,10 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
 
 def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part reads x as an Int8X: 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 (groups of a
-    power of two from 64 values), up to VERIFY_ROWS (float32 rows keep their full precision)."""
+    power of two from 64 values), up to the format's max_rows (float32 rows keep their full precision)."""
     lay = _layout(part)
     kernels = _INT8_X_KERNELS.get(lay.code)
-    if kernels is None or x.shape[0] > VERIFY_ROWS or x.dtype == torch.float32:
+    if kernels is None or x.shape[0] > kernels.max_rows or x.dtype == torch.float32:
         return False
     return not kernels.grouped or (lay.block >= 64 and is_power_of_two(lay.block))
 
@@ -1435,23 +1325,18 @@ def takes_few_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
-    """Whether x's product with the part runs on _wide_rows_kernel: FP8 past one row, INT4 past its Int8X rows, the
-    K-quants and Q8_0 past VERIFY_ROWS."""
+    """Whether x's product with the part runs on _wide_rows_kernel: past _WIDE_PAST's rows of its format."""
     return _wide_format(_layout(part), x.shape[0]) and not takes_int8_x(x, part)
-
-
-_WIDE_PAST_ONE = (FP8.value, INT4.value)  # formats on wide tiles past one row (INT4's Int8X rows aside)
-_WIDE_PAST_VERIFY = (Q4_K.value, Q5_K.value, Q6_K.value, Q8_0.value)  # ... past VERIFY_ROWS
 
 
 def _wide_format(lay: _Layout, m: int) -> bool:
     """takes_wide_rows for a product that does not take an Int8X x."""
-    return lay.code in _WIDE_PAST_ONE and m > 1 or lay.code in _WIDE_PAST_VERIFY and m > VERIFY_ROWS
+    return lay.code in _WIDE_PAST and m > _WIDE_PAST[lay.code]
 
 
 def has_wide_tiles(part: QuantizedTensor) -> bool:
     """Whether _wide_rows_kernel reads the part's format (wide_linear), at whatever rows its products take it."""
-    return _layout(part).code in _WIDE_PAST_ONE + _WIDE_PAST_VERIFY
+    return _layout(part).code in _WIDE_PAST
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -1558,9 +1443,10 @@ class _Int8Kernels(NamedTuple):
     of W it needs)."""
 
     row: triton.JITFunction  # one row (dp4a)
-    rows: triton.JITFunction  # 2 to VERIFY_ROWS rows (int8 tensor cores)
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
-    rows_block_n: int  # rows of W a `rows` program takes (rows_config)
+    max_rows: int  # 16-bit rows up to which x is read as an Int8X (past them: the wide tiles, where FUSED_MAX_ROWS)
+    rows: triton.JITFunction | None = None  # past few_rows to max_rows rows (int8 tensor cores)
+    rows_block_n: int = 64  # rows of W a `rows` program takes (rows_config)
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
     few: triton.JITFunction | None = None  # 2 to few_rows rows: `row`'s dp4a products, W read once for all of x
     few_rows: int = 0
@@ -1569,17 +1455,23 @@ class _Int8Kernels(NamedTuple):
         return self.few is not None and 1 < m <= self.few_rows
 
 
-# Q4_K and Q8_0 up to 16 rows read faster at 128 rows of W a program than at 64, Q6_K not (docs/benchmarks.md).
-# INT4: Q4_K's nibbles with a scale and zero point a group. The dp4a kernels (few) compute x's rows one after
-# another: they outrun the int8 tensor-core tiles, which change layout at every 32 columns, at two rows (Q4_K:
-# four) and fall behind past that.
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, _q4k_rows_q8_kernel, 4, 128,
-                                            few=_q4k_few_rows_kernel, few_rows=4),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, _q6k_rows_q8_kernel, 1, 64,
+# Which kernel takes how many rows (bench quant --kernels, which times the wide tiles beside an Int8X product; the
+# tables in docs/benchmarks.md). The dp4a kernels (few) compute x's rows one after another: they outrun the int8
+# tensor-core tiles, which change layout at every 32 columns, at two rows (Q4_K: four) and fall behind past that;
+# past them Q4_K's and INT4's wide tiles (the exact quants, no int-to-float conversion) outrun the int8 tiles,
+# which Q4_K and INT4 therefore have none of. Q8_0's int8 tiles outrun its wide ones up to 16 rows, Q6_K's (which
+# has no wide tiles: made the same way, per 16 values, they read 1.2x slower at 32 rows) up to FUSED_MAX_ROWS. Q8_0
+# up to 16 rows reads faster at 128 rows of W a program than at 64, Q6_K not.
+_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, 4, 4, few=_q4k_few_rows_kernel, few_rows=4),
+                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, 1, FUSED_MAX_ROWS, _q6k_rows_q8_kernel,
                                             few=_q6k_few_rows_kernel, few_rows=2),
-                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, _q80_rows_q8_kernel, 4, 128),
-                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, _int4_rows_q8_kernel, 4, 64, grouped=True,
-                                            few=_int4_few_rows_kernel, few_rows=2)}
+                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, 4, 16, _q80_rows_q8_kernel, 128),
+                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, 4, 2, grouped=True, few=_int4_few_rows_kernel,
+                                            few_rows=2)}
+# Rows past which a format's products run on the wide tiles: FP8 past one; Q5_K past a verify step's 16 (below,
+# its float tile); the Int8X formats that have them past their max_rows.
+_WIDE_PAST = {FP8.value: 1, Q5_K.value: 16, **{code: kernels.max_rows for code, kernels in _INT8_X_KERNELS.items()
+                                                if kernels.max_rows < FUSED_MAX_ROWS}}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

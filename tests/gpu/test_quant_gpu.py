@@ -4,7 +4,7 @@ parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
-accumulation over K <= 1024). Up to 16 16-bit rows on Q4_K, Q6_K, Q8_0 and INT4 read x as llama.cpp's
+accumulation over K <= 1024). 16-bit rows on Q4_K, Q6_K, Q8_0 and INT4, up to INT8_X_ROWS, read x as llama.cpp's
 CUDA kernels do, in int8 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle
 below, and a test of its own bounds what that quantization costs against the exact product."""
 
@@ -24,7 +24,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 ROWS = [1, 2, 5, 16, 40, 512]  # 1-2: CUDA-core products; 5-40: tensor cores; 512: dequantized chunks + cuBLAS
 INT4 = Int4Format(128, "AWQ")
 FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), INT4]
-INT8_X_KINDS = ["Q4_K", "Q6_K", "Q8_0", INT4.name]  # formats whose 16-bit rows up to VERIFY_ROWS take an Int8X
+# Format name -> the 16-bit rows up to which its products read x as int8 groups (quant_gemm._INT8_X_KERNELS)
+INT8_X_ROWS = {"Q4_K": 4, "Q6_K": 64, "Q8_0": 16, INT4.name: 2}
 _BY_NAME = {f.name: f for f in FORMATS}
 
 
@@ -38,15 +39,15 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _x_as_read(x: torch.Tensor, part) -> torch.Tensor:
-    """x as the kernels read it against the part: 16-bit rows up to VERIFY_ROWS on INT8_X_KINDS in int8 groups of 32, each scaled by
+    """x as the kernels read it against the part: 16-bit rows that take an Int8X in int8 groups of 32, each scaled by
     max |x| / 127 and rounded half away from zero (llama.cpp's q8_1); FP8 prefill rows on the FP8 tensor cores
     (takes_fp8_mm) in FP8 per token and group (fp8_gemm); float32 otherwise."""
     from outrider.kernels.fp8_gemm import GROUP, takes_fp8_mm
-    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, VERIFY_ROWS
+    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, takes_int8_x
 
     if x.shape[0] > FUSED_MAX_ROWS and takes_fp8_mm(x, part):
         return _fp8_as_read(x, GROUP if part.format.block_k else x.shape[1])
-    if part.format.name not in INT8_X_KINDS or x.shape[0] > VERIFY_ROWS or x.dtype == torch.float32:
+    if not takes_int8_x(x, part):
         return x.float()
     groups = x.float().view(-1, 32)
     amax = groups.abs().amax(dim=1, keepdim=True)
@@ -91,8 +92,7 @@ def test_quantizing_x_zeroes_the_split_k_tickets_it_is_given(count, device):
     assert int(tickets.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("kind", INT8_X_KINDS)
+@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind, most in INT8_X_ROWS.items() for rows in {1, most}])
 def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, rows, half,
                                                                                              device):
     """What reading x as int8 groups costs (the other tests check the kernels against that reading exactly)."""
@@ -106,8 +106,8 @@ def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_e
     assert 0 < err <= 1e-2 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("kind", INT8_X_KINDS)
+@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind, most in INT8_X_ROWS.items()
+                                            for rows in sorted({1, min(5, most), min(16, most)})])
 def test_a_norm_or_swiglu_made_as_x_is_quantized_gives_the_products_of_the_unfolded_path(kind, rows, half, device):
     """A pre-norm projection and SwiGLU's down projection on parts that read x as int8 groups make their input in
     the launch that quantizes x (quantize_x's prologue): the products of ops' norm / activation followed by the
@@ -136,7 +136,7 @@ def test_a_norm_or_swiglu_made_as_x_is_quantized_gives_the_products_of_the_unfol
 
 
 @pytest.mark.cuda_only
-@pytest.mark.parametrize("kind", INT8_X_KINDS)
+@pytest.mark.parametrize("kind", INT8_X_ROWS)
 def test_ops_fold_the_norm_and_activation_into_the_quantized_products_where_their_parts_read_int8_x(kind):
     """ops.rms_norm_linear and ops.silu_mul_linear on a QuantizedWeight take the folded path at decode rows (one
     launch fewer each: no rms_norm or silu_mul kernel) and give the unfolded path's products."""
@@ -230,22 +230,17 @@ def _scaled(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_signed_bytes_ptx_makes_each_int8_value_times_its_scale_rounded_once(dtype):
-    """The PTX that makes Q8_0's values for the wide tiles (run only on a GPU), executed instruction by instruction
-    on every byte in each of a word's four places, each word with a scale: the int8 values times it, as two 16-bit
-    pairs rounded once (scale 1: the values themselves, exactly)."""
+def test_signed_bytes_ptx_makes_every_int8_value_exactly_in_16_bits(dtype):
+    """The PTX that makes Q8_0's quants for the wide tiles (run only on a GPU), executed instruction by instruction
+    on every byte in each of a word's four places: the int8 values, as two 16-bit pairs."""
     from outrider.kernels.quant_gemm import _signed_bytes_asm
 
     q = torch.arange(256).repeat_interleave(4).view(-1, 4).roll(1, 0)  # bytes 0..255, in every place
     q[:, 1:] = q[:, 1:].roll(17, 0)  # (places not all equal)
     word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
-    values = q.to(torch.uint8).view(torch.int8).float()
-    for s in (torch.ones(256, 4), _scales(torch.Generator().manual_seed(1), 256, dtype)):
-        s_regs = _pairs(s, dtype)
-        regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word, "$3": s_regs[0], "$4": s_regs[1]},
-                        dtype)
-        got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
-        assert torch.equal(got, _scaled(values, s, torch.zeros(1), dtype))
+    regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word}, dtype)
+    got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
+    assert torch.equal(got, q.to(torch.uint8).view(torch.int8).float())
 
 
 @pytest.mark.parametrize("quarter", range(4))
@@ -262,26 +257,6 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
     got = regs["$0"].to(torch.int32).view(torch.int8).view(-1, 4)
     q = ((ql.int() >> (4 * (quarter // 2))) & 15) | (((qh.int() >> (2 * quarter)) & 3) << 4)
     assert torch.equal(got, (q - 32).to(torch.int8))
-
-
-@pytest.mark.parametrize("quarter", range(4))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_q6k_scaled_quants_ptx_makes_each_6_bit_value_less_32_times_its_scale(dtype, quarter):
-    """The PTX that makes Q6_K's values for the wide tiles (run only on a GPU), executed instruction by instruction
-    on random ql and qh words with random scales: each byte's 6-bit value of the quarter less 32, times the scale,
-    rounded once, as two 16-bit pairs."""
-    from outrider.kernels.quant_gemm import _q6k_scaled_asm
-
-    gen = torch.Generator().manual_seed(quarter)
-    ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen) for _ in range(2))
-    s = _scales(gen, 4096, dtype)
-    words = [b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24) for b in (ql, qh)]
-    s_regs = _pairs(s, dtype)
-    regs = _run_ptx(_q6k_scaled_asm(quarter, dtype == torch.bfloat16),
-                    {"$2": words[0], "$3": words[1], "$4": s_regs[0], "$5": s_regs[1]}, dtype)
-    got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
-    q = ((ql >> (4 * (quarter // 2))) & 15) | (((qh >> (2 * quarter)) & 3) << 4)
-    assert torch.equal(got, _scaled(q - 32, s, torch.zeros(1), dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -304,11 +279,11 @@ def test_q4k_nibbles_ptx_makes_each_value_times_its_scale_plus_its_min_rounded_o
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 7])
-@pytest.mark.parametrize("rows", [1, 2, 4, 12, 16])
-@pytest.mark.parametrize("kind", INT8_X_KINDS)
+@pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 2, 4, 12, 20)
+                                            if rows <= INT8_X_ROWS[kind]])
 def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half, device):
     """The kernels of 16-bit rows on an Int8X (quant_gemm._INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
-    kernels where a format takes them there; 12 and 16 rows as a tile of 16) over 5 blocks of 256 columns of
+    kernels where a format takes them there; 12 rows as a tile of 16 and 20 as two) over 5 blocks of 256 columns of
     K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last program of each
     output tile adds the partials."""
     from dataclasses import replace
@@ -321,6 +296,7 @@ def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(
     bias = torch.randn(80, generator=torch.Generator().manual_seed(6)).to(device, half)
     y = torch.empty(rows, 80, device=device, dtype=half)
     config = replace(int8_x_config(rows, weight.parts[0]), block_n=32, split_k=split)
+    config = replace(config, block_m=16) if rows > 4 else config  # 20 rows: two tiles of x's rows
     fused_linear(x, weight.parts[0], bias, y, config)
     _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
@@ -366,9 +342,9 @@ def test_rows_on_the_cuda_cores_with_k_split_over_programs_match_dequantize_then
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("kind", ["FP8 (128x128 blocks)", INT4.name, "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["FP8 (128x128 blocks)", INT4.name, "Q4_K", "Q5_K", "Q8_0"])
 def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul(kind, split, half, device):
-    """_wide_rows_kernel (wide_linear: FP8, INT4, Q4_K, Q5_K, Q6_K, Q8_0) at 20 rows of x, 5 blocks of 256 columns (Q8_0:
+    """_wide_rows_kernel (wide_linear: FP8, INT4, Q4_K, Q5_K, Q8_0) at 20 rows of x, 5 blocks of 256 columns (Q8_0:
     41 blocks of 32, the last of its steps of four blocks partial) split 1 and 3 ways, with a bias."""
     from outrider.kernels.quant_gemm import QuantGemmConfig, has_wide_tiles, wide_linear
 
@@ -602,7 +578,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
                      **grouped[1], **steps[1]}
         return _ptxas_spills(kernels.row, signature, constants, cfg)
-    if kernels and 0 < rows <= q.VERIFY_ROWS:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
+    if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
         few = kernels.takes_few(rows)
         cfg = q.int8_x_config(rows, part)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
