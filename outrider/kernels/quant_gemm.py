@@ -17,8 +17,9 @@ SiLU·mul: takes_prologue), and the scales meet integer sums once a group (_INT8
 four quants meet four x values in one byte-wise dot (dp4a); nothing crosses threads inside the loops. A few rows:
 the same dp4a products, W read once for all of them. More rows (verify, batches; Q6_K and Q8_0 up to their
 max_rows): each group's quants, as int8, meet x's int8 columns on the tensor cores; past a format's Int8X rows,
-its wide tiles (_wide_rows_kernel: the quants made exactly in x's 16-bit type, _WIDE_PAST). Both split K over several programs where a weight has few output tiles (split_k), the last of them adding the
-partial sums in a fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes
+its wide tiles (_wide_rows_kernel: the quants made exactly in x's 16-bit type, _WIDE_PAST). Both split K over
+several programs where a weight has few output tiles (split_k), the last of them adding the partial sums in a
+fixed order. Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two planes
 (quant/formats.py): the blocks without d, read in wide aligned loads, and the d's. Float32 rows keep their precision
 on the path above.
 
@@ -689,10 +690,11 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T on Q6_K (blocks of 208 bytes, d in its plane) for an Int8X x of 2 to max_rows rows, on
-    the int8 tensor cores: int32 tiles [BLOCK_N, BLOCK_M] = quants @ xq's columns, scaled in float32. Values 128 n + 32 r + l (half n, quarter
-    r): ql byte 64 n + 32 (r % 2) + l, its nibble r // 2, with bits 2 r of qh byte 128 + 32 n + l on top, less 32
-    (signed int8, so no min term); the scale of 16 values is int8 byte 192 + 8 n + 2 r + l // 16, so each 32 columns
-    of xq meet the quants twice, as their two halves (the other half zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
+    the int8 tensor cores: int32 tiles [BLOCK_N, BLOCK_M] = quants @ xq's columns, scaled in float32. Values
+    128 n + 32 r + l (half n, quarter r): ql byte 64 n + 32 (r % 2) + l, its nibble r // 2, with bits 2 r of qh
+    byte 128 + 32 n + l on top, less 32 (signed int8, so no min term); the scale of 16 values is int8 byte
+    192 + 8 n + 2 r + l // 16, so each 32 columns of xq meet the quants twice, as their two halves (the other half
+    zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn
