@@ -1446,7 +1446,7 @@ class _Int8Kernels(NamedTuple):
 
     row: triton.JITFunction  # one row (dp4a)
     row_stride_unit: int  # bytes of the unit `row` takes W's row stride in
-    max_rows: int  # 16-bit rows up to which x is read as an Int8X (past them: the wide tiles, where FUSED_MAX_ROWS)
+    max_rows: int  # 16-bit rows up to which x is read as an Int8X (past them a format's wide tiles: _WIDE_PAST)
     rows: triton.JITFunction | None = None  # past few_rows to max_rows rows (int8 tensor cores)
     rows_block_n: int = 64  # rows of W a `rows` program takes (rows_config)
     grouped: bool = False  # INT4: the kernels also take z_ptr (the zero points) and GROUP (values per scale)
