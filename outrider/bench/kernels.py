@@ -14,6 +14,13 @@ from outrider.bench.report import Reporter
 from outrider.bench.shapes import RANDOM_MODELS
 
 
+def cold_copies(device: torch.device, nbytes: int) -> int:
+    """Copies of a weight of nbytes that overflow the device's L2 four times over: a benchmark cycling through them
+    reads each from HBM, as a decode step streams each layer's weights once (back-to-back products of one small
+    weight would time L2)."""
+    return -(-4 * torch.cuda.get_device_properties(device).L2_cache_size // nbytes)
+
+
 def _time_ms(fn, rep: int = 50) -> float:
     """GPU time per call (median), from replays of a CUDA graph of the call: launch overhead excluded."""
     import triton.testing
@@ -118,17 +125,15 @@ def gemm(reporter: Reporter, device: torch.device, models=("qwen3-0.6b", "qwen3-
     """Decode and verify projections (bf16, M rows: 1-2 the CUDA-core kernel, 5 and 16 the tensor-core one): cuBLAS
     (F.linear) vs the skinny Triton GEMM in every candidate config.
 
-    Successive calls cycle through enough copies of the weight to overflow L2 four times over, as a decode step
-    streams each layer's weights once: back-to-back calls on one small weight would time L2, not HBM. Each
-    config is checked against cuBLAS first. The `best` line is what to put in gemm.DEFAULT_TABLE (DOT_CONFIG)."""
+    Successive calls cycle through copies of the weight (cold_copies). Each config is checked against cuBLAS
+    first. The `best` line is what to put in gemm.DEFAULT_TABLE (DOT_CONFIG)."""
     from outrider.kernels import gemm as tg
 
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
     for model in models:
         for proj, (n, k) in _gemm_shapes(model).items():
             w_bytes = n * k * 2
             weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16).mul_(k ** -0.5)  # outputs ~N(0, 1)
-                       for _ in range(-(-4 * l2 // w_bytes))]
+                       for _ in range(cold_copies(device, w_bytes))]
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 ref = F.linear(x, weights[0])

@@ -5,7 +5,9 @@ prompt, and the GPU memory the weights take after load against the checkpoint's 
 
 from __future__ import annotations
 
+import copy
 import gc
+import itertools
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from outrider.bench.engine_setup import build_engine
+from outrider.bench.kernels import cold_copies
 from outrider.bench.latency import run_batch
 from outrider.bench.report import Reporter
 from outrider.bench.shapes import RANDOM_MODELS
@@ -168,7 +171,7 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
 
 def run_kernels(args, reporter: Reporter) -> None:
     """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
-    overhead is left out) at the default config and, with --tune, the fastest of _candidates up to 64 rows; where an
+    overhead is left out, cycling through copies of each weight: cold_copies) at the default config and, with --tune, the fastest of _candidates up to 64 rows; where an
     Int8X product of several rows has wide tiles too, also those at their default config and, with --tune, the
     fastest of them (which kernel should take these rows)."""
     import triton
@@ -180,26 +183,31 @@ def run_kernels(args, reporter: Reporter) -> None:
 
     device = torch.device(args.device)
     for shape_name, (n, k) in KERNEL_SHAPES.items():
-        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        dense = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+                 for _ in range(cold_copies(device, 2 * n * k))]
         for m in args.kernel_rows:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-            base_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: torch.mm(x, dense.t()))
+            w = itertools.cycle(dense)
+            base_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: torch.mm(x, next(w).t()))
             reporter.note(f"quant-kernel bf16 {shape_name} m={m}", f"{base_us:.1f} us (cuBLAS)", shape=shape_name,
                           m=m, format="bf16", us=base_us)
             for fmt_name in args.kernel_formats:
                 fmt = _kernel_format(fmt_name)
                 part = _random_part(fmt, n, k)
-                weight = QuantizedWeight([part.to(device)], torch.bfloat16)
+                weights = [QuantizedWeight([copy.deepcopy(part).to(device)], torch.bfloat16)  # (Module.to moves)
+                           for _ in range(cold_copies(device, part.nbytes))]
+                weight = weights[0]
+                parts = itertools.cycle([w.parts[0] for w in weights])  # (each graph-captured call: the next copy)
                 y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, list(weight.parts), out=y))
+                us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, [next(parts)], out=y))
                 best = ""
                 if m > 1 and takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
-                    wide_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: wide_linear(x, weight.parts[0], None, y))
+                    wide_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: wide_linear(x, next(parts), None, y))
                     best = f"; wide tiles {wide_us:.1f} us"
                 if args.tune and m <= FUSED_MAX_ROWS:
                     block = getattr(fmt, "block", None) or getattr(fmt, "group", 128)
                     timed = [(1e3 * triton.testing.do_bench_cudagraph(
-                        lambda c=c: fused_linear(x, weight.parts[0], None, y, c)), c)
+                        lambda c=c: fused_linear(x, next(parts), None, y, c)), c)
                         for c in _candidates(m, block, n, k, int8_x_config(m, weight.parts[0])
                                              if takes_int8_x(x, weight.parts[0]) else None,
                                              wide_rows_config(m, weight.parts[0]) if takes_wide_rows(x, weight.parts[0])
@@ -209,7 +217,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                     best += f"; best {t:.1f} us with {cfg}"
                     if takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
                         wide = [(1e3 * triton.testing.do_bench_cudagraph(
-                            lambda c=c: wide_linear(x, weight.parts[0], None, y, c)), c)
+                            lambda c=c: wide_linear(x, next(parts), None, y, c)), c)
                             for c in _candidates(m, block, n, k, None, wide_rows_config(m, weight.parts[0]))]
                         t, cfg = min(wide, key=lambda tc: tc[0])
                         best += f"; wide tiles best {t:.1f} us with {cfg}"
