@@ -56,6 +56,8 @@
 #          .smol-drafter/, 16 MB, carried with the last part) is used instead of training again.
 # quant: issue 39's rows: bench quant on the Qwen3-8B shape, bf16 beside q4_k_m and fp8, then beside q8_0 and awq
 #     (one bf16 checkpoint written to /tmp/oq and reused), then the kernels alone at 1-512 rows.
+# quant-tune: issue 39's one-row kernels with --tune (each format's candidate configs on cold weights: the defaults
+#     row_config / grouped_row_config come from here), then --tune at 16 rows (verify; wide tiles beside Int8X).
 # hybrid: issue 38's rows: batch-1 latency (active-weight roofline) of the Qwen3.5-4B and Qwen3-30B-A3B shapes,
 #     batch-64 throughput of 30B-A3B beside the dense 8B.
 # hybrid-spec: bench spec on the Qwen3.5-4B hybrid shape: the DFlash-b16 preset (alpha 0.86) and its MTP head (alpha
@@ -77,7 +79,7 @@ set -u -o pipefail
 [ $# -gt 0 ] || { echo "usage: scripts/gpu_run.sh MODE [MODE ...] (modes: see the comment at the top)" >&2; exit 2; }
 for MODE in "$@"; do
   case "$MODE" in
-    tests|spec-tests|timings|quant|hybrid|hybrid-spec|profile-hybrid|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
+    tests|spec-tests|timings|quant|quant-tune|hybrid|hybrid-spec|profile-hybrid|train|train-eagle3|spec-demo|ngram|prefill|round-probe|host|host-calls|syncs|rounds-8b|spec-8b|spec-profile|schema|smollm2|smol-drafter|latency|kernels|sweep-attn|throughput) ;;
     ab) : "${AB:?ab needs AB=\"DIR_A DIR_B\" (trees from scripts/snapshot.sh)}" ;;
     *) echo "unknown mode $MODE" >&2; exit 2 ;;
   esac
@@ -304,6 +306,9 @@ JSON
       bench quant --random-weights qwen3-8b --checkpoint-dir /tmp/oq --weights-format bf16 $f
     done
     bench quant --random-weights qwen3-8b --kernels --kernel-formats Q4_K Q6_K Q8_0 FP8 INT4 --kernel-rows 1 5 16 32 512 ;;
+  quant-tune)
+    bench quant --random-weights qwen3-8b --kernels --kernel-formats Q4_K Q6_K Q8_0 FP8 INT4 --kernel-rows 1 --tune
+    bench quant --random-weights qwen3-8b --kernels --kernel-formats Q4_K Q8_0 INT4 --kernel-rows 16 --tune ;;
   hybrid)
     bench latency --random-weights qwen3.5-4b --batch 1 --gen 256
     bench latency --random-weights qwen3-30b-a3b --batch 1 --gen 256
