@@ -864,46 +864,10 @@ def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
-def _nibbles_less_zero_asm(magic: int, fma: str, one: int) -> str:
-    """PTX of _nibbles_less_zero for one 16-bit type: `magic` its bits of 2^7 (bf16) or 2^10 (f16), whose last
-    mantissa bit is worth 1, so that OR-ing a nibble q into it makes magic + q exactly."""
-    pair = f"{magic * 0x10001:#x}"
-    steps = [f"prmt.b32 t, {src}, z, {sel}; or.b32 t, t, {pair}; {fma} ${out}, t, one, ${nz};"
-             for out, (src, sel, nz) in enumerate([("l", "0x4140", 5), ("l", "0x4342", 6), ("h", "0x4140", 5),
-                                                   ("h", "0x4342", 6)])]
-    return (f"{{.reg .b32 l, h, t, z, one; mov.b32 z, 0; mov.b32 one, {one:#x}; and.b32 l, $4, 0x0F0F0F0F; "
-            "shr.u32 h, $4, 4; and.b32 h, h, 0x0F0F0F0F; " + " ".join(steps) + "}")
-
-
-_NIBBLES_BF16_ASM = tl.constexpr(_nibbles_less_zero_asm(0x4300, "fma.rn.bf16x2", 0x3F803F80))
-_NIBBLES_F16_ASM = tl.constexpr(_nibbles_less_zero_asm(0x6400, "fma.rn.f16x2", 0x3C003C00))
-
-
-@triton.jit
-def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
-    """Bytes qb (uint8 [BN, H]; INT4's group: values l and l + H in byte l's low and high nibbles) and zero points z
-    (uint8 [BN, 1]) -> q - z of the low and of the high nibbles, [BN, H] each, exact in
-    dt (bf16 or fp16). In the PTX with no conversion instruction: four nibbles go into the low bits of four 16-bit
-    magic numbers (prmt, or), and an fma.rn of each pair subtracts magic + z (_nibbles_less_zero_asm), where
-    converting every value to float32 and back runs at a quarter of the FMA rate."""
-    if ASM:
-        if dt == tl.bfloat16:
-            asm: tl.constexpr = _NIBBLES_BF16_ASM
-            nz = (z.to(tl.int32) | 0xC300).to(tl.uint16).to(dt, bitcast=True)  # -(128 + z)
-        else:
-            asm: tl.constexpr = _NIBBLES_F16_ASM
-            nz = (z.to(tl.int32) | 0xE400).to(tl.uint16).to(dt, bitcast=True)  # -(1024 + z)
-        return tl.inline_asm_elementwise(asm, "=r,=r,=r,=r,r,r,r", [qb, nz], dtype=(nz.dtype, nz.dtype),
-                                         is_pure=True, pack=4)
-    q = qb.to(tl.int32)
-    zf = z.to(tl.float32)
-    return ((q & 15).to(tl.float32) - zf).to(dt), ((q >> 4).to(tl.float32) - zf).to(dt)
-
-
 # The wide tiles' quants: each made exactly in the 16-bit type from a magic number (a power of two whose mantissa's
 # last bit is worth 1: OR-ing a small integer into it adds the integer; one fma.rn a pair then takes the magic away,
-# exactly), and for Q4_K then scaled in a second fma.rn a pair, q s + m rounded once, as no int-to-float
-# conversion (a quarter of the FMA rate) runs. PTX registers: z = 0, one = 1.0 a pair.
+# exactly, or less a zero point: INT4), and for Q4_K then scaled in a second fma.rn a pair, q s + m rounded once, as
+# no int-to-float conversion (a quarter of the FMA rate) runs. PTX registers: z = 0, one = 1.0 a pair.
 _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes 0 and 1, 2 and 3 of a word into a register's 16-bit lanes
 
 
@@ -915,14 +879,25 @@ def _magic_asm(body: str, bf16: bool) -> str:
 
 
 @triton.constexpr_function
-def _magic_pairs(magic: int, fma: str, nz: int, scales=None, outs=("$0", "$1")) -> str:
+def _magic_pairs(magic: int, fma: str, nz, scales=None, outs=("$0", "$1")) -> str:
     """PTX steps that put bytes 0-1 and 2-3 of register u (values below 2^7 in bf16's `magic` 2^7, 2^10 in f16's)
     into the low bits of two magic numbers a register (prmt, or) and add nz to each pair (exact, as the results are
-    small integers) into outs; with scales ((s, m) registers of each of outs), each pair then times s plus m."""
-    return " ".join(f"prmt.b32 p, u, z, {sel}; or.b32 t, p, {magic * 0x10001:#x}; mov.b32 n, {nz * 0x10001:#x}; "
-                    + (f"{fma} {out}, t, one, n;" if scales is None
-                       else f"{fma} t, t, one, n; {fma} {out}, t, {scales[i][0]}, {scales[i][1]};")
-                    for i, (out, sel) in enumerate(zip(outs, _SEL)))
+    small integers) into outs; nz: 16-bit bits for every value, or the registers of each pair's. With scales ((s, m)
+    registers of each of outs), each pair then times s plus m."""
+    load, regs = (f"mov.b32 n, {nz * 0x10001:#x}; ", ("n", "n")) if isinstance(nz, int) else ("", tuple(nz))
+    return " ".join(f"prmt.b32 p, u, z, {sel}; or.b32 t, p, {magic * 0x10001:#x}; {load}"
+                    + (f"{fma} {out}, t, one, {n};" if sm is None
+                       else f"{fma} t, t, one, {n}; {fma} {out}, t, {sm[0]}, {sm[1]};")
+                    for out, sel, n, sm in zip(outs, _SEL, regs, scales or (None, None)))
+
+
+@triton.constexpr_function
+def _nibbles_less_zero_asm(bf16: bool) -> str:
+    """PTX of _nibbles_less_zero: four bytes $4 in; their low nibbles less the zero points' pairs ($5, $6: -(magic
+    + z)) out as two 16-bit pairs ($0, $1), then their high nibbles ($2, $3)."""
+    magic, fma = (0x4300, "fma.rn.bf16x2") if bf16 else (0x6400, "fma.rn.f16x2")
+    return _magic_asm(f"and.b32 u, $4, 0x0F0F0F0F; {_magic_pairs(magic, fma, ('$5', '$6'))} shr.u32 u, $4, 4; "
+                      f"and.b32 u, u, 0x0F0F0F0F; {_magic_pairs(magic, fma, ('$5', '$6'), outs=('$2', '$3'))}", bf16)
 
 
 @triton.constexpr_function
@@ -947,6 +922,25 @@ def _signed_bytes_asm(bf16: bool) -> str:
     steps = [f"prmt.b32 p, $2, z, {sel}; and.b32 t, p, 0x007F007F; or.b32 t, t, 0x43004300; and.b32 n, p, 0x00800080;"
              f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 ${out}, t, one, n;" for out, sel in enumerate(_SEL)]
     return _magic_asm(" ".join(steps), True)
+
+
+@triton.jit
+def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
+    """Bytes qb (uint8 [BN, H]; INT4's group: values l and l + H in byte l's low and high nibbles) and zero points z
+    (uint8 [BN, 1]) -> q - z of the low and of the high nibbles, [BN, H] each, exact in
+    dt (bf16 or fp16). In the PTX with no conversion instruction: four nibbles go into the low bits of four 16-bit
+    magic numbers (prmt, or), and an fma.rn of each pair subtracts magic + z (_nibbles_less_zero_asm), where
+    converting every value to float32 and back runs at a quarter of the FMA rate."""
+    if ASM:
+        if dt == tl.bfloat16:
+            nz = (z.to(tl.int32) | 0xC300).to(tl.uint16).to(dt, bitcast=True)  # -(128 + z)
+        else:
+            nz = (z.to(tl.int32) | 0xE400).to(tl.uint16).to(dt, bitcast=True)  # -(1024 + z)
+        return tl.inline_asm_elementwise(_nibbles_less_zero_asm(dt == tl.bfloat16), "=r,=r,=r,=r,r,r,r", [qb, nz],
+                                         dtype=(nz.dtype, nz.dtype), is_pure=True, pack=4)
+    q = qb.to(tl.int32)
+    zf = z.to(tl.float32)
+    return ((q & 15).to(tl.float32) - zf).to(dt), ((q >> 4).to(tl.float32) - zf).to(dt)
 
 
 @triton.jit
