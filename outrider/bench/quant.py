@@ -171,9 +171,10 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
 
 def run_kernels(args, reporter: Reporter) -> None:
     """Each format's product against bf16 cuBLAS at Qwen3-8B's projection shapes (CUDA-graph replays, so launch
-    overhead is left out, cycling through copies of each weight: cold_copies) at the default config and, with --tune, the fastest of _candidates up to 64 rows; where an
-    Int8X product of several rows has wide tiles too, also those at their default config and, with --tune, the
-    fastest of them (which kernel should take these rows)."""
+    overhead is left out, cycling through copies of each weight: cold_copies) at the default config and, with
+    --tune, the fastest of _candidates up to 64 rows; where an Int8X product of several rows has wide tiles too,
+    also those at their default config and, with --tune, the fastest of them (which kernel should take these
+    rows)."""
     import triton
 
     from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, has_wide_tiles, int8_x_config,
@@ -201,7 +202,8 @@ def run_kernels(args, reporter: Reporter) -> None:
                 y = torch.empty(m, n, device=device, dtype=torch.bfloat16)
                 us = 1e3 * triton.testing.do_bench_cudagraph(lambda: quantized_linear(x, [next(parts)], out=y))
                 best = ""
-                if m > 1 and takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
+                also_wide = takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0])
+                if m > 1 and also_wide:
                     wide_us = 1e3 * triton.testing.do_bench_cudagraph(lambda: wide_linear(x, next(parts), None, y))
                     best = f"; wide tiles {wide_us:.1f} us"
                 if args.tune and m <= FUSED_MAX_ROWS:
@@ -215,7 +217,7 @@ def run_kernels(args, reporter: Reporter) -> None:
                                              (1, 2, 4) if fmt_name == "INT4" else (1,))]
                     t, cfg = min(timed, key=lambda tc: tc[0])
                     best += f"; best {t:.1f} us with {cfg}"
-                    if takes_int8_x(x, weight.parts[0]) and has_wide_tiles(weight.parts[0]):
+                    if also_wide:
                         wide = [(1e3 * triton.testing.do_bench_cudagraph(
                             lambda c=c: wide_linear(x, next(parts), None, y, c)), c)
                             for c in _candidates(m, block, n, k, None, wide_rows_config(m, weight.parts[0]))]
