@@ -92,6 +92,18 @@ def test_quantizing_x_zeroes_the_split_k_tickets_it_is_given(count, device):
     assert int(tickets.abs().sum()) == 0
 
 
+def test_each_format_reads_x_as_int8_groups_up_to_the_rows_these_tests_take_for_it():
+    """INT8_X_ROWS (the rows the tests below exercise each format's Int8X kernels at, fixed at collection, where the
+    kernels' module may not import) is the routing the kernels run: a 16-bit x of those rows takes an Int8X, one
+    more row does not."""
+    from outrider.kernels.quant_gemm import takes_int8_x
+
+    for kind, most in INT8_X_ROWS.items():
+        part, _ = random_quantized(_BY_NAME[kind], 32, 256, seed=0)
+        assert takes_int8_x(torch.zeros(most, 256, dtype=torch.float16), part), kind
+        assert not takes_int8_x(torch.zeros(most + 1, 256, dtype=torch.float16), part), kind
+
+
 @pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind, most in INT8_X_ROWS.items() for rows in {1, most}])
 def test_16_bit_rows_on_k_quants_read_x_in_int8_groups_within_a_percent_of_the_exact_product(kind, rows, half,
                                                                                              device):
