@@ -1028,14 +1028,17 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             w1 = tl.load(w32_ptr + base // 4 + 2)
             w2 = tl.load(w32_ptr + base // 4 + 3)
             j = tl.arange(0, 32)
+            # A block's products chain into an accumulator of their own, added to acc once: chained across the loop
+            # into acc, their wgmmas were serialized by ptxas (warning C7515), as the other K-quants' below were.
+            block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for c in tl.static_range(4):  # chunk c: sub-blocks 2 c (low nibbles) and 2 c + 1 (high)
                 sc_lo, m_lo = _k_scale_min_of(w0, w1, w2, 2 * c)
                 sc_hi, m_hi = _k_scale_min_of(w0, w1, w2, 2 * c + 1)
                 lo, hi = _nibbles_scaled(tl.load(w_ptr + base + 16 + 32 * c + j[None, :]), (d * sc_lo).to(dt),
                                          (dmin * m_lo).to(dt), (d * sc_hi).to(dt), (dmin * m_hi).to(dt), dt, ASM)
                 x = x_ptr + xm * stride_xm + kb * BLOCK + 64 * c + j[:, None]
-                acc = tl.dot(lo, tl.load(x), acc)
-                acc = tl.dot(hi, tl.load(x + 32), acc)
+                block = tl.dot(hi, tl.load(x + 32), tl.dot(lo, tl.load(x), block))
+            acc += block
         elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each d on its product
             j = tl.arange(0, 32)
             for c in tl.static_range(BLOCK // 32):
@@ -1051,15 +1054,17 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)
+            block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
             for half in tl.static_range(2):
                 w = _kquant_values(w_ptr, w16_ptr, w32_ptr, base, (s_ptr + rows * stride_sn + kb)[:, :, None], FMT,
                                    4 * half, 4)
                 w = tl.reshape(w, (BLOCK_N, 128))
                 x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * half + k[:, None])
                 if IEEE:
-                    acc = tl.dot(w, x, acc, input_precision="ieee")
+                    block = tl.dot(w, x, block, input_precision="ieee")
                 else:
-                    acc = tl.dot(w.to(dt), x, acc)
+                    block = tl.dot(w.to(dt), x, block)
+            acc += block
     _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -539,10 +540,18 @@ FP8_X = "x to fp8"  # fp8_gemm's quantization of x
 _PROLOGUES = {"x": (False, False, False), "x+norm": (True, True, False), "x+silu": (False, False, True)}
 
 
-def _spilled_bytes(kind: str, rows: int, n: int) -> int:
+class Ptxas(NamedTuple):
+    """What ptxas reports of a kernel compiled for sm_90: bytes spilled, and whether it serialized the wgmmas
+    (warning C7515: a non-wgmma instruction writes an accumulator between a wgmma's start and end)."""
+
+    spilled: int
+    serialized: bool
+
+
+def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
     """Compile `kind`'s kernel at its default config for `rows` (0: the dequantization kernel) of an `n`-row
-    weight for sm_90 (Triton's own ptxas: no GPU needed), as CUDA graphs launch it (with PDL), and return the bytes
-    ptxas reports spilled. A kind of _PROLOGUES: quantize_x's kernel for rows of n values."""
+    weight for sm_90 (Triton's own ptxas: no GPU needed), as CUDA graphs launch it (with PDL), and return what
+    ptxas reports. A kind of _PROLOGUES: quantize_x's kernel for rows of n values."""
     from types import SimpleNamespace
 
     from outrider.kernels import quant_gemm as q
@@ -554,7 +563,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      **dict.fromkeys(["NORM", "ADD", "SILU", "ROW", "USE_PDL"], "constexpr")}
         norm, add, silu = _PROLOGUES[kind]
         constants = {"NORM": norm, "ADD": add, "SILU": silu, "ROW": n if norm else 1, "USE_PDL": True}
-        return _ptxas_spills(q._quantize_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=3))
+        return _ptxas(q._quantize_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=3))
     if kind == FP8_X:
         from outrider.kernels import fp8_gemm
 
@@ -562,7 +571,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "stride_xm": "i32", "stride_sm": "i32", "stride_sg": "i32", "FP8_MAX": "fp32", "TINY": "fp32",
                      "GROUP": "i32", "BLOCK_M": "constexpr", "CHUNK": "constexpr"}
         constants = {"BLOCK_M": fp8_gemm.ROW_ALIGN, "CHUNK": fp8_gemm.GROUP}
-        return _ptxas_spills(fp8_gemm._fp8_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=2))
+        return _ptxas(fp8_gemm._fp8_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=2))
     block, type_size, s, z, w = _SIGNATURES[kind]
     cfg = q.default_config(max(rows, 1), block, n, 4096)
     views = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w}
@@ -574,7 +583,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                                      "constexpr")}
         constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks, "USE_PDL": True}
-        return _ptxas_spills(q._dequant_kernel, signature, constants, cfg)
+        return _ptxas(q._dequant_kernel, signature, constants, cfg)
     kernels = q._INT8_X_KERNELS.get(getattr(q, kind).value)
     fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
     part = SimpleNamespace(shape=(n, 4096), format=fmt)  # as the configs read a part
@@ -588,7 +597,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True,
                      **grouped[1], **steps[1]}
-        return _ptxas_spills(kernels.row, signature, constants, cfg)
+        return _ptxas(kernels.row, signature, constants, cfg)
     if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
         few = kernels.takes_few(rows)
         cfg = q.int8_x_config(rows, part)
@@ -599,7 +608,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      **dict.fromkeys(["HAS_BIAS", "BLOCK_N", "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
                      "ASM": True, "USE_PDL": True, **grouped[1]}
-        return _ptxas_spills(kernels.few if few else kernels.rows, signature, constants, cfg)
+        return _ptxas(kernels.few if few else kernels.rows, signature, constants, cfg)
     if q._wide_format(SimpleNamespace(code=getattr(q, kind).value), rows):  # (the Int8X rows returned above)
         cfg = q.wide_rows_config(rows, part)
         signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
@@ -612,7 +621,7 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
                      "TYPE_SIZE": type_size, "HAS_BIAS": True,
                      "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
                      "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True}
-        return _ptxas_spills(q._wide_rows_kernel, signature, constants, cfg)
+        return _ptxas(q._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
@@ -621,10 +630,10 @@ def _spilled_bytes(kind: str, rows: int, n: int) -> int:
     constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
                  "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks,
                  "SPLIT": cfg.split_k, "USE_PDL": True}
-    return _ptxas_spills(q._qgemm_kernel, signature, constants, cfg)
+    return _ptxas(q._qgemm_kernel, signature, constants, cfg)
 
 
-def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
+def _ptxas(fn, signature: dict, constants: dict, cfg) -> Ptxas:
     import re
     import subprocess
 
@@ -641,7 +650,7 @@ def _ptxas_spills(fn, signature: dict, constants: dict, cfg) -> int:
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", "-", "-o", "/dev/null"],
                             input=kernel.asm["ptx"], capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"(\d+) bytes spill stores", report)[1])
+    return Ptxas(int(re.search(r"(\d+) bytes spill stores", report)[1]), "C7515" in report)
 
 
 # Q4_0's float tile at 64 rows spills two words (8 bytes, to L1).
@@ -651,27 +660,29 @@ SPILLS_ALLOWED = {("Q4_0", 64): 8}
 @pytest.mark.parametrize(("rows", "n"), [(0, 4096), (1, 4096), (2, 4096), (4, 4096), (16, 4096), (16, 24576),
                                        (32, 4096), (64, 4096)])
 @pytest.mark.parametrize("kind", _SIGNATURES)
-def test_kernels_compile_for_hopper_and_keep_their_tiles_in_registers(kind, rows, n):
+def test_kernels_compile_for_hopper_keep_their_tiles_in_registers_and_pipeline_their_wgmmas(kind, rows, n):
     """Each format's kernel at its default config for `rows` of an n-row weight (rows 0: its dequantization
-    kernel) compiles for sm_90, and ptxas reports no register spills."""
-    assert _spilled_bytes_apart(kind, rows, n) <= SPILLS_ALLOWED.get((kind, rows), 0)
+    kernel) compiles for sm_90, and ptxas reports no register spills and no wgmma it had to serialize."""
+    found = _ptxas_apart(kind, rows, n)
+    assert found.spilled <= SPILLS_ALLOWED.get((kind, rows), 0)
+    assert not found.serialized
 
 
 @pytest.mark.parametrize("kind", _PROLOGUES)
 def test_x_quantization_compiles_for_hopper_with_each_prologue_and_spills_nothing(kind):
     """quantize_x's kernel for Qwen3-8B's rows (4,096 values; a norm sums the squares of the whole row in each
     program), plain, with RMSNorm and the residual add, and with SwiGLU's activation."""
-    assert _spilled_bytes_apart(kind, 1, 4096) == 0
+    assert _ptxas_apart(kind, 1, 4096).spilled == 0
 
 
 def test_fp8_x_quantization_compiles_for_hopper_and_spills_nothing():
     """fp8_gemm's x quantization (bf16 in, float8_e4m3fn out, float32 scales) for sm_90; its GROUP is a runtime
     value (128, or the whole row against per-channel scales), so one compile serves both recipes."""
-    assert _spilled_bytes_apart(FP8_X, 1, 4096) == 0
+    assert _ptxas_apart(FP8_X, 1, 4096).spilled == 0
 
 
-def _spilled_bytes_apart(kind: str, rows: int, n: int) -> int:
-    """_spilled_bytes in a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1
+def _ptxas_apart(kind: str, rows: int, n: int) -> Ptxas:
+    """_ptxas_findings in a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1
     replaces."""
     import subprocess
     import sys
@@ -680,9 +691,10 @@ def _spilled_bytes_apart(kind: str, rows: int, n: int) -> int:
     done = subprocess.run([sys.executable, __file__, kind, str(rows), str(n)], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    return int(done.stdout.split()[-1])
+    spilled, serialized = done.stdout.split()[-2:]
+    return Ptxas(int(spilled), serialized == "True")
 
 
-if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: the bytes its kernel spills (see above)
-    print(_spilled_bytes(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: what ptxas reports of its kernel (see above)
+    print(*_ptxas_findings(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 
