@@ -973,6 +973,25 @@ def _signed_bytes(qb, dt: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _cat_k(a, b):
+    """[BN, H] tiles a and b -> [BN, 2 H], a's columns then b's, without moving data: joined, each pair of values is
+    held by one thread, and moving the joined axis ahead of the columns only renames where each value sits."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (a.shape[0], 2 * a.shape[1]))
+
+
+@triton.jit
+def _q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, c, dt: tl.constexpr, ASM: tl.constexpr):
+    """Chunk c of Q4_K blocks at byte offsets base [BN, 1] (scale words w0-w2, d and -dmin [BN, 1]): its 64
+    values q d sc - dmin m in dt [BN, 64], in K order (sub-block 2 c's, in the 32 bytes' low nibbles, then 2 c +
+    1's, in their high ones)."""
+    sc_lo, m_lo = _k_scale_min_of(w0, w1, w2, 2 * c)
+    sc_hi, m_hi = _k_scale_min_of(w0, w1, w2, 2 * c + 1)
+    lo, hi = _nibbles_scaled(tl.load(w_ptr + base + 16 + 32 * c + tl.arange(0, 32)[None, :]), (d * sc_lo).to(dt),
+                             (dmin * m_lo).to(dt), (d * sc_hi).to(dt), (dmin * m_hi).to(dt), dt, ASM)
+    return _cat_k(lo, hi)
+
+
+@triton.jit
 def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
                       BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
@@ -981,9 +1000,9 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
-    (_nibbles_less_zero); a product with each half of x's columns, then the rows' scale), Q4_K (a block a step: each
-    sub-block's values q d sc - dmin m made in x's dtype, rounded once (_nibbles_scaled), each product accumulated
-    in place), Q8_0 (WIDE_Q8_0_STEP values a step: each block's quants exactly in x's dtype (_signed_bytes), a
+    (_nibbles_less_zero), side by side in registers (_cat_k): one product with the group's columns of x, then the
+    rows' scale), Q4_K (a block a step: each sub-block's values q d sc - dmin m made in x's dtype, rounded once
+    (_nibbles_scaled), a product of two chunks' 128 columns accumulated in place), Q8_0 (WIDE_Q8_0_STEP values a step: each block's quants exactly in x's dtype (_signed_bytes), a
     product with its 32 columns of x, then its d) or another K-quant (a block a step, its values made in K order half
     a block at a time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K
     too). Wide tiles of W, K split over program axis 2 (_rows_result)."""
@@ -1010,16 +1029,15 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             qb = tl.load(w_ptr + rows * stride_wn + kb * H + k[None, :])
             s = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
             z = tl.load(z_ptr + rows * stride_sn + kb)
-            x = x_ptr + xm * stride_xm + kb * BLOCK + k[:, None]
+            x = x_ptr + xm * stride_xm + kb * BLOCK + tl.arange(0, BLOCK)[:, None]
             if IEEE:
                 q = qb.to(tl.int32)
                 lo = ((q & 15).to(tl.float32) - z.to(tl.float32)) * s
                 hi = ((q >> 4).to(tl.float32) - z.to(tl.float32)) * s
-                acc = tl.dot(lo, tl.load(x), acc, input_precision="ieee")
-                acc = tl.dot(hi, tl.load(x + H), acc, input_precision="ieee")
+                acc = tl.dot(_cat_k(lo, hi), tl.load(x), acc, input_precision="ieee")
             else:  # q - z exactly in x's dtype, the group's scale on the product
                 lo, hi = _nibbles_less_zero(qb, z, dt, ASM)
-                acc += s * tl.dot(hi, tl.load(x + H), tl.dot(lo, tl.load(x)))
+                acc += s * tl.dot(_cat_k(lo, hi), tl.load(x))
         elif FMT == Q4_K and not IEEE:  # each sub-block's values q d sc - dmin m in x's dtype (_nibbles_scaled)
             base = rows * stride_wn + kb * TYPE_SIZE
             d = _f16(w16_ptr, base)
@@ -1027,17 +1045,14 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             w0 = tl.load(w32_ptr + base // 4 + 1)
             w1 = tl.load(w32_ptr + base // 4 + 2)
             w2 = tl.load(w32_ptr + base // 4 + 3)
-            j = tl.arange(0, 32)
-            # A block's products chain into an accumulator of their own, added to acc once: chained across the loop
-            # into acc, their wgmmas were serialized by ptxas (warning C7515), as the other K-quants' below were.
+            # Two chunks' values a product of 128 columns (fewer, longer wgmmas, each waited for once), the block's
+            # two chained into an accumulator of their own: chained across the loop into acc, ptxas serializes them.
             block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-            for c in tl.static_range(4):  # chunk c: sub-blocks 2 c (low nibbles) and 2 c + 1 (high)
-                sc_lo, m_lo = _k_scale_min_of(w0, w1, w2, 2 * c)
-                sc_hi, m_hi = _k_scale_min_of(w0, w1, w2, 2 * c + 1)
-                lo, hi = _nibbles_scaled(tl.load(w_ptr + base + 16 + 32 * c + j[None, :]), (d * sc_lo).to(dt),
-                                         (dmin * m_lo).to(dt), (d * sc_hi).to(dt), (dmin * m_hi).to(dt), dt, ASM)
-                x = x_ptr + xm * stride_xm + kb * BLOCK + 64 * c + j[:, None]
-                block = tl.dot(hi, tl.load(x + 32), tl.dot(lo, tl.load(x), block))
+            for p in tl.static_range(2):
+                w = _cat_k(_q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, 2 * p, dt, ASM),
+                           _q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, 2 * p + 1, dt, ASM))
+                block = tl.dot(w, tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * p + tl.arange(0, 128)[:, None]),
+                               block)
             acc += block
         elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each d on its product
             j = tl.arange(0, 32)
@@ -1054,7 +1069,7 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)
-            block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # (chained here, not into acc: see Q4_K's)
             for half in tl.static_range(2):
                 w = _kquant_values(w_ptr, w16_ptr, w32_ptr, base, (s_ptr + rows * stride_sn + kb)[:, :, None], FMT,
                                    4 * half, 4)
