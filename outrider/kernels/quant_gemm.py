@@ -913,14 +913,16 @@ def _nibbles_scaled_asm(bf16: bool) -> str:
 
 @triton.constexpr_function
 def _signed_bytes_asm(bf16: bool) -> str:
-    """PTX of _signed_bytes: four bytes $2 in, their values out as two 16-bit pairs ($0, $1). bf16 (8 significant
-    bits): a byte's low 7 bits go into 2^7's mantissa (128 + r), and its sign bit picks what the fma subtracts, 128
-    or 256 (its bit 7 is the sum's). f16 (11 bits): the byte plus 128 goes into 2^10's mantissa, and the fma
-    subtracts 1,152."""
+    """PTX of _signed_bytes: four bytes $2 in, their values times the scales' pairs ($3, $4) out as two 16-bit pairs
+    ($0, $1). The values exactly first: bf16 (8 significant bits) puts a byte's low 7 bits into 2^7's mantissa
+    (128 + r), and its sign bit picks what the fma subtracts, 128 or 256 (its bit 7 is the sum's); f16 (11 bits)
+    puts the byte plus 128 into 2^10's mantissa, and the fma subtracts 1,152. A second fma then scales them."""
     if not bf16:
-        return _magic_asm("xor.b32 u, $2, 0x80808080; " + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480), False)
+        return _magic_asm("xor.b32 u, $2, 0x80808080; "
+                          + _magic_pairs(0x6400, "fma.rn.f16x2", 0xE480, (("$3", "z"), ("$4", "z"))), False)
     steps = [f"prmt.b32 p, $2, z, {sel}; and.b32 t, p, 0x007F007F; or.b32 t, t, 0x43004300; and.b32 n, p, 0x00800080;"
-             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 ${out}, t, one, n;" for out, sel in enumerate(_SEL)]
+             f" or.b32 n, n, 0xC300C300; fma.rn.bf16x2 t, t, one, n; fma.rn.bf16x2 ${out}, t, ${3 + out}, z;"
+             for out, sel in enumerate(_SEL)]
     return _magic_asm(" ".join(steps), True)
 
 
@@ -964,12 +966,13 @@ def _nibbles_scaled(qb, s_lo, m_lo, s_hi, m_hi, dt: tl.constexpr, ASM: tl.conste
 
 
 @triton.jit
-def _signed_bytes(qb, dt: tl.constexpr, ASM: tl.constexpr):
-    """Signed bytes qb (their uint8 bits [BN, H]) -> their values in dt (bf16 or fp16), exact (_signed_bytes_asm)."""
+def _signed_bytes(qb, s, dt: tl.constexpr, ASM: tl.constexpr):
+    """Signed bytes qb (their uint8 bits [BN, H]) times s ([BN, 1] in dt) -> in dt (bf16 or fp16), rounded once
+    (_signed_bytes_asm)."""
     if ASM:
-        return tl.inline_asm_elementwise(_signed_bytes_asm(dt == tl.bfloat16), "=r,=r,r", [qb], dtype=tl.int16,
-                                         is_pure=True, pack=4).to(dt, bitcast=True)
-    return qb.to(tl.int8, bitcast=True).to(dt)
+        return tl.inline_asm_elementwise(_signed_bytes_asm(dt == tl.bfloat16), "=r,=r,r,r,r", [qb, s],
+                                         dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
+    return (qb.to(tl.int8, bitcast=True).to(tl.float32) * s.to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -992,6 +995,19 @@ def _q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, c, dt: tl.constexpr, ASM: tl.co
 
 
 @triton.jit
+def _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, g, K, dt: tl.constexpr, IEEE: tl.constexpr,
+                ASM: tl.constexpr):
+    """Q8_0 block g of rows [BN, 1]: its values q d [BN, 32], in dt rounded once (_signed_bytes), or in float32
+    (IEEE); zero past K."""
+    inside = g < K // 32
+    qb = tl.load(w_ptr + rows * stride_wn + 32 * g + tl.arange(0, 32)[None, :], mask=inside, other=0)
+    d = tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0)
+    if IEEE:
+        return qb.to(tl.int8, bitcast=True).to(tl.float32) * d.to(tl.float32)
+    return _signed_bytes(qb, d.to(dt), dt, ASM)
+
+
+@triton.jit
 def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
                       BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
@@ -1002,10 +1018,11 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
     (_nibbles_less_zero), side by side in registers (_cat_k): one product with the group's columns of x, then the
     rows' scale), Q4_K (a block a step: each sub-block's values q d sc - dmin m made in x's dtype, rounded once
-    (_nibbles_scaled), a product of two chunks' 128 columns accumulated in place), Q8_0 (WIDE_Q8_0_STEP values a step: each block's quants exactly in x's dtype (_signed_bytes), a
-    product with its 32 columns of x, then its d) or another K-quant (a block a step, its values made in K order half
-    a block at a time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K
-    too). Wide tiles of W, K split over program axis 2 (_rows_result)."""
+    (_nibbles_scaled), a product of two chunks' 128 columns accumulated in place), Q8_0 (WIDE_Q8_0_STEP values a
+    step: each block's values q d made in x's dtype, rounded once (_signed_bytes), the blocks side by side in one
+    product) or another K-quant (a block a step, its values made in K order half a block at a time, in x's dtype:
+    a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide tiles of W, K split
+    over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
@@ -1054,18 +1071,17 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 block = tl.dot(w, tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * p + tl.arange(0, 128)[:, None]),
                                block)
             acc += block
-        elif FMT == Q8_0:  # a step of BLOCK // 32 blocks (those past K masked), each d on its product
-            j = tl.arange(0, 32)
-            for c in tl.static_range(BLOCK // 32):
-                g = kb * (BLOCK // 32) + c
-                inside = g < K // 32
-                qb = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :], mask=inside, other=0)
-                x = tl.load(x_ptr + xm * stride_xm + 32 * g + j[:, None], mask=inside, other=0.0)
-                if IEEE:
-                    dot = tl.dot(qb.to(tl.int8, bitcast=True).to(tl.float32), x, input_precision="ieee")
-                else:
-                    dot = tl.dot(_signed_bytes(qb, dt, ASM), x)
-                acc += tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0).to(tl.float32) * dot
+        elif FMT == Q8_0:  # a step of WIDE_Q8_0_STEP // 32 = 4 blocks (those past K masked), one product
+            w = _cat_k(_cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb, K, dt, IEEE, ASM),
+                              _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 1, K, dt, IEEE, ASM)),
+                       _cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 2, K, dt, IEEE, ASM),
+                              _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 3, K, dt, IEEE, ASM)))
+            k = kb * BLOCK + tl.arange(0, BLOCK)[:, None]
+            x = tl.load(x_ptr + xm * stride_xm + k, mask=k < K, other=0.0)
+            if IEEE:
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc += tl.dot(w, x)
         else:  # (half a block of float32 values a thread block holds in registers without spilling, 64 rows of W)
             base = (rows * stride_wn + kb * TYPE_SIZE)[:, :, None]
             k = tl.arange(0, 128)

@@ -242,17 +242,20 @@ def _scaled(q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, dtype: torch.dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_signed_bytes_ptx_makes_every_int8_value_exactly_in_16_bits(dtype):
-    """The PTX that makes Q8_0's quants for the wide tiles (run only on a GPU), executed instruction by instruction
-    on every byte in each of a word's four places: the int8 values, as two 16-bit pairs."""
+def test_signed_bytes_ptx_makes_every_int8_value_times_its_scale_rounded_once(dtype):
+    """The PTX that makes Q8_0's values for the wide tiles (run only on a GPU), executed instruction by instruction
+    on every byte in each of a word's four places with random scales: each int8 value times its scale rounded
+    once, as two 16-bit pairs."""
     from outrider.kernels.quant_gemm import _signed_bytes_asm
 
     q = torch.arange(256).repeat_interleave(4).view(-1, 4).roll(1, 0)  # bytes 0..255, in every place
     q[:, 1:] = q[:, 1:].roll(17, 0)  # (places not all equal)
     word = q[:, 0] | (q[:, 1] << 8) | (q[:, 2] << 16) | (q[:, 3] << 24)
-    regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word}, dtype)
+    s = _scales(torch.Generator().manual_seed(3), q.shape[0], dtype)
+    s_01, s_23 = _pairs(s, dtype)
+    regs = _run_ptx(_signed_bytes_asm(dtype == torch.bfloat16), {"$2": word, "$3": s_01, "$4": s_23}, dtype)
     got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
-    assert torch.equal(got, q.to(torch.uint8).view(torch.int8).float())
+    assert torch.equal(got, _scaled(q.to(torch.uint8).view(torch.int8), s, torch.zeros_like(s), dtype))
 
 
 @pytest.mark.parametrize("quarter", range(4))
