@@ -926,18 +926,6 @@ def _signed_bytes_asm(bf16: bool) -> str:
     return _magic_asm(" ".join(steps), True)
 
 
-@triton.constexpr_function
-def _q6k_values_asm(r: int, bf16: bool) -> str:
-    """PTX of _q6k_values for quarter r: four ql bytes $2 and qh bytes $3 in; each value's 6 bits (a nibble of ql,
-    low for r 0 and 1, with bits 2 r of qh on top) into a magic number, less magic + 32 exactly, then times the
-    scales' pairs ($4, $5), out as two 16-bit pairs ($0, $1)."""
-    magic, fma = (0x4300, "fma.rn.bf16x2") if bf16 else (0x6400, "fma.rn.f16x2")
-    nz = 0xC320 if bf16 else 0xE420  # -(magic + 32)
-    return _magic_asm(f"shr.u32 u, $2, {4 * (r // 2)}; and.b32 u, u, 0x0F0F0F0F; shr.u32 t, $3, {2 * r}; "
-                      f"and.b32 t, t, 0x03030303; shl.b32 t, t, 4; or.b32 u, u, t; "
-                      + _magic_pairs(magic, fma, nz, (("$4", "z"), ("$5", "z"))), bf16)
-
-
 @triton.jit
 def _nibbles_less_zero(qb, z, dt: tl.constexpr, ASM: tl.constexpr):
     """Bytes qb (uint8 [BN, H]; INT4's group: values l and l + H in byte l's low and high nibbles) and zero points z
@@ -988,38 +976,6 @@ def _signed_bytes(qb, s, dt: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _q6k_values(ql, qh, s, R: tl.constexpr, dt: tl.constexpr, ASM: tl.constexpr):
-    """Q6_K's values of quarter R from their ql and qh bytes (uint8 [BN, 32]) and scales s ([BN, 32] in dt): (q -
-    32) s in dt, rounded once (_q6k_values_asm)."""
-    if ASM:
-        return tl.inline_asm_elementwise(_q6k_values_asm(R, dt == tl.bfloat16), "=r,=r,r,r,r,r", [ql, qh, s],
-                                         dtype=tl.int16, is_pure=True, pack=4).to(dt, bitcast=True)
-    q = ((ql.to(tl.int32) >> (4 * (R // 2))) & 15) | (((qh.to(tl.int32) >> (2 * R)) & 3) << 4)
-    return ((q - 32).to(tl.float32) * s.to(tl.float32)).to(dt)
-
-
-@triton.jit
-def _q6k_quarter(ql, qh, sc, d, R: tl.constexpr, dt: tl.constexpr, ASM: tl.constexpr):
-    """_q6k_values of quarter R, its two 16-value groups scaled by d times int8 scales sc + 2 R and sc + 2 R + 1."""
-    first = tl.arange(0, 32)[None, :] < 16
-    return _q6k_values(ql, qh, tl.where(first, d * _i8(sc + 2 * R), d * _i8(sc + 2 * R + 1)).to(dt), R, dt, ASM)
-
-
-@triton.jit
-def _q6k_half(w_ptr, base, d, n, dt: tl.constexpr, ASM: tl.constexpr):
-    """Half n of Q6_K blocks at byte offsets base [BN, 1] (d [BN, 1] float32): its 128 values in dt [BN, 128], in K
-    order. Quarter r's 32 values are ql byte 64 n + 32 (r % 2) + l's nibble r // 2 with bits 2 r of qh byte 32 n +
-    l on top, less 32, times d and int8 scale 8 n + 2 r + l // 16."""
-    l = tl.arange(0, 32)[None, :]
-    ql_a = tl.load(w_ptr + base + 64 * n + l)
-    ql_b = tl.load(w_ptr + base + 64 * n + 32 + l)
-    qh = tl.load(w_ptr + base + 128 + 32 * n + l)
-    sc = w_ptr + base + 192 + 8 * n
-    return _cat_k(_cat_k(_q6k_quarter(ql_a, qh, sc, d, 0, dt, ASM), _q6k_quarter(ql_b, qh, sc, d, 1, dt, ASM)),
-                  _cat_k(_q6k_quarter(ql_a, qh, sc, d, 2, dt, ASM), _q6k_quarter(ql_b, qh, sc, d, 3, dt, ASM)))
-
-
-@triton.jit
 def _cat_k(a, b):
     """[BN, H] tiles a and b -> [BN, 2 H], a's columns then b's, without moving data: joined, each pair of values is
     held by one thread, and moving the joined axis ahead of the columns only renames where each value sits."""
@@ -1062,12 +1018,11 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
     (_nibbles_less_zero), side by side in registers (_cat_k): one product with the group's columns of x, then the
     rows' scale), Q4_K (a block a step: each sub-block's values q d sc - dmin m made in x's dtype, rounded once
-    (_nibbles_scaled), a product of two chunks' 128 columns accumulated in place), Q6_K (a block a step: each half's
-    values (q - 32) d sc made in x's dtype, rounded once (_q6k_values), one product of its 128 columns), Q8_0
-    (WIDE_Q8_0_STEP values a step: each block's values q d made in x's dtype, rounded once (_signed_bytes), the
-    blocks side by side in one product) or another K-quant (a block a step, its values made in K order half a
-    block at a time, in x's dtype: a product with x's contiguous 128 columns; float32 x takes this way on Q4_K and
-    Q6_K too). Wide tiles of W, K split over program axis 2 (_rows_result)."""
+    (_nibbles_scaled), a product of two chunks' 128 columns accumulated in place), Q8_0 (WIDE_Q8_0_STEP values a
+    step: each block's values q d made in x's dtype, rounded once (_signed_bytes), the blocks side by side in one
+    product) or another K-quant (a block a step, its values made in K order half a block at a time, in x's dtype:
+    a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide tiles of W, K split
+    over program axis 2 (_rows_result)."""
     pdl_enter(USE_PDL)
     offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
@@ -1114,15 +1069,6 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 w = _cat_k(_q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, 2 * p, dt, ASM),
                            _q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, 2 * p + 1, dt, ASM))
                 block = tl.dot(w, tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * p + tl.arange(0, 128)[:, None]),
-                               block)
-            acc += block
-        elif FMT == Q6_K and not IEEE:  # each half's values (q - 32) d sc in x's dtype (_q6k_values), one product
-            base = rows * stride_wn + kb * TYPE_SIZE
-            d = tl.load(s_ptr + rows * stride_sn + kb).to(tl.float32)
-            block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # (chained here, not into acc: see Q4_K's)
-            for n in tl.static_range(2):
-                block = tl.dot(_q6k_half(w_ptr, base, d, n, dt, ASM),
-                               tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * n + tl.arange(0, 128)[:, None]),
                                block)
             acc += block
         elif FMT == Q8_0:  # a step of WIDE_Q8_0_STEP // 32 = 4 blocks (those past K masked), one product

@@ -274,26 +274,6 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
     assert torch.equal(got, (q - 32).to(torch.int8))
 
 
-@pytest.mark.parametrize("quarter", range(4))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_q6k_values_ptx_makes_each_quant_less_32_times_its_scale_rounded_once(dtype, quarter):
-    """The PTX that makes Q6_K's values for the wide tiles (run only on a GPU), executed instruction by instruction
-    on random ql and qh words with a random scale a value: each 6-bit quant (a nibble of ql with two bits of qh on
-    top) less 32, times its scale, rounded once, as two 16-bit pairs."""
-    from outrider.kernels.quant_gemm import _q6k_values_asm
-
-    gen = torch.Generator().manual_seed(4 + quarter)
-    ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen) for _ in range(2))
-    s = _scales(gen, 4096, dtype)
-    regs = {"$2": ql[:, 0] | (ql[:, 1] << 8) | (ql[:, 2] << 16) | (ql[:, 3] << 24),
-            "$3": qh[:, 0] | (qh[:, 1] << 8) | (qh[:, 2] << 16) | (qh[:, 3] << 24)}
-    regs["$4"], regs["$5"] = _pairs(s, dtype)
-    regs = _run_ptx(_q6k_values_asm(quarter, dtype == torch.bfloat16), regs, dtype)
-    got = torch.cat([_halves(regs["$0"], dtype), _halves(regs["$1"], dtype)], 1)
-    q = ((ql >> (4 * (quarter // 2))) & 15) | (((qh >> (2 * quarter)) & 3) << 4)
-    assert torch.equal(got, _scaled(q - 32, s, torch.zeros_like(s), dtype))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_q4k_nibbles_ptx_makes_each_value_times_its_scale_plus_its_min_rounded_once(dtype):
     """The PTX that makes Q4_K's values for the wide tiles (run only on a GPU), executed instruction by instruction
