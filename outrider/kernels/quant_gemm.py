@@ -1493,7 +1493,8 @@ class _Int8Kernels(NamedTuple):
 # past them Q4_K's and INT4's wide tiles (the exact quants, no int-to-float conversion) outrun the int8 tiles,
 # which Q4_K and INT4 therefore have none of. Q8_0's int8 tiles outrun its wide ones up to 16 rows, Q6_K's (which
 # has no wide tiles: made the same way, per 16 values, they read 1.2x slower at 32 rows) up to FUSED_MAX_ROWS. Q8_0
-# up to 16 rows reads faster at 128 rows of W a program than at 64, Q6_K not.
+# up to 16 rows reads faster at 128 rows of W a program than at 64, Q6_K not. (Those wide tiles were timed while
+# ptxas serialized their wgmmas, and Q8_0's since became one product a step: the rows are to be timed again.)
 _INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, 4, 4, few=_q4k_few_rows_kernel, few_rows=4),
                    Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, 1, FUSED_MAX_ROWS, _q6k_rows_q8_kernel,
                                             few=_q6k_few_rows_kernel, few_rows=2),
