@@ -72,7 +72,7 @@
 #     k 4; mtp 0.7, k 3) spelled spec-KIND, or at batch 8 and 32 (alpha 0.7 and 0) spelled spec-KIND-b832;
 #     plain1-0.6b and plain1-8b are plain1's rows alone; spec-KIND-a0 is KIND's alpha-0 row at batch 1 (4 requests;
 #     DFlash's alpha-0.7 row too); demo-KIND is the demo family's row of KIND (dflash, mtp, draft) at batch 1 and 8;
-#     quant-kernels is issue 39's kernel table at 1 and 16 rows (Q4_K, Q6_K, Q8_0, FP8, INT4 against cuBLAS).
+#     quant-kernels is issue 39's kernel table at 1, 5, 16 and 32 rows (Q4_K, Q6_K, Q8_0, FP8, INT4 against cuBLAS).
 #     AB_REPEAT=N runs each row N times per tree (ROW*N: that row alone), each repeat starting with the other tree
 #     (host-bound rows such as the 0.6B one move by up to ~20% between processes).
 set -u -o pipefail
@@ -154,7 +154,7 @@ ab_row() {  # ab_row ROW: one A/B row, in the current tree
             bench latency --random-weights qwen3-8b --ttft-prompt-len 0 ;;
     plain8|plain32) bench latency --random-weights qwen3-8b --batch "${1#plain}" --ttft-prompt-len 0 ;;
     quant-kernels) bench quant --random-weights qwen3-8b --kernels --kernel-formats Q4_K Q6_K Q8_0 FP8 INT4 \
-                     --kernel-rows 1 16 ;;
+                     --kernel-rows 1 5 16 32 ;;
     spec-*-b832) kind=${1#spec-}; kind=${kind%-b832}
                  bench spec --random-weights qwen3-8b --spec-type "$kind" --batch 8 32 --num-requests 32 \
                    --acceptance 0.7 0 ;;
