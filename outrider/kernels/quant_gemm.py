@@ -84,7 +84,7 @@ ROW_PROGRAMS = 512  # programs the Int8X kernels aim at: 3-4 a streaming multipr
 # their register-heavy value tiles that outweighed the loads a further split keeps in flight (bench quant --kernels
 # --tune at 32 rows; Q8_0 and FP8 read best at up to 8).
 WIDE_SPLIT = 4
-WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks: one per product, each with its d)
+WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks side by side: one product)
 
 
 def _split_k(k: int, tiles: int, most: int = 8) -> int:
@@ -1072,6 +1072,7 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                                block)
             acc += block
         elif FMT == Q8_0:  # a step of WIDE_Q8_0_STEP // 32 = 4 blocks (those past K masked), one product
+            tl.static_assert(BLOCK == 128)
             w = _cat_k(_cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb, K, dt, IEEE, ASM),
                               _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 1, K, dt, IEEE, ASM)),
                        _cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 2, K, dt, IEEE, ASM),
