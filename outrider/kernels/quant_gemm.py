@@ -1008,6 +1008,14 @@ def _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, g, K, dt: tl.constexpr
 
 
 @triton.jit
+def _q80_pair(w_ptr, s_ptr, rows, stride_wn, stride_sn, g, K, dt: tl.constexpr, IEEE: tl.constexpr,
+              ASM: tl.constexpr):
+    """Q8_0 blocks g and g + 1 side by side: their values [BN, 64] (_q80_values)."""
+    return _cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, g, K, dt, IEEE, ASM),
+                  _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, g + 1, K, dt, IEEE, ASM))
+
+
+@triton.jit
 def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
                       BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
@@ -1073,10 +1081,8 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             acc += block
         elif FMT == Q8_0:  # a step of WIDE_Q8_0_STEP // 32 = 4 blocks (those past K masked), one product
             tl.static_assert(BLOCK == 128)
-            w = _cat_k(_cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb, K, dt, IEEE, ASM),
-                              _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 1, K, dt, IEEE, ASM)),
-                       _cat_k(_q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 2, K, dt, IEEE, ASM),
-                              _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 3, K, dt, IEEE, ASM)))
+            w = _cat_k(_q80_pair(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb, K, dt, IEEE, ASM),
+                       _q80_pair(w_ptr, s_ptr, rows, stride_wn, stride_sn, 4 * kb + 2, K, dt, IEEE, ASM))
             k = kb * BLOCK + tl.arange(0, BLOCK)[:, None]
             x = tl.load(x_ptr + xm * stride_xm + k, mask=k < K, other=0.0)
             if IEEE:
