@@ -23,7 +23,7 @@ from outrider.models import load_model
 from outrider.quant.writers import GGUF_MIXES, write_random_checkpoint, write_random_gguf
 
 if TYPE_CHECKING:
-    from outrider.kernels.quant_gemm import QuantGemmConfig
+    from outrider.kernels.quant_blocks import QuantGemmConfig
 
 def write_checkpoint(name: str, fmt: str, root: Path) -> tuple[Path, int]:
     """The random checkpoint of shape `name` in format `fmt` under `root` (kept: written once), and its tensor
@@ -134,7 +134,8 @@ def _candidates(m: int, block: int, n: int, k: int, int8_x: QuantGemmConfig | No
     dp4a rows kernel's tile rows, warps and K splits); on the wide rows kernel (wide: its default
     config) tile rows, K splits and pipeline depth; otherwise tile rows, K per step, warps, pipeline depth and
     (rows on the CUDA cores) K splits."""
-    from outrider.kernels.quant_gemm import FMA_MAX_M, QuantGemmConfig, default_config
+    from outrider.kernels.quant_blocks import QuantGemmConfig
+    from outrider.kernels.quant_gemm import FMA_MAX_M, default_config
 
     if wide is not None:
         configs = [QuantGemmConfig(block_n, wide.block_m, 1, 8 if block_n * wide.block_m >= 64 * 64 else 4, stages,
@@ -177,9 +178,11 @@ def run_kernels(args, reporter: Reporter) -> None:
     rows)."""
     import triton
 
-    from outrider.kernels.quant_gemm import (FUSED_MAX_ROWS, fused_linear, has_wide_tiles, int8_x_config,
-                                             quantized_linear, takes_few_rows, takes_int8_x, takes_wide_rows,
-                                             wide_linear, wide_rows_config)
+    from outrider.kernels.quant_blocks import FUSED_MAX_ROWS
+    from outrider.kernels.quant_gemm import (fused_linear, has_wide_tiles, quantized_linear, takes_few_rows,
+                                             takes_int8_x, takes_wide_rows)
+    from outrider.kernels.quant_int8x import int8_x_config
+    from outrider.kernels.quant_wide import wide_linear, wide_rows_config
     from outrider.quant.weight import QuantizedWeight
 
     device = torch.device(args.device)

@@ -68,7 +68,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r, 
 def rms_normed_tile(xf, w, rstd, dt: tl.constexpr):
     """RMSNorm's output in dt for float32 values xf of rows whose 1 / rms is rstd, float32 weights w: rounded where
     torch rounds (the normed values, then their product with the weight); also used by quantize_x's prologue
-    (kernels/quant_gemm.py)."""
+    (kernels/quant_int8x.py)."""
     return (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
 
 

@@ -1,11 +1,11 @@
-"""Quantized-weight kernels (outrider/kernels/quant_gemm.py) against dequantize-then-matmul in float32: every
+"""Quantized-weight kernels (outrider/kernels/quant_*.py) against dequantize-then-matmul in float32: every
 format at 1, 5, 16 (fused kernel: decode and verify rows) and 512 rows (dequantized chunks through cuBLAS), packed
 parts of different formats with a bias, float32 logits, and CUDA-graph capture.
 
 Tolerance: the kernels round each dequantized weight to x's dtype before the tensor-core product (float32 x:
 full-precision products) and round the result once, so |y - ref| stays within TOL[dtype] of max |ref| (float32
 accumulation over K <= 1024). 16-bit rows on Q4_K, Q6_K, Q8_0 and INT4, up to INT8_X_ROWS, read x as llama.cpp's
-CUDA kernels do, in int8 groups of 32 (quant_gemm.Int8X): their reference takes x quantized so by the torch oracle
+CUDA kernels do, in int8 groups of 32 (quant_int8x.Int8X): their reference takes x quantized so by the torch oracle
 below, and a test of its own bounds what that quantization costs against the exact product."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 ROWS = [1, 2, 5, 16, 40, 512]  # 1-2: CUDA-core products; 5-40: tensor cores; 512: dequantized chunks + cuBLAS
 INT4 = Int4Format(128, "AWQ")
 FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), INT4]
-# Format name -> the 16-bit rows up to which its products read x as int8 groups (quant_gemm._INT8_X_KERNELS)
+# Format name -> the 16-bit rows up to which its products read x as int8 groups (quant_int8x._INT8_X_KERNELS)
 INT8_X_ROWS = {"Q4_K": 4, "Q6_K": 64, "Q8_0": 16, INT4.name: 2}
 _BY_NAME = {f.name: f for f in FORMATS}
 
@@ -44,7 +44,8 @@ def _x_as_read(x: torch.Tensor, part) -> torch.Tensor:
     max |x| / 127 and rounded half away from zero (llama.cpp's q8_1); FP8 prefill rows on the FP8 tensor cores
     (takes_fp8_mm) in FP8 per token and group (fp8_gemm); float32 otherwise."""
     from outrider.kernels.fp8_gemm import GROUP, takes_fp8_mm
-    from outrider.kernels.quant_gemm import FUSED_MAX_ROWS, takes_int8_x
+    from outrider.kernels.quant_blocks import FUSED_MAX_ROWS
+    from outrider.kernels.quant_gemm import takes_int8_x
 
     if x.shape[0] > FUSED_MAX_ROWS and takes_fp8_mm(x, part):
         return _fp8_as_read(x, GROUP if part.format.block_k else x.shape[1])
@@ -86,7 +87,7 @@ def test_quantized_linear_matches_dequantize_then_matmul(fmt, rows, model_dtype,
 def test_quantizing_x_zeroes_the_split_k_tickets_it_is_given(count, device):
     """quantized_linear hands quantize_x its parts' tickets uninitialised (no memset node in the graphs): every one
     must be zero afterwards, however many there are against the kernel's programs."""
-    from outrider.kernels.quant_gemm import quantize_x
+    from outrider.kernels.quant_int8x import quantize_x
 
     tickets = torch.full((count,), 7, dtype=torch.int32, device=device)
     quantize_x(torch.randn(2, 640).to(device, torch.float16), tickets)
@@ -210,7 +211,7 @@ def test_int4_ptx_makes_each_nibble_less_its_zero_point_exactly_in_16_bits(dtype
     """The PTX that makes INT4's q - z for the wide tiles (run only on a GPU; the interpreter takes the torch-level
     expression), executed instruction by instruction on random bytes and zero points: four bytes in, their low
     nibbles less their zero points as two 16-bit pairs, then their high nibbles."""
-    from outrider.kernels.quant_gemm import _nibbles_less_zero_asm
+    from outrider.kernels.quant_wide import _nibbles_less_zero_asm
 
     magic = 0x4300 if dtype == torch.bfloat16 else 0x6400
     gen = torch.Generator().manual_seed(0)
@@ -246,7 +247,7 @@ def test_signed_bytes_ptx_makes_every_int8_value_times_its_scale_rounded_once(dt
     """The PTX that makes Q8_0's values for the wide tiles (run only on a GPU), executed instruction by instruction
     on every byte in each of a word's four places with random scales: each int8 value times its scale rounded
     once, as two 16-bit pairs."""
-    from outrider.kernels.quant_gemm import _signed_bytes_asm
+    from outrider.kernels.quant_wide import _signed_bytes_asm
 
     q = torch.arange(256).repeat_interleave(4).view(-1, 4).roll(1, 0)  # bytes 0..255, in every place
     q[:, 1:] = q[:, 1:].roll(17, 0)  # (places not all equal)
@@ -263,7 +264,7 @@ def test_q6k_signed_quants_ptx_computes_the_quants_less_32(quarter):
     """The PTX that makes Q6_K's signed quants four bytes at a time (run only on a GPU; the interpreter takes the
     torch-level expression), executed instruction by instruction on random words, gives each byte's 6-bit value
     (a nibble of ql with two bits of qh on top) less 32."""
-    from outrider.kernels.quant_gemm import _q6k_signed_asm
+    from outrider.kernels.quant_int8x import _q6k_signed_asm
 
     gen = torch.Generator().manual_seed(quarter)
     ql, qh = (torch.randint(0, 256, (4096, 4), generator=gen, dtype=torch.uint8) for _ in range(2))
@@ -279,7 +280,7 @@ def test_q4k_nibbles_ptx_makes_each_value_times_its_scale_plus_its_min_rounded_o
     """The PTX that makes Q4_K's values for the wide tiles (run only on a GPU), executed instruction by instruction
     on random bytes with random scales and mins for the low and the high nibbles: q s + m rounded once, the low
     nibbles as two 16-bit pairs, then the high ones."""
-    from outrider.kernels.quant_gemm import _nibbles_scaled_asm
+    from outrider.kernels.quant_wide import _nibbles_scaled_asm
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(0, 256, (4096, 4), generator=gen)
@@ -297,13 +298,14 @@ def test_q4k_nibbles_ptx_makes_each_value_times_its_scale_plus_its_min_rounded_o
 @pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 2, 4, 12, 20)
                                             if rows <= INT8_X_ROWS[kind]])
 def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half, device):
-    """The kernels of 16-bit rows on an Int8X (quant_gemm._INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
+    """The kernels of 16-bit rows on an Int8X (quant_int8x._INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
     kernels where a format takes them there; 12 rows as a tile of 16 and 20 as two) over 5 blocks of 256 columns of
     K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last program of each
     output tile adds the partials."""
     from dataclasses import replace
 
-    from outrider.kernels.quant_gemm import fused_linear, int8_x_config
+    from outrider.kernels.quant_gemm import fused_linear
+    from outrider.kernels.quant_int8x import int8_x_config
 
     part, _ = random_quantized(_BY_NAME[kind], 80, 1280, seed=split)
     weight = QuantizedWeight([part], half).to(device)
@@ -323,7 +325,8 @@ def test_int4_one_row_reading_several_groups_a_step_masks_the_groups_past_k(grou
     past K, read as the last group with a zero scale), K split 1 and 2 ways, with a bias."""
     from dataclasses import replace
 
-    from outrider.kernels.quant_gemm import fused_linear, int8_x_config
+    from outrider.kernels.quant_gemm import fused_linear
+    from outrider.kernels.quant_int8x import int8_x_config
 
     part, _ = random_quantized(INT4, 96, 640, seed=groups)
     weight = QuantizedWeight([part], half).to(device)
@@ -361,7 +364,9 @@ def test_rows_on_the_cuda_cores_with_k_split_over_programs_match_dequantize_then
 def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul(kind, split, half, device):
     """_wide_rows_kernel (wide_linear: FP8, INT4, Q4_K, Q5_K, Q8_0) at 20 rows of x, 5 blocks of 256 columns (Q8_0:
     41 blocks of 32, the last of its steps of four blocks partial) split 1 and 3 ways, with a bias."""
-    from outrider.kernels.quant_gemm import QuantGemmConfig, has_wide_tiles, wide_linear
+    from outrider.kernels.quant_blocks import QuantGemmConfig
+    from outrider.kernels.quant_gemm import has_wide_tiles
+    from outrider.kernels.quant_wide import wide_linear
 
     k = 1312 if kind == "Q8_0" else 1280
     part, _ = random_quantized(_BY_NAME[kind], 80, k, seed=split)
@@ -557,6 +562,7 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
     ptxas reports. A kind of _PROLOGUES: quantize_x's kernel for rows of n values."""
     from types import SimpleNamespace
 
+    from outrider.kernels import quant_blocks, quant_int8x, quant_wide
     from outrider.kernels import quant_gemm as q
 
     if kind in _PROLOGUES:
@@ -566,7 +572,7 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
                      **dict.fromkeys(["NORM", "ADD", "SILU", "ROW", "USE_PDL"], "constexpr")}
         norm, add, silu = _PROLOGUES[kind]
         constants = {"NORM": norm, "ADD": add, "SILU": silu, "ROW": n if norm else 1, "USE_PDL": True}
-        return _ptxas(q._quantize_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=3))
+        return _ptxas(quant_int8x._quantize_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=3))
     if kind == FP8_X:
         from outrider.kernels import fp8_gemm
 
@@ -576,6 +582,7 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
         constants = {"BLOCK_M": fp8_gemm.ROW_ALIGN, "CHUNK": fp8_gemm.GROUP}
         return _ptxas(fp8_gemm._fp8_x_kernel, signature, constants, SimpleNamespace(num_warps=4, num_stages=2))
     block, type_size, s, z, w = _SIGNATURES[kind]
+    code = getattr(quant_blocks, kind).value  # the format's FMT
     cfg = q.default_config(max(rows, 1), block, n, 4096)
     views = {"w_ptr": w, "w16_ptr": "*fp16" if w == "*u8" else w, "w32_ptr": "*i32" if w == "*u8" else w}
     if rows == 0:
@@ -584,15 +591,15 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
                      "stride_on": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "FP8_BITS", "GATHER", "BLOCK_N", "NB", "USE_PDL"],
                                      "constexpr")}
-        constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
+        constants = {"FMT": code, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks, "USE_PDL": True}
         return _ptxas(q._dequant_kernel, signature, constants, cfg)
-    kernels = q._INT8_X_KERNELS.get(getattr(q, kind).value)
+    kernels = quant_int8x._INT8_X_KERNELS.get(code)
     fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
     part = SimpleNamespace(shape=(n, 4096), format=fmt)  # as the configs read a part
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
     if kernels and rows == 1:  # a 16-bit row: read as an Int8X (dp4a in the PTX)
-        cfg = q.int8_x_config(1, part)
+        cfg = quant_int8x.int8_x_config(1, part)
         steps = ({"NB": "constexpr"}, {"NB": cfg.blocks}) if kernels.grouped else ({}, {})  # groups a step
         signature = {"xq_ptr": "*i32", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "N": "i32",
@@ -603,7 +610,7 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
         return _ptxas(kernels.row, signature, constants, cfg)
     if kernels and 0 < rows <= kernels.max_rows:  # 16-bit rows as an Int8X (dp4a to few_rows, then int8 tensor cores)
         few = kernels.takes_few(rows)
-        cfg = q.int8_x_config(rows, part)
+        cfg = quant_int8x.int8_x_config(rows, part)
         signature = {"xq_ptr": "*i8", "xd_ptr": "*fp32", "xs_ptr": "*fp32", **views, "d_ptr": "*fp16",
                      "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32",
                      "N": "i32", "K": "i32", "stride_wn": "i32", "stride_d": "i32", "stride_ym": "i32",
@@ -612,25 +619,24 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
         constants = {"HAS_BIAS": True, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m, "SPLIT": cfg.split_k,
                      "ASM": True, "USE_PDL": True, **grouped[1]}
         return _ptxas(kernels.few if few else kernels.rows, signature, constants, cfg)
-    if q._wide_format(SimpleNamespace(code=getattr(q, kind).value), rows):  # (the Int8X rows returned above)
-        cfg = q.wide_rows_config(rows, part)
+    if q._wide_format(SimpleNamespace(code=code), rows):  # (the Int8X rows returned above)
+        cfg = quant_wide.wide_rows_config(rows, part)
         signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N",
                                       "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
-        constants = {"FMT": getattr(q, kind).value, "BLOCK": q.wide_step(SimpleNamespace(code=getattr(q, kind).value,
-                                                                                          block=block)),
+        constants = {"FMT": code, "BLOCK": quant_wide.wide_step(SimpleNamespace(code=code, block=block)),
                      "TYPE_SIZE": type_size, "HAS_BIAS": True,
                      "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
                      "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True}
-        return _ptxas(q._wide_rows_kernel, signature, constants, cfg)
+        return _ptxas(quant_wide._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                  **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
                                   "NB", "SPLIT", "USE_PDL"], "constexpr")}
-    constants = {"FMT": getattr(q, kind).value, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
+    constants = {"FMT": code, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
                  "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks,
                  "SPLIT": cfg.split_k, "USE_PDL": True}
     return _ptxas(q._qgemm_kernel, signature, constants, cfg)
