@@ -1,10 +1,10 @@
 """What the quantized-weight kernel families share (quant_gemm.py's float tiles, quant_int8x.py's Int8X kernels,
 quant_wide.py's wide tiles), so that each family's module holds only its own kernels: the format codes and a
-part's kernel view (_layout, _tensors), the configs' type and K split (QuantGemmConfig, _split_k), the block
-decoders more than one family calls (_kquant_values: K-quant blocks in K order), and the output tiles' epilogue.
+part's kernel view (layout_of, tensors_of), the configs' type and K split (QuantGemmConfig, k_splits), the block
+decoders more than one family calls (kquant_values: K-quant blocks in K order), and the output tiles' epilogue.
 
 Where a weight has few output tiles, K is split over several programs (split_k), the last of them adding the
-partial sums in a fixed order (_rows_result). Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two
+partial sums in a fixed order (rows_result). Q6_K's and Q8_0's blocks are 2-byte aligned, so they come as two
 planes (quant/formats.py): the blocks without d, read in wide aligned loads, and the d's.
 
 This module imports none of the kernel modules (they import it): a constant two of them need is declared here.
@@ -55,20 +55,20 @@ ROW_PROGRAMS = 512  # programs the Int8X kernels aim at: 3-4 a streaming multipr
 WIDE_SPLIT = 4
 
 
-def _split_k(k: int, tiles: int, most: int = 8) -> int:
+def k_splits(k: int, tiles: int, most: int = 8) -> int:
     """K split over up to `most` programs (a 256-value block each at least) where a product has fewer output tiles
     than ROW_PROGRAMS, so that small projections (o, down, k, v) still keep enough loads in flight."""
     return max(1, min(most, k // 256, ROW_PROGRAMS // tiles))
 
 
-def _tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:
+def output_tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:
     """A product's output tiles along W's rows and x's rows (program axes 0 and 1)."""
     return triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m)
 
 
-def _split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int, y: torch.Tensor,
+def split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int, y: torch.Tensor,
                      tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A split-K product's partial sums and its zeroed ticket per output tile (_rows_result): `tickets` where the
+    """A split-K product's partial sums and its zeroed ticket per output tile (rows_result): `tickets` where the
     caller had them zeroed, else zeros made here; without a split, y twice (unread)."""
     if split_k == 1:
         return y, y
@@ -78,7 +78,7 @@ def _split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int, y: to
 
 
 @dataclass(frozen=True)
-class _Layout:
+class Layout:
     """A part's kernel view: format code, block (values along K per block) and the tensors/strides to pass."""
 
     code: int
@@ -88,21 +88,21 @@ class _Layout:
     fp8_block_k: int
 
 
-def _layout(part: QuantizedTensor) -> _Layout:
+def layout_of(part: QuantizedTensor) -> Layout:
     fmt = part.format
     if isinstance(fmt, GGUFFormat):
-        return _Layout(_GGUF_CODES[fmt.name].value, fmt.block, fmt.stored_block, 1, 1)
+        return Layout(_GGUF_CODES[fmt.name].value, fmt.block, fmt.stored_block, 1, 1)
     if isinstance(fmt, Int4Format):
-        return _Layout(INT4.value, fmt.group, 0, 1, 1)
+        return Layout(INT4.value, fmt.group, 0, 1, 1)
     assert isinstance(fmt, FP8Format)
-    return _Layout(FP8.value, FP8_TILE.value, 0, fmt.block_n, fmt.block_k or part.shape[1])
+    return Layout(FP8.value, FP8_TILE.value, 0, fmt.block_n, fmt.block_k or part.shape[1])
 
 
-def _k_quant(part: QuantizedTensor) -> bool:
-    return _layout(part).code in (Q4_K.value, Q5_K.value, Q6_K.value)
+def is_k_quant(part: QuantizedTensor) -> bool:
+    return layout_of(part).code in (Q4_K.value, Q5_K.value, Q6_K.value)
 
 
-class _Tensors(NamedTuple):
+class PartTensors(NamedTuple):
     """What a kernel reads of a part: its data (and, for GGUF, as float16 for the scales and as int32 words for
     the K-quants' quants), scale and zero (the data where the format has none) and the row strides."""
 
@@ -115,7 +115,7 @@ class _Tensors(NamedTuple):
     stride_sn: int
 
 
-def _tensors(part: QuantizedTensor) -> _Tensors:
+def tensors_of(part: QuantizedTensor) -> PartTensors:
     data = part.data
     if isinstance(part.format, FP8Format) and INTERPRET:
         data = data.view(torch.uint8)
@@ -123,19 +123,19 @@ def _tensors(part: QuantizedTensor) -> _Tensors:
     words = (gguf and part.format.name in ("Q8_0", "Q4_K", "Q5_K", "Q6_K")) or isinstance(part.format, Int4Format)
     scale = part.scale if part.scale is not None else data
     flat = data.reshape(-1)
-    return _Tensors(data, data.view(torch.float16) if gguf else data,
+    return PartTensors(data, data.view(torch.float16) if gguf else data,
                     flat[:flat.numel() // 4 * 4].view(torch.int32) if words else data,
                     scale, part.zero if part.zero is not None else data, data.stride(0),
                     scale.stride(0) if scale.dim() == 2 else 0)
 
 
 @triton.jit
-def _f16(w16_ptr, byte_off):
+def load_f16(w16_ptr, byte_off):
     return tl.load(w16_ptr + byte_off // 2).to(tl.float32)
 
 
 @triton.jit
-def _fp8_bits_to_f32(u):
+def fp8_bits_to_f32(u):
     """float8_e4m3fn bits (uint8) -> float32, for Triton's interpreter (numpy has no fp8)."""
     u = u.to(tl.int32)
     e = (u >> 3) & 15
@@ -145,17 +145,17 @@ def _fp8_bits_to_f32(u):
 
 
 @triton.jit
-def _k_scale_min(w32_ptr, base, s):
+def load_k_scale_min(w32_ptr, base, s):
     """Q4_K/Q5_K: the 6-bit scale and min of sub-block s (broadcasting with base, a block's byte offset) ->
     float32. The 12 scale bytes (offset 4) are read as three words; byte t = s % 4 of each holds sub-block s's
     low bits (s < 4) or the high ones beside the next word's."""
     word = base // 4 + 1
-    return _k_scale_min_of(tl.load(w32_ptr + word), tl.load(w32_ptr + word + 1), tl.load(w32_ptr + word + 2), s)
+    return k_scale_min_of(tl.load(w32_ptr + word), tl.load(w32_ptr + word + 1), tl.load(w32_ptr + word + 2), s)
 
 
 @triton.jit
-def _k_scale_min_of(w0, w1, w2, s):
-    """_k_scale_min from the three scale words."""
+def k_scale_min_of(w0, w1, w2, s):
+    """load_k_scale_min from the three scale words."""
     t = 8 * (s % 4)
     b0 = (w0 >> t) & 255
     b1 = (w1 >> t) & 255
@@ -167,7 +167,7 @@ def _k_scale_min_of(w0, w1, w2, s):
 
 
 @triton.jit
-def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr, S0: tl.constexpr = 0,
+def kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr, S0: tl.constexpr = 0,
                    NS: tl.constexpr = 8):
     """K-quant blocks at byte offsets base [BN, 1, 1] -> the values of their sub-blocks S0 .. S0 + NS (NS even;
     by default all 256) as [BN, NS, 32] float32, already in K order (sub-block s, value j at 32 s + j), so no
@@ -194,13 +194,13 @@ def _kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr, S0:
     q = (tl.load(w32_ptr + (b5 + QS) // 4 + 8 * c + i) >> (8 * t + 4 * h)) & 15
     if FMT == Q5_K:
         q |= ((tl.load(w32_ptr + (b5 + 16) // 4 + i) >> (8 * t + 2 * c + h)) & 1) << 4
-    sc, mn = _k_scale_min(w32_ptr, b5, 2 * c + h)
-    v = (_f16(w16_ptr, b5) * sc) * q.to(tl.float32) - _f16(w16_ptr, b5 + 2) * mn
+    sc, mn = load_k_scale_min(w32_ptr, b5, 2 * c + h)
+    v = (load_f16(w16_ptr, b5) * sc) * q.to(tl.float32) - load_f16(w16_ptr, b5 + 2) * mn
     return tl.reshape(v, (base.shape[0], NS, 32))
 
 
 @triton.jit
-def _k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
+def k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
     """The blocks [first, last) of K that program pid_k of SPLIT walks (none for the last ones of an uneven split)."""
     per = tl.cdiv(n_blocks, SPLIT)
     first = pid_k * per
@@ -208,7 +208,7 @@ def _k_run(n_blocks, pid_k, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+def rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """A rows kernel's output tile (program axes 0 and 1): its rows of W offs_n and of x offs_m, and those clamped
     for loads, as int64 rows [BLOCK_N, 1] and xm [1, BLOCK_M] (rows past N or M read the last one; their stores are
     masked)."""
@@ -219,7 +219,7 @@ def _rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr,
+def rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr):
     """Store an Int8X kernel's output tile acc [BLOCK_N, BLOCK_M] (_store_rows; one row: BLOCK_M 1); with K split
     (program axis 2), the last program of the tile to finish adds the partial tiles instead, in order

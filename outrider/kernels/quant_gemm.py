@@ -10,7 +10,7 @@ cached), so the quantized bytes are read once, contiguously, and no value is mov
 y^T [BLOCK_N, BLOCK_M] += plane [BLOCK_N, k'] @ x[:, plane's columns]^T, on the tensor cores, or for one or two
 rows (FMA_MAX_M) as products on the CUDA cores summed over K once after the loop. Scales are loaded once per block
 (or sub-block), not per value. More rows on Q4_K and Q5_K make each block's values in K order instead
-(_kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
+(kquant_values: Q4_K and Q5_K quants read once, as words) for one product with x's contiguous columns.
 
 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 read x as int8 groups of 32 up to a format's rows (quant_int8x.py:
 takes_int8_x); past them, and past _WIDE_PAST's rows on FP8 and Q5_K, the wide tiles (quant_wide.py:
@@ -20,7 +20,7 @@ block decoding, the split-K epilogue) is in quant_blocks.py.
 Configs are explicit (default_config; quant_int8x's and quant_wide's); `bench quant --kernels --tune` times others.
 
 Past FUSED_MAX_ROWS (prefill) the product is compute-bound: chunks of W's rows are dequantized by the same tile
-code (K-quants: _kquant_values) into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer)
+code (K-quants: kquant_values) into one scratch buffer per device and dtype (SCRATCH_MB, reused by every layer)
 and multiplied by cuBLAS; FP8 weights of 128 x 128 block or per-channel scales take the FP8 tensor cores instead,
 x quantized to FP8 per token (and 128 columns) as vLLM does (fp8_gemm.py).
 
@@ -40,11 +40,11 @@ from outrider.kernels.fp8_gemm import fp8_mm, takes_fp8_mm
 from outrider.kernels.fused import pdl_enter
 from outrider.kernels.gemm import RowNorm
 from outrider.kernels.launch import is_power_of_two, pdl_args, use_pdl
-from outrider.kernels.quant_blocks import (FP8, FUSED_MAX_ROWS, INT4, INTERPRET, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
-                                           Q5_K, Q6_K, Q8_0, QuantGemmConfig, _f16, _fp8_bits_to_f32, _k_run,
-                                           _k_scale_min, _kquant_values, _Layout, _layout, _rows_result, _split_k,
-                                           _split_k_buffers, _tensors, _tiles)
-from outrider.kernels.quant_int8x import _INT8_X_KERNELS, Int8X, _int8_x_product, int8_x_config, quantize_x
+from outrider.kernels.quant_blocks import (FP8, FUSED_MAX_ROWS, INT4, INTERPRET, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K,
+                                           Q6_K, Q8_0, Layout, QuantGemmConfig, fp8_bits_to_f32, k_run, k_splits,
+                                           kquant_values, layout_of, load_f16, load_k_scale_min, output_tiles,
+                                           rows_result, split_k_buffers, tensors_of)
+from outrider.kernels.quant_int8x import INT8_X_KERNELS, Int8X, int8_x_config, int8_x_product, quantize_x
 from outrider.kernels.quant_wide import wide_linear
 from outrider.quant.tensor import QuantizedTensor
 
@@ -58,11 +58,11 @@ def default_config(m: int, block: int, n: int, k: int = 0) -> QuantGemmConfig:
     """Small tiles at decode (enough programs to fill the GPU from one weight), wider ones for more rows; about
     128-256 values of K per loop step. Up to FMA_MAX_M rows the products run on the CUDA cores (no padding of x to
     a 16-row MMA tile, no layout change of the dequantized tile), beyond on the tensor cores; there K (k values;
-    0: unknown) is split by _split_k where the weight has few rows (a [4096, 12288] down_proj: 256 programs, each
+    0: unknown) is split by k_splits where the weight has few rows (a [4096, 12288] down_proj: 256 programs, each
     walking all of K)."""
     if m <= FMA_MAX_M.value:  # 256 values a step for one row, 128 for two (the accumulator doubles)
         return QuantGemmConfig(block_n=16, block_m=m, blocks=max(1, (256 if m == 1 else 128) // block),
-                               split_k=_split_k(k, triton.cdiv(n, 16)))
+                               split_k=k_splits(k, triton.cdiv(n, 16)))
     if m <= 16:  # verify rows: 16-row tiles on 4 warps (32/64-row tiles on 8 warps, 4 stages read 15 % slower)
         return QuantGemmConfig(block_n=16, block_m=16, blocks=max(1, 128 // block))
     # Past that, 128 values a step (one 256-value K-quant block): ptxas for sm_90 then keeps every format's
@@ -120,7 +120,7 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
             lo = tl.load(w_ptr + base + l).to(tl.int8, bitcast=True).to(tl.float32) * d
             hi = tl.load(w_ptr + base + 16 + l).to(tl.int8, bitcast=True).to(tl.float32) * d
         else:
-            d = _f16(w16_ptr, base)
+            d = load_f16(w16_ptr, base)
             QS: tl.constexpr = 2 if FMT == Q4_0 else 4 if FMT == Q4_1 else 6 if FMT == Q5_0 else 8
             qs = tl.load(w_ptr + base + QS + l).to(tl.int32)
             q_lo = qs & 15
@@ -135,7 +135,7 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
                 lo = d * (q_lo - OFF).to(tl.float32)
                 hi = d * (q_hi - OFF).to(tl.float32)
             else:
-                m = _f16(w16_ptr, base + 2)
+                m = load_f16(w16_ptr, base + 2)
                 lo = d * q_lo.to(tl.float32) + m
                 hi = d * q_hi.to(tl.float32) + m
         p_lo = kb * 32 + l
@@ -156,10 +156,10 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
             p_lo = kb4 * 256 + pos_lo
             p_hi = p_lo + 64
         else:  # Q4_K, Q5_K: chunk c's low nibbles are sub-block 2c, its high ones 2c + 1
-            d = _f16(w16_ptr, base)
-            dmin = _f16(w16_ptr, base + 2)
-            sc_lo, m_lo = _k_scale_min(w32_ptr, base, 2 * c)
-            sc_hi, m_hi = _k_scale_min(w32_ptr, base, 2 * c + 1)
+            d = load_f16(w16_ptr, base)
+            dmin = load_f16(w16_ptr, base + 2)
+            sc_lo, m_lo = load_k_scale_min(w32_ptr, base, 2 * c)
+            sc_hi, m_hi = load_k_scale_min(w32_ptr, base, 2 * c + 1)
             lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * m_lo
             hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * m_hi
             p_lo = kb4 * 256 + 64 * c + j
@@ -177,8 +177,8 @@ def _tile(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, rows, kb, stride_wn, stride_sn,
         l = tl.arange(0, H)[None, None, :]
         ptrs = w_ptr + row_off + kb * BLOCK + l
         if FP8_BITS:
-            lo = _fp8_bits_to_f32(tl.load(ptrs))
-            hi = _fp8_bits_to_f32(tl.load(ptrs + H))
+            lo = fp8_bits_to_f32(tl.load(ptrs))
+            hi = fp8_bits_to_f32(tl.load(ptrs + H))
         else:
             lo = tl.load(ptrs).to(tl.float32)
             hi = tl.load(ptrs + H).to(tl.float32)
@@ -207,7 +207,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, pa
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SPLIT: tl.constexpr,
                   USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T on a float tile of W's dequantized values; K's steps split over program axis 2
-    (_rows_result)."""
+    (rows_result)."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -222,10 +222,10 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, pa
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     FMA: tl.constexpr = BLOCK_M <= FMA_MAX_M
     acc3 = tl.zeros((BLOCK_N, NB * H, BLOCK_M) if FMA else (1, 1, 1), dtype=tl.float32)
-    # More rows on Q4_K and Q5_K (one block a step): the block's values made in K order (_kquant_values) and one
+    # More rows on Q4_K and Q5_K (one block a step): the block's values made in K order (kquant_values) and one
     # product with x's contiguous 256 columns, not two planes against gathered columns (Q6_K's planes stay cheaper)
     KQ_DOT: tl.constexpr = not FMA and (FMT == Q4_K or FMT == Q5_K)
-    first, last = _k_run(tl.cdiv(K, NB * BLOCK), tl.program_id(2), SPLIT)
+    first, last = k_run(tl.cdiv(K, NB * BLOCK), tl.program_id(2), SPLIT)
     for step in tl.range(first, last):
         k0 = step * (NB * BLOCK)
         kb0 = k0 // BLOCK
@@ -233,7 +233,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, pa
         if KQ_DOT:
             tl.static_assert(NB == 1)
             base = rows.to(tl.int64) * stride_wn + kb0 * TYPE_SIZE  # (NB 1: every step a whole block)
-            w = tl.reshape(_kquant_values(w_ptr, w16_ptr, w32_ptr, base, s_ptr, FMT), (BLOCK_N, BLOCK))
+            w = tl.reshape(kquant_values(w_ptr, w16_ptr, w32_ptr, base, s_ptr, FMT), (BLOCK_N, BLOCK))
             x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK))[:, None], mask=m_mask, other=0.0)
             if IEEE:
                 acc = tl.dot(w, x, acc, input_precision="ieee")
@@ -261,7 +261,7 @@ def _qgemm_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr, pa
                 acc = tl.dot(hi.to(dt), x_hi, acc)
     if FMA:
         acc = tl.sum(acc3, axis=1)
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -306,7 +306,7 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
                         s = tl.load(s_ptr + rows.to(tl.int64) * stride_sn + kb).to(tl.float32)
                     else:
                         q = tl.load(w_ptr + row_off + kb * BLOCK + l)
-                        q = _fp8_bits_to_f32(q) if FP8_BITS else q.to(tl.float32)
+                        q = fp8_bits_to_f32(q) if FP8_BITS else q.to(tl.float32)
                         s = tl.load(s_ptr + (rows // FP8_BN).to(tl.int64) * stride_sn + (kb * BLOCK) // FP8_BK)
                     tl.store(at + kb * BLOCK + l, (q * s).to(out_ptr.dtype.element_ty), mask=keep)
     elif FMT == Q4_K or FMT == Q5_K or FMT == Q6_K:
@@ -319,7 +319,7 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
         for b in tl.static_range(NB):
             kb = tl.program_id(1) * NB + b
             if kb < n_blocks:
-                values = _kquant_values(w_ptr, w16_ptr, w32_ptr, row_off + kb * TYPE_SIZE,
+                values = kquant_values(w_ptr, w16_ptr, w32_ptr, row_off + kb * TYPE_SIZE,
                                         s_ptr + rows.to(tl.int64) * stride_sn + kb, FMT)
                 tl.store(at + kb * 256, values.to(out_ptr.dtype.element_ty), mask=keep)
     else:
@@ -335,8 +335,8 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
 def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part reads x as an Int8X: 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 (groups of a
     power of two from 64 values), up to the format's max_rows (float32 rows keep their full precision)."""
-    lay = _layout(part)
-    kernels = _INT8_X_KERNELS.get(lay.code)
+    lay = layout_of(part)
+    kernels = INT8_X_KERNELS.get(lay.code)
     if kernels is None or x.shape[0] > kernels.max_rows or x.dtype == torch.float32:
         return False
     return not kernels.grouped or (lay.block >= 64 and is_power_of_two(lay.block))
@@ -344,22 +344,22 @@ def takes_int8_x(x: torch.Tensor, part: QuantizedTensor) -> bool:
 
 def takes_few_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part runs a format's dp4a kernel of 2 to few_rows rows (_Int8Kernels.few)."""
-    return takes_int8_x(x, part) and _INT8_X_KERNELS[_layout(part).code].takes_few(x.shape[0])
+    return takes_int8_x(x, part) and INT8_X_KERNELS[layout_of(part).code].takes_few(x.shape[0])
 
 
 def takes_wide_rows(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether x's product with the part runs on _wide_rows_kernel: past _WIDE_PAST's rows of its format."""
-    return _wide_format(_layout(part), x.shape[0]) and not takes_int8_x(x, part)
+    return _wide_format(layout_of(part), x.shape[0]) and not takes_int8_x(x, part)
 
 
-def _wide_format(lay: _Layout, m: int) -> bool:
+def _wide_format(lay: Layout, m: int) -> bool:
     """takes_wide_rows for a product that does not take an Int8X x."""
     return lay.code in _WIDE_PAST and m > _WIDE_PAST[lay.code]
 
 
 def has_wide_tiles(part: QuantizedTensor) -> bool:
     """Whether _wide_rows_kernel reads the part's format (wide_linear), at whatever rows its products take it."""
-    return _layout(part).code in _WIDE_PAST
+    return layout_of(part).code in _WIDE_PAST
 
 
 def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None, y: torch.Tensor,
@@ -370,19 +370,19 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     split-K `tickets` on the way: ticket_count of each)."""
     m = x.shape[0]
     n, k = part.shape  # (x8 may hold a product's input made from x: quantize_x's norm or silu_mul)
-    lay = _layout(part)
-    t = _tensors(part)
+    lay = layout_of(part)
+    t = tensors_of(part)
     pdl = pdl_args(use_pdl(x))
     if takes_int8_x(x, part):
-        _int8_x_product(x8 or quantize_x(x), t, _INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
+        int8_x_product(x8 or quantize_x(x), t, INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
                         config or int8_x_config(m, part), tickets, pdl)
         return
     if _wide_format(lay, m):
         wide_linear(x, part, bias, y, config, tickets)
         return
     cfg = config or default_config(m, lay.block, n, k)
-    tiles = _tiles(cfg, m, n)
-    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
+    tiles = output_tiles(cfg, m, n)
+    partials, tickets = split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
     _qgemm_kernel[(*tiles, cfg.split_k)](
         x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else t.scale, y, partials, tickets, m, n, k,
         x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
@@ -395,13 +395,13 @@ def ticket_count(m: int, part: QuantizedTensor, config: QuantGemmConfig) -> int:
     """The split-K tickets an Int8X product of m rows with the part takes at `config` (0 without a split)."""
     if config.split_k == 1:
         return 0
-    tiles = _tiles(config, m, part.shape[0])
+    tiles = output_tiles(config, m, part.shape[0])
     return tiles[0] * tiles[1]
 
 
 # Rows past which a format's products run on the wide tiles: FP8 past one; Q5_K past a verify step's 16 (below,
 # its float tile); the Int8X formats that have them past their max_rows.
-_WIDE_PAST = {FP8.value: 1, Q5_K.value: 16, **{code: kernels.max_rows for code, kernels in _INT8_X_KERNELS.items()
+_WIDE_PAST = {FP8.value: 1, Q5_K.value: 16, **{code: kernels.max_rows for code, kernels in INT8_X_KERNELS.items()
                                                 if kernels.max_rows < FUSED_MAX_ROWS}}
 
 
@@ -409,9 +409,9 @@ def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.
     """Rows of the part dequantized into out [R, K] (row-major): rows rows .. rows + R (an int), or the rows a
     tensor of R ids names (an embedding lookup)."""
     n, k = out.shape
-    lay = _layout(part)
+    lay = layout_of(part)
     cfg = default_config(1, lay.block, n)
-    t = _tensors(part)
+    t = tensors_of(part)
     gather = isinstance(rows, torch.Tensor)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(k // lay.block, cfg.blocks))
     _dequant_kernel[grid](t.w, t.w16, t.w32, t.scale, t.zero, out, rows if gather else t.w, 0 if gather else rows, n,

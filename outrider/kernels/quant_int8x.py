@@ -1,7 +1,7 @@
 """Products that read x as an Int8X: 16-bit rows on Q4_K, Q6_K, Q8_0 or INT4 read x as llama.cpp's CUDA kernels
 do, quantized once per product to int8 groups of 32 (Int8X, one small launch, which also makes a pre-norm
 projection's normed input or the down projection's SiLU·mul: quant_gemm.takes_prologue), and the scales meet
-integer sums once a group (_INT8_X_KERNELS). One row (decode): four quants meet four x values in one byte-wise dot
+integer sums once a group (INT8_X_KERNELS). One row (decode): four quants meet four x values in one byte-wise dot
 (dp4a); nothing crosses threads inside the loops. A few rows: the same dp4a products, W read once for all of them.
 More rows (verify, batches; Q6_K and Q8_0 up to their max_rows): each group's quants, as int8, meet x's int8
 columns on the tensor cores; past a format's Int8X rows, its wide tiles (quant_wide.py).
@@ -20,53 +20,53 @@ import triton.language as tl
 from outrider.kernels.fused import pdl_enter, rms_normed_tile, silu_mul_tile
 from outrider.kernels.gemm import RowNorm
 from outrider.kernels.launch import pdl_args, use_pdl
-from outrider.kernels.quant_blocks import (FUSED_MAX_ROWS, INT4, INTERPRET, Q4_K, Q6_K, Q8_0, ROW_PROGRAMS,
-                                           WIDE_SPLIT, QuantGemmConfig, _k_quant, _k_run, _k_scale_min_of, _layout,
-                                           _rows_result, _rows_tile, _split_k, _split_k_buffers, _Tensors, _tiles)
+from outrider.kernels.quant_blocks import (FUSED_MAX_ROWS, INT4, INTERPRET, Q4_K, Q6_K, Q8_0, ROW_PROGRAMS, WIDE_SPLIT,
+                                           PartTensors, QuantGemmConfig, is_k_quant, k_run, k_scale_min_of, k_splits,
+                                           layout_of, output_tiles, rows_result, rows_tile, split_k_buffers)
 from outrider.quant.tensor import QuantizedTensor
 
 
 def row_config(n: int, k: int) -> QuantGemmConfig:
-    """One row as an Int8X: 32 rows of W a program, K split by _split_k."""
-    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 32)))
+    """One row as an Int8X: 32 rows of W a program, K split by k_splits."""
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=1, split_k=k_splits(k, triton.cdiv(n, 32)))
 
 
 def grouped_row_config(n: int, k: int) -> QuantGemmConfig:
     """One row on INT4's kernel (bench quant --kernels --tune at Qwen3-8B's shapes): a long row (down_proj) 64 rows
-    of W a program, a group a step, K split by _split_k; a weight whose 16-row tiles are a half to a whole
+    of W a program, a group a step, K split by k_splits; a weight whose 16-row tiles are a half to a whole
     ROW_PROGRAMS (qkv, o) 16 rows a program on 8 warps, 4 groups a step, whole rows; others (gate_up, and weights
-    too small to fill the GPU that way) 32 rows, 2 groups a step, K split by _split_k."""
+    too small to fill the GPU that way) 32 rows, 2 groups a step, K split by k_splits."""
     if k > 4096:
-        return QuantGemmConfig(block_n=64, block_m=1, blocks=1, split_k=_split_k(k, triton.cdiv(n, 64)))
+        return QuantGemmConfig(block_n=64, block_m=1, blocks=1, split_k=k_splits(k, triton.cdiv(n, 64)))
     if ROW_PROGRAMS // 2 <= triton.cdiv(n, 16) <= ROW_PROGRAMS:
         return QuantGemmConfig(block_n=16, block_m=1, blocks=4, num_warps=8)
-    return QuantGemmConfig(block_n=32, block_m=1, blocks=2, split_k=_split_k(k, triton.cdiv(n, 32)))
+    return QuantGemmConfig(block_n=32, block_m=1, blocks=2, split_k=k_splits(k, triton.cdiv(n, 32)))
 
 
 def rows_config(m: int, n: int, k: int, block_n: int = 64, most: int = 8) -> QuantGemmConfig:
     """More rows on an Int8X (_Int8Kernels.rows): block_n rows of W and 16 of x a program (past 16 rows of x, 64
-    and 32), K split by _split_k over `most` programs at most."""
+    and 32), K split by k_splits over `most` programs at most."""
     block_m, block_n = (16, block_n) if m <= 16 else (32, 64)
     return QuantGemmConfig(block_n=block_n, block_m=block_m, blocks=1,
-                           split_k=_split_k(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m), most))
+                           split_k=k_splits(k, triton.cdiv(n, block_n) * triton.cdiv(m, block_m), most))
 
 
 def few_rows_config(m: int, n: int, k: int) -> QuantGemmConfig:
     """2 to few_rows rows on a dp4a kernel (_Int8Kernels.few): all of x's rows in one tile (each program reads its
-    rows of W once), 32 rows of W a program as for one row, K split by _split_k."""
+    rows of W once), 32 rows of W a program as for one row, K split by k_splits."""
     return QuantGemmConfig(block_n=32, block_m=max(2, triton.next_power_of_2(m)), blocks=1,
-                           split_k=_split_k(k, triton.cdiv(n, 32)))
+                           split_k=k_splits(k, triton.cdiv(n, 32)))
 
 
 def int8_x_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     """The default config of an Int8X product of m rows with `part` (one where takes_int8_x)."""
     n, k = part.shape
-    kernels = _INT8_X_KERNELS[_layout(part).code]
+    kernels = INT8_X_KERNELS[layout_of(part).code]
     if m == 1:
         return grouped_row_config(n, k) if kernels.grouped else row_config(n, k)
     if kernels.takes_few(m):
         return few_rows_config(m, n, k)
-    return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and _k_quant(part) else 8)
+    return rows_config(m, n, k, kernels.rows_block_n, WIDE_SPLIT if m > 16 and is_k_quant(part) else 8)
 
 
 class Int8X(NamedTuple):
@@ -203,7 +203,7 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     quarter = tl.arange(0, 8)[None, :]  # four words of a chunk: sums xs 2 (2 chunk) + quarter % 2 (+ 2: high)
     chunk = quarter // 2
     n_blocks = K // 256
-    first, last = _k_run(n_blocks, pid_k, SPLIT)
+    first, last = k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 8), tl.float32)
     words, h0, h1, h2, h3 = _q4k_block(w32_ptr, row, tl.minimum(first, n_blocks - 1), w)
     for kb in tl.range(first, last):
@@ -214,15 +214,15 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         hi = tl.sum(tl.reshape(hi, (BLOCK_N, 8, 4)), axis=2).to(tl.float32)
         d = _f16_bits_to_f32(h0)
         dmin = _f16_bits_to_f32(h0 >> 16)
-        sc_lo, m_lo = _k_scale_min_of(h1, h2, h3, 2 * chunk)
-        sc_hi, m_hi = _k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
+        sc_lo, m_lo = k_scale_min_of(h1, h2, h3, 2 * chunk)
+        sc_hi, m_hi = k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
         dx_lo = tl.load(xd_ptr + kb * 8 + 2 * chunk)
         dx_hi = tl.load(xd_ptr + kb * 8 + 2 * chunk + 1)
         xs_lo = tl.load(xs_ptr + kb * 16 + 4 * chunk + quarter % 2)
         xs_hi = tl.load(xs_ptr + kb * 16 + 4 * chunk + 2 + quarter % 2)
         acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
         words, h0, h1, h2, h3 = nxt, n0, n1, n2, n3
-    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+    rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
 
@@ -270,7 +270,7 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     row = rows * stride_row  # [BN, 1] byte offsets of the rows
     gn, gi, word_a, word_h, word_x = _q6k_words()
     n_blocks = K // 256
-    first, last = _k_run(n_blocks, pid_k, SPLIT)
+    first, last = k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
     for kb in tl.range(first, last):
         a, b, h, sc = _q6k_block(w_ptr, w32_ptr, row + 208 * kb, word_a, word_h, gn, gi)
@@ -286,7 +286,7 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
                 + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
                 + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
         acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
-    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+    rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
 
@@ -305,7 +305,7 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     g = tl.arange(0, 8)[None, :]
     words = (8 * g)[:, :, None] + tl.arange(0, 8)[None, None, :]  # [1, 8, 8]
     row = (rows * stride_row)[:, :, None]  # word offsets of the rows
-    first, last = _k_run(tl.cdiv(K, 256), pid_k, SPLIT)
+    first, last = k_run(tl.cdiv(K, 256), pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 8), tl.float32)
     for kb in tl.range(first, last):
         inside = 8 * kb + g < K // 32
@@ -313,7 +313,7 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         s = tl.sum(_dp4a(w, tl.load(xq_ptr + 64 * kb + words, mask=inside[:, :, None], other=0), ASM, True), axis=2)
         d = tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
         acc += d * (tl.load(xd_ptr + 8 * kb + g, mask=inside, other=0.0) * s.to(tl.float32))
-    _rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
+    rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
 
 
@@ -326,7 +326,7 @@ def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     the output tile [BLOCK_N, BLOCK_M]; no tile changes layout (int8 tensor-core tiles of a sub-block's 32 columns
     each do, eight a block)."""
     pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    offs_n, rows, offs_m, xm = rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * (stride_wn // 4)  # [BN, 1] word offsets of the rows
     xw_ptr = xq_ptr.to(tl.pointer_type(tl.int32))  # x's rows as words, K / 4 a row
     w = tl.arange(0, 32)[None, :]
@@ -335,7 +335,7 @@ def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     chunk = quarter // 2
     column = tl.arange(0, BLOCK_M)[None, :]
     n_blocks = K // 256
-    first, last = _k_run(n_blocks, tl.program_id(2), SPLIT)
+    first, last = k_run(n_blocks, tl.program_id(2), SPLIT)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     words, h0, h1, h2, h3 = _q4k_block(w32_ptr, row, tl.minimum(first, n_blocks - 1), w)
     for kb in tl.range(first, last):
@@ -344,8 +344,8 @@ def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
         q_hi = (words >> 4) & 0x0F0F0F0F
         d = _f16_bits_to_f32(h0)
         dmin = _f16_bits_to_f32(h0 >> 16)
-        sc_lo, m_lo = _k_scale_min_of(h1, h2, h3, 2 * chunk)  # [BN, 8]
-        sc_hi, m_hi = _k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
+        sc_lo, m_lo = k_scale_min_of(h1, h2, h3, 2 * chunk)  # [BN, 8]
+        sc_hi, m_hi = k_scale_min_of(h1, h2, h3, 2 * chunk + 1)
         for i in tl.static_range(BLOCK_M):
             xr = tl.minimum(tl.program_id(1) * BLOCK_M + i, M - 1).to(tl.int64)
             x = xw_ptr + xr * (K // 4) + kb * 64 + xw
@@ -357,7 +357,7 @@ def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
                     - dmin * (m_lo * tl.load(xs) + m_hi * tl.load(xs + 2)))
             acc += tl.where(column == i, tl.sum(part, axis=1)[:, None], 0.0)
         words, h0, h1, h2, h3 = nxt, n0, n1, n2, n3
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -367,13 +367,13 @@ def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     """_q6k_row_q8_kernel's dp4a products for an Int8X x of 2 to few_rows rows, as _q4k_few_rows_kernel: a block's
     quants and scales made once, then met by x's rows one after another, each row's sum placed in the output tile."""
     pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    offs_n, rows, offs_m, xm = rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn  # [BN, 1] byte offsets of the rows
     xw_ptr = xq_ptr.to(tl.pointer_type(tl.int32))  # x's rows as words, K / 4 a row
     gn, gi, word_a, word_h, word_x = _q6k_words()
     column = tl.arange(0, BLOCK_M)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
+    first, last = k_run(K // 256, tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
         a, b, h, sc = _q6k_block(w_ptr, w32_ptr, row + 208 * kb, word_a, word_h, gn, gi)
         q0 = _q6k_quants(a, h, 0)
@@ -396,7 +396,7 @@ def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
                     + sc3 * (tl.load(dx + 3) * tl.sum(_dp4a(q3, tl.load(xw + 24), ASM), axis=2).to(tl.float32)
                              - 32.0 * tl.load(xs + 6)))
             acc += tl.where(column == i, tl.sum(d * part, axis=1)[:, None], 0.0)
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -410,12 +410,12 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     192 + 8 n + 2 r + l // 16, so each 32 columns of xq meet the quants twice, as their two halves (the other half
     zeroed): d dx (sc_lo tile_lo + sc_hi tile_hi)."""
     pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    offs_n, rows, offs_m, xm = rows_tile(M, N, BLOCK_N, BLOCK_M)
     row = rows * stride_wn
     j = tl.arange(0, 32)
     lower = (j < 16)[:, None]  # a scale group's half of x's 32 columns
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // 256, tl.program_id(2), SPLIT)
+    first, last = k_run(K // 256, tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
         base = row + 208 * kb
         d = tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
@@ -433,7 +433,7 @@ def _q6k_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                     acc += (d * _i8(scales)) * (dx * dot.to(tl.float32))
                     dot = tl.dot(q, tl.load(x, mask=~lower, other=0), out_dtype=tl.int32)
                     acc += (d * _i8(scales + 1)) * (dx * dot.to(tl.float32))
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.constexpr_function
@@ -463,16 +463,16 @@ def _q80_rows_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     """_q6k_rows_q8_kernel for Q8_0 (blocks of 32 int8 quants, d in its plane): a block's quants are the int8 tile
     as stored; d dx meets its int32 tile."""
     pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    offs_n, rows, offs_m, xm = rows_tile(M, N, BLOCK_N, BLOCK_M)
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(K // 32, tl.program_id(2), SPLIT)
+    first, last = k_run(K // 32, tl.program_id(2), SPLIT)
     for g in tl.range(first, last):
         q = tl.load(w_ptr + rows * stride_wn + 32 * g + j[None, :]).to(tl.int8, bitcast=True)
         dot = tl.dot(q, tl.load(xq_ptr + xm * K + 32 * g + j[:, None]), out_dtype=tl.int32)
         d = tl.load(d_ptr + rows * stride_d + g).to(tl.float32)
         acc += d * (tl.load(xd_ptr + xm * (K // 32) + g) * dot.to(tl.float32))
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -517,7 +517,7 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
     w = tl.arange(0, W)[None, None, :]
     quarter = tl.arange(0, W // 4)[None, None, :]  # 16 values: four words of a half
     n_groups = K // GROUP
-    first, last = _k_run(tl.cdiv(n_groups, NB), pid_k, SPLIT)
+    first, last = k_run(tl.cdiv(n_groups, NB), pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, NB, W // 4), tl.float32)
     words, scale, zero = _int4_groups(w32_ptr, d_ptr, z_ptr, rows, stride_row, stride_d, first * NB, n_groups, gi,
                                       w)
@@ -535,7 +535,7 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
         acc += scale * (tl.load(dx) * lo + tl.load(dx + GROUP // 64) * hi
                         - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
         words, scale, zero = nxt, n_scale, n_zero
-    _rows_result(tl.sum(tl.sum(acc, axis=2), axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n,
+    rows_result(tl.sum(tl.sum(acc, axis=2), axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n,
                  tl.arange(0, 1), 1, N, 0, HAS_BIAS, SPLIT)
 
 
@@ -549,13 +549,13 @@ def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr
     tile."""
     pdl_enter(USE_PDL)
     W: tl.constexpr = GROUP // 8  # words of a group's bytes
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    offs_n, rows, offs_m, xm = rows_tile(M, N, BLOCK_N, BLOCK_M)
     xw_ptr = xq_ptr.to(tl.pointer_type(tl.int32))  # x's rows as words, K / 4 a row
     w = tl.arange(0, W)[None, :]
     quarter = tl.arange(0, W // 4)[None, :]  # 16 values: four words of a half
     column = tl.arange(0, BLOCK_M)[None, :]
     n_groups = K // GROUP
-    first, last = _k_run(n_groups, tl.program_id(2), SPLIT)
+    first, last = k_run(n_groups, tl.program_id(2), SPLIT)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     words, scale, zero = _int4_group(w32_ptr, d_ptr, z_ptr, rows, stride_wn // 4, stride_d,
                                      tl.minimum(first, n_groups - 1), n_groups, W)
@@ -575,7 +575,7 @@ def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr
                             - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
             acc += tl.where(column == i, tl.sum(part, axis=1)[:, None], 0.0)
         words, scale, zero = nxt, n_scale, n_zero
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
 
 
 class _Int8Kernels(NamedTuple):
@@ -603,7 +603,7 @@ class _Int8Kernels(NamedTuple):
 # has no wide tiles: made the same way, per 16 values, they read 1.2x slower at 32 rows) up to FUSED_MAX_ROWS. Q8_0
 # up to 16 rows reads faster at 128 rows of W a program than at 64, Q6_K not. (Those wide tiles were timed while
 # ptxas serialized their wgmmas, and Q8_0's since became one product a step: the rows are to be timed again.)
-_INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, 4, 4, few=_q4k_few_rows_kernel, few_rows=4),
+INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, 4, 4, few=_q4k_few_rows_kernel, few_rows=4),
                    Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, 1, FUSED_MAX_ROWS, _q6k_rows_q8_kernel,
                                             few=_q6k_few_rows_kernel, few_rows=2),
                    Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, 4, 16, _q80_rows_q8_kernel, 128),
@@ -611,14 +611,14 @@ _INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, 4, 4, few=_q4k_f
                                             few_rows=2)}
 
 
-def _int8_x_product(x8: Int8X, t: _Tensors, kernels: _Int8Kernels, block: int, bias: torch.Tensor | None,
+def int8_x_product(x8: Int8X, t: PartTensors, kernels: _Int8Kernels, block: int, bias: torch.Tensor | None,
                     y: torch.Tensor, m: int, n: int, k: int, cfg: QuantGemmConfig, tickets: torch.Tensor | None,
                     pdl: dict) -> None:
     """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
     split K writes partial sums to a buffer of this call and takes tickets from a counter per output tile, zeroed
     (`tickets`: by quantize_x; else here), all graph-safe: fixed sizes; without a split neither is made."""
-    tiles = _tiles(cfg, m, n)
-    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
+    tiles = output_tiles(cfg, m, n)
+    partials, tickets = split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
     b = y if bias is None else bias
     meta = dict(HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, SPLIT=cfg.split_k, ASM=not INTERPRET,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,

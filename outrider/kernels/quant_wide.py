@@ -12,10 +12,10 @@ import triton.language as tl
 
 from outrider.kernels.fused import pdl_enter
 from outrider.kernels.launch import pdl_args, use_pdl
-from outrider.kernels.quant_blocks import (FP8, INT4, INTERPRET, Q4_K, Q8_0, WIDE_SPLIT, QuantGemmConfig, _f16,
-                                           _fp8_bits_to_f32, _k_quant, _k_run, _k_scale_min_of, _kquant_values,
-                                           _Layout, _layout, _rows_result, _rows_tile, _split_k, _split_k_buffers,
-                                           _tensors, _tiles)
+from outrider.kernels.quant_blocks import (FP8, INT4, INTERPRET, Q4_K, Q8_0, WIDE_SPLIT, Layout, QuantGemmConfig,
+                                           fp8_bits_to_f32, is_k_quant, k_run, k_scale_min_of, k_splits, kquant_values,
+                                           layout_of, load_f16, output_tiles, rows_result, rows_tile, split_k_buffers,
+                                           tensors_of)
 from outrider.quant.tensor import QuantizedTensor
 
 WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks side by side: one product)
@@ -23,18 +23,18 @@ WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks
 
 def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
     """_wide_rows_kernel's for m rows of x: 64 rows of W a program, against x's rows in one tile where they fit 64
-    (each program then reads its W once), K split by _split_k; three loads in flight for FP8 and INT4, two and
+    (each program then reads its W once), K split by k_splits; three loads in flight for FP8 and INT4, two and
     K split over WIDE_SPLIT programs at most for the K-quants, whose values tile takes more registers."""
     n, k = part.shape
     block_m = max(16, min(64, triton.next_power_of_2(m)))
-    k_quant = _k_quant(part)
+    k_quant = is_k_quant(part)
     return QuantGemmConfig(block_n=64, block_m=block_m, blocks=1, num_warps=8 if block_m == 64 else 4,
                            num_stages=2 if k_quant else 3,
-                           split_k=_split_k(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m),
+                           split_k=k_splits(k, triton.cdiv(n, 64) * triton.cdiv(m, block_m),
                                             WIDE_SPLIT if k_quant else 8))
 
 
-def wide_step(lay: _Layout) -> int:
+def wide_step(lay: Layout) -> int:
     """The values of K a wide tile's loop step takes (its BLOCK): a block, or WIDE_Q8_0_STEP of Q8_0's."""
     return WIDE_Q8_0_STEP if lay.code == Q8_0.value else lay.block
 
@@ -45,11 +45,11 @@ def wide_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | Non
     bench quant --tune times beside the Int8X kernels at fewer rows."""
     m = x.shape[0]
     n, k = part.shape
-    lay = _layout(part)
-    t = _tensors(part)
+    lay = layout_of(part)
+    t = tensors_of(part)
     cfg = config or wide_rows_config(m, part)
-    tiles = _tiles(cfg, m, n)
-    partials, tickets = _split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
+    tiles = output_tiles(cfg, m, n)
+    partials, tickets = split_k_buffers(cfg.split_k, tiles, m, n, y, tickets)
     _wide_rows_kernel[(*tiles, cfg.split_k)](
         x, t.w, t.w16, t.w32, t.scale, t.zero, bias if bias is not None else y, y, partials, tickets, m, n, k,
         x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
@@ -181,8 +181,8 @@ def _q4k_chunk(w_ptr, base, w0, w1, w2, d, dmin, c, dt: tl.constexpr, ASM: tl.co
     """Chunk c of Q4_K blocks at byte offsets base [BN, 1] (scale words w0-w2, d and -dmin [BN, 1]): its 64
     values q d sc - dmin m in dt [BN, 64], in K order (sub-block 2 c's, in the 32 bytes' low nibbles, then 2 c +
     1's, in their high ones)."""
-    sc_lo, m_lo = _k_scale_min_of(w0, w1, w2, 2 * c)
-    sc_hi, m_hi = _k_scale_min_of(w0, w1, w2, 2 * c + 1)
+    sc_lo, m_lo = k_scale_min_of(w0, w1, w2, 2 * c)
+    sc_hi, m_hi = k_scale_min_of(w0, w1, w2, 2 * c + 1)
     lo, hi = _nibbles_scaled(tl.load(w_ptr + base + 16 + 32 * c + tl.arange(0, 32)[None, :]), (d * sc_lo).to(dt),
                              (dmin * m_lo).to(dt), (d * sc_hi).to(dt), (dmin * m_hi).to(dt), dt, ASM)
     return _cat_k(lo, hi)
@@ -224,18 +224,18 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
     step: each block's values q d made in x's dtype, rounded once (_signed_bytes), the blocks side by side in one
     product) or another K-quant (a block a step, its values made in K order half a block at a time, in x's dtype:
     a product with x's contiguous 128 columns; float32 x takes this way on Q4_K too). Wide tiles of W, K split
-    over program axis 2 (_rows_result)."""
+    over program axis 2 (rows_result)."""
     pdl_enter(USE_PDL)
-    offs_n, rows, offs_m, xm = _rows_tile(M, N, BLOCK_N, BLOCK_M)
+    offs_n, rows, offs_m, xm = rows_tile(M, N, BLOCK_N, BLOCK_M)
     dt = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    first, last = _k_run(tl.cdiv(K, BLOCK), tl.program_id(2), SPLIT)
+    first, last = k_run(tl.cdiv(K, BLOCK), tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
         if FMT == FP8:
             k = tl.arange(0, BLOCK)
             w = tl.load(w_ptr + rows * stride_wn + kb * BLOCK + k[None, :])
             if FP8_BITS:
-                w = _fp8_bits_to_f32(w)
+                w = fp8_bits_to_f32(w)
             x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + k[:, None])
             if IEEE:
                 dot = tl.dot(w.to(tl.float32), x, input_precision="ieee")
@@ -259,8 +259,8 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 acc += s * tl.dot(_cat_k(lo, hi), tl.load(x))
         elif FMT == Q4_K and not IEEE:  # each sub-block's values q d sc - dmin m in x's dtype (_nibbles_scaled)
             base = rows * stride_wn + kb * TYPE_SIZE
-            d = _f16(w16_ptr, base)
-            dmin = -_f16(w16_ptr, base + 2)
+            d = load_f16(w16_ptr, base)
+            dmin = -load_f16(w16_ptr, base + 2)
             w0 = tl.load(w32_ptr + base // 4 + 1)
             w1 = tl.load(w32_ptr + base // 4 + 2)
             w2 = tl.load(w32_ptr + base // 4 + 3)
@@ -288,7 +288,7 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             k = tl.arange(0, 128)
             block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # (chained here, not into acc: see Q4_K's)
             for half in tl.static_range(2):
-                w = _kquant_values(w_ptr, w16_ptr, w32_ptr, base, (s_ptr + rows * stride_sn + kb)[:, :, None], FMT,
+                w = kquant_values(w_ptr, w16_ptr, w32_ptr, base, (s_ptr + rows * stride_sn + kb)[:, :, None], FMT,
                                    4 * half, 4)
                 w = tl.reshape(w, (BLOCK_N, 128))
                 x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * half + k[:, None])
@@ -297,4 +297,4 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                 else:
                     block = tl.dot(w.to(dt), x, block)
             acc += block
-    _rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)
+    rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS, SPLIT)

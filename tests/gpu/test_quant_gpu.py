@@ -25,7 +25,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 ROWS = [1, 2, 5, 16, 40, 512]  # 1-2: CUDA-core products; 5-40: tensor cores; 512: dequantized chunks + cuBLAS
 INT4 = Int4Format(128, "AWQ")
 FORMATS = [*GGUF_FORMATS.values(), FP8Format(128, 128), FP8Format(1, 0), INT4]
-# Format name -> the 16-bit rows up to which its products read x as int8 groups (quant_int8x._INT8_X_KERNELS)
+# Format name -> the 16-bit rows up to which its products read x as int8 groups (quant_int8x.INT8_X_KERNELS)
 INT8_X_ROWS = {"Q4_K": 4, "Q6_K": 64, "Q8_0": 16, INT4.name: 2}
 _BY_NAME = {f.name: f for f in FORMATS}
 
@@ -298,7 +298,7 @@ def test_q4k_nibbles_ptx_makes_each_value_times_its_scale_plus_its_min_rounded_o
 @pytest.mark.parametrize(("kind", "rows"), [(kind, rows) for kind in INT8_X_ROWS for rows in (1, 2, 4, 12, 20)
                                             if rows <= INT8_X_ROWS[kind]])
 def test_int8_x_kernels_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half, device):
-    """The kernels of 16-bit rows on an Int8X (quant_int8x._INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
+    """The kernels of 16-bit rows on an Int8X (quant_int8x.INT8_X_KERNELS: one row; 2 and 4 rows on the dp4a
     kernels where a format takes them there; 12 rows as a tile of 16 and 20 as two) over 5 blocks of 256 columns of
     K split 1, 2, 4 and 7 ways (runs of unequal length, programs with none), with a bias: the last program of each
     output tile adds the partials."""
@@ -594,7 +594,7 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
         constants = {"FMT": code, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks, "USE_PDL": True}
         return _ptxas(q._dequant_kernel, signature, constants, cfg)
-    kernels = quant_int8x._INT8_X_KERNELS.get(code)
+    kernels = quant_int8x.INT8_X_KERNELS.get(code)
     fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
     part = SimpleNamespace(shape=(n, 4096), format=fmt)  # as the configs read a part
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
