@@ -550,10 +550,27 @@ _PROLOGUES = {"x": (False, False, False), "x+norm": (True, True, False), "x+silu
 
 class Ptxas(NamedTuple):
     """What ptxas reports of a kernel compiled for sm_90: bytes spilled, and whether it serialized the wgmmas
-    (warning C7515: a non-wgmma instruction writes an accumulator between a wgmma's start and end)."""
+    (warning C7515: a non-wgmma instruction writes an accumulator between a wgmma's start and end); and the
+    barriers (bar.sync) in the PTX of its inner loops, each a wait of the whole thread block every step."""
 
     spilled: int
     serialized: bool
+    loop_barriers: int
+
+
+def _loop_barriers(ptx: str) -> int:
+    """bar.sync instructions between an inner loop's header label and the branch back to it."""
+    import re
+
+    count, header = 0, None
+    for line in ptx.splitlines():
+        if "Inner Loop Header" in line:
+            header, inside = line.split(":")[0].strip(), 0
+        elif header is not None:
+            inside += "bar.sync" in line
+            if re.search(rf"bra(\.uni)?\s+{re.escape(header)};", line):
+                count, header = count + inside, None
+    return count
 
 
 def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
@@ -659,7 +676,8 @@ def _ptxas(fn, signature: dict, constants: dict, cfg) -> Ptxas:
                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", "-", "-o", "/dev/null"],
                             input=kernel.asm["ptx"], capture_output=True, text=True, check=True).stderr
-    return Ptxas(int(re.search(r"(\d+) bytes spill stores", report)[1]), "C7515" in report)
+    return Ptxas(int(re.search(r"(\d+) bytes spill stores", report)[1]), "C7515" in report,
+                 _loop_barriers(kernel.asm["ptx"]))
 
 
 # Q4_0's float tile at 64 rows spills two words (8 bytes, to L1).
@@ -675,6 +693,16 @@ def test_kernels_compile_for_hopper_keep_their_tiles_in_registers_and_pipeline_t
     found = _ptxas_apart(kind, rows, n)
     assert found.spilled <= SPILLS_ALLOWED.get((kind, rows), 0)
     assert not found.serialized
+
+
+@pytest.mark.parametrize(("kind", "rows"), [("Q4_K", 1), ("Q6_K", 1), ("INT4", 1), ("Q4_K", 2), ("Q4_K", 4),
+                                            ("INT4", 2)])
+def test_dp4a_loops_keep_their_sums_in_one_layout_and_never_wait_at_a_barrier(kind, rows):
+    """The decode row's dp4a loop (and Q4_K's and INT4's few rows') meets each step's sums with scales loaded in
+    the sums' own layout: a tile moved between layouts goes through shared memory, and the whole thread block then
+    waits at a barrier every step (Q6_K's one-row loop did eight a step while its [BN, 4] scale bytes were one
+    load of their own layout)."""
+    assert _ptxas_apart(kind, rows, 4096).loop_barriers == 0
 
 
 @pytest.mark.parametrize("kind", _PROLOGUES)
@@ -700,8 +728,8 @@ def _ptxas_apart(kind: str, rows: int, n: int) -> Ptxas:
     done = subprocess.run([sys.executable, __file__, kind, str(rows), str(n)], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    spilled, serialized = done.stdout.split()[-2:]
-    return Ptxas(int(spilled), serialized == "True")
+    spilled, serialized, loop_barriers = done.stdout.split()[-3:]
+    return Ptxas(int(spilled), serialized == "True", int(loop_barriers))
 
 
 if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: what ptxas reports of its kernel (see above)
