@@ -551,25 +551,27 @@ _PROLOGUES = {"x": (False, False, False), "x+norm": (True, True, False), "x+silu
 class Ptxas(NamedTuple):
     """What ptxas reports of a kernel compiled for sm_90: bytes spilled, and whether it serialized the wgmmas
     (warning C7515: a non-wgmma instruction writes an accumulator between a wgmma's start and end); and the
-    barriers (bar.sync) in the PTX of its inner loops, each a wait of the whole thread block every step."""
+    barriers (bar.sync) in the PTX of its inner loops, each a wait of the whole thread block every step (None: no
+    loop laid out header first, which _loop_barriers reads)."""
 
     spilled: int
     serialized: bool
-    loop_barriers: int
+    loop_barriers: int | None
 
 
-def _loop_barriers(ptx: str) -> int:
-    """bar.sync instructions between an inner loop's header label and the branch back to it."""
+def _loop_barriers(ptx: str) -> int | None:
+    """bar.sync instructions between an inner loop's header label and the branch back to it; None where no loop
+    closes so (a rotated loop branches back before its header), so that a check of none cannot pass unread."""
     import re
 
-    count, header = 0, None
+    count, header = None, None
     for line in ptx.splitlines():
         if "Inner Loop Header" in line:
             header, inside = line.split(":")[0].strip(), 0
         elif header is not None:
             inside += "bar.sync" in line
             if re.search(rf"bra(\.uni)?\s+{re.escape(header)};", line):
-                count, header = count + inside, None
+                count, header = (count or 0) + inside, None
     return count
 
 
@@ -729,7 +731,7 @@ def _ptxas_apart(kind: str, rows: int, n: int) -> Ptxas:
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     spilled, serialized, loop_barriers = done.stdout.split()[-3:]
-    return Ptxas(int(spilled), serialized == "True", int(loop_barriers))
+    return Ptxas(int(spilled), serialized == "True", None if loop_barriers == "None" else int(loop_barriers))
 
 
 if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: what ptxas reports of its kernel (see above)
