@@ -196,9 +196,11 @@ def _q80_values(w_ptr, s_ptr, rows, stride_wn, stride_sn, g, K, dt: tl.constexpr
     inside = g < K // 32
     qb = tl.load(w_ptr + rows * stride_wn + 32 * g + tl.arange(0, 32)[None, :], mask=inside, other=0)
     d = tl.load(s_ptr + rows * stride_sn + g, mask=inside, other=0.0)
-    if IEEE:
-        return qb.to(tl.int8, bitcast=True).to(tl.float32) * d.to(tl.float32)
-    return _signed_bytes(qb, d.to(dt), dt, ASM)
+    if IEEE:  # (an if/else: Triton compiles what follows a return inside a constexpr if, for dt float32 too)
+        values = qb.to(tl.int8, bitcast=True).to(tl.float32) * d.to(tl.float32)
+    else:
+        values = _signed_bytes(qb, d.to(dt), dt, ASM)
+    return values
 
 
 @triton.jit

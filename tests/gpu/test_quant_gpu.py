@@ -575,10 +575,11 @@ def _loop_barriers(ptx: str) -> int | None:
     return count
 
 
-def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
+def _ptxas_findings(kind: str, rows: int, n: int, x: str = "bf16") -> Ptxas:
     """Compile `kind`'s kernel at its default config for `rows` (0: the dequantization kernel) of an `n`-row
     weight for sm_90 (Triton's own ptxas: no GPU needed), as CUDA graphs launch it (with PDL), and return what
-    ptxas reports. A kind of _PROLOGUES: quantize_x's kernel for rows of n values."""
+    ptxas reports. x: x's Triton type (fp32 rows never read x as an Int8X). A kind of _PROLOGUES: quantize_x's
+    kernel for rows of n values."""
     from types import SimpleNamespace
 
     from outrider.kernels import quant_blocks, quant_int8x, quant_wide
@@ -613,7 +614,8 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
         constants = {"FMT": code, "BLOCK": block, "TYPE_SIZE": type_size, "FP8_BITS": False,
                      "GATHER": False, "BLOCK_N": cfg.block_n, "NB": cfg.blocks, "USE_PDL": True}
         return _ptxas(q._dequant_kernel, signature, constants, cfg)
-    kernels = quant_int8x.INT8_X_KERNELS.get(code)
+    ieee = x == "fp32"
+    kernels = None if ieee else quant_int8x.INT8_X_KERNELS.get(code)
     fmt = {"INT4": INT4, "FP8": FP8Format(128, 128)}.get(kind) or GGUF_FORMATS[kind]
     part = SimpleNamespace(shape=(n, 4096), format=fmt)  # as the configs read a part
     grouped = ({"z_ptr": "*u8", "GROUP": "constexpr"}, {"GROUP": block}) if kernels and kernels.grouped else ({}, {})
@@ -640,23 +642,23 @@ def _ptxas_findings(kind: str, rows: int, n: int) -> Ptxas:
         return _ptxas(kernels.few if few else kernels.rows, signature, constants, cfg)
     if q._wide_format(SimpleNamespace(code=code), rows):  # (the Int8X rows returned above)
         cfg = quant_wide.wide_rows_config(rows, part)
-        signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
+        signature = {"x_ptr": f"*{x}", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N",
                                       "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
         constants = {"FMT": code, "BLOCK": quant_wide.wide_step(SimpleNamespace(code=code, block=block)),
                      "TYPE_SIZE": type_size, "HAS_BIAS": True,
-                     "IEEE": False, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
+                     "IEEE": ieee, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
                      "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True}
         return _ptxas(quant_wide._wide_rows_kernel, signature, constants, cfg)
-    signature = {"x_ptr": "*bf16", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
+    signature = {"x_ptr": f"*{x}", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                  "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                  **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_M", "BLOCK_N",
                                   "NB", "SPLIT", "USE_PDL"], "constexpr")}
     constants = {"FMT": code, "BLOCK": block, "TYPE_SIZE": type_size, "HAS_BIAS": True,
-                 "IEEE": False, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks,
+                 "IEEE": ieee, "FP8_BITS": False, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "NB": cfg.blocks,
                  "SPLIT": cfg.split_k, "USE_PDL": True}
     return _ptxas(q._qgemm_kernel, signature, constants, cfg)
 
@@ -697,6 +699,15 @@ def test_kernels_compile_for_hopper_keep_their_tiles_in_registers_and_pipeline_t
     assert not found.serialized
 
 
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("kind", _SIGNATURES)
+def test_float32_rows_compile_for_hopper_on_the_kernel_each_format_routes_them_to(kind, rows):
+    """float32 x (a float32 model's rows) is never read as an Int8X: the float tile or the wide tiles take it, with
+    float32 products, and must compile for it (Q8_0's wide step once built its values in x's type, and float32
+    failed there)."""
+    assert not _ptxas_apart(kind, rows, 4096, "fp32").serialized
+
+
 @pytest.mark.parametrize(("kind", "rows"), [("Q4_K", 1), ("Q6_K", 1), ("INT4", 1), ("Q4_K", 2), ("Q4_K", 4),
                                             ("INT4", 2)])
 def test_dp4a_loops_keep_their_sums_in_one_layout_and_never_wait_at_a_barrier(kind, rows):
@@ -720,20 +731,20 @@ def test_fp8_x_quantization_compiles_for_hopper_and_spills_nothing():
     assert _ptxas_apart(FP8_X, 1, 4096).spilled == 0
 
 
-def _ptxas_apart(kind: str, rows: int, n: int) -> Ptxas:
+def _ptxas_apart(kind: str, rows: int, n: int, x: str = "bf16") -> Ptxas:
     """_ptxas_findings in a process of its own: compiling needs Triton's compiler, which TRITON_INTERPRET=1
     replaces."""
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, kind, str(rows), str(n)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, __file__, kind, str(rows), str(n), x], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     spilled, serialized, loop_barriers = done.stdout.split()[-3:]
     return Ptxas(int(spilled), serialized == "True", None if loop_barriers == "None" else int(loop_barriers))
 
 
-if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N: what ptxas reports of its kernel (see above)
-    print(*_ptxas_findings(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
+if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N [X]: what ptxas reports of its kernel (see above)
+    print(*_ptxas_findings(*sys.argv[1:2], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5]))
 
