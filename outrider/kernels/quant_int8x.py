@@ -245,21 +245,12 @@ def _q6k_words():
 
 
 @triton.jit
-def _q6k_block(w32_ptr, word, word_a, word_h, gn):
-    """The Q6_K blocks at word offsets word [BN, 1]: their ql words A and B (= A + 8) and qh words H ([BN, 4, 4], as
-    _q6k_words places them), and the words of half gn's int8 scales 8 gn + 0..3 (lo) and 8 gn + 4..7 (hi), loaded a
-    row at a time ([BN, 1]): Triton then loads them in whatever layout the sums they meet are in, where a [BN, 4]
-    load of the scale bytes made it move every step's sums through shared memory (a barrier each)."""
-    w = word[:, :, None]
-    return (tl.load(w32_ptr + w + word_a), tl.load(w32_ptr + w + word_a + 8), tl.load(w32_ptr + w + word_h),
-            tl.where(gn == 0, tl.load(w32_ptr + word + 48), tl.load(w32_ptr + word + 50)),
-            tl.where(gn == 0, tl.load(w32_ptr + word + 49), tl.load(w32_ptr + word + 51)))
-
-
-@triton.jit
-def _q6k_scale(words, byte):
-    """The signed byte `byte` (0..3) of each word, as float32: a group's scale from _q6k_block's lo or hi."""
-    return ((words << (24 - 8 * byte)) >> 24).to(tl.float32)
+def _q6k_block(w_ptr, w32_ptr, blk, word_a, word_h, gn, gi):
+    """The Q6_K blocks at byte offsets blk [BN, 1]: their ql words A and B (= A + 8) and qh words H ([BN, 4, 4], as
+    _q6k_words places them), and the pointers to the int8 scales of the groups (gn, gi) (+ 2 r for quarter r)."""
+    word = (blk // 4)[:, :, None]
+    return (tl.load(w32_ptr + word + word_a), tl.load(w32_ptr + word + word_a + 8), tl.load(w32_ptr + word + word_h),
+            w_ptr + blk + 192 + 8 * gn + gi)
 
 
 @triton.jit
@@ -282,7 +273,7 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
     first, last = k_run(n_blocks, pid_k, SPLIT)
     acc = tl.zeros((BLOCK_N, 4), tl.float32)
     for kb in tl.range(first, last):
-        a, b, h, lo, hi = _q6k_block(w32_ptr, (row + 208 * kb) // 4, word_a, word_h, gn)
+        a, b, h, sc = _q6k_block(w_ptr, w32_ptr, row + 208 * kb, word_a, word_h, gn, gi)
         xw = xq_ptr + kb * 64 + word_x
         s0 = tl.sum(_dp4a(_q6k_quants(a, h, 0), tl.load(xw), ASM), axis=2)
         s1 = tl.sum(_dp4a(_q6k_quants(b, h, 1), tl.load(xw + 8), ASM), axis=2)
@@ -290,10 +281,10 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         s3 = tl.sum(_dp4a(_q6k_quants(b, h, 3), tl.load(xw + 24), ASM), axis=2)
         dx = xd_ptr + kb * 8 + 4 * gn  # + r
         xs = xs_ptr + kb * 16 + 8 * gn + gi  # + 2 r
-        part = (_q6k_scale(lo, gi) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
-                + _q6k_scale(lo, gi + 2) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
-                + _q6k_scale(hi, gi) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
-                + _q6k_scale(hi, gi + 2) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
+        part = (_i8(sc) * (tl.load(dx) * s0.to(tl.float32) - 32.0 * tl.load(xs))
+                + _i8(sc + 2) * (tl.load(dx + 1) * s1.to(tl.float32) - 32.0 * tl.load(xs + 2))
+                + _i8(sc + 4) * (tl.load(dx + 2) * s2.to(tl.float32) - 32.0 * tl.load(xs + 4))
+                + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
         acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
     rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
                  HAS_BIAS, SPLIT)
@@ -384,12 +375,12 @@ def _q6k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr,
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     first, last = k_run(K // 256, tl.program_id(2), SPLIT)
     for kb in tl.range(first, last):
-        a, b, h, lo, hi = _q6k_block(w32_ptr, (row + 208 * kb) // 4, word_a, word_h, gn)
+        a, b, h, sc = _q6k_block(w_ptr, w32_ptr, row + 208 * kb, word_a, word_h, gn, gi)
         q0 = _q6k_quants(a, h, 0)
         q1 = _q6k_quants(b, h, 1)
         q2 = _q6k_quants(a, h, 2)
         q3 = _q6k_quants(b, h, 3)
-        sc0, sc1, sc2, sc3 = _q6k_scale(lo, gi), _q6k_scale(lo, gi + 2), _q6k_scale(hi, gi), _q6k_scale(hi, gi + 2)
+        sc0, sc1, sc2, sc3 = _i8(sc), _i8(sc + 2), _i8(sc + 4), _i8(sc + 6)
         d = tl.load(d_ptr + rows * stride_d + kb).to(tl.float32)
         for i in tl.static_range(BLOCK_M):
             xr = tl.minimum(tl.program_id(1) * BLOCK_M + i, M - 1).to(tl.int64)
