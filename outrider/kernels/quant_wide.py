@@ -11,14 +11,17 @@ import triton
 import triton.language as tl
 
 from outrider.kernels.fused import pdl_enter
-from outrider.kernels.launch import pdl_args, use_pdl
+from outrider.kernels.launch import cuda_properties, pdl_args, use_pdl
 from outrider.kernels.quant_blocks import (FP8, INT4, INTERPRET, Q4_K, Q8_0, WIDE_SPLIT, Layout, QuantGemmConfig,
                                            fp8_bits_to_f32, is_k_quant, k_run, k_scale_min_of, k_splits, kquant_values,
                                            layout_of, load_f16, output_tiles, rows_result, rows_tile, split_k_buffers,
                                            tensors_of)
+from outrider.quant.formats import FP8_MAX, FP8Format
 from outrider.quant.tensor import QuantizedTensor
 
 WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks side by side: one product)
+FP8_X_MAX = tl.constexpr(FP8_MAX)
+FP8_X_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # x's scale where a row's step is all zeros
 
 
 def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
@@ -55,7 +58,16 @@ def wide_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | Non
         x.stride(0), t.stride_wn, t.stride_sn, y.stride(0), lay.fp8_block_n, lay.fp8_block_k, FMT=lay.code,
         BLOCK=wide_step(lay), TYPE_SIZE=lay.type_size, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         FP8_BITS=INTERPRET, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, SPLIT=cfg.split_k, ASM=not INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(use_pdl(x)))
+        X_FP8=reads_x_in_fp8(x, part), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(use_pdl(x)))
+
+
+def reads_x_in_fp8(x: torch.Tensor, part: QuantizedTensor) -> bool:
+    """Whether the wide tiles multiply an FP8 part by x in FP8 (per row and 128 columns): 16-bit x on a card with
+    FP8 tensor cores (compute capability 8.9+), W's values read as stored."""
+    if INTERPRET or not isinstance(part.format, FP8Format) or x.dtype == torch.float32 or not x.is_cuda:
+        return False
+    props = cuda_properties(x.device)
+    return (props.major, props.minor) >= (8, 9)
 
 
 # The wide tiles' quants: each made exactly in the 16-bit type from a magic number (a power of two whose mantissa's
@@ -216,7 +228,7 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
                       stride_xm, stride_wn, stride_sn, stride_ym, FP8_BN, FP8_BK, FMT: tl.constexpr,
                       BLOCK: tl.constexpr, TYPE_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                       FP8_BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr,
-                      ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                      ASM: tl.constexpr, X_FP8: tl.constexpr, USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T for 2 to FUSED_MAX_ROWS rows of x on FP8 (128 columns a step: W as stored, widened
     exactly to x's dtype, as every float8_e4m3fn value is a bfloat16 and a float16; one tensor-core product, then
     its rows' scale), INT4 (a group a step: its two nibble planes are its two halves, q - z exactly in x's dtype
@@ -239,11 +251,15 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             if FP8_BITS:
                 w = fp8_bits_to_f32(w)
             x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + k[:, None])
-            if IEEE:
-                dot = tl.dot(w.to(tl.float32), x, input_precision="ieee")
+            s = tl.load(s_ptr + (rows // FP8_BN) * stride_sn + (kb * BLOCK) // FP8_BK)
+            if X_FP8:  # x's step in float8_e4m3fn, a scale max |x| / 448 a row (the prefill's scaled_mm recipe)
+                x = x.to(tl.float32)
+                xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_X_MAX, FP8_X_TINY)
+                acc += (s * xs[None, :]) * tl.dot(w, (x / xs[None, :]).to(w.dtype))
+            elif IEEE:
+                acc += s * tl.dot(w.to(tl.float32), x, input_precision="ieee")
             else:
-                dot = tl.dot(w.to(dt), x)
-            acc += tl.load(s_ptr + (rows // FP8_BN) * stride_sn + (kb * BLOCK) // FP8_BK) * dot
+                acc += s * tl.dot(w.to(dt), x)
         elif FMT == INT4:
             H: tl.constexpr = BLOCK // 2
             k = tl.arange(0, H)

@@ -42,13 +42,17 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _x_as_read(x: torch.Tensor, part) -> torch.Tensor:
     """x as the kernels read it against the part: 16-bit rows that take an Int8X in int8 groups of 32, each scaled by
     max |x| / 127 and rounded half away from zero (llama.cpp's q8_1); FP8 prefill rows on the FP8 tensor cores
-    (takes_fp8_mm) in FP8 per token and group (fp8_gemm); float32 otherwise."""
+    (takes_fp8_mm) in FP8 per token and group (fp8_gemm), fewer rows where the wide tiles read them so
+    (reads_x_in_fp8) per row and 128 columns; float32 otherwise."""
     from outrider.kernels.fp8_gemm import GROUP, takes_fp8_mm
     from outrider.kernels.quant_blocks import FUSED_MAX_ROWS
     from outrider.kernels.quant_gemm import takes_int8_x
+    from outrider.kernels.quant_wide import reads_x_in_fp8
 
     if x.shape[0] > FUSED_MAX_ROWS and takes_fp8_mm(x, part):
         return _fp8_as_read(x, GROUP if part.format.block_k else x.shape[1])
+    if x.shape[0] <= FUSED_MAX_ROWS and reads_x_in_fp8(x, part):
+        return _fp8_as_read(x, GROUP)
     if not takes_int8_x(x, part):
         return x.float()
     groups = x.float().view(-1, 32)
@@ -338,11 +342,10 @@ def test_int4_one_row_reading_several_groups_a_step_masks_the_groups_past_k(grou
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize(("kind", "rows"), [("FP8 (128x128 blocks)", 1), ("Q4_1", 1), ("Q4_1", 2), ("Q5_K", 1),
-                                            ("Q5_K", 2)])
+@pytest.mark.parametrize(("kind", "rows"), [("Q4_1", 1), ("Q4_1", 2), ("Q5_K", 1), ("Q5_K", 2)])
 def test_rows_on_the_cuda_cores_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half,
                                                                                      device):
-    """The float tile's one and two rows (products on the CUDA cores; FP8 past one row takes the wide tiles) over
+    """The float tile's one and two rows (products on the CUDA cores; FP8 takes the wide tiles at every row) over
     1,280 columns of K split 1 and 3 ways (runs of unequal length), with a bias."""
     import dataclasses
 
@@ -376,7 +379,7 @@ def test_wide_tiles_of_w_with_k_split_over_programs_match_dequantize_then_matmul
     y = torch.empty(20, 80, device=device, dtype=half)
     assert has_wide_tiles(weight.parts[0])
     wide_linear(x, weight.parts[0], bias, y, QuantGemmConfig(block_n=64, block_m=32, blocks=1, split_k=split))
-    _assert_close(y, _reference(x.float(), weight.parts[0].dequantize()) + bias.float(), half)
+    _assert_close(y, _reference(_x_as_read(x, weight.parts[0]), weight.parts[0].dequantize()) + bias.float(), half)
 
 
 @pytest.mark.cuda_only
@@ -646,11 +649,11 @@ def _ptxas_findings(kind: str, rows: int, n: int, x: str = "bf16") -> Ptxas:
                      "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
                      "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "FP8_BN": "i32", "FP8_BK": "i32",
                      **dict.fromkeys(["FMT", "BLOCK", "TYPE_SIZE", "HAS_BIAS", "IEEE", "FP8_BITS", "BLOCK_N",
-                                      "BLOCK_M", "SPLIT", "ASM", "USE_PDL"], "constexpr")}
+                                      "BLOCK_M", "SPLIT", "ASM", "X_FP8", "USE_PDL"], "constexpr")}
         constants = {"FMT": code, "BLOCK": quant_wide.wide_step(SimpleNamespace(code=code, block=block)),
                      "TYPE_SIZE": type_size, "HAS_BIAS": True,
                      "IEEE": ieee, "FP8_BITS": False, "BLOCK_N": cfg.block_n, "BLOCK_M": cfg.block_m,
-                     "SPLIT": cfg.split_k, "ASM": True, "USE_PDL": True}
+                     "SPLIT": cfg.split_k, "ASM": True, "X_FP8": kind == "FP8" and not ieee, "USE_PDL": True}
         return _ptxas(quant_wide._wide_rows_kernel, signature, constants, cfg)
     signature = {"x_ptr": f"*{x}", **views, "s_ptr": s, "z_ptr": z, "b_ptr": "*bf16", "y_ptr": "*bf16",
                  "part_ptr": "*fp32", "count_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
