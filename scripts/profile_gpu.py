@@ -20,7 +20,8 @@ not what a round of k drafts costs), or with --k 0 none: the cost of having the 
     python scripts/profile_gpu.py --model qwen3-8b --batch 1 --spec-type dflash --k 0|15
 
 With --weights-format FMT the shape's weights are `bench quant`'s random checkpoint in that format (a GGUF mix,
-fp8 or awq; written to --checkpoint-dir once, or read from there) loaded as that benchmark loads it.
+fp8 or awq; written to --checkpoint-dir once, or read from there) loaded as that benchmark loads it; with
+--spec-type, the target's projections are quantized in place as `bench spec --weights-format` does.
 
     python scripts/profile_gpu.py --model qwen3-8b --batch 1 --weights-format q4_k_m --checkpoint-dir /tmp/oq
 """
@@ -145,6 +146,12 @@ def drafting_engine(args, a, limits: dict) -> Engine:
     shape = preset(a.model, a.spec_type)
     paths = write_preset(a.model, shape, Path(tempfile.mkdtemp(prefix="outrider-profile-")), dtype, 0)
     model = random_model(a.model, torch.device(a.device), dtype)
+    if a.weights_format:  # as bench spec quantizes its target: the decoder's projections, in place
+        from outrider.bench.shapes import RANDOM_MODELS
+        from outrider.quant.writers import quantize_projections_randomly
+
+        quantize_projections_randomly(model[0], RANDOM_MODELS[a.model], a.weights_format)
+        torch.cuda.empty_cache()
     engine = builder.build_engine(engine_config(args, str(paths.target), spec_type=shape.kind,
                                                 spec_draft_n_max=max(a.k, 1),
                                                 draft_model=str(paths.draft) if paths.draft else None, **limits),
