@@ -342,10 +342,11 @@ def test_int4_one_row_reading_several_groups_a_step_masks_the_groups_past_k(grou
 
 
 @pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize(("kind", "rows"), [("Q4_1", 1), ("Q4_1", 2), ("Q5_K", 1), ("Q5_K", 2)])
+@pytest.mark.parametrize(("kind", "rows"), [("FP8 (128x128 blocks)", 1), ("Q4_1", 1), ("Q4_1", 2), ("Q5_K", 1),
+                                            ("Q5_K", 2)])
 def test_rows_on_the_cuda_cores_with_k_split_over_programs_match_dequantize_then_matmul(kind, rows, split, half,
                                                                                      device):
-    """The float tile's one and two rows (products on the CUDA cores; FP8 takes the wide tiles at every row) over
+    """The float tile's one and two rows (products on the CUDA cores; FP8 past one row takes the wide tiles) over
     1,280 columns of K split 1 and 3 ways (runs of unequal length), with a bias."""
     import dataclasses
 
