@@ -321,8 +321,9 @@ class StepClock:
 
 
 def check_hidden_rows_recompute_without_writing(model: Path, device: str) -> None:
-    """A request has decoded a dozen tokens: ModelRunner.hidden_rows over its decoded rows gives the hidden states
-    one eager forward over the whole sequence gives there, and leaves the KV cache as it was (float32)."""
+    """A request has decoded a dozen tokens: ModelRunner.hidden_rows over its decoded rows, eager and replaying the
+    runner's graphs, gives the hidden states one eager forward over the whole sequence gives there, and leaves the KV
+    cache as it was (float32)."""
     from outrider import LLM, SamplingParams
     from outrider.attention.metadata import build_metadata
     from outrider.engine.request import Request
@@ -337,8 +338,12 @@ def check_hidden_rows_recompute_without_writing(model: Path, device: str) -> Non
     n = req.num_computed  # (rows whose K/V the steps launched so far write)
     cache = engine.kv_cache.k + engine.kv_cache.v
     before = [t.clone() for t in cache]
-    hidden, aux = engine.runner.hidden_rows([Commit(req, len(prompt), n - len(prompt))])
-    assert aux is None and all(torch.equal(a, b) for a, b in zip(before, cache))
+    rows = []
+    for replay in (False, True):  # (replay: through the runner's graphs, where it has some: CUDA)
+        hidden, aux = engine.runner.hidden_rows([Commit(req, len(prompt), n - len(prompt))], replay=replay)
+        assert aux is None and all(torch.equal(a, b) for a, b in zip(before, cache))
+        rows.append(hidden)
     meta, positions = build_metadata([(req.block_ids, 0, n)], engine.pool.block_size, torch.device(device))
     whole = engine.runner.forward_eager(torch.tensor(req.all_ids[:n], device=device), positions, meta)
-    torch.testing.assert_close(hidden, whole.hidden[len(prompt) :], atol=1e-4, rtol=1e-4)
+    for hidden in rows:
+        torch.testing.assert_close(hidden, whole.hidden[len(prompt) :], atol=1e-4, rtol=1e-4)

@@ -139,6 +139,61 @@ def test_hidden_rows_are_recomputed_from_the_cache_without_writing_it(tmp_path):
     check_hidden_rows_recompute_without_writing(write_tiny_checkpoint(tmp_path / "tiny"), "cpu")
 
 
+class _ReplayingGraph:
+    """A lone sequence's graph of q rows as capture_step_graphs records it: `run` is the runner's eager forward on
+    the padded step, its results written into buffers the next run overwrites (the graphs' shared pool)."""
+
+    def __init__(self, runner, q: int, max_seq_len: int):
+        self.forward, self.q, self.max_seq_len, self.causal = runner.forward_eager, q, max_seq_len, True
+        self.steps: list[tuple[list[int], list[int]]] = []  # (positions, slots) of each replay
+        self.out = None
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return 1 if num_seqs == 1 else None
+
+    def can_run(self, meta) -> bool:
+        return meta.max_query_len == self.q and meta.num_seqs == 1 and meta.slot_mapping.shape[0] == self.q
+
+    def run(self, input_ids, positions, meta):
+        self.steps.append((positions.tolist(), meta.slot_mapping.tolist()))
+        out = self.forward(input_ids, positions, meta)
+        if self.out is None:
+            self.out = out
+        else:
+            self.out.hidden.copy_(out.hidden)
+        return self.out
+
+
+def test_recomputed_rows_replay_lone_graphs_padded_piece_by_piece_as_an_eager_forward_reads_them(tmp_path):
+    """hidden_rows(replay=True) over two spans, with graphs of 8 and 16 rows: the 30-row span replays the 16-row
+    graph twice (16 rows, then 14 padded), the 3-row span the 8-row graph; pad rows sit after the piece and no row
+    writes K/V. The rows equal one eager forward's, though every replay reuses the same output buffer; a piece no
+    graph takes near the context's end runs eager. Without replay (prompt log-probs, inside a step) no graph runs."""
+    from outrider import LLM
+    from outrider.speculative.drafter import Commit
+
+    engine = LLM(str(write_tiny_checkpoint(tmp_path / "tiny")), device="cpu", dtype="float32").engine
+    runner = engine.runner
+    reqs = [Request([5, 9, 100, 13, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            for _ in range(2)]
+    for req in reqs:
+        engine.add_request(req, lambda out: None)
+    while len(reqs[0].output_ids) < 36:
+        engine.step()
+    spans = [Commit(reqs[0], 4, 30), Commit(reqs[1], 20, 3)]
+    eager = runner.hidden_rows(spans)[0]
+    runner.graphs = [_ReplayingGraph(runner, q, 64) for q in (8, 16)]
+    assert torch.equal(runner.hidden_rows(spans)[0], eager) and not any(g.steps for g in runner.graphs)
+    torch.testing.assert_close(runner.hidden_rows(spans, replay=True)[0], eager, atol=1e-5, rtol=1e-5)
+    short, long = runner.graphs
+    assert [p for p, _ in long.steps] == [list(range(4, 20)), list(range(20, 36))]
+    assert [p for p, _ in short.steps] == [list(range(20, 28))]
+    assert all(set(slots) == {-1} for g in runner.graphs for _, slots in g.steps)
+    runner.graphs = [_ReplayingGraph(runner, q, 24) for q in (8, 16)]  # the second piece (20..35) fits none
+    torch.testing.assert_close(runner.hidden_rows(spans[:1], replay=True)[0], eager[:30], atol=1e-5, rtol=1e-5)
+    assert [p for p, _ in runner.graphs[1].steps] == [list(range(4, 20))]
+
+
 def test_a_hybrid_step_replays_only_a_graph_of_its_kind():
     """A hybrid model's verify graph writes the verify rows, the others advance the slots: a prompt chunk of a
     verify graph's length runs eager (or a prefill graph), a verify step replays the verify graph, each with its

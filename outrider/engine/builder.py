@@ -119,8 +119,9 @@ def build_engine(config: EngineConfig, preloaded: tuple[torch.nn.Module, ModelCo
                                        runner.graphs[0].pool)
             except Exception as exc:  # the drafter's graphs only save launches: without them it drafts eager
                 log.error("drafter graphs failed to capture, drafting eager: %s\n%s", exc, traceback.format_exc())
-        speculator = seams.speculator(drafter, policy, pool, None if states else runner.hidden_rows,
-                                      config.max_num_batched_tokens, clock, lambda: _synchronize(device), seams.limits)
+        catch_up = None if states else partial(runner.hidden_rows, replay=True)  # (before a step's launch)
+        speculator = seams.speculator(drafter, policy, pool, catch_up, config.max_num_batched_tokens, clock,
+                                      lambda: _synchronize(device), seams.limits)
         speculation = Speculation(speculator, _device_rounds(config, runner, drafter, policy, target), clock)
     log.info("model loaded (%s, %s, %d KV blocks of %d tokens, %.0f ms)", mc.architecture, target.dtype,
              num_blocks, config.block_size, (now() - t0) * 1e3)

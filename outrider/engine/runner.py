@@ -213,9 +213,14 @@ class ModelRunner:
         n, start = s.num_new_tokens, s.request.num_computed
         if n < 2 or s.draft_tokens or s.request.num_pending:
             return 0
-        fits = [g.q for g in self.graphs if g.causal and g.q >= n and g.bucket_for(1) is not None
-                and start + g.q <= g.max_seq_len and self._runs(g, states)]
-        return min(fits) - n if fits else 0
+        q = self._lone_graph_len(n, start, states)
+        return 0 if q is None else q - n
+
+    def _lone_graph_len(self, n: int, start: int, states: StateBatch | None = None) -> int | None:
+        """The rows of the shortest captured graph that takes one sequence's n rows from position `start` whole
+        (None: none does)."""
+        return min((g.q for g in self.graphs if g.causal and g.q >= n and g.bucket_for(1) is not None
+                    and start + g.q <= g.max_seq_len and self._runs(g, states)), default=None)
 
     def forward(self, batch: StepBatch) -> ForwardResult:
         """The step's forward; a captured decode graph also computes every row's logits, other steps leave them
@@ -244,16 +249,45 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, meta, self.backend, self.aux_layer_ids)
 
     @torch.inference_mode()
-    def hidden_rows(self, spans: Sequence[Commit]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def hidden_rows(self, spans: Sequence[Commit], replay: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden, aux_hidden or None) at these committed rows, recomputed: a forward over them that reads the
         cache (which holds their K/V already) and writes nothing to it (slot -1). Not for a hybrid model: its linear
-        layers' state has moved past those rows."""
+        layers' state has moved past those rows.
+
+        replay: where the runner has graphs of one sequence's several rows (lone prefill chunks, verify steps), each
+        span replays them a piece at a time (the longest graph's rows at most), each piece padded to the shortest
+        graph that takes it whole, as a lone prefill chunk is (_chunk_padding); a piece no graph takes runs eager.
+        A replay overwrites every graph's outputs, so only where none is still to be read: before a step's launch
+        (a sleeping drafter's catch-up, over every row it slept through, which eager on a host-bound target, small
+        or quantized, cost tens of plain steps), never inside one (prompt log-probs of a prefix hit)."""
         if self.states is not None:
             raise NotImplementedError("a hybrid model cannot recompute committed rows' hidden states")
-        ids = [t for c in spans for t in c.request.token_slice(c.start, c.start + c.count)]
-        out = self._forward_reading([(c.request.block_ids, c.start, c.count) for c in spans],
-                                    torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True))
-        return out.hidden, out.aux_hidden
+        longest = max((g.q for g in self.graphs if g.q > 1 and g.bucket_for(1) is not None), default=0)
+        if not (replay and longest):  # (one eager forward over every span)
+            ids = [t for c in spans for t in c.request.token_slice(c.start, c.start + c.count)]
+            out = self._forward_reading([(c.request.block_ids, c.start, c.count) for c in spans],
+                                        torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True))
+            return out.hidden, out.aux_hidden
+        pieces = [self._piece_rows(c.request, start, min(longest, c.start + c.count - start))
+                  for c in spans for start in range(c.start, c.start + c.count, longest)]
+        aux = [p.aux_hidden for p in pieces]
+        return torch.cat([p.hidden for p in pieces]), None if aux[0] is None else torch.cat(aux)
+
+    def _piece_rows(self, req: Request, start: int, n: int) -> ForwardResult:
+        """hidden_rows over the request's n rows from `start`: a graph's replay where one takes them (padded), else
+        eager; own tensors (a replay's outputs are the graphs' shared buffers)."""
+        q = self._lone_graph_len(max(n, 2), start)  # (not the decode graph: it writes the shared decode logits)
+        pad = 0 if q is None else q - n
+        table = _covering(np.asarray([req.block_ids], dtype=np.int32), start + n + pad, self.block_size)
+        dev = to_device([(req.token_slice(start, start + n) + [0] * pad, np.int64),
+                         (np.arange(start, start + n + pad), np.int64), (np.full(n + pad, -1), np.int64),
+                         ([0, n + pad], np.int32), ([start + n + pad], np.int32), (table, np.int32)], self.device)
+        meta = metadata_over([0, n + pad], [start + n + pad], dev[2:], causal=True)
+        if q is None:
+            return self.forward_eager(dev[0], dev[1], meta)
+        graph = next(g for g in self.graphs if g.q == q and g.can_run(meta))
+        out = graph.run(dev[0], dev[1], meta)
+        return ForwardResult(out.hidden[:n].clone(), None if out.aux_hidden is None else out.aux_hidden[:n].clone())
 
     @torch.inference_mode()
     def compile_eager_forwards(self, max_rows: int) -> None:
