@@ -67,7 +67,7 @@ def output_tiles(cfg: QuantGemmConfig, m: int, n: int) -> tuple[int, int]:
 
 
 def split_k_buffers(split_k: int, tiles: tuple[int, int], m: int, n: int, y: torch.Tensor,
-                     tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A split-K product's partial sums and its zeroed ticket per output tile (rows_result): `tickets` where the
     caller had them zeroed, else zeros made here; without a split, y twice (unread)."""
     if split_k == 1:
@@ -124,9 +124,9 @@ def tensors_of(part: QuantizedTensor) -> PartTensors:
     scale = part.scale if part.scale is not None else data
     flat = data.reshape(-1)
     return PartTensors(data, data.view(torch.float16) if gguf else data,
-                    flat[:flat.numel() // 4 * 4].view(torch.int32) if words else data,
-                    scale, part.zero if part.zero is not None else data, data.stride(0),
-                    scale.stride(0) if scale.dim() == 2 else 0)
+                       flat[:flat.numel() // 4 * 4].view(torch.int32) if words else data,
+                       scale, part.zero if part.zero is not None else data, data.stride(0),
+                       scale.stride(0) if scale.dim() == 2 else 0)
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def k_scale_min_of(w0, w1, w2, s):
 
 @triton.jit
 def kquant_values(w_ptr, w16_ptr, w32_ptr, base, d_ptrs, FMT: tl.constexpr, S0: tl.constexpr = 0,
-                   NS: tl.constexpr = 8):
+                  NS: tl.constexpr = 8):
     """K-quant blocks at byte offsets base [BN, 1, 1] -> the values of their sub-blocks S0 .. S0 + NS (NS even;
     by default all 256) as [BN, NS, 32] float32, already in K order (sub-block s, value j at 32 s + j), so no
     planes to interleave. Q6_K (d at d_ptrs [BN, 1, 1]): each
@@ -220,7 +220,7 @@ def rows_tile(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def rows_result(acc, b_ptr, y_ptr, part_ptr, count_ptr, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                SPLIT: tl.constexpr):
     """Store an Int8X kernel's output tile acc [BLOCK_N, BLOCK_M] (_store_rows; one row: BLOCK_M 1); with K split
     (program axis 2), the last program of the tile to finish adds the partial tiles instead, in order
     (deterministic)."""

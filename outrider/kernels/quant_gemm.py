@@ -320,7 +320,7 @@ def _dequant_kernel(w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, out_ptr, ids_ptr, row
             kb = tl.program_id(1) * NB + b
             if kb < n_blocks:
                 values = kquant_values(w_ptr, w16_ptr, w32_ptr, row_off + kb * TYPE_SIZE,
-                                        s_ptr + rows.to(tl.int64) * stride_sn + kb, FMT)
+                                       s_ptr + rows.to(tl.int64) * stride_sn + kb, FMT)
                 tl.store(at + kb * 256, values.to(out_ptr.dtype.element_ty), mask=keep)
     else:
         kb = tl.minimum(tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None], n_blocks - 1)
@@ -375,7 +375,7 @@ def fused_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | No
     pdl = pdl_args(use_pdl(x))
     if takes_int8_x(x, part):
         int8_x_product(x8 or quantize_x(x), t, INT8_X_KERNELS[lay.code], lay.block, bias, y, m, n, k,
-                        config or int8_x_config(m, part), tickets, pdl)
+                       config or int8_x_config(m, part), tickets, pdl)
         return
     if _wide_format(lay, m):
         wide_linear(x, part, bias, y, config, tickets)
@@ -403,7 +403,7 @@ def ticket_count(m: int, part: QuantizedTensor, config: QuantGemmConfig) -> int:
 # reads_x_in_fp8; at one row Qwen3-8B's gate_up read 57 us there against the float tile's 45, H100); Q5_K past a
 # verify step's 16 (below, its float tile); the Int8X formats that have them past their max_rows.
 _WIDE_PAST = {FP8.value: 1, Q5_K.value: 16, **{code: kernels.max_rows for code, kernels in INT8_X_KERNELS.items()
-                                                if kernels.max_rows < FUSED_MAX_ROWS}}
+                                               if kernels.max_rows < FUSED_MAX_ROWS}}
 
 
 def dequantize_rows(part: QuantizedTensor, rows: int | torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,7 @@ def _q4k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         acc += d * (sc_lo * dx_lo * lo + sc_hi * dx_hi * hi) - dmin * (m_lo * xs_lo + m_hi * xs_hi)
         words, h0, h1, h2, h3 = nxt, n0, n1, n2, n3
     rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
-                 HAS_BIAS, SPLIT)
+                HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -287,7 +287,7 @@ def _q6k_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
                 + _i8(sc + 6) * (tl.load(dx + 3) * s3.to(tl.float32) - 32.0 * tl.load(xs + 6)))
         acc += tl.load(d_ptr + rows * stride_d + kb).to(tl.float32) * part
     rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
-                 HAS_BIAS, SPLIT)
+                HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -314,13 +314,13 @@ def _q80_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b
         d = tl.load(d_ptr + rows * stride_d + 8 * kb + g, mask=inside, other=0.0).to(tl.float32)
         acc += d * (tl.load(xd_ptr + 8 * kb + g, mask=inside, other=0.0) * s.to(tl.float32))
     rows_result(tl.sum(acc, axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n, tl.arange(0, 1), 1, N, 0,
-                 HAS_BIAS, SPLIT)
+                HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _q4k_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M,
-                        N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                         N, K, stride_wn, stride_d, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
     """y [M, N] = x @ W.T on Q4_K for an Int8X x of 2 to few_rows rows (_Int8Kernels): _q4k_row_q8_kernel's dp4a
     products, W's block (read once, the next in flight) meeting x's rows one after another, each row's sum placed in
     the output tile [BLOCK_N, BLOCK_M]; no tile changes layout (int8 tensor-core tiles of a sub-block's 32 columns
@@ -536,14 +536,14 @@ def _int4_row_q8_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, 
                         - zero * (tl.load(sums) + tl.load(sums + GROUP // 32)))
         words, scale, zero = nxt, n_scale, n_zero
     rows_result(tl.sum(tl.sum(acc, axis=2), axis=1)[:, None], b_ptr, y_ptr, part_ptr, count_ptr, offs_n,
-                 tl.arange(0, 1), 1, N, 0, HAS_BIAS, SPLIT)
+                tl.arange(0, 1), 1, N, 0, HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _int4_few_rows_kernel(xq_ptr, xd_ptr, xs_ptr, w_ptr, w16_ptr, w32_ptr, d_ptr, b_ptr, y_ptr, part_ptr, count_ptr,
-                         M, N, K, stride_wn, stride_d, stride_ym, z_ptr, HAS_BIAS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
-                         GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+                          M, N, K, stride_wn, stride_d, stride_ym, z_ptr, HAS_BIAS: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr,
+                          GROUP: tl.constexpr, USE_PDL: tl.constexpr):
     """_int4_row_q8_kernel's dp4a products for an Int8X x of 2 to few_rows rows, as _q4k_few_rows_kernel: a group of
     W (read once, the next in flight) met by x's rows one after another, each row's sum placed in the output
     tile."""
@@ -599,21 +599,21 @@ class _Int8Kernels(NamedTuple):
 # tables in docs/benchmarks.md). The dp4a kernels (few) compute x's rows one after another: they outrun the int8
 # tensor-core tiles, which change layout at every 32 columns, at two rows (Q4_K: four) and fall behind past that;
 # past them Q4_K's and INT4's wide tiles (the exact quants, no int-to-float conversion) outrun the int8 tiles,
-# which Q4_K and INT4 therefore have none of. Q8_0's int8 tiles outrun its wide ones up to 16 rows, Q6_K's (which
-# has no wide tiles: made the same way, per 16 values, they read 1.2x slower at 32 rows) up to FUSED_MAX_ROWS. Q8_0
-# up to 16 rows reads faster at 128 rows of W a program than at 64, Q6_K not. (Those wide tiles were timed while
-# ptxas serialized their wgmmas, and Q8_0's since became one product a step: the rows are to be timed again.)
+# which Q4_K and INT4 therefore have none of. Q8_0's int8 tiles outrun its wide ones at 5 rows and trail them by
+# about 4 % at 16 (where between they cross is not measured, so they keep 16); Q6_K's (which has no wide tiles:
+# made the same way, per 16 values, they read 1.2x slower at 32 rows) up to FUSED_MAX_ROWS. Q8_0 up to 16 rows reads
+# faster at 128 rows of W a program than at 64, Q6_K not.
 INT8_X_KERNELS = {Q4_K.value: _Int8Kernels(_q4k_row_q8_kernel, 4, 4, few=_q4k_few_rows_kernel, few_rows=4),
-                   Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, 1, FUSED_MAX_ROWS, _q6k_rows_q8_kernel,
-                                            few=_q6k_few_rows_kernel, few_rows=2),
-                   Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, 4, 16, _q80_rows_q8_kernel, 128),
-                   INT4.value: _Int8Kernels(_int4_row_q8_kernel, 4, 2, grouped=True, few=_int4_few_rows_kernel,
-                                            few_rows=2)}
+                  Q6_K.value: _Int8Kernels(_q6k_row_q8_kernel, 1, FUSED_MAX_ROWS, _q6k_rows_q8_kernel,
+                                           few=_q6k_few_rows_kernel, few_rows=2),
+                  Q8_0.value: _Int8Kernels(_q80_row_q8_kernel, 4, 16, _q80_rows_q8_kernel, 128),
+                  INT4.value: _Int8Kernels(_int4_row_q8_kernel, 4, 2, grouped=True, few=_int4_few_rows_kernel,
+                                           few_rows=2)}
 
 
 def int8_x_product(x8: Int8X, t: PartTensors, kernels: _Int8Kernels, block: int, bias: torch.Tensor | None,
-                    y: torch.Tensor, m: int, n: int, k: int, cfg: QuantGemmConfig, tickets: torch.Tensor | None,
-                    pdl: dict) -> None:
+                   y: torch.Tensor, m: int, n: int, k: int, cfg: QuantGemmConfig, tickets: torch.Tensor | None,
+                   pdl: dict) -> None:
     """y = x8 @ W.T (+ bias) on the format's Int8X kernels: one row's (dp4a) or more rows' (int8 tensor cores). A
     split K writes partial sums to a buffer of this call and takes tickets from a counter per output tile, zeroed
     (`tickets`: by quantize_x; else here), all graph-safe: fixed sizes; without a split neither is made."""

@@ -307,7 +307,7 @@ def _wide_rows_kernel(x_ptr, w_ptr, w16_ptr, w32_ptr, s_ptr, z_ptr, b_ptr, y_ptr
             block = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # (chained here, not into acc: see Q4_K's)
             for half in tl.static_range(2):
                 w = kquant_values(w_ptr, w16_ptr, w32_ptr, base, (s_ptr + rows * stride_sn + kb)[:, :, None], FMT,
-                                   4 * half, 4)
+                                  4 * half, 4)
                 w = tl.reshape(w, (BLOCK_N, 128))
                 x = tl.load(x_ptr + xm * stride_xm + kb * BLOCK + 128 * half + k[:, None])
                 if IEEE:
