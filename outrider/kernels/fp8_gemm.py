@@ -26,6 +26,13 @@ FP8 = torch.float8_e4m3fn
 GROUP = 128  # x's values a scale (block-wise recipe): W's scale blocks' width
 ROW_ALIGN = 16  # x's rows are padded to this: its scales lie with M's stride 1, 16-byte aligned per column
 SCALE_ALIGN = 4  # cuBLAS wants W's block scales [K / 128, N / 128] (K's stride 1) with K / 128 a multiple of this
+X_SCALE_TINY = torch.finfo(torch.float32).tiny  # x's scale where a group is all zeros
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Compute capability 8.9+ (Ada, Hopper and later): FP8 operands on the tensor cores."""
+    props = cuda_properties(device)
+    return (props.major, props.minor) >= (8, 9)
 
 _works: dict[tuple[int, bool], bool] = {}
 
@@ -66,7 +73,7 @@ def quantize_x_fp8(x: torch.Tensor, block_wise: bool) -> tuple[torch.Tensor, tor
     q = torch.empty((rows, k), dtype=FP8, device=x.device)
     scale = torch.empty_strided((rows, groups), (1, rows), dtype=torch.float32, device=x.device)
     _fp8_x_kernel[(rows // ROW_ALIGN, groups)](x, q, scale, m, k, x.stride(0), scale.stride(0), scale.stride(1),
-                                               FP8_MAX, torch.finfo(torch.float32).tiny, GROUP if block_wise else k,
+                                               FP8_MAX, X_SCALE_TINY, GROUP if block_wise else k,
                                                BLOCK_M=ROW_ALIGN, CHUNK=GROUP)
     return q, scale
 
@@ -123,8 +130,7 @@ def takes_fp8_mm(x: torch.Tensor, part: QuantizedTensor) -> bool:
     n, k = part.shape
     if block_wise is None or n % (GROUP if block_wise else 16) or block_wise and k % (SCALE_ALIGN * GROUP):
         return False
-    props = cuda_properties(x.device)
-    return (props.major, props.minor) >= (8, 9) and _fp8_mm_works(x.device, block_wise)
+    return has_fp8_tensor_cores(x.device) and _fp8_mm_works(x.device, block_wise)
 
 
 def fp8_mm(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:

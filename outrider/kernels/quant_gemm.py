@@ -400,8 +400,8 @@ def ticket_count(m: int, part: QuantizedTensor, config: QuantGemmConfig) -> int:
 
 
 # Rows past which a format's products run on the wide tiles: FP8 past one (x in FP8 on the FP8 tensor cores:
-# reads_x_in_fp8; at one row Qwen3-8B's gate_up read 57 us there against the float tile's 45, H100); Q5_K past a
-# verify step's 16 (below, its float tile); the Int8X formats that have them past their max_rows.
+# reads_x_in_fp8; at one row the float tile reads the widest projection faster); Q5_K past a verify step's 16
+# (below, its float tile); the Int8X formats that have them past their max_rows.
 _WIDE_PAST = {FP8.value: 1, Q5_K.value: 16, **{code: kernels.max_rows for code, kernels in INT8_X_KERNELS.items()
                                                if kernels.max_rows < FUSED_MAX_ROWS}}
 

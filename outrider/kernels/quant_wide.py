@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from outrider.kernels.fused import pdl_enter
-from outrider.kernels.launch import cuda_properties, pdl_args, use_pdl
+from outrider.kernels.fp8_gemm import X_SCALE_TINY, has_fp8_tensor_cores
+from outrider.kernels.launch import pdl_args, use_pdl
 from outrider.kernels.quant_blocks import (FP8, INT4, INTERPRET, Q4_K, Q8_0, WIDE_SPLIT, Layout, QuantGemmConfig,
                                            fp8_bits_to_f32, is_k_quant, k_run, k_scale_min_of, k_splits, kquant_values,
                                            layout_of, load_f16, output_tiles, rows_result, rows_tile, split_k_buffers,
@@ -21,7 +22,7 @@ from outrider.quant.tensor import QuantizedTensor
 
 WIDE_Q8_0_STEP = 128  # Q8_0's values a wide tile's loop step takes (four blocks side by side: one product)
 FP8_X_MAX = tl.constexpr(FP8_MAX)
-FP8_X_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)  # x's scale where a row's step is all zeros
+FP8_X_TINY = tl.constexpr(X_SCALE_TINY)
 
 
 def wide_rows_config(m: int, part: QuantizedTensor) -> QuantGemmConfig:
@@ -64,10 +65,8 @@ def wide_linear(x: torch.Tensor, part: QuantizedTensor, bias: torch.Tensor | Non
 def reads_x_in_fp8(x: torch.Tensor, part: QuantizedTensor) -> bool:
     """Whether the wide tiles multiply an FP8 part by x in FP8 (per row and 128 columns): 16-bit x on a card with
     FP8 tensor cores (compute capability 8.9+), W's values read as stored."""
-    if INTERPRET or not isinstance(part.format, FP8Format) or x.dtype == torch.float32 or not x.is_cuda:
-        return False
-    props = cuda_properties(x.device)
-    return (props.major, props.minor) >= (8, 9)
+    return (not INTERPRET and isinstance(part.format, FP8Format) and x.dtype != torch.float32 and x.is_cuda
+            and has_fp8_tensor_cores(x.device))
 
 
 # The wide tiles' quants: each made exactly in the 16-bit type from a magic number (a power of two whose mantissa's
