@@ -749,5 +749,5 @@ def _ptxas_apart(kind: str, rows: int, n: int, x: str = "bf16") -> Ptxas:
 
 
 if __name__ == "__main__":  # python test_quant_gpu.py KIND ROWS N [X]: what ptxas reports of its kernel (see above)
-    print(*_ptxas_findings(*sys.argv[1:2], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5]))
+    print(*_ptxas_findings(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5]))
 
